@@ -1,0 +1,319 @@
+//! A typed client: one async method per RPC, taking and returning mx-layout types and
+//! [`crate::types`]; wire messages never leave this module.
+
+use std::time::Duration;
+
+use mx_layout::{Digest, LayoutSpec, SourceManifest, TensorSpec};
+use tonic::transport::{Channel, Endpoint};
+
+use crate::convert;
+use crate::pb;
+use crate::pb::control_plane_client::ControlPlaneClient;
+use crate::server::MAX_MESSAGE_BYTES;
+use crate::types::{AppliedReport, Command, FleetStatus, StagedReport, VersionInfo, VersionState};
+use crate::Error;
+
+/// A connection to the control plane. Cheap to clone; methods take `&self`.
+#[derive(Debug, Clone)]
+pub struct ControlClient {
+    inner: ControlPlaneClient<Channel>,
+}
+
+/// What a publish left the version as.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PublishOutcome {
+    /// The version's state after the publish.
+    pub state: VersionState,
+    /// The version digest, once READY.
+    pub version_digest: Option<Digest>,
+}
+
+/// A worker's command stream (from [`ControlClient::watch_commands`]).
+#[derive(Debug)]
+pub struct CommandStream {
+    inner: tonic::Streaming<pb::WorkerCommand>,
+}
+
+impl CommandStream {
+    /// The next command; `Ok(None)` when the server ended the stream (it was replaced by a newer
+    /// stream of the same worker, or the server shut down).
+    ///
+    /// # Errors
+    /// [`Error::Rpc`] when the stream fails; [`Error::InvalidField`] for a malformed command.
+    pub async fn next(&mut self) -> Result<Option<Command>, Error> {
+        match self.inner.message().await {
+            Ok(Some(c)) => convert::command(&c).map(Some),
+            Ok(None) => Ok(None),
+            Err(s) => Err(Error::rpc("WatchCommands", s)),
+        }
+    }
+}
+
+fn ids(worker_ids: &[impl AsRef<str>]) -> Vec<String> {
+    worker_ids.iter().map(|w| w.as_ref().to_string()).collect()
+}
+
+impl ControlClient {
+    /// Connects to `addr` (`host:port` or `http://host:port`).
+    ///
+    /// # Errors
+    /// [`Error::InvalidField`] for a malformed address; [`Error::Transport`] when it cannot connect.
+    pub async fn connect(addr: &str) -> Result<ControlClient, Error> {
+        let uri = if addr.contains("://") {
+            addr.to_string()
+        } else {
+            format!("http://{addr}")
+        };
+        let endpoint = Endpoint::from_shared(uri).map_err(|e| Error::InvalidField {
+            field: "addr".into(),
+            reason: format!("{addr:?}: {e}"),
+        })?;
+        let channel = endpoint
+            .connect()
+            .await
+            .map_err(|source| Error::Transport {
+                addr: addr.to_string(),
+                source,
+            })?;
+        Ok(ControlClient {
+            inner: ControlPlaneClient::new(channel)
+                .max_decoding_message_size(MAX_MESSAGE_BYTES)
+                .max_encoding_message_size(MAX_MESSAGE_BYTES),
+        })
+    }
+
+    fn rpc(&self) -> ControlPlaneClient<Channel> {
+        self.inner.clone()
+    }
+
+    /// Declares a version: source slots `0..trainer_layout.world_size` and its tensors.
+    /// Idempotent when identical.
+    ///
+    /// # Errors
+    /// [`Error::Rpc`] with `AlreadyExists` when declared differently, `InvalidArgument` for a bad
+    /// declaration.
+    pub async fn declare_version(
+        &self,
+        label: &str,
+        trainer_layout: LayoutSpec,
+        tensors: &[TensorSpec],
+    ) -> Result<(), Error> {
+        self.rpc()
+            .declare_version(pb::DeclareVersionRequest {
+                label: label.to_string(),
+                trainer_layout: Some(convert::layout_pb(&trainer_layout)),
+                tensors: tensors.iter().map(convert::tensor_spec_pb).collect(),
+            })
+            .await
+            .map_err(|s| Error::rpc("DeclareVersion", s))?;
+        Ok(())
+    }
+
+    /// Publishes (or republishes) `manifest.slot` of a version.
+    ///
+    /// # Errors
+    /// [`Error::Rpc`]: `NotFound` for an undeclared version, `InvalidArgument` for a manifest that
+    /// disagrees with the declaration (the message names the tensor), `FailedPrecondition` for a
+    /// republish that would change a fixed version digest.
+    pub async fn publish(
+        &self,
+        label: &str,
+        manifest: &SourceManifest,
+    ) -> Result<PublishOutcome, Error> {
+        let r = self
+            .rpc()
+            .publish(pb::PublishRequest {
+                label: label.to_string(),
+                manifest: Some(convert::manifest_pb(manifest)),
+            })
+            .await
+            .map_err(|s| Error::rpc("Publish", s))?
+            .into_inner();
+        Ok(PublishOutcome {
+            state: convert::version_state(r.state, "state")?,
+            version_digest: convert::opt_digest(&r.version_digest, "version_digest")?,
+        })
+    }
+
+    /// Registers (or re-registers, resetting to IDLE) a worker holding `ranks` of `layout`.
+    ///
+    /// # Errors
+    /// [`Error::Rpc`] with `InvalidArgument` for an empty id or ranks out of range.
+    pub async fn register_worker(
+        &self,
+        worker_id: &str,
+        instance: &str,
+        ranks: &[u32],
+        layout: LayoutSpec,
+    ) -> Result<(), Error> {
+        self.rpc()
+            .register_worker(pb::RegisterWorkerRequest {
+                worker_id: worker_id.to_string(),
+                instance: instance.to_string(),
+                ranks: ranks.to_vec(),
+                layout: Some(convert::layout_pb(&layout)),
+            })
+            .await
+            .map_err(|s| Error::rpc("RegisterWorker", s))?;
+        Ok(())
+    }
+
+    /// The distinct layouts of registered workers, sorted.
+    ///
+    /// # Errors
+    /// [`Error::Rpc`] when the call fails.
+    pub async fn list_layouts(&self) -> Result<Vec<LayoutSpec>, Error> {
+        let r = self
+            .rpc()
+            .list_layouts(pb::ListLayoutsRequest {})
+            .await
+            .map_err(|s| Error::rpc("ListLayouts", s))?
+            .into_inner();
+        r.layouts
+            .iter()
+            .enumerate()
+            .map(|(i, l)| convert::layout(l, &format!("layouts[{i}]")))
+            .collect()
+    }
+
+    /// Opens the worker's command stream (replacing any older one). The outstanding command, if
+    /// any, arrives first.
+    ///
+    /// # Errors
+    /// [`Error::Rpc`] with `FailedPrecondition` when the worker is not registered.
+    pub async fn watch_commands(&self, worker_id: &str) -> Result<CommandStream, Error> {
+        let inner = self
+            .rpc()
+            .watch_commands(pb::WatchCommandsRequest {
+                worker_id: worker_id.to_string(),
+            })
+            .await
+            .map_err(|s| Error::rpc("WatchCommands", s))?
+            .into_inner();
+        Ok(CommandStream { inner })
+    }
+
+    /// Asks workers to stage a READY version.
+    ///
+    /// # Errors
+    /// [`Error::Rpc`] with `FailedPrecondition` unless the version is READY and every worker is
+    /// registered and not applying (the message names the worker).
+    pub async fn stage(&self, label: &str, worker_ids: &[impl AsRef<str>]) -> Result<(), Error> {
+        self.rpc()
+            .stage(pb::StageRequest {
+                label: label.to_string(),
+                worker_ids: ids(worker_ids),
+            })
+            .await
+            .map_err(|s| Error::rpc("Stage", s))?;
+        Ok(())
+    }
+
+    /// Reports a stage result.
+    ///
+    /// # Errors
+    /// [`Error::Rpc`] with `FailedPrecondition` unless the worker is staging that version.
+    pub async fn report_staged(&self, report: &StagedReport) -> Result<(), Error> {
+        self.rpc()
+            .report_staged(convert::staged_pb(report))
+            .await
+            .map_err(|s| Error::rpc("ReportStaged", s))?;
+        Ok(())
+    }
+
+    /// Commits a READY version on a worker set (every worker STAGED for it). Idempotent for the
+    /// same set.
+    ///
+    /// # Errors
+    /// [`Error::Rpc`] with `FailedPrecondition` naming the first worker not STAGED and its state.
+    pub async fn commit(&self, label: &str, worker_ids: &[impl AsRef<str>]) -> Result<(), Error> {
+        self.rpc()
+            .commit(pb::CommitRequest {
+                label: label.to_string(),
+                worker_ids: ids(worker_ids),
+            })
+            .await
+            .map_err(|s| Error::rpc("Commit", s))?;
+        Ok(())
+    }
+
+    /// Reports an apply result.
+    ///
+    /// # Errors
+    /// [`Error::Rpc`] with `FailedPrecondition` unless the worker is applying that version.
+    pub async fn report_applied(&self, report: &AppliedReport) -> Result<(), Error> {
+        self.rpc()
+            .report_applied(convert::applied_pb(report))
+            .await
+            .map_err(|s| Error::rpc("ReportApplied", s))?;
+        Ok(())
+    }
+
+    /// Everything known about a version, with its manifests.
+    ///
+    /// # Errors
+    /// [`Error::Rpc`] with `NotFound` for an undeclared label.
+    pub async fn get_version(&self, label: &str) -> Result<VersionInfo, Error> {
+        let r = self
+            .rpc()
+            .get_version(pb::GetVersionRequest {
+                label: label.to_string(),
+            })
+            .await
+            .map_err(|s| Error::rpc("GetVersion", s))?
+            .into_inner();
+        convert::version_info(&r)
+    }
+
+    /// All versions and workers.
+    ///
+    /// # Errors
+    /// [`Error::Rpc`] when the call fails.
+    pub async fn get_status(&self) -> Result<FleetStatus, Error> {
+        let r = self
+            .rpc()
+            .get_status(pb::GetStatusRequest {})
+            .await
+            .map_err(|s| Error::rpc("GetStatus", s))?
+            .into_inner();
+        convert::fleet(&r)
+    }
+
+    /// Waits (server-side long poll, no busy polling) until the version reaches `state` or a later
+    /// one, and returns it. An undeclared label is waited for too.
+    ///
+    /// # Errors
+    /// [`Error::WaitNotReached`] when `timeout` passes first or the version FAILED;
+    /// [`Error::Rpc`] when the call fails.
+    pub async fn wait_version(
+        &self,
+        label: &str,
+        state: VersionState,
+        timeout: Duration,
+    ) -> Result<VersionInfo, Error> {
+        let timeout_ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX);
+        let r = self
+            .rpc()
+            .wait_version(pb::WaitVersionRequest {
+                label: label.to_string(),
+                state: convert::version_state_pb(state),
+                timeout_ms,
+            })
+            .await
+            .map_err(|s| Error::rpc("WaitVersion", s))?
+            .into_inner();
+        let info = r.version.as_ref().map(convert::version_info).transpose()?;
+        match info {
+            Some(info) if r.reached => Ok(info),
+            other => {
+                let current = other.map(|i| i.state);
+                Err(Error::WaitNotReached {
+                    label: label.to_string(),
+                    wanted: state,
+                    current: crate::error::OptionalState(current),
+                    timed_out: current != Some(VersionState::Failed),
+                })
+            }
+        }
+    }
+}

@@ -1,0 +1,567 @@
+//! Conversions between the wire messages ([`crate::pb`]) and the typed forms (mx-layout types and
+//! [`crate::types`]). Decoding refuses anything malformed with [`Error::InvalidField`] naming the
+//! field path, e.g. `manifest.shards[2].digest`; encoding cannot fail.
+
+use mx_layout::{
+    DType, DestPiece, Digest, LayoutSpec, MemDevice, RankDigests, Scheme, ShardEntry,
+    SourceManifest, TensorBox, TensorSpec,
+};
+
+use crate::pb;
+use crate::types::{
+    AppliedReport, Command, CoverageGap, FleetStatus, StagedReport, VersionInfo, VersionState,
+    VersionSummary, WorkerState, WorkerStatus,
+};
+use crate::Error;
+
+fn invalid(field: &str, reason: impl Into<String>) -> Error {
+    Error::InvalidField {
+        field: field.to_string(),
+        reason: reason.into(),
+    }
+}
+
+fn required<'a, T>(v: &'a Option<T>, field: &str) -> Result<&'a T, Error> {
+    v.as_ref().ok_or_else(|| invalid(field, "missing"))
+}
+
+/// Decodes a 32-byte digest.
+pub(crate) fn digest(b: &[u8], field: &str) -> Result<Digest, Error> {
+    Digest::from_slice(b).map_err(|_| invalid(field, format!("{} bytes, expected 32", b.len())))
+}
+
+/// Decodes an optional digest (empty = none).
+pub(crate) fn opt_digest(b: &[u8], field: &str) -> Result<Option<Digest>, Error> {
+    if b.is_empty() {
+        Ok(None)
+    } else {
+        digest(b, field).map(Some)
+    }
+}
+
+fn digest_pb(d: Option<Digest>) -> Vec<u8> {
+    d.map(|d| d.0.to_vec()).unwrap_or_default()
+}
+
+fn finite_seconds(v: f64, field: &str) -> Result<f64, Error> {
+    if v.is_finite() && v >= 0.0 {
+        Ok(v)
+    } else {
+        Err(invalid(field, format!("{v} is not a finite, non-negative number of seconds")))
+    }
+}
+
+fn non_empty(s: &str, field: &str) -> Result<String, Error> {
+    if s.is_empty() {
+        Err(invalid(field, "empty"))
+    } else {
+        Ok(s.to_string())
+    }
+}
+
+fn dtype(s: &str, field: &str) -> Result<DType, Error> {
+    s.parse().map_err(|e: mx_layout::Error| invalid(field, e.to_string()))
+}
+
+/// Decodes a layout spec.
+pub(crate) fn layout(p: &pb::LayoutSpec, field: &str) -> Result<LayoutSpec, Error> {
+    let scheme = match pb::Scheme::try_from(p.scheme) {
+        Ok(pb::Scheme::Replicated) => Scheme::Replicated,
+        Ok(pb::Scheme::Fsdp) => Scheme::Fsdp,
+        Ok(pb::Scheme::VllmTp) => Scheme::VllmTp,
+        Ok(pb::Scheme::Unspecified) | Err(_) => {
+            return Err(invalid(&format!("{field}.scheme"), format!("unknown scheme {}", p.scheme)))
+        }
+    };
+    if p.world_size == 0 {
+        return Err(invalid(&format!("{field}.world_size"), "must be >= 1"));
+    }
+    Ok(LayoutSpec {
+        scheme,
+        world_size: p.world_size,
+    })
+}
+
+/// Decodes a required layout field.
+pub(crate) fn req_layout(p: &Option<pb::LayoutSpec>, field: &str) -> Result<LayoutSpec, Error> {
+    layout(required(p, field)?, field)
+}
+
+/// Encodes a layout spec.
+pub(crate) fn layout_pb(l: &LayoutSpec) -> pb::LayoutSpec {
+    let scheme = match l.scheme {
+        Scheme::Replicated => pb::Scheme::Replicated,
+        Scheme::Fsdp => pb::Scheme::Fsdp,
+        Scheme::VllmTp => pb::Scheme::VllmTp,
+    };
+    pb::LayoutSpec {
+        scheme: scheme as i32,
+        world_size: l.world_size,
+    }
+}
+
+fn tensor_box(p: &Option<pb::TensorBox>, field: &str) -> Result<TensorBox, Error> {
+    let b = required(p, field)?;
+    if b.global_offset.len() != b.local_shape.len() {
+        return Err(invalid(
+            field,
+            format!(
+                "global_offset has {} dims, local_shape {}",
+                b.global_offset.len(),
+                b.local_shape.len()
+            ),
+        ));
+    }
+    Ok(TensorBox {
+        global_offset: b.global_offset.clone(),
+        local_shape: b.local_shape.clone(),
+    })
+}
+
+fn tensor_box_pb(b: &TensorBox) -> pb::TensorBox {
+    pb::TensorBox {
+        global_offset: b.global_offset.clone(),
+        local_shape: b.local_shape.clone(),
+    }
+}
+
+/// Decodes a tensor spec.
+pub(crate) fn tensor_spec(p: &pb::TensorSpec, field: &str) -> Result<TensorSpec, Error> {
+    Ok(TensorSpec {
+        name: non_empty(&p.name, &format!("{field}.name"))?,
+        dtype: dtype(&p.dtype, &format!("{field}.dtype"))?,
+        shape: p.shape.clone(),
+    })
+}
+
+/// Encodes a tensor spec.
+pub(crate) fn tensor_spec_pb(t: &TensorSpec) -> pb::TensorSpec {
+    pb::TensorSpec {
+        name: t.name.clone(),
+        dtype: t.dtype.to_string(),
+        shape: t.shape.clone(),
+    }
+}
+
+/// Decodes a list of tensor specs (`field[i]` in errors).
+pub(crate) fn tensor_specs(p: &[pb::TensorSpec], field: &str) -> Result<Vec<TensorSpec>, Error> {
+    p.iter()
+        .enumerate()
+        .map(|(i, t)| tensor_spec(t, &format!("{field}[{i}]")))
+        .collect()
+}
+
+fn shard(p: &pb::ShardEntry, field: &str) -> Result<ShardEntry, Error> {
+    let device = match pb::DeviceKind::try_from(p.device) {
+        Ok(pb::DeviceKind::Dram) => MemDevice::Dram,
+        Ok(pb::DeviceKind::Vram) => MemDevice::Vram(p.device_ordinal),
+        Ok(pb::DeviceKind::Unspecified) | Err(_) => {
+            return Err(invalid(&format!("{field}.device"), format!("unknown device kind {}", p.device)))
+        }
+    };
+    Ok(ShardEntry {
+        tensor: non_empty(&p.tensor, &format!("{field}.tensor"))?,
+        dtype: dtype(&p.dtype, &format!("{field}.dtype"))?,
+        global_shape: p.global_shape.clone(),
+        shard: tensor_box(&p.shard, &format!("{field}.shard"))?,
+        addr: p.addr,
+        len: p.len,
+        device,
+        digest: digest(&p.digest, &format!("{field}.digest"))?,
+    })
+}
+
+fn shard_pb(s: &ShardEntry) -> pb::ShardEntry {
+    let (device, device_ordinal) = match s.device {
+        MemDevice::Dram => (pb::DeviceKind::Dram, 0),
+        MemDevice::Vram(o) => (pb::DeviceKind::Vram, o),
+    };
+    pb::ShardEntry {
+        tensor: s.tensor.clone(),
+        dtype: s.dtype.to_string(),
+        global_shape: s.global_shape.clone(),
+        shard: Some(tensor_box_pb(&s.shard)),
+        addr: s.addr,
+        len: s.len,
+        device: device as i32,
+        device_ordinal,
+        digest: s.digest.0.to_vec(),
+    }
+}
+
+fn piece(p: &pb::DestPiece, field: &str) -> Result<DestPiece, Error> {
+    Ok(DestPiece {
+        layout: req_layout(&p.layout, &format!("{field}.layout"))?,
+        dest_rank: p.dest_rank,
+        tensor: non_empty(&p.tensor, &format!("{field}.tensor"))?,
+        region: tensor_box(&p.region, &format!("{field}.region"))?,
+        digest: digest(&p.digest, &format!("{field}.digest"))?,
+        packed_addr: p.packed_addr,
+    })
+}
+
+fn piece_pb(p: &DestPiece) -> pb::DestPiece {
+    pb::DestPiece {
+        layout: Some(layout_pb(&p.layout)),
+        dest_rank: p.dest_rank,
+        tensor: p.tensor.clone(),
+        region: Some(tensor_box_pb(&p.region)),
+        digest: p.digest.0.to_vec(),
+        packed_addr: p.packed_addr,
+    }
+}
+
+/// Decodes a source manifest.
+pub(crate) fn manifest(p: &pb::SourceManifest, field: &str) -> Result<SourceManifest, Error> {
+    Ok(SourceManifest {
+        slot: p.slot,
+        layout: req_layout(&p.layout, &format!("{field}.layout"))?,
+        agent_name: p.agent_name.clone(),
+        agent_metadata: p.agent_metadata.clone(),
+        shards: p
+            .shards
+            .iter()
+            .enumerate()
+            .map(|(i, s)| shard(s, &format!("{field}.shards[{i}]")))
+            .collect::<Result<_, _>>()?,
+        pieces: p
+            .pieces
+            .iter()
+            .enumerate()
+            .map(|(i, s)| piece(s, &format!("{field}.pieces[{i}]")))
+            .collect::<Result<_, _>>()?,
+        pack_seconds: finite_seconds(p.pack_seconds, &format!("{field}.pack_seconds"))?,
+    })
+}
+
+/// Encodes a source manifest.
+pub(crate) fn manifest_pb(m: &SourceManifest) -> pb::SourceManifest {
+    pb::SourceManifest {
+        slot: m.slot,
+        layout: Some(layout_pb(&m.layout)),
+        agent_name: m.agent_name.clone(),
+        agent_metadata: m.agent_metadata.clone(),
+        shards: m.shards.iter().map(shard_pb).collect(),
+        pieces: m.pieces.iter().map(piece_pb).collect(),
+        pack_seconds: m.pack_seconds,
+    }
+}
+
+fn rank_digests(p: &[pb::RankDigests], field: &str) -> Result<Vec<RankDigests>, Error> {
+    p.iter()
+        .enumerate()
+        .map(|(i, r)| {
+            let tensors = r
+                .tensors
+                .iter()
+                .map(|(name, d)| {
+                    Ok((name.clone(), digest(d, &format!("{field}[{i}].tensors[{name}]"))?))
+                })
+                .collect::<Result<_, Error>>()?;
+            Ok(RankDigests {
+                rank: r.rank,
+                tensors,
+            })
+        })
+        .collect()
+}
+
+fn rank_digests_pb(r: &[RankDigests]) -> Vec<pb::RankDigests> {
+    r.iter()
+        .map(|r| pb::RankDigests {
+            rank: r.rank,
+            tensors: r
+                .tensors
+                .iter()
+                .map(|(k, d)| (k.clone(), d.0.to_vec()))
+                .collect(),
+        })
+        .collect()
+}
+
+/// Decodes a staged report.
+pub(crate) fn staged(p: &pb::StagedReport, field: &str) -> Result<StagedReport, Error> {
+    Ok(StagedReport {
+        worker_id: non_empty(&p.worker_id, &format!("{field}worker_id"))?,
+        label: non_empty(&p.label, &format!("{field}label"))?,
+        ok: p.ok,
+        error: p.error.clone(),
+        ranks: rank_digests(&p.ranks, &format!("{field}ranks"))?,
+        bytes: p.bytes,
+        descriptors: p.descriptors,
+        seconds: finite_seconds(p.seconds, &format!("{field}seconds"))?,
+        strategies: p.strategies.iter().map(|(k, v)| (k.clone(), *v)).collect(),
+    })
+}
+
+/// Encodes a staged report.
+pub(crate) fn staged_pb(r: &StagedReport) -> pb::StagedReport {
+    pb::StagedReport {
+        worker_id: r.worker_id.clone(),
+        label: r.label.clone(),
+        ok: r.ok,
+        error: r.error.clone(),
+        ranks: rank_digests_pb(&r.ranks),
+        bytes: r.bytes,
+        descriptors: r.descriptors,
+        seconds: r.seconds,
+        strategies: r.strategies.iter().map(|(k, v)| (k.clone(), *v)).collect(),
+    }
+}
+
+/// Decodes an applied report.
+pub(crate) fn applied(p: &pb::AppliedReport, field: &str) -> Result<AppliedReport, Error> {
+    Ok(AppliedReport {
+        worker_id: non_empty(&p.worker_id, &format!("{field}worker_id"))?,
+        label: non_empty(&p.label, &format!("{field}label"))?,
+        ok: p.ok,
+        error: p.error.clone(),
+        resident_version: opt_digest(&p.resident_version, &format!("{field}resident_version"))?,
+        ranks: rank_digests(&p.ranks, &format!("{field}ranks"))?,
+    })
+}
+
+/// Encodes an applied report.
+pub(crate) fn applied_pb(r: &AppliedReport) -> pb::AppliedReport {
+    pb::AppliedReport {
+        worker_id: r.worker_id.clone(),
+        label: r.label.clone(),
+        ok: r.ok,
+        error: r.error.clone(),
+        resident_version: digest_pb(r.resident_version),
+        ranks: rank_digests_pb(&r.ranks),
+    }
+}
+
+/// Decodes a version state.
+pub(crate) fn version_state(v: i32, field: &str) -> Result<VersionState, Error> {
+    Ok(match pb::VersionState::try_from(v) {
+        Ok(pb::VersionState::Declared) => VersionState::Declared,
+        Ok(pb::VersionState::Publishing) => VersionState::Publishing,
+        Ok(pb::VersionState::Ready) => VersionState::Ready,
+        Ok(pb::VersionState::Committing) => VersionState::Committing,
+        Ok(pb::VersionState::Committed) => VersionState::Committed,
+        Ok(pb::VersionState::Failed) => VersionState::Failed,
+        Ok(pb::VersionState::Unspecified) | Err(_) => {
+            return Err(invalid(field, format!("unknown version state {v}")))
+        }
+    })
+}
+
+/// Encodes a version state.
+pub(crate) fn version_state_pb(s: VersionState) -> i32 {
+    (match s {
+        VersionState::Declared => pb::VersionState::Declared,
+        VersionState::Publishing => pb::VersionState::Publishing,
+        VersionState::Ready => pb::VersionState::Ready,
+        VersionState::Committing => pb::VersionState::Committing,
+        VersionState::Committed => pb::VersionState::Committed,
+        VersionState::Failed => pb::VersionState::Failed,
+    }) as i32
+}
+
+fn worker_state(v: i32, field: &str) -> Result<WorkerState, Error> {
+    Ok(match pb::WorkerState::try_from(v) {
+        Ok(pb::WorkerState::Idle) => WorkerState::Idle,
+        Ok(pb::WorkerState::Staging) => WorkerState::Staging,
+        Ok(pb::WorkerState::Staged) => WorkerState::Staged,
+        Ok(pb::WorkerState::Applying) => WorkerState::Applying,
+        Ok(pb::WorkerState::Applied) => WorkerState::Applied,
+        Ok(pb::WorkerState::Failed) => WorkerState::Failed,
+        Ok(pb::WorkerState::Unspecified) | Err(_) => {
+            return Err(invalid(field, format!("unknown worker state {v}")))
+        }
+    })
+}
+
+fn worker_state_pb(s: WorkerState) -> i32 {
+    (match s {
+        WorkerState::Idle => pb::WorkerState::Idle,
+        WorkerState::Staging => pb::WorkerState::Staging,
+        WorkerState::Staged => pb::WorkerState::Staged,
+        WorkerState::Applying => pb::WorkerState::Applying,
+        WorkerState::Applied => pb::WorkerState::Applied,
+        WorkerState::Failed => pb::WorkerState::Failed,
+    }) as i32
+}
+
+/// Encodes a version info.
+pub(crate) fn version_info_pb(v: &VersionInfo) -> pb::VersionInfo {
+    pb::VersionInfo {
+        label: v.label.clone(),
+        state: version_state_pb(v.state),
+        trainer_layout: Some(layout_pb(&v.trainer_layout)),
+        tensors: v.tensors.iter().map(tensor_spec_pb).collect(),
+        version_digest: digest_pb(v.version_digest),
+        published_slots: v.published_slots.clone(),
+        missing_slots: v.missing_slots.clone(),
+        missing_tensors: v.missing_tensors.clone(),
+        coverage_gaps: v
+            .coverage_gaps
+            .iter()
+            .map(|g| pb::CoverageGap {
+                tensor: g.tensor.clone(),
+                region: Some(tensor_box_pb(&g.region)),
+            })
+            .collect(),
+        manifests: v.manifests.iter().map(manifest_pb).collect(),
+        commit_workers: v.commit_workers.clone(),
+    }
+}
+
+/// Decodes a version info.
+pub(crate) fn version_info(p: &pb::VersionInfo) -> Result<VersionInfo, Error> {
+    Ok(VersionInfo {
+        label: p.label.clone(),
+        state: version_state(p.state, "state")?,
+        trainer_layout: req_layout(&p.trainer_layout, "trainer_layout")?,
+        tensors: tensor_specs(&p.tensors, "tensors")?,
+        version_digest: opt_digest(&p.version_digest, "version_digest")?,
+        published_slots: p.published_slots.clone(),
+        missing_slots: p.missing_slots.clone(),
+        missing_tensors: p.missing_tensors.clone(),
+        coverage_gaps: p
+            .coverage_gaps
+            .iter()
+            .enumerate()
+            .map(|(i, g)| {
+                Ok(CoverageGap {
+                    tensor: g.tensor.clone(),
+                    region: tensor_box(&g.region, &format!("coverage_gaps[{i}].region"))?,
+                })
+            })
+            .collect::<Result<_, Error>>()?,
+        manifests: p
+            .manifests
+            .iter()
+            .enumerate()
+            .map(|(i, m)| manifest(m, &format!("manifests[{i}]")))
+            .collect::<Result<_, _>>()?,
+        commit_workers: p.commit_workers.clone(),
+    })
+}
+
+/// Encodes the fleet status.
+pub(crate) fn fleet_pb(f: &FleetStatus) -> pb::FleetStatus {
+    pb::FleetStatus {
+        versions: f
+            .versions
+            .iter()
+            .map(|v| pb::VersionSummary {
+                label: v.label.clone(),
+                state: version_state_pb(v.state),
+                version_digest: digest_pb(v.version_digest),
+            })
+            .collect(),
+        workers: f
+            .workers
+            .iter()
+            .map(|w| pb::WorkerStatus {
+                worker_id: w.worker_id.clone(),
+                instance: w.instance.clone(),
+                ranks: w.ranks.clone(),
+                layout: Some(layout_pb(&w.layout)),
+                state: worker_state_pb(w.state),
+                label: w.label.clone().unwrap_or_default(),
+                version_digest: digest_pb(w.version_digest),
+                resident_version: digest_pb(w.resident_version),
+                last_error: w.last_error.clone().unwrap_or_default(),
+                last_staged: w.last_staged.as_ref().map(staged_pb),
+                last_applied: w.last_applied.as_ref().map(applied_pb),
+            })
+            .collect(),
+    }
+}
+
+fn opt_string(s: &str) -> Option<String> {
+    (!s.is_empty()).then(|| s.to_string())
+}
+
+/// Decodes the fleet status.
+pub(crate) fn fleet(p: &pb::FleetStatus) -> Result<FleetStatus, Error> {
+    Ok(FleetStatus {
+        versions: p
+            .versions
+            .iter()
+            .enumerate()
+            .map(|(i, v)| {
+                Ok(VersionSummary {
+                    label: v.label.clone(),
+                    state: version_state(v.state, &format!("versions[{i}].state"))?,
+                    version_digest: opt_digest(
+                        &v.version_digest,
+                        &format!("versions[{i}].version_digest"),
+                    )?,
+                })
+            })
+            .collect::<Result<_, Error>>()?,
+        workers: p
+            .workers
+            .iter()
+            .enumerate()
+            .map(|(i, w)| {
+                let f = |name: &str| format!("workers[{i}].{name}");
+                Ok(WorkerStatus {
+                    worker_id: w.worker_id.clone(),
+                    instance: w.instance.clone(),
+                    ranks: w.ranks.clone(),
+                    layout: req_layout(&w.layout, &f("layout"))?,
+                    state: worker_state(w.state, &f("state"))?,
+                    label: opt_string(&w.label),
+                    version_digest: opt_digest(&w.version_digest, &f("version_digest"))?,
+                    resident_version: opt_digest(&w.resident_version, &f("resident_version"))?,
+                    last_error: opt_string(&w.last_error),
+                    last_staged: w
+                        .last_staged
+                        .as_ref()
+                        .map(|r| staged(r, &f("last_staged.")))
+                        .transpose()?,
+                    last_applied: w
+                        .last_applied
+                        .as_ref()
+                        .map(|r| applied(r, &f("last_applied.")))
+                        .transpose()?,
+                })
+            })
+            .collect::<Result<_, Error>>()?,
+    })
+}
+
+/// Encodes a worker command.
+pub(crate) fn command_pb(c: &Command) -> pb::WorkerCommand {
+    use pb::worker_command::Command as C;
+    let command = match c {
+        Command::Stage {
+            label,
+            version_digest,
+        } => C::Stage(pb::StageCommand {
+            label: label.clone(),
+            version_digest: version_digest.0.to_vec(),
+        }),
+        Command::Apply {
+            label,
+            version_digest,
+        } => C::Apply(pb::ApplyCommand {
+            label: label.clone(),
+            version_digest: version_digest.0.to_vec(),
+        }),
+    };
+    pb::WorkerCommand {
+        command: Some(command),
+    }
+}
+
+/// Decodes a worker command.
+pub(crate) fn command(p: &pb::WorkerCommand) -> Result<Command, Error> {
+    use pb::worker_command::Command as C;
+    match required(&p.command, "command")? {
+        C::Stage(s) => Ok(Command::Stage {
+            label: s.label.clone(),
+            version_digest: digest(&s.version_digest, "command.stage.version_digest")?,
+        }),
+        C::Apply(a) => Ok(Command::Apply {
+            label: a.label.clone(),
+            version_digest: digest(&a.version_digest, "command.apply.version_digest")?,
+        }),
+    }
+}

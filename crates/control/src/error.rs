@@ -1,0 +1,230 @@
+//! The control plane's error type, and its one mapping to `tonic::Status`.
+
+use std::path::PathBuf;
+
+use crate::types::{VersionState, WorkerState};
+
+/// Errors from the control plane's state machine, journal, server and client. Each names the
+/// version label, worker, slot, tensor, field or journal line at fault.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A wire message field that does not convert into its typed form.
+    #[error("invalid field {field}: {reason}")]
+    InvalidField {
+        /// Path of the field, e.g. `manifest.shards[3].digest`.
+        field: String,
+        /// Why it was refused.
+        reason: String,
+    },
+    /// No version with this label was declared.
+    #[error("version {label:?} is not declared")]
+    UnknownVersion {
+        /// The label asked for.
+        label: String,
+    },
+    /// A version with this label was declared with a different layout or tensor list.
+    #[error("version {label:?} is already declared differently: {reason}")]
+    VersionExists {
+        /// The label.
+        label: String,
+        /// What differs.
+        reason: String,
+    },
+    /// No worker with this id is registered.
+    #[error("worker {worker_id:?} is not registered")]
+    UnknownWorker {
+        /// The worker id asked for.
+        worker_id: String,
+    },
+    /// A manifest shard or piece names a tensor the version did not declare.
+    #[error("version {label:?} slot {slot}: tensor {tensor} is not declared")]
+    UndeclaredTensor {
+        /// Version label.
+        label: String,
+        /// Source slot.
+        slot: u32,
+        /// The tensor at fault.
+        tensor: String,
+    },
+    /// A manifest shard disagrees with the declaration on a tensor's dtype or global shape.
+    #[error(
+        "version {label:?} slot {slot}: tensor {tensor}: {what} mismatch: published {published}, declared {declared}"
+    )]
+    Mismatch {
+        /// Version label.
+        label: String,
+        /// Source slot.
+        slot: u32,
+        /// The tensor at fault.
+        tensor: String,
+        /// `dtype` or `shape`.
+        what: &'static str,
+        /// What the manifest says.
+        published: String,
+        /// What the declaration says.
+        declared: String,
+    },
+    /// A manifest entry that is internally inconsistent (box outside the shape, length vs box,
+    /// slot out of range, wrong trainer layout).
+    #[error("version {label:?} slot {slot}: tensor {tensor}: {reason}")]
+    BadManifest {
+        /// Version label.
+        label: String,
+        /// Source slot.
+        slot: u32,
+        /// The tensor at fault (empty when the manifest as a whole is at fault).
+        tensor: String,
+        /// Why.
+        reason: String,
+    },
+    /// The version is not in a state that allows the call.
+    #[error("version {label:?} is {state}: {reason}")]
+    VersionState {
+        /// Version label.
+        label: String,
+        /// Its current state.
+        state: VersionState,
+        /// What the call needed.
+        reason: String,
+    },
+    /// A worker is not in a state that allows the call.
+    #[error("worker {worker_id:?} is {state} (version {label:?}): {reason}")]
+    WorkerState {
+        /// The worker at fault.
+        worker_id: String,
+        /// Its current state.
+        state: WorkerState,
+        /// The label it is staging/staged/applying (empty when none).
+        label: String,
+        /// What the call needed.
+        reason: String,
+    },
+    /// Reading, writing or syncing the journal failed.
+    #[error("journal {path}: {what}: {source}")]
+    JournalIo {
+        /// Journal file.
+        path: PathBuf,
+        /// What was being done.
+        what: &'static str,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// A journal line that does not parse (other than a torn last line).
+    #[error("journal {path} line {line}: {reason}")]
+    JournalCorrupt {
+        /// Journal file.
+        path: PathBuf,
+        /// 1-based line number.
+        line: usize,
+        /// Why.
+        reason: String,
+    },
+    /// Replaying a journal record was refused by the state machine.
+    #[error("journal {path} line {line}: replay failed: {source}")]
+    Replay {
+        /// Journal file.
+        path: PathBuf,
+        /// 1-based line number.
+        line: usize,
+        /// The state machine's error.
+        source: Box<Error>,
+    },
+    /// Binding the listen address failed.
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        /// The address.
+        addr: std::net::SocketAddr,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// The gRPC transport failed (serving, or connecting to `addr`).
+    #[error("gRPC transport ({addr}): {source}")]
+    Transport {
+        /// Listen or peer address.
+        addr: String,
+        /// The transport error.
+        source: tonic::transport::Error,
+    },
+    /// A call to the control plane returned an error status.
+    #[error("{rpc}: {code:?}: {message}")]
+    Rpc {
+        /// RPC name, e.g. `Commit`.
+        rpc: &'static str,
+        /// The gRPC status code.
+        code: tonic::Code,
+        /// The server's message.
+        message: String,
+    },
+    /// `wait_version` ended without the version reaching the state.
+    #[error("version {label:?} did not reach {wanted} (now {current}){}", if *.timed_out { " before the timeout" } else { "" })]
+    WaitNotReached {
+        /// Version label.
+        label: String,
+        /// The state waited for.
+        wanted: VersionState,
+        /// The state when the wait ended (`None` when never declared).
+        current: OptionalState,
+        /// True when the wait timed out, false when the version failed.
+        timed_out: bool,
+    },
+    /// A server task ended abnormally (panicked or was cancelled).
+    #[error("server task: {reason}")]
+    Task {
+        /// What happened.
+        reason: String,
+    },
+}
+
+/// A version state that may be absent (label not declared), shown as `undeclared`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OptionalState(pub Option<VersionState>);
+
+impl std::fmt::Display for OptionalState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0 {
+            Some(s) => write!(f, "{s}"),
+            None => f.write_str("undeclared"),
+        }
+    }
+}
+
+impl Error {
+    /// The gRPC code this error maps to (the client side keeps the server's code).
+    pub fn code(&self) -> tonic::Code {
+        use tonic::Code;
+        match self {
+            Error::InvalidField { .. }
+            | Error::UndeclaredTensor { .. }
+            | Error::Mismatch { .. }
+            | Error::BadManifest { .. } => Code::InvalidArgument,
+            Error::UnknownVersion { .. } | Error::UnknownWorker { .. } => Code::NotFound,
+            Error::VersionExists { .. } => Code::AlreadyExists,
+            Error::VersionState { .. } | Error::WorkerState { .. } => Code::FailedPrecondition,
+            Error::WaitNotReached { .. } => Code::DeadlineExceeded,
+            Error::Transport { .. } => Code::Unavailable,
+            Error::Rpc { code, .. } => *code,
+            Error::JournalIo { .. }
+            | Error::JournalCorrupt { .. }
+            | Error::Replay { .. }
+            | Error::Bind { .. }
+            | Error::Task { .. } => Code::Internal,
+        }
+    }
+
+    /// Builds the client-side error from a status returned by `rpc`.
+    pub(crate) fn rpc(rpc: &'static str, status: tonic::Status) -> Error {
+        Error::Rpc {
+            rpc,
+            code: status.code(),
+            message: status.message().to_string(),
+        }
+    }
+}
+
+/// The one place where control-plane errors become gRPC statuses.
+impl From<Error> for tonic::Status {
+    fn from(e: Error) -> tonic::Status {
+        tonic::Status::new(e.code(), e.to_string())
+    }
+}

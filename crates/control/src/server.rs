@@ -1,0 +1,492 @@
+//! The tonic service: converts requests at the edge, runs them through the journal and the state
+//! machine, wakes command streams and waiters.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use tokio::sync::{mpsc, oneshot, watch, Notify};
+use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tonic::{Request, Response, Status};
+
+use crate::convert;
+use crate::journal::Journal;
+use crate::pb;
+use crate::pb::control_plane_server::{ControlPlane, ControlPlaneServer};
+use crate::state::{Check, Record, State};
+use crate::types::VersionState;
+use crate::Error;
+
+/// Largest message accepted or sent (manifests of big models with agent metadata).
+pub(crate) const MAX_MESSAGE_BYTES: usize = 256 << 20;
+
+/// Longest `WaitVersion` long poll (one day), in milliseconds.
+const MAX_WAIT_MS: u64 = 24 * 3600 * 1000;
+
+/// Where the control plane listens and keeps its journal.
+#[derive(Debug, Clone)]
+pub struct ControlPlaneConfig {
+    /// Listen address; port 0 picks a free port (see [`spawn`]).
+    pub listen: SocketAddr,
+    /// The journal file (created if missing, replayed if present).
+    pub journal_path: PathBuf,
+}
+
+struct Core {
+    state: State,
+    journal: Journal,
+}
+
+/// Per-worker wake-up for its command stream.
+#[derive(Default)]
+struct Mailbox {
+    notify: Notify,
+    /// Bumped by every new stream; an older stream sees a different value and ends.
+    stream_gen: AtomicU64,
+}
+
+struct Shared {
+    core: Mutex<Core>,
+    /// Bumped after every state change (for `WaitVersion`).
+    changes: watch::Sender<u64>,
+    /// Set when the server shuts down, so streams and waits end.
+    closing: watch::Sender<bool>,
+    mail: Mutex<HashMap<String, Arc<Mailbox>>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding the lock cannot leave the state half-changed (apply checks first and
+    // mutates only infallibly), so a poisoned lock is still safe to use.
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl Shared {
+    fn open(journal_path: &std::path::Path) -> Result<Shared, Error> {
+        let (journal, entries) = Journal::open(journal_path)?;
+        let mut state = State::new();
+        for (i, e) in entries.into_iter().enumerate() {
+            state.apply(e.record).map_err(|source| Error::Replay {
+                path: journal_path.to_path_buf(),
+                line: i + 1,
+                source: Box::new(source),
+            })?;
+        }
+        tracing::info!(
+            journal = %journal_path.display(),
+            entries = journal.len(),
+            bytes = journal.size_bytes(),
+            "control plane state rebuilt from journal"
+        );
+        Ok(Shared {
+            core: Mutex::new(Core { state, journal }),
+            changes: watch::Sender::new(0),
+            closing: watch::Sender::new(false),
+            mail: Mutex::new(HashMap::new()),
+        })
+    }
+
+    fn mailbox(&self, worker_id: &str) -> Arc<Mailbox> {
+        lock(&self.mail)
+            .entry(worker_id.to_string())
+            .or_default()
+            .clone()
+    }
+
+    /// Check, journal (fsync), apply; then wake whoever must hear about it.
+    async fn mutate(self: &Arc<Self>, rec: Record) -> Result<(), Error> {
+        let shared = Arc::clone(self);
+        let effects = tokio::task::spawn_blocking(move || {
+            let mut core = lock(&shared.core);
+            match core.state.check(&rec)? {
+                Check::Noop => Ok(None),
+                Check::Apply => {
+                    core.journal.append(&rec)?;
+                    core.state.apply(rec).map(Some)
+                }
+            }
+        })
+        .await
+        .map_err(|e| Error::Task {
+            reason: e.to_string(),
+        })??;
+        if let Some(effects) = effects {
+            self.changes.send_modify(|n| *n = n.wrapping_add(1));
+            for w in &effects.workers {
+                self.mailbox(w).notify.notify_waiters();
+            }
+        }
+        Ok(())
+    }
+
+    fn read<R>(&self, f: impl FnOnce(&State) -> R) -> R {
+        f(&lock(&self.core).state)
+    }
+}
+
+/// The gRPC service.
+struct Service {
+    shared: Arc<Shared>,
+}
+
+type CommandStream =
+    Pin<Box<dyn tokio_stream::Stream<Item = Result<pb::WorkerCommand, Status>> + Send + 'static>>;
+
+/// Forwards the worker's outstanding command to its stream whenever it changes, until the stream
+/// is replaced, the client goes away or the server shuts down.
+async fn pump(
+    shared: Arc<Shared>,
+    worker_id: String,
+    mailbox: Arc<Mailbox>,
+    gen: u64,
+    tx: mpsc::Sender<Result<pb::WorkerCommand, Status>>,
+) {
+    let mut closing = shared.closing.subscribe();
+    let mut last_sent = None;
+    loop {
+        let notified = mailbox.notify.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        if mailbox.stream_gen.load(Ordering::SeqCst) != gen || *closing.borrow_and_update() {
+            break;
+        }
+        let pending = shared.read(|s| s.pending_command(&worker_id));
+        if let Some((seq, cmd)) = pending {
+            if last_sent != Some(seq) {
+                tracing::debug!(worker = %worker_id, ?cmd, "sending command");
+                if tx.send(Ok(convert::command_pb(&cmd))).await.is_err() {
+                    break;
+                }
+                last_sent = Some(seq);
+                continue;
+            }
+        }
+        tokio::select! {
+            _ = &mut notified => {}
+            _ = tx.closed() => break,
+            _ = closing.changed() => {}
+        }
+    }
+    tracing::debug!(worker = %worker_id, "command stream ended");
+}
+
+fn wait_reached(state: Option<VersionState>, wanted: VersionState) -> bool {
+    state.is_some_and(|s| s.reaches(wanted))
+}
+
+#[tonic::async_trait]
+impl ControlPlane for Service {
+    async fn declare_version(
+        &self,
+        req: Request<pb::DeclareVersionRequest>,
+    ) -> Result<Response<pb::DeclareVersionResponse>, Status> {
+        let r = req.into_inner();
+        let rec = Record::Declare {
+            label: r.label,
+            trainer_layout: convert::req_layout(&r.trainer_layout, "trainer_layout")?,
+            tensors: convert::tensor_specs(&r.tensors, "tensors")?,
+        };
+        self.shared.mutate(rec).await?;
+        Ok(Response::new(pb::DeclareVersionResponse {}))
+    }
+
+    async fn publish(
+        &self,
+        req: Request<pb::PublishRequest>,
+    ) -> Result<Response<pb::PublishResponse>, Status> {
+        let r = req.into_inner();
+        let manifest = r
+            .manifest
+            .as_ref()
+            .ok_or_else(|| Error::InvalidField {
+                field: "manifest".into(),
+                reason: "missing".into(),
+            })
+            .and_then(|m| convert::manifest(m, "manifest"))?;
+        let label = r.label;
+        self.shared
+            .mutate(Record::Publish {
+                label: label.clone(),
+                manifest,
+            })
+            .await?;
+        let (state, digest) = self.shared.read(|s| {
+            s.version_info(&label)
+                .map(|v| (v.state, v.version_digest))
+                .ok_or(Error::UnknownVersion { label })
+        })?;
+        Ok(Response::new(pb::PublishResponse {
+            state: convert::version_state_pb(state),
+            version_digest: digest.map(|d| d.0.to_vec()).unwrap_or_default(),
+        }))
+    }
+
+    async fn register_worker(
+        &self,
+        req: Request<pb::RegisterWorkerRequest>,
+    ) -> Result<Response<pb::RegisterWorkerResponse>, Status> {
+        let r = req.into_inner();
+        let rec = Record::Register {
+            layout: convert::req_layout(&r.layout, "layout")?,
+            worker_id: r.worker_id,
+            instance: r.instance,
+            ranks: r.ranks,
+        };
+        self.shared.mutate(rec).await?;
+        Ok(Response::new(pb::RegisterWorkerResponse {}))
+    }
+
+    async fn list_layouts(
+        &self,
+        _req: Request<pb::ListLayoutsRequest>,
+    ) -> Result<Response<pb::ListLayoutsResponse>, Status> {
+        let layouts = self.shared.read(State::layouts);
+        Ok(Response::new(pb::ListLayoutsResponse {
+            layouts: layouts.iter().map(convert::layout_pb).collect(),
+        }))
+    }
+
+    type WatchCommandsStream = CommandStream;
+
+    async fn watch_commands(
+        &self,
+        req: Request<pb::WatchCommandsRequest>,
+    ) -> Result<Response<Self::WatchCommandsStream>, Status> {
+        let worker_id = req.into_inner().worker_id;
+        if !self.shared.read(|s| s.has_worker(&worker_id)) {
+            return Err(Error::UnknownWorker { worker_id }.into());
+        }
+        let mailbox = self.shared.mailbox(&worker_id);
+        let gen = mailbox.stream_gen.fetch_add(1, Ordering::SeqCst) + 1;
+        // Wake (and so end) the stream this one replaces.
+        mailbox.notify.notify_waiters();
+        let (tx, rx) = mpsc::channel(4);
+        tokio::spawn(pump(
+            Arc::clone(&self.shared),
+            worker_id,
+            mailbox,
+            gen,
+            tx,
+        ));
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    async fn stage(
+        &self,
+        req: Request<pb::StageRequest>,
+    ) -> Result<Response<pb::StageResponse>, Status> {
+        let r = req.into_inner();
+        self.shared
+            .mutate(Record::Stage {
+                label: r.label,
+                worker_ids: r.worker_ids,
+            })
+            .await?;
+        Ok(Response::new(pb::StageResponse {}))
+    }
+
+    async fn report_staged(
+        &self,
+        req: Request<pb::StagedReport>,
+    ) -> Result<Response<pb::ReportStagedResponse>, Status> {
+        let report = convert::staged(&req.into_inner(), "")?;
+        self.shared.mutate(Record::Staged { report }).await?;
+        Ok(Response::new(pb::ReportStagedResponse {}))
+    }
+
+    async fn commit(
+        &self,
+        req: Request<pb::CommitRequest>,
+    ) -> Result<Response<pb::CommitResponse>, Status> {
+        let r = req.into_inner();
+        self.shared
+            .mutate(Record::Commit {
+                label: r.label,
+                worker_ids: r.worker_ids,
+            })
+            .await?;
+        Ok(Response::new(pb::CommitResponse {}))
+    }
+
+    async fn report_applied(
+        &self,
+        req: Request<pb::AppliedReport>,
+    ) -> Result<Response<pb::ReportAppliedResponse>, Status> {
+        let report = convert::applied(&req.into_inner(), "")?;
+        self.shared.mutate(Record::Applied { report }).await?;
+        Ok(Response::new(pb::ReportAppliedResponse {}))
+    }
+
+    async fn get_version(
+        &self,
+        req: Request<pb::GetVersionRequest>,
+    ) -> Result<Response<pb::VersionInfo>, Status> {
+        let label = req.into_inner().label;
+        let info = self
+            .shared
+            .read(|s| s.version_info(&label))
+            .ok_or(Error::UnknownVersion { label })?;
+        Ok(Response::new(convert::version_info_pb(&info)))
+    }
+
+    async fn get_status(
+        &self,
+        _req: Request<pb::GetStatusRequest>,
+    ) -> Result<Response<pb::FleetStatus>, Status> {
+        let status = self.shared.read(State::fleet_status);
+        Ok(Response::new(convert::fleet_pb(&status)))
+    }
+
+    async fn wait_version(
+        &self,
+        req: Request<pb::WaitVersionRequest>,
+    ) -> Result<Response<pb::WaitVersionResponse>, Status> {
+        let r = req.into_inner();
+        let wanted = convert::version_state(r.state, "state")?;
+        // Capped at a day so the deadline arithmetic cannot overflow.
+        let wait = Duration::from_millis(r.timeout_ms.min(MAX_WAIT_MS));
+        let deadline = tokio::time::Instant::now() + wait;
+        let mut changes = self.shared.changes.subscribe();
+        let mut closing = self.shared.closing.subscribe();
+        loop {
+            changes.borrow_and_update();
+            let state = self.shared.read(|s| s.version_state(&r.label));
+            let done = wait_reached(state, wanted) || state == Some(VersionState::Failed);
+            let timed_out = tokio::time::Instant::now() >= deadline;
+            if done || timed_out || *closing.borrow_and_update() {
+                let info = self.shared.read(|s| s.version_info(&r.label));
+                return Ok(Response::new(pb::WaitVersionResponse {
+                    reached: wait_reached(state, wanted),
+                    version: info.as_ref().map(convert::version_info_pb),
+                }));
+            }
+            tokio::select! {
+                _ = tokio::time::sleep_until(deadline) => {}
+                r = changes.changed() => {
+                    if r.is_err() {
+                        return Err(Status::unavailable("control plane shutting down"));
+                    }
+                }
+                _ = closing.changed() => {}
+            }
+        }
+    }
+}
+
+/// Replays the journal and returns the service with its shared state.
+fn build(cfg: &ControlPlaneConfig) -> Result<(ControlPlaneServer<Service>, Arc<Shared>), Error> {
+    let shared = Arc::new(Shared::open(&cfg.journal_path)?);
+    let svc = ControlPlaneServer::new(Service {
+        shared: Arc::clone(&shared),
+    })
+    .max_decoding_message_size(MAX_MESSAGE_BYTES)
+    .max_encoding_message_size(MAX_MESSAGE_BYTES);
+    Ok((svc, shared))
+}
+
+async fn run(
+    svc: ControlPlaneServer<Service>,
+    shared: Arc<Shared>,
+    listener: tokio::net::TcpListener,
+    addr: SocketAddr,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), Error> {
+    let closing = async move {
+        shutdown.await;
+        tracing::info!("control plane shutting down");
+        shared.closing.send_replace(true);
+    };
+    tonic::transport::Server::builder()
+        .add_service(svc)
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), closing)
+        .await
+        .map_err(|source| Error::Transport {
+            addr: addr.to_string(),
+            source,
+        })
+}
+
+async fn bind(addr: SocketAddr) -> Result<(tokio::net::TcpListener, SocketAddr), Error> {
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|source| Error::Bind { addr, source })?;
+    let bound = listener
+        .local_addr()
+        .map_err(|source| Error::Bind { addr, source })?;
+    Ok((listener, bound))
+}
+
+/// Replays the journal, then serves the control plane on `cfg.listen` until `shutdown`
+/// completes (open command streams and waits end then).
+///
+/// # Errors
+/// [`Error::JournalIo`], [`Error::JournalCorrupt`] or [`Error::Replay`] when the journal cannot be
+/// replayed; [`Error::Bind`] when the address cannot be bound; [`Error::Transport`] when serving
+/// fails.
+pub async fn serve(
+    cfg: ControlPlaneConfig,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), Error> {
+    let (svc, shared) = build(&cfg)?;
+    let (listener, bound) = bind(cfg.listen).await?;
+    tracing::info!(addr = %bound, journal = %cfg.journal_path.display(), "control plane listening");
+    run(svc, shared, listener, bound, shutdown).await
+}
+
+/// A control plane running in a background task (see [`spawn`]).
+#[derive(Debug)]
+pub struct ServerHandle {
+    addr: SocketAddr,
+    stop: Option<oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<Result<(), Error>>,
+}
+
+impl ServerHandle {
+    /// The bound address.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Stops the server and waits until it has stopped (journal closed).
+    ///
+    /// # Errors
+    /// The error the server ended with, or [`Error::Task`] when its task panicked.
+    pub async fn shutdown(mut self) -> Result<(), Error> {
+        if let Some(stop) = self.stop.take() {
+            // The receiver is gone only if the server already ended; its result tells why.
+            let _ = stop.send(());
+        }
+        (&mut self.task).await.map_err(|e| Error::Task {
+            reason: e.to_string(),
+        })?
+    }
+}
+
+/// Replays the journal, binds `cfg.listen` (port 0 picks one) and serves in a background task.
+/// Returns the bound address and a handle to stop it.
+///
+/// # Errors
+/// As [`serve`], for replay and binding.
+pub async fn spawn(cfg: ControlPlaneConfig) -> Result<(SocketAddr, ServerHandle), Error> {
+    let (svc, shared) = build(&cfg)?;
+    let (listener, bound) = bind(cfg.listen).await?;
+    tracing::info!(addr = %bound, journal = %cfg.journal_path.display(), "control plane listening");
+    let (stop, stopped) = oneshot::channel::<()>();
+    let shutdown = async move {
+        // A dropped handle stops the server too.
+        let _ = stopped.await;
+    };
+    let task = tokio::spawn(run(svc, shared, listener, bound, shutdown));
+    Ok((
+        bound,
+        ServerHandle {
+            addr: bound,
+            stop: Some(stop),
+            task,
+        },
+    ))
+}

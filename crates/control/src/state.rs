@@ -1,0 +1,1125 @@
+//! The control plane's state machine: pure, synchronous, no I/O.
+//!
+//! Every mutating call is a [`Record`]. [`State::check`] validates a record against the current
+//! state without changing it and says whether it would change anything; [`State::apply`] checks
+//! and then changes the state, all or nothing. The server checks, writes the record to the
+//! journal (fsync), then applies it; a restarted server replays the journal through `apply`, so
+//! the state it rebuilds is exactly the one it had.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use mx_layout::{version_digest, Digest, LayoutSpec, SourceManifest, TensorBox, TensorSpec};
+use serde::{Deserialize, Serialize};
+
+use crate::types::{
+    AppliedReport, Command, CoverageGap, FleetStatus, StagedReport, VersionInfo, VersionState,
+    VersionSummary, WorkerState, WorkerStatus,
+};
+use crate::Error;
+
+/// One mutating call, as journaled (one JSON object per journal line, tagged by `op`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum Record {
+    /// The orchestrator declares a version: source slots `0..trainer_layout.world_size` and the
+    /// tensor list.
+    Declare {
+        /// Version label.
+        label: String,
+        /// Layout of the sources.
+        trainer_layout: LayoutSpec,
+        /// Declared tensors.
+        tensors: Vec<TensorSpec>,
+    },
+    /// A source publishes (or republishes) its slot's manifest.
+    Publish {
+        /// Version label.
+        label: String,
+        /// The manifest (its `slot` names the slot).
+        manifest: SourceManifest,
+    },
+    /// A worker registers (or re-registers, which resets it to IDLE).
+    Register {
+        /// Worker id.
+        worker_id: String,
+        /// Instance name.
+        instance: String,
+        /// Ranks of `layout` it holds.
+        ranks: Vec<u32>,
+        /// Its inference layout.
+        layout: LayoutSpec,
+    },
+    /// The orchestrator asks workers to stage a READY version.
+    Stage {
+        /// Version label.
+        label: String,
+        /// Target workers.
+        worker_ids: Vec<String>,
+    },
+    /// A worker reports a stage result.
+    Staged {
+        /// The report.
+        report: StagedReport,
+    },
+    /// The orchestrator commits a version on a worker set (all STAGED).
+    Commit {
+        /// Version label.
+        label: String,
+        /// Target workers.
+        worker_ids: Vec<String>,
+    },
+    /// A worker reports an apply result.
+    Applied {
+        /// The report.
+        report: AppliedReport,
+    },
+}
+
+/// What [`State::check`] decided about a valid record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Check {
+    /// The record changes nothing (an identical re-declare, a repeated commit): do not journal.
+    Noop,
+    /// The record changes the state: journal it, then apply it.
+    Apply,
+}
+
+/// What applying a record changed that others must hear about.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Effects {
+    /// Workers whose pending command may have changed (wake their command streams).
+    pub workers: Vec<String>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+struct Version {
+    order: u64,
+    trainer_layout: LayoutSpec,
+    tensors: Vec<TensorSpec>,
+    slots: BTreeMap<u32, SourceManifest>,
+    state: VersionState,
+    digest: Option<Digest>,
+    missing_tensors: Vec<String>,
+    gaps: Vec<CoverageGap>,
+    commit_set: Vec<String>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+struct Worker {
+    instance: String,
+    ranks: Vec<u32>,
+    layout: LayoutSpec,
+    state: WorkerState,
+    label: Option<String>,
+    digest: Option<Digest>,
+    resident: Option<Digest>,
+    last_error: Option<String>,
+    last_staged: Option<StagedReport>,
+    last_applied: Option<AppliedReport>,
+    /// Increases every time a command is issued to this worker (kept across re-registration), so
+    /// a command stream knows whether the pending command is new to it.
+    command_seq: u64,
+}
+
+/// The whole control-plane state: versions by label, workers by id.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct State {
+    versions: BTreeMap<String, Version>,
+    next_order: u64,
+    workers: BTreeMap<String, Worker>,
+}
+
+fn invalid(field: impl Into<String>, reason: impl Into<String>) -> Error {
+    Error::InvalidField {
+        field: field.into(),
+        reason: reason.into(),
+    }
+}
+
+/// Refuses an empty or duplicated worker list; returns it sorted.
+fn worker_set(worker_ids: &[String]) -> Result<Vec<String>, Error> {
+    if worker_ids.is_empty() {
+        return Err(invalid("worker_ids", "empty worker set"));
+    }
+    let mut seen = BTreeSet::new();
+    for (i, w) in worker_ids.iter().enumerate() {
+        if w.is_empty() {
+            return Err(invalid(format!("worker_ids[{i}]"), "empty worker id"));
+        }
+        if !seen.insert(w.as_str()) {
+            return Err(invalid(format!("worker_ids[{i}]"), format!("duplicate worker {w:?}")));
+        }
+    }
+    Ok(seen.into_iter().map(str::to_string).collect())
+}
+
+fn shape_str(shape: &[u64]) -> String {
+    format!("{shape:?}")
+}
+
+impl State {
+    /// An empty state.
+    pub fn new() -> State {
+        State::default()
+    }
+
+    /// Validates `rec` against the current state without changing it.
+    ///
+    /// # Errors
+    /// The error the call is refused with: [`Error::InvalidField`], [`Error::UnknownVersion`],
+    /// [`Error::VersionExists`], [`Error::UnknownWorker`], [`Error::UndeclaredTensor`],
+    /// [`Error::Mismatch`], [`Error::BadManifest`], [`Error::VersionState`] or
+    /// [`Error::WorkerState`], each naming what is at fault.
+    pub fn check(&self, rec: &Record) -> Result<Check, Error> {
+        match rec {
+            Record::Declare {
+                label,
+                trainer_layout,
+                tensors,
+            } => self.check_declare(label, trainer_layout, tensors),
+            Record::Publish { label, manifest } => self.check_publish(label, manifest),
+            Record::Register {
+                worker_id,
+                ranks,
+                layout,
+                ..
+            } => check_register(worker_id, ranks, layout),
+            Record::Stage { label, worker_ids } => self.check_stage(label, worker_ids),
+            Record::Staged { report } => self.check_staged(report),
+            Record::Commit { label, worker_ids } => self.check_commit(label, worker_ids),
+            Record::Applied { report } => self.check_applied(report),
+        }
+    }
+
+    /// Checks `rec` and applies it: all or nothing.
+    ///
+    /// # Errors
+    /// As [`State::check`]; on error the state is unchanged.
+    pub fn apply(&mut self, rec: Record) -> Result<Effects, Error> {
+        if self.check(&rec)? == Check::Noop {
+            return Ok(Effects::default());
+        }
+        let effects = match rec {
+            Record::Declare {
+                label,
+                trainer_layout,
+                tensors,
+            } => {
+                let order = self.next_order;
+                self.next_order += 1;
+                self.versions.insert(
+                    label,
+                    Version {
+                        order,
+                        trainer_layout,
+                        tensors,
+                        slots: BTreeMap::new(),
+                        state: VersionState::Declared,
+                        digest: None,
+                        missing_tensors: Vec::new(),
+                        gaps: Vec::new(),
+                        commit_set: Vec::new(),
+                    },
+                );
+                Effects::default()
+            }
+            Record::Publish { label, manifest } => {
+                if let Some(v) = self.versions.get_mut(&label) {
+                    v.slots.insert(manifest.slot, manifest);
+                    v.evaluate();
+                }
+                Effects::default()
+            }
+            Record::Register {
+                worker_id,
+                instance,
+                ranks,
+                layout,
+            } => {
+                let command_seq = self.workers.get(&worker_id).map_or(0, |w| w.command_seq);
+                self.workers.insert(
+                    worker_id.clone(),
+                    Worker {
+                        instance,
+                        ranks,
+                        layout,
+                        state: WorkerState::Idle,
+                        label: None,
+                        digest: None,
+                        resident: None,
+                        last_error: None,
+                        last_staged: None,
+                        last_applied: None,
+                        command_seq,
+                    },
+                );
+                Effects {
+                    workers: vec![worker_id],
+                }
+            }
+            Record::Stage { label, worker_ids } => {
+                let digest = self.versions.get(&label).and_then(|v| v.digest);
+                for id in &worker_ids {
+                    if let Some(w) = self.workers.get_mut(id) {
+                        w.state = WorkerState::Staging;
+                        w.label = Some(label.clone());
+                        w.digest = digest;
+                        w.last_error = None;
+                        w.command_seq += 1;
+                    }
+                }
+                Effects {
+                    workers: worker_ids,
+                }
+            }
+            Record::Staged { report } => {
+                if let Some(w) = self.workers.get_mut(&report.worker_id) {
+                    if report.ok {
+                        w.state = WorkerState::Staged;
+                        w.last_error = None;
+                    } else {
+                        w.state = WorkerState::Failed;
+                        w.last_error = Some(if report.error.is_empty() {
+                            "stage failed (no error given)".to_string()
+                        } else {
+                            report.error.clone()
+                        });
+                    }
+                    w.last_staged = Some(report);
+                }
+                Effects::default()
+            }
+            Record::Commit { label, worker_ids } => {
+                let set = worker_set(&worker_ids)?;
+                for id in &set {
+                    if let Some(w) = self.workers.get_mut(id) {
+                        w.state = WorkerState::Applying;
+                        w.command_seq += 1;
+                    }
+                }
+                if let Some(v) = self.versions.get_mut(&label) {
+                    v.state = VersionState::Committing;
+                    v.commit_set = set.clone();
+                }
+                Effects { workers: set }
+            }
+            Record::Applied { report } => {
+                let label = report.label.clone();
+                let digest = self.versions.get(&label).and_then(|v| v.digest);
+                if let Some(w) = self.workers.get_mut(&report.worker_id) {
+                    w.resident = report.resident_version;
+                    let failure = if !report.ok {
+                        Some(if report.error.is_empty() {
+                            "apply failed (no error given)".to_string()
+                        } else {
+                            report.error.clone()
+                        })
+                    } else if report.resident_version.is_none() || report.resident_version != digest
+                    {
+                        Some(format!(
+                            "resident version {} is not the version digest {}",
+                            report
+                                .resident_version
+                                .map_or_else(|| "(none)".to_string(), |d| d.to_string()),
+                            digest.map_or_else(|| "(none)".to_string(), |d| d.to_string()),
+                        ))
+                    } else {
+                        None
+                    };
+                    match failure {
+                        Some(e) => {
+                            w.state = WorkerState::Failed;
+                            w.last_error = Some(e);
+                        }
+                        None => {
+                            w.state = WorkerState::Applied;
+                            w.last_error = None;
+                        }
+                    }
+                    w.last_applied = Some(report);
+                }
+                self.settle_commit(&label);
+                Effects::default()
+            }
+        };
+        Ok(effects)
+    }
+
+    /// Moves a COMMITTING version to COMMITTED when its whole set applied, or to FAILED when one
+    /// of them failed applying it.
+    fn settle_commit(&mut self, label: &str) {
+        let Some(v) = self.versions.get(label) else {
+            return;
+        };
+        if v.state != VersionState::Committing {
+            return;
+        }
+        let mut all_applied = true;
+        let mut any_failed = false;
+        for id in &v.commit_set {
+            match self.workers.get(id) {
+                Some(w) if w.label.as_deref() == Some(label) => match w.state {
+                    WorkerState::Applied => {}
+                    WorkerState::Failed => {
+                        any_failed = true;
+                        all_applied = false;
+                    }
+                    _ => all_applied = false,
+                },
+                _ => all_applied = false,
+            }
+        }
+        let next = if any_failed {
+            VersionState::Failed
+        } else if all_applied {
+            VersionState::Committed
+        } else {
+            return;
+        };
+        if let Some(v) = self.versions.get_mut(label) {
+            v.state = next;
+        }
+    }
+
+    fn version(&self, label: &str) -> Result<&Version, Error> {
+        self.versions.get(label).ok_or_else(|| Error::UnknownVersion {
+            label: label.to_string(),
+        })
+    }
+
+    fn worker(&self, worker_id: &str) -> Result<&Worker, Error> {
+        self.workers
+            .get(worker_id)
+            .ok_or_else(|| Error::UnknownWorker {
+                worker_id: worker_id.to_string(),
+            })
+    }
+
+    fn check_declare(
+        &self,
+        label: &str,
+        trainer_layout: &LayoutSpec,
+        tensors: &[TensorSpec],
+    ) -> Result<Check, Error> {
+        if label.is_empty() {
+            return Err(invalid("label", "empty label"));
+        }
+        if trainer_layout.world_size == 0 {
+            return Err(invalid("trainer_layout.world_size", "must be >= 1"));
+        }
+        let mut names = BTreeSet::new();
+        for (i, t) in tensors.iter().enumerate() {
+            if t.name.is_empty() {
+                return Err(invalid(format!("tensors[{i}].name"), "empty tensor name"));
+            }
+            if !names.insert(t.name.as_str()) {
+                return Err(invalid(
+                    format!("tensors[{i}].name"),
+                    format!("duplicate tensor {}", t.name),
+                ));
+            }
+            let bytes = t
+                .shape
+                .iter()
+                .try_fold(1u64, |acc, &d| acc.checked_mul(d))
+                .and_then(|n| n.checked_mul(t.dtype.size_bytes()));
+            if bytes.is_none() {
+                return Err(invalid(
+                    format!("tensors[{i}].shape"),
+                    format!("byte size of {} overflows u64", t.name),
+                ));
+            }
+        }
+        match self.versions.get(label) {
+            None => Ok(Check::Apply),
+            Some(v) if v.trainer_layout == *trainer_layout && v.tensors == tensors => {
+                Ok(Check::Noop)
+            }
+            Some(v) => Err(Error::VersionExists {
+                label: label.to_string(),
+                reason: if v.trainer_layout != *trainer_layout {
+                    format!(
+                        "trainer layout {} (declared) vs {}",
+                        v.trainer_layout, trainer_layout
+                    )
+                } else {
+                    "different tensor list".to_string()
+                },
+            }),
+        }
+    }
+
+    fn check_publish(&self, label: &str, m: &SourceManifest) -> Result<Check, Error> {
+        let v = self.version(label)?;
+        let slot = m.slot;
+        let bad = |tensor: &str, reason: String| Error::BadManifest {
+            label: label.to_string(),
+            slot,
+            tensor: tensor.to_string(),
+            reason,
+        };
+        if v.state == VersionState::Failed {
+            return Err(Error::VersionState {
+                label: label.to_string(),
+                state: v.state,
+                reason: "a failed version takes no more publishes".to_string(),
+            });
+        }
+        if slot >= v.trainer_layout.world_size {
+            return Err(bad(
+                "",
+                format!(
+                    "slot {slot} is out of range 0..{} of trainer layout {}",
+                    v.trainer_layout.world_size, v.trainer_layout
+                ),
+            ));
+        }
+        if m.layout != v.trainer_layout {
+            return Err(bad(
+                "",
+                format!(
+                    "manifest layout {} is not the declared trainer layout {}",
+                    m.layout, v.trainer_layout
+                ),
+            ));
+        }
+        let declared: BTreeMap<&str, &TensorSpec> =
+            v.tensors.iter().map(|t| (t.name.as_str(), t)).collect();
+        let spec_of = |tensor: &str| {
+            declared
+                .get(tensor)
+                .copied()
+                .ok_or_else(|| Error::UndeclaredTensor {
+                    label: label.to_string(),
+                    slot,
+                    tensor: tensor.to_string(),
+                })
+        };
+        for s in &m.shards {
+            let spec = spec_of(&s.tensor)?;
+            if s.dtype != spec.dtype {
+                return Err(Error::Mismatch {
+                    label: label.to_string(),
+                    slot,
+                    tensor: s.tensor.clone(),
+                    what: "dtype",
+                    published: s.dtype.to_string(),
+                    declared: spec.dtype.to_string(),
+                });
+            }
+            if s.global_shape != spec.shape {
+                return Err(Error::Mismatch {
+                    label: label.to_string(),
+                    slot,
+                    tensor: s.tensor.clone(),
+                    what: "shape",
+                    published: shape_str(&s.global_shape),
+                    declared: shape_str(&spec.shape),
+                });
+            }
+            if s.shard.global_offset.len() != s.shard.local_shape.len() {
+                return Err(bad(&s.tensor, "box offset and shape differ in rank".into()));
+            }
+            if !s.shard.fits_in(&spec.shape) {
+                return Err(bad(
+                    &s.tensor,
+                    format!(
+                        "box {} does not fit global shape {}",
+                        s.shard,
+                        shape_str(&spec.shape)
+                    ),
+                ));
+            }
+            let want = s
+                .shard
+                .numel()
+                .and_then(|n| n.checked_mul(spec.dtype.size_bytes()))
+                .ok_or_else(|| bad(&s.tensor, "byte length overflows u64".into()))?;
+            if s.len != want {
+                return Err(bad(
+                    &s.tensor,
+                    format!(
+                        "len {} bytes, but box {} of {} needs {want}",
+                        s.len, s.shard, spec.dtype
+                    ),
+                ));
+            }
+            if s.addr.checked_add(s.len).is_none() {
+                return Err(bad(&s.tensor, "addr + len overflows u64".into()));
+            }
+        }
+        for p in &m.pieces {
+            let spec = spec_of(&p.tensor)?;
+            if p.region.global_offset.len() != p.region.local_shape.len()
+                || !p.region.fits_in(&spec.shape)
+            {
+                return Err(bad(
+                    &p.tensor,
+                    format!(
+                        "piece for {} rank {}: region {} does not fit global shape {}",
+                        p.layout,
+                        p.dest_rank,
+                        p.region,
+                        shape_str(&spec.shape)
+                    ),
+                ));
+            }
+            if p.dest_rank >= p.layout.world_size {
+                return Err(bad(
+                    &p.tensor,
+                    format!("piece dest_rank {} out of range for {}", p.dest_rank, p.layout),
+                ));
+            }
+        }
+        if let Some(fixed) = v.digest {
+            let next = version_digest(
+                v.slots
+                    .iter()
+                    .filter(|(s, _)| **s != slot)
+                    .flat_map(|(_, m)| &m.shards)
+                    .chain(&m.shards),
+            );
+            if next != fixed {
+                return Err(Error::VersionState {
+                    label: label.to_string(),
+                    state: v.state,
+                    reason: format!(
+                        "republishing slot {slot} would change the version digest {fixed} to {next}"
+                    ),
+                });
+            }
+        }
+        Ok(Check::Apply)
+    }
+
+    fn check_stage(&self, label: &str, worker_ids: &[String]) -> Result<Check, Error> {
+        let v = self.version(label)?;
+        if v.state != VersionState::Ready {
+            return Err(Error::VersionState {
+                label: label.to_string(),
+                state: v.state,
+                reason: "stage needs a READY version".to_string(),
+            });
+        }
+        worker_set(worker_ids)?;
+        for id in worker_ids {
+            let w = self.worker(id)?;
+            if w.state == WorkerState::Applying {
+                return Err(w.state_error(id, "cannot stage while applying"));
+            }
+        }
+        Ok(Check::Apply)
+    }
+
+    fn check_staged(&self, r: &StagedReport) -> Result<Check, Error> {
+        let w = self.worker(&r.worker_id)?;
+        self.version(&r.label)?;
+        let ok_state = matches!(w.state, WorkerState::Staging | WorkerState::Staged);
+        if !ok_state || w.label.as_deref() != Some(r.label.as_str()) {
+            return Err(w.state_error(
+                &r.worker_id,
+                &format!("a staged report for {:?} needs the worker STAGING it", r.label),
+            ));
+        }
+        Ok(Check::Apply)
+    }
+
+    fn check_commit(&self, label: &str, worker_ids: &[String]) -> Result<Check, Error> {
+        let v = self.version(label)?;
+        let set = worker_set(worker_ids)?;
+        match v.state {
+            VersionState::Committing | VersionState::Committed if v.commit_set == set => {
+                return Ok(Check::Noop)
+            }
+            VersionState::Ready => {}
+            VersionState::Committing | VersionState::Committed => {
+                return Err(Error::VersionState {
+                    label: label.to_string(),
+                    state: v.state,
+                    reason: format!(
+                        "already committed on workers {:?}, not {:?}",
+                        v.commit_set, set
+                    ),
+                })
+            }
+            _ => {
+                return Err(Error::VersionState {
+                    label: label.to_string(),
+                    state: v.state,
+                    reason: "commit needs a READY version".to_string(),
+                })
+            }
+        }
+        for id in worker_ids {
+            let w = self.worker(id)?;
+            if w.state != WorkerState::Staged || w.label.as_deref() != Some(label) {
+                return Err(w.state_error(
+                    id,
+                    &format!("commit of {label:?} needs every worker STAGED for it"),
+                ));
+            }
+        }
+        Ok(Check::Apply)
+    }
+
+    fn check_applied(&self, r: &AppliedReport) -> Result<Check, Error> {
+        let w = self.worker(&r.worker_id)?;
+        self.version(&r.label)?;
+        let ok_state = matches!(w.state, WorkerState::Applying | WorkerState::Applied);
+        if !ok_state || w.label.as_deref() != Some(r.label.as_str()) {
+            return Err(w.state_error(
+                &r.worker_id,
+                &format!("an applied report for {:?} needs the worker APPLYING it", r.label),
+            ));
+        }
+        Ok(Check::Apply)
+    }
+
+    /// The command outstanding for a worker, with its sequence number: `Stage` while STAGING,
+    /// `Apply` while APPLYING, none otherwise (or when unknown).
+    pub fn pending_command(&self, worker_id: &str) -> Option<(u64, Command)> {
+        let w = self.workers.get(worker_id)?;
+        let label = w.label.clone()?;
+        let version_digest = w.digest?;
+        let cmd = match w.state {
+            WorkerState::Staging => Command::Stage {
+                label,
+                version_digest,
+            },
+            WorkerState::Applying => Command::Apply {
+                label,
+                version_digest,
+            },
+            _ => return None,
+        };
+        Some((w.command_seq, cmd))
+    }
+
+    /// True when `worker_id` is registered.
+    pub fn has_worker(&self, worker_id: &str) -> bool {
+        self.workers.contains_key(worker_id)
+    }
+
+    /// The state of a version, `None` when not declared.
+    pub fn version_state(&self, label: &str) -> Option<VersionState> {
+        self.versions.get(label).map(|v| v.state)
+    }
+
+    /// Everything known about a version, `None` when not declared.
+    pub fn version_info(&self, label: &str) -> Option<VersionInfo> {
+        let v = self.versions.get(label)?;
+        let published_slots: Vec<u32> = v.slots.keys().copied().collect();
+        let missing_slots = (0..v.trainer_layout.world_size)
+            .filter(|s| !v.slots.contains_key(s))
+            .collect();
+        Some(VersionInfo {
+            label: label.to_string(),
+            state: v.state,
+            trainer_layout: v.trainer_layout,
+            tensors: v.tensors.clone(),
+            version_digest: v.digest,
+            published_slots,
+            missing_slots,
+            missing_tensors: v.missing_tensors.clone(),
+            coverage_gaps: v.gaps.clone(),
+            manifests: v.slots.values().cloned().collect(),
+            commit_workers: v.commit_set.clone(),
+        })
+    }
+
+    /// Every version (in declaration order) and every worker (by id).
+    pub fn fleet_status(&self) -> FleetStatus {
+        let mut versions: Vec<(u64, VersionSummary)> = self
+            .versions
+            .iter()
+            .map(|(label, v)| {
+                (
+                    v.order,
+                    VersionSummary {
+                        label: label.clone(),
+                        state: v.state,
+                        version_digest: v.digest,
+                    },
+                )
+            })
+            .collect();
+        versions.sort_by_key(|(o, _)| *o);
+        FleetStatus {
+            versions: versions.into_iter().map(|(_, s)| s).collect(),
+            workers: self
+                .workers
+                .iter()
+                .map(|(id, w)| WorkerStatus {
+                    worker_id: id.clone(),
+                    instance: w.instance.clone(),
+                    ranks: w.ranks.clone(),
+                    layout: w.layout,
+                    state: w.state,
+                    label: w.label.clone(),
+                    version_digest: w.digest,
+                    resident_version: w.resident,
+                    last_error: w.last_error.clone(),
+                    last_staged: w.last_staged.clone(),
+                    last_applied: w.last_applied.clone(),
+                })
+                .collect(),
+        }
+    }
+
+    /// The distinct layouts of registered workers, sorted.
+    pub fn layouts(&self) -> Vec<LayoutSpec> {
+        let set: BTreeSet<LayoutSpec> = self.workers.values().map(|w| w.layout).collect();
+        set.into_iter().collect()
+    }
+}
+
+fn check_register(worker_id: &str, ranks: &[u32], layout: &LayoutSpec) -> Result<Check, Error> {
+    if worker_id.is_empty() {
+        return Err(invalid("worker_id", "empty worker id"));
+    }
+    if layout.world_size == 0 {
+        return Err(invalid("layout.world_size", "must be >= 1"));
+    }
+    if ranks.is_empty() {
+        return Err(invalid("ranks", "a worker holds at least one rank"));
+    }
+    let mut seen = BTreeSet::new();
+    for (i, &r) in ranks.iter().enumerate() {
+        if r >= layout.world_size {
+            return Err(invalid(
+                format!("ranks[{i}]"),
+                format!("rank {r} is out of range for layout {layout}"),
+            ));
+        }
+        if !seen.insert(r) {
+            return Err(invalid(format!("ranks[{i}]"), format!("duplicate rank {r}")));
+        }
+    }
+    Ok(Check::Apply)
+}
+
+impl Worker {
+    fn state_error(&self, worker_id: &str, reason: &str) -> Error {
+        Error::WorkerState {
+            worker_id: worker_id.to_string(),
+            state: self.state,
+            label: self.label.clone().unwrap_or_default(),
+            reason: reason.to_string(),
+        }
+    }
+}
+
+impl Version {
+    /// Recomputes coverage, state and digest after a publish.
+    fn evaluate(&mut self) {
+        let all_in = (0..self.trainer_layout.world_size).all(|s| self.slots.contains_key(&s));
+        if !all_in {
+            self.missing_tensors.clear();
+            self.gaps.clear();
+            if self.state == VersionState::Declared {
+                self.state = VersionState::Publishing;
+            }
+            return;
+        }
+        let mut boxes: BTreeMap<&str, Vec<&TensorBox>> = BTreeMap::new();
+        for s in self.slots.values().flat_map(|m| &m.shards) {
+            boxes.entry(s.tensor.as_str()).or_default().push(&s.shard);
+        }
+        let mut missing = Vec::new();
+        let mut gaps = Vec::new();
+        for t in &self.tensors {
+            match boxes.get(t.name.as_str()) {
+                None => missing.push(t.name.clone()),
+                Some(bs) => {
+                    if let Some(region) = first_gap(&t.shape, bs) {
+                        gaps.push(CoverageGap {
+                            tensor: t.name.clone(),
+                            region,
+                        });
+                    }
+                }
+            }
+        }
+        self.missing_tensors = missing;
+        self.gaps = gaps;
+        match self.state {
+            VersionState::Declared | VersionState::Publishing => {
+                if self.missing_tensors.is_empty() && self.gaps.is_empty() {
+                    self.state = VersionState::Ready;
+                    self.digest = Some(version_digest(
+                        self.slots.values().flat_map(|m| &m.shards),
+                    ));
+                } else {
+                    self.state = VersionState::Publishing;
+                }
+            }
+            // A republish after READY was checked to keep the digest (and so the boxes).
+            _ => {}
+        }
+    }
+}
+
+/// The first box of `shape` that no box in `boxes` covers, `None` when the union covers it all.
+/// Boxes must have the same rank as `shape`; overlaps (replicated sources) are fine.
+fn first_gap(shape: &[u64], boxes: &[&TensorBox]) -> Option<TensorBox> {
+    let region = TensorBox::full(shape);
+    if region.is_empty() {
+        return None;
+    }
+    let live: Vec<&TensorBox> = boxes
+        .iter()
+        .copied()
+        .filter(|b| b.ndim() == shape.len() && !b.is_empty())
+        .collect::<BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    gap_in(region, live, 0)
+}
+
+/// Sweeps dim `dim` of `region`: splits it at every box edge, and for each slab recurses into
+/// the next dim with the boxes spanning the whole slab.
+fn gap_in(region: TensorBox, mut boxes: Vec<&TensorBox>, dim: usize) -> Option<TensorBox> {
+    if dim == region.ndim() {
+        return if boxes.is_empty() { Some(region) } else { None };
+    }
+    let lo = region.global_offset[dim];
+    let hi = lo + region.local_shape[dim];
+    let start = |b: &TensorBox| b.global_offset[dim].clamp(lo, hi);
+    let end = |b: &TensorBox| {
+        b.global_offset[dim]
+            .saturating_add(b.local_shape[dim])
+            .clamp(lo, hi)
+    };
+    boxes.retain(|b| start(b) < end(b));
+    boxes.sort_by_key(|b| start(b));
+    let mut cuts: Vec<u64> = vec![lo, hi];
+    for b in &boxes {
+        cuts.push(start(b));
+        cuts.push(end(b));
+    }
+    cuts.sort_unstable();
+    cuts.dedup();
+    let mut next = 0;
+    let mut active: Vec<&TensorBox> = Vec::new();
+    for w in cuts.windows(2) {
+        let (a, b) = (w[0], w[1]);
+        while next < boxes.len() && start(boxes[next]) <= a {
+            active.push(boxes[next]);
+            next += 1;
+        }
+        active.retain(|x| end(x) > a);
+        let mut slab = region.clone();
+        slab.global_offset[dim] = a;
+        slab.local_shape[dim] = b - a;
+        if active.is_empty() {
+            return Some(slab);
+        }
+        if let Some(g) = gap_in(slab, active.clone(), dim + 1) {
+            return Some(g);
+        }
+    }
+    None
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)] // reason: tests fail loudly on purpose
+mod tests {
+    use super::*;
+    use mx_layout::{DType, MemDevice, Scheme, ShardEntry};
+
+    fn bx(off: &[u64], shape: &[u64]) -> TensorBox {
+        TensorBox {
+            global_offset: off.to_vec(),
+            local_shape: shape.to_vec(),
+        }
+    }
+
+    #[test]
+    fn coverage_finds_gaps() {
+        // FSDP-like dim-0 split, complete.
+        let a = bx(&[0, 0], &[3, 4]);
+        let b = bx(&[3, 0], &[2, 4]);
+        assert_eq!(first_gap(&[5, 4], &[&a, &b]), None);
+        // Missing rows 3..5.
+        assert_eq!(first_gap(&[5, 4], &[&a]), Some(bx(&[3, 0], &[2, 4])));
+        // Column split with a hole in the second dim of the second row block.
+        let c = bx(&[3, 0], &[2, 3]);
+        assert_eq!(first_gap(&[5, 4], &[&a, &c]), Some(bx(&[3, 3], &[2, 1])));
+        // Replicated (identical overlapping boxes) and partial overlaps.
+        let full = bx(&[0, 0], &[5, 4]);
+        assert_eq!(first_gap(&[5, 4], &[&full, &full, &a]), None);
+        let o1 = bx(&[0, 0], &[4, 4]);
+        let o2 = bx(&[2, 0], &[3, 4]);
+        assert_eq!(first_gap(&[5, 4], &[&o1, &o2]), None);
+        // Scalars: covered iff some box exists; empty trailing FSDP shards are fine.
+        assert_eq!(first_gap(&[], &[&bx(&[], &[])]), None);
+        assert_eq!(first_gap(&[], &[]), Some(bx(&[], &[])));
+        let empty = bx(&[5, 0], &[0, 4]);
+        assert_eq!(first_gap(&[5, 4], &[&a, &b, &empty]), None);
+    }
+
+    fn spec(name: &str, shape: &[u64]) -> TensorSpec {
+        TensorSpec {
+            name: name.to_string(),
+            dtype: DType::BF16,
+            shape: shape.to_vec(),
+        }
+    }
+
+    fn shard(name: &str, shape: &[u64], b: TensorBox) -> ShardEntry {
+        let len = b.numel().unwrap() * 2;
+        ShardEntry {
+            tensor: name.to_string(),
+            dtype: DType::BF16,
+            global_shape: shape.to_vec(),
+            digest: Digest::of(format!("{name}{b}").as_bytes()),
+            shard: b,
+            addr: 4096,
+            len,
+            device: MemDevice::Dram,
+        }
+    }
+
+    fn manifest(slot: u32, shards: Vec<ShardEntry>) -> SourceManifest {
+        SourceManifest {
+            slot,
+            layout: LAYOUT,
+            agent_name: format!("src{slot}"),
+            agent_metadata: vec![1, 2, 3],
+            shards,
+            pieces: vec![],
+            pack_seconds: 0.0,
+        }
+    }
+
+    const LAYOUT: LayoutSpec = LayoutSpec {
+        scheme: Scheme::Fsdp,
+        world_size: 2,
+    };
+
+    #[test]
+    fn publish_then_ready_then_commit() {
+        let mut st = State::new();
+        let declare = Record::Declare {
+            label: "v1".into(),
+            trainer_layout: LAYOUT,
+            tensors: vec![spec("w", &[4, 2])],
+        };
+        st.apply(declare.clone()).unwrap();
+        assert_eq!(st.check(&declare).unwrap(), Check::Noop);
+        let s0 = shard("w", &[4, 2], bx(&[0, 0], &[2, 2]));
+        let s1 = shard("w", &[4, 2], bx(&[2, 0], &[2, 2]));
+        st.apply(Record::Publish {
+            label: "v1".into(),
+            manifest: manifest(0, vec![s0.clone()]),
+        })
+        .unwrap();
+        assert_eq!(st.version_state("v1"), Some(VersionState::Publishing));
+        st.apply(Record::Publish {
+            label: "v1".into(),
+            manifest: manifest(1, vec![s1.clone()]),
+        })
+        .unwrap();
+        let info = st.version_info("v1").unwrap();
+        assert_eq!(info.state, VersionState::Ready);
+        assert_eq!(info.version_digest, Some(version_digest([&s0, &s1])));
+
+        // A republish that changes the bytes after READY is refused; the same bytes are fine.
+        let mut changed = s1.clone();
+        changed.digest = Digest::of(b"other");
+        let err = st
+            .apply(Record::Publish {
+                label: "v1".into(),
+                manifest: manifest(1, vec![changed]),
+            })
+            .unwrap_err();
+        assert!(matches!(err, Error::VersionState { .. }), "{err}");
+        st.apply(Record::Publish {
+            label: "v1".into(),
+            manifest: manifest(1, vec![s1.clone()]),
+        })
+        .unwrap();
+
+        st.apply(Record::Register {
+            worker_id: "a".into(),
+            instance: "i0".into(),
+            ranks: vec![0],
+            layout: LAYOUT,
+        })
+        .unwrap();
+        let commit = Record::Commit {
+            label: "v1".into(),
+            worker_ids: vec!["a".into()],
+        };
+        let err = st.check(&commit).unwrap_err();
+        assert!(
+            matches!(&err, Error::WorkerState { worker_id, state: WorkerState::Idle, .. } if worker_id == "a")
+        );
+        st.apply(Record::Stage {
+            label: "v1".into(),
+            worker_ids: vec!["a".into()],
+        })
+        .unwrap();
+        let (seq, cmd) = st.pending_command("a").unwrap();
+        assert_eq!(seq, 1);
+        assert!(matches!(cmd, Command::Stage { .. }));
+        st.apply(Record::Staged {
+            report: StagedReport {
+                worker_id: "a".into(),
+                label: "v1".into(),
+                ok: true,
+                ..Default::default()
+            },
+        })
+        .unwrap();
+        st.apply(commit.clone()).unwrap();
+        assert_eq!(st.check(&commit).unwrap(), Check::Noop);
+        assert_eq!(st.pending_command("a").unwrap().0, 2);
+        // Wrong resident digest: worker FAILED, version FAILED.
+        let mut st2 = st.clone();
+        st2.apply(Record::Applied {
+            report: AppliedReport {
+                worker_id: "a".into(),
+                label: "v1".into(),
+                ok: true,
+                resident_version: Some(Digest::of(b"old")),
+                ..Default::default()
+            },
+        })
+        .unwrap();
+        assert_eq!(st2.version_state("v1"), Some(VersionState::Failed));
+        st.apply(Record::Applied {
+            report: AppliedReport {
+                worker_id: "a".into(),
+                label: "v1".into(),
+                ok: true,
+                resident_version: info.version_digest,
+                ..Default::default()
+            },
+        })
+        .unwrap();
+        assert_eq!(st.version_state("v1"), Some(VersionState::Committed));
+    }
+
+    #[test]
+    fn missing_tensor_keeps_publishing() {
+        let mut st = State::new();
+        st.apply(Record::Declare {
+            label: "v".into(),
+            trainer_layout: LAYOUT,
+            tensors: vec![spec("a", &[2]), spec("b", &[3])],
+        })
+        .unwrap();
+        for slot in 0..2 {
+            st.apply(Record::Publish {
+                label: "v".into(),
+                manifest: manifest(slot, vec![shard("a", &[2], bx(&[slot as u64], &[1]))]),
+            })
+            .unwrap();
+        }
+        let info = st.version_info("v").unwrap();
+        assert_eq!(info.state, VersionState::Publishing);
+        assert_eq!(info.missing_tensors, vec!["b".to_string()]);
+        assert_eq!(info.version_digest, None);
+    }
+}

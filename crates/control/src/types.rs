@@ -1,0 +1,228 @@
+//! The typed forms of what the control plane stores and answers: states, commands, reports and
+//! status views. Proto messages are converted into and out of these in [`crate::convert`].
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use mx_layout::{Digest, LayoutSpec, RankDigests, SourceManifest, TensorBox, TensorSpec};
+use serde::{Deserialize, Serialize};
+
+/// Lifecycle of a policy version.
+///
+/// `Declared -> Publishing -> Ready -> Committing -> Committed`, or `Failed` when a worker of
+/// the commit set fails to apply it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum VersionState {
+    /// Declared by the orchestrator; no source published yet.
+    Declared,
+    /// Some sources published; not every slot, or a declared tensor is not covered.
+    Publishing,
+    /// Every slot published and every declared tensor covered; the version digest is fixed.
+    Ready,
+    /// Apply commands sent to the commit set; waiting for every APPLIED report.
+    Committing,
+    /// Every worker of the commit set applied it with the right resident digest.
+    Committed,
+    /// A worker of the commit set failed to apply it.
+    Failed,
+}
+
+impl VersionState {
+    /// True when a wait for `wanted` is satisfied by `self` (states are ordered along the happy
+    /// path; `Failed` satisfies only a wait for `Failed`).
+    pub fn reaches(self, wanted: VersionState) -> bool {
+        match (self, wanted) {
+            (VersionState::Failed, w) => w == VersionState::Failed,
+            (_, VersionState::Failed) => false,
+            (s, w) => s >= w,
+        }
+    }
+}
+
+impl fmt::Display for VersionState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            VersionState::Declared => "DECLARED",
+            VersionState::Publishing => "PUBLISHING",
+            VersionState::Ready => "READY",
+            VersionState::Committing => "COMMITTING",
+            VersionState::Committed => "COMMITTED",
+            VersionState::Failed => "FAILED",
+        })
+    }
+}
+
+/// Lifecycle of a worker for the version it was last asked to stage.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum WorkerState {
+    /// Registered, nothing asked.
+    Idle,
+    /// Asked to stage a version.
+    Staging,
+    /// Reported the version staged and verified.
+    Staged,
+    /// Asked to apply the staged version.
+    Applying,
+    /// Reported the version applied, with the right resident digest.
+    Applied,
+    /// Reported a failure (see `last_error`).
+    Failed,
+}
+
+impl fmt::Display for WorkerState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            WorkerState::Idle => "IDLE",
+            WorkerState::Staging => "STAGING",
+            WorkerState::Staged => "STAGED",
+            WorkerState::Applying => "APPLYING",
+            WorkerState::Applied => "APPLIED",
+            WorkerState::Failed => "FAILED",
+        })
+    }
+}
+
+/// A command the control plane sends to one worker over its `WatchCommands` stream.
+///
+/// Delivery is at least once: a worker that reconnects while a command is outstanding gets it
+/// again, so workers treat a repeated command for the same digest as a request to report again.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Command {
+    /// Pull and verify the version into staging; then `report_staged`.
+    Stage {
+        /// Version label.
+        label: String,
+        /// Version identity.
+        version_digest: Digest,
+    },
+    /// Install the staged version into the live weights; then `report_applied`.
+    Apply {
+        /// Version label.
+        label: String,
+        /// Version identity.
+        version_digest: Digest,
+    },
+}
+
+/// A worker's result for a Stage command.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct StagedReport {
+    /// Reporting worker.
+    pub worker_id: String,
+    /// Version label it staged.
+    pub label: String,
+    /// True when pulled and verified.
+    pub ok: bool,
+    /// Failure description when `!ok` (empty otherwise).
+    pub error: String,
+    /// Digests of the staged bytes per rank.
+    pub ranks: Vec<RankDigests>,
+    /// Useful destination bytes pulled.
+    pub bytes: u64,
+    /// Read descriptors posted.
+    pub descriptors: u64,
+    /// Wall seconds of the stage.
+    pub seconds: f64,
+    /// Strategy name -> number of pieces pulled with it.
+    pub strategies: BTreeMap<String, u64>,
+}
+
+/// A worker's result for an Apply command.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct AppliedReport {
+    /// Reporting worker.
+    pub worker_id: String,
+    /// Version label it applied.
+    pub label: String,
+    /// True when applied.
+    pub ok: bool,
+    /// Failure description when `!ok` (empty otherwise).
+    pub error: String,
+    /// Digest of the version now resident in the live weights, read back by the worker.
+    pub resident_version: Option<Digest>,
+    /// Digests of the live bytes per rank.
+    pub ranks: Vec<RankDigests>,
+}
+
+/// A region of a declared tensor that no published shard covers.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CoverageGap {
+    /// The tensor.
+    pub tensor: String,
+    /// One uncovered box (global coordinates).
+    pub region: TensorBox,
+}
+
+/// Everything known about one version, as `GetVersion` answers it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct VersionInfo {
+    /// Human label (e.g. trainer step); not the identity.
+    pub label: String,
+    /// Current state.
+    pub state: VersionState,
+    /// Layout of the sources (slots `0..world_size`).
+    pub trainer_layout: LayoutSpec,
+    /// Declared tensors.
+    pub tensors: Vec<TensorSpec>,
+    /// The identity, once READY (kept in every later state).
+    pub version_digest: Option<Digest>,
+    /// Slots that published, ascending.
+    pub published_slots: Vec<u32>,
+    /// Slots still expected, ascending.
+    pub missing_slots: Vec<u32>,
+    /// Declared tensors in no manifest (computed once every slot published).
+    pub missing_tensors: Vec<String>,
+    /// Declared tensors held only in part (computed once every slot published).
+    pub coverage_gaps: Vec<CoverageGap>,
+    /// The published manifests, by slot.
+    pub manifests: Vec<SourceManifest>,
+    /// The commit's worker set, sorted, once committing.
+    pub commit_workers: Vec<String>,
+}
+
+/// One line of the fleet status per version.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VersionSummary {
+    /// Label.
+    pub label: String,
+    /// State.
+    pub state: VersionState,
+    /// Identity, once READY.
+    pub version_digest: Option<Digest>,
+}
+
+/// One registered worker (an inference instance holding `ranks` of `layout`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct WorkerStatus {
+    /// Worker id.
+    pub worker_id: String,
+    /// Instance name (one instance may hold several ranks).
+    pub instance: String,
+    /// Ranks of `layout` it holds.
+    pub ranks: Vec<u32>,
+    /// Its inference layout.
+    pub layout: LayoutSpec,
+    /// State for `label`.
+    pub state: WorkerState,
+    /// Label of the version being (or last) staged/applied.
+    pub label: Option<String>,
+    /// Digest of that version.
+    pub version_digest: Option<Digest>,
+    /// Digest it last reported resident in its live weights.
+    pub resident_version: Option<Digest>,
+    /// Last failure it reported.
+    pub last_error: Option<String>,
+    /// Its last Stage result.
+    pub last_staged: Option<StagedReport>,
+    /// Its last Apply result.
+    pub last_applied: Option<AppliedReport>,
+}
+
+/// `GetStatus`: every version (in declaration order) and every worker (by id).
+#[derive(Debug, Clone, PartialEq)]
+pub struct FleetStatus {
+    /// Versions.
+    pub versions: Vec<VersionSummary>,
+    /// Workers.
+    pub workers: Vec<WorkerStatus>,
+}

@@ -1,0 +1,107 @@
+//! The layout crate's error type.
+
+/// Errors from layout derivation and planning. Each names the tensor, rank or field at fault.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A dtype name that is not one of the supported element types.
+    #[error("unknown dtype {name:?}")]
+    UnknownDType {
+        /// The name as given.
+        name: String,
+    },
+    /// A digest string that is not 64 hex characters.
+    #[error("bad digest {value:?}: expected 64 hex characters")]
+    BadDigest {
+        /// The value as given.
+        value: String,
+    },
+    /// A layout spec that does not parse.
+    #[error("bad layout spec {spec:?}: {reason}")]
+    BadLayoutSpec {
+        /// The spec as given.
+        spec: String,
+        /// Why it was refused.
+        reason: String,
+    },
+    /// A layout that cannot split a tensor, e.g. tp=2 over 9 attention heads.
+    #[error("layout {layout} cannot place tensor {tensor}: {reason}")]
+    ImpossibleLayout {
+        /// The layout.
+        layout: String,
+        /// The tensor at fault.
+        tensor: String,
+        /// Why.
+        reason: String,
+    },
+    /// A model config that lacks a field or has an inconsistent value.
+    #[error("model config: field {field}: {reason}")]
+    BadConfig {
+        /// The field at fault.
+        field: String,
+        /// Why.
+        reason: String,
+    },
+    /// A tensor the layout needs is missing from the checkpoint or the manifests.
+    #[error("tensor {tensor} is missing: {reason}")]
+    MissingTensor {
+        /// The tensor at fault.
+        tensor: String,
+        /// Where it was expected.
+        reason: String,
+    },
+    /// Source and destination disagree on a tensor's dtype or global shape.
+    #[error("tensor {tensor}: {what} mismatch: source has {source_value}, destination expects {dest_value}")]
+    Mismatch {
+        /// The tensor at fault.
+        tensor: String,
+        /// `dtype` or `shape`.
+        what: &'static str,
+        /// What the source published.
+        source_value: String,
+        /// What the destination needs.
+        dest_value: String,
+    },
+    /// Some destination bytes would not be written by the plan.
+    #[error("coverage gap in {param} (rank {rank}) at bytes {start}..{end}")]
+    CoverageGap {
+        /// Destination parameter.
+        param: String,
+        /// Destination rank.
+        rank: u32,
+        /// First byte not covered (offset within the rank's buffer).
+        start: u64,
+        /// End of the gap.
+        end: u64,
+    },
+    /// Some destination bytes would be written twice by the plan.
+    #[error("overlap in {param} (rank {rank}) at bytes {start}..{end}")]
+    Overlap {
+        /// Destination parameter.
+        param: String,
+        /// Destination rank.
+        rank: u32,
+        /// First byte written twice.
+        start: u64,
+        /// End of the overlap.
+        end: u64,
+    },
+    /// A size or offset computation overflowed u64.
+    #[error("arithmetic overflow computing {what} for {tensor}")]
+    Overflow {
+        /// What was being computed.
+        what: &'static str,
+        /// The tensor at fault.
+        tensor: String,
+    },
+    /// A manifest entry that is internally inconsistent (length vs box, box outside shape).
+    #[error("manifest of source slot {slot}: tensor {tensor}: {reason}")]
+    BadManifest {
+        /// Source slot.
+        slot: u32,
+        /// The tensor at fault.
+        tensor: String,
+        /// Why.
+        reason: String,
+    },
+}

@@ -1,0 +1,25 @@
+//! mx-layout: tensor layouts and transfer planning. Pure: no I/O, no threads, deterministic.
+//!
+//! Main types: [`DType`], [`TensorBox`] (an N-d box of a global tensor), [`LayoutSpec`] (a scheme
+//! over N ranks), [`ModelLayout`] (for every rank of a layout, the parameters it holds and which
+//! boxes of which checkpoint tensors they are made of), [`SourceManifest`] (what a source
+//! publishes) and [`plan::Plan`] (for one destination rank set, the coalesced NIXL reads, the
+//! staging layout and the apply copies, with a proof that every destination byte is written once).
+//!
+//! Left out: moving bytes (mx-nixl), reading files (mx-checkpoint), talking to peers (mx-control).
+#![forbid(unsafe_code)]
+
+mod dtype;
+mod error;
+mod manifest;
+pub mod model;
+pub mod plan;
+mod types;
+
+pub use dtype::DType;
+pub use error::Error;
+pub use manifest::{
+    version_digest, DestPiece, MemDevice, RankDigests, ShardEntry, SourceManifest, TensorSpec,
+};
+pub use model::{rank_layout, rank_layouts, ModelInfo, Param, Piece, RankLayout};
+pub use types::{Digest, LayoutSpec, Scheme, TensorBox};

@@ -1,0 +1,129 @@
+//! What a source publishes (its manifest) and what a worker reports back.
+//!
+//! These are the typed, storage- and planning-side forms; the control plane converts its proto
+//! messages into them at the RPC edge.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::{DType, Digest, LayoutSpec, TensorBox};
+
+/// Where a registered buffer lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum MemDevice {
+    /// Host memory (NIXL `DRAM_SEG`).
+    Dram,
+    /// GPU memory of the given CUDA device ordinal (NIXL `VRAM_SEG`).
+    Vram(u32),
+}
+
+/// One shard a source holds: the box it owns of a global tensor, stored row-major (C order) at
+/// `addr .. addr + len` of the source's registered arena.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShardEntry {
+    /// Global (checkpoint) tensor name, e.g. `model.layers.0.self_attn.q_proj.weight`.
+    pub tensor: String,
+    /// Element type.
+    pub dtype: DType,
+    /// Global shape of the whole tensor (elements).
+    pub global_shape: Vec<u64>,
+    /// The box of the global tensor this shard holds.
+    pub shard: TensorBox,
+    /// Virtual address of the first byte in the source's process (NIXL descriptor address).
+    pub addr: u64,
+    /// Length in bytes; equals `numel(shard) * dtype.size_bytes()`.
+    pub len: u64,
+    /// Memory kind of the arena.
+    pub device: MemDevice,
+    /// blake3 of the shard's `len` bytes.
+    pub digest: Digest,
+}
+
+/// One piece of a destination rank's needs that this source can serve: the intersection of the
+/// source's shard with one box the destination rank needs, for one registered destination layout.
+///
+/// The digest covers the intersection's bytes in row-major order of the intersection box, so a
+/// worker can verify exactly the bytes it pulled, whichever way it pulled them.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DestPiece {
+    /// The destination layout this piece was cut for.
+    pub layout: LayoutSpec,
+    /// Destination rank within that layout.
+    pub dest_rank: u32,
+    /// Global tensor name.
+    pub tensor: String,
+    /// The intersection box (global coordinates).
+    pub region: TensorBox,
+    /// blake3 of the region's bytes in row-major order.
+    pub digest: Digest,
+    /// Where the publisher packed this region contiguously (row-major), if it did.
+    pub packed_addr: Option<u64>,
+}
+
+/// A source's full manifest for one policy version.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SourceManifest {
+    /// Source slot (trainer rank) within the version's expected slots.
+    pub slot: u32,
+    /// The trainer layout this source belongs to.
+    pub layout: LayoutSpec,
+    /// NIXL agent name of the source.
+    pub agent_name: String,
+    /// NIXL agent metadata blob (from `getLocalMD`), loaded by pullers.
+    pub agent_metadata: Vec<u8>,
+    /// Shards held.
+    pub shards: Vec<ShardEntry>,
+    /// Per-destination pieces with digests (and packed addresses where packed).
+    pub pieces: Vec<DestPiece>,
+    /// Seconds the publisher spent packing destination regions for this version.
+    pub pack_seconds: f64,
+}
+
+/// A global tensor declared for a version (taken from the checkpoint's header/index).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TensorSpec {
+    /// Global tensor name.
+    pub name: String,
+    /// Element type.
+    pub dtype: DType,
+    /// Global shape.
+    pub shape: Vec<u64>,
+}
+
+/// Per-rank digests of live or staged bytes: `tensors[name]` is the blake3 of that parameter's
+/// bytes on that rank (vLLM parameter names for a `tp` layout).
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct RankDigests {
+    /// Rank within the worker's layout.
+    pub rank: u32,
+    /// Parameter name -> digest.
+    pub tensors: BTreeMap<String, Digest>,
+}
+
+/// The policy version identity: a blake3 Merkle root over the digests of every published shard,
+/// taken in (tensor name, box) order so it does not depend on publish order.
+///
+/// Leaf = blake3(name || 0 || box offsets and shape as u64 LE || shard digest); root = blake3 over
+/// the sorted leaves.
+pub fn version_digest<'a>(shards: impl IntoIterator<Item = &'a ShardEntry>) -> Digest {
+    let mut leaves: Vec<(String, TensorBox, [u8; 32])> = shards
+        .into_iter()
+        .map(|s| {
+            let mut h = blake3::Hasher::new();
+            h.update(s.tensor.as_bytes());
+            h.update(&[0]);
+            for v in s.shard.global_offset.iter().chain(&s.shard.local_shape) {
+                h.update(&v.to_le_bytes());
+            }
+            h.update(s.digest.as_bytes());
+            (s.tensor.clone(), s.shard.clone(), *h.finalize().as_bytes())
+        })
+        .collect();
+    leaves.sort();
+    let mut root = blake3::Hasher::new();
+    for (_, _, leaf) in &leaves {
+        root.update(leaf);
+    }
+    root.finalize().into()
+}

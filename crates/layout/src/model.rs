@@ -1,0 +1,593 @@
+//! Model layouts: for each rank of a [`LayoutSpec`], the parameters it holds and which boxes of which
+//! checkpoint tensors they are made of.
+//!
+//! A model is described by [`ModelInfo`], derived from an HF `config.json` (llama family and BERT)
+//! plus the checkpoint's tensor list. [`rank_layouts`] then places every tensor according to the
+//! scheme. vLLM conventions (source: vLLM `QKVParallelLinear`, `MergedColumnParallelLinear`,
+//! `RowParallelLinear`, `VocabParallelEmbedding`, `pad_vocab_size` with padding 64):
+//! - `q_proj`/`k_proj`/`v_proj` fuse into `qkv_proj` as `[q_r; k_r; v_r]` per rank; when
+//!   tp > kv heads each rank holds kv head `r / (tp / kv_heads)` (replicated kv heads);
+//! - `gate_proj`/`up_proj` fuse into `gate_up_proj` as `[gate_r; up_r]`;
+//! - `o_proj`, `down_proj` (and BERT `attention.output.dense`, `output.dense`) split dim 1;
+//! - other linear weights and their biases split dim 0 (column parallel);
+//! - word embeddings and `lm_head` pad the vocab to a multiple of 64 and split it evenly; padding
+//!   rows exist only at the destination and are zero-filled there;
+//! - norms, row-parallel biases, position and token-type embeddings are replicated.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::{DType, Error, LayoutSpec, Scheme, TensorBox, TensorSpec};
+
+/// Model family, from `config.json`'s `model_type`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Family {
+    /// Llama-family decoder (llama, mistral, qwen2: same parameter names).
+    Llama,
+    /// BERT encoder.
+    Bert,
+}
+
+/// What the layout needs to know about a model.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModelInfo {
+    /// Family.
+    pub family: Family,
+    /// `num_attention_heads`.
+    pub num_heads: u64,
+    /// `num_key_value_heads` (= heads for BERT).
+    pub num_kv_heads: u64,
+    /// `head_dim` (or hidden / heads).
+    pub head_dim: u64,
+    /// `vocab_size`.
+    pub vocab_size: u64,
+    /// Every checkpoint tensor, sorted by name.
+    pub tensors: Vec<TensorSpec>,
+}
+
+fn cfg_u64(cfg: &serde_json::Value, field: &str) -> Result<u64, Error> {
+    cfg.get(field)
+        .and_then(serde_json::Value::as_u64)
+        .ok_or_else(|| Error::BadConfig {
+            field: field.to_string(),
+            reason: "missing or not a non-negative integer".into(),
+        })
+}
+
+impl ModelInfo {
+    /// Derives model info from an HF `config.json` value and the checkpoint's tensors.
+    ///
+    /// # Errors
+    /// [`Error::BadConfig`] naming a missing or inconsistent field (unsupported `model_type`,
+    /// heads not dividing hidden size, kv heads not dividing heads).
+    pub fn from_hf_config(
+        config: &serde_json::Value,
+        mut tensors: Vec<TensorSpec>,
+    ) -> Result<ModelInfo, Error> {
+        let model_type = config
+            .get("model_type")
+            .and_then(serde_json::Value::as_str)
+            .ok_or_else(|| Error::BadConfig {
+                field: "model_type".into(),
+                reason: "missing".into(),
+            })?;
+        let family = match model_type {
+            "llama" | "mistral" | "qwen2" | "qwen3" => Family::Llama,
+            "bert" => Family::Bert,
+            other => {
+                return Err(Error::BadConfig {
+                    field: "model_type".into(),
+                    reason: format!("{other:?} is not supported (llama family or bert)"),
+                })
+            }
+        };
+        let hidden = cfg_u64(config, "hidden_size")?;
+        let num_heads = cfg_u64(config, "num_attention_heads")?;
+        if num_heads == 0 {
+            return Err(Error::BadConfig {
+                field: "num_attention_heads".into(),
+                reason: "must be > 0".into(),
+            });
+        }
+        let num_kv_heads = match family {
+            Family::Llama => cfg_u64(config, "num_key_value_heads").unwrap_or(num_heads),
+            Family::Bert => num_heads,
+        };
+        if num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
+            return Err(Error::BadConfig {
+                field: "num_key_value_heads".into(),
+                reason: format!("{num_kv_heads} does not divide num_attention_heads {num_heads}"),
+            });
+        }
+        let head_dim = match cfg_u64(config, "head_dim") {
+            Ok(h) => h,
+            Err(_) => {
+                if hidden % num_heads != 0 {
+                    return Err(Error::BadConfig {
+                        field: "hidden_size".into(),
+                        reason: format!("{hidden} not divisible by num_attention_heads {num_heads}"),
+                    });
+                }
+                hidden / num_heads
+            }
+        };
+        let vocab_size = cfg_u64(config, "vocab_size")?;
+        tensors.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(ModelInfo {
+            family,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            vocab_size,
+            tensors,
+        })
+    }
+
+    /// Looks up a tensor by checkpoint name.
+    pub fn tensor(&self, name: &str) -> Option<&TensorSpec> {
+        self.tensors
+            .binary_search_by(|t| t.name.as_str().cmp(name))
+            .ok()
+            .map(|i| &self.tensors[i])
+    }
+}
+
+/// One box of a checkpoint tensor placed row-major at `offset` (bytes) in a rank's buffer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Piece {
+    /// Checkpoint tensor name.
+    pub tensor: String,
+    /// The tensor's dtype.
+    pub dtype: DType,
+    /// The tensor's global shape.
+    pub global_shape: Vec<u64>,
+    /// The box of the tensor this piece holds.
+    pub region: TensorBox,
+    /// Byte offset of the piece in the rank's buffer.
+    pub offset: u64,
+}
+
+/// One parameter on one rank: its engine name, local shape, where it lives in the rank's buffer
+/// and what it is made of. Pieces stack along dim 0 in order; `zero_rows` trailing rows (vocab
+/// padding) are zero-filled.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Param {
+    /// Engine parameter name (vLLM names for `tp`, checkpoint names otherwise).
+    pub name: String,
+    /// Element type.
+    pub dtype: DType,
+    /// Local shape on this rank (elements).
+    pub shape: Vec<u64>,
+    /// Byte offset in the rank's buffer.
+    pub offset: u64,
+    /// Length in bytes.
+    pub len: u64,
+    /// The boxes it is made of, in order.
+    pub pieces: Vec<Piece>,
+    /// Zero-filled byte range (offset in rank buffer, length), for vocab padding rows.
+    pub zero_fill: Option<(u64, u64)>,
+}
+
+/// Everything one rank of a layout holds, packed back to back in one buffer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RankLayout {
+    /// The layout.
+    pub layout: LayoutSpec,
+    /// The rank.
+    pub rank: u32,
+    /// Parameters, in buffer order.
+    pub params: Vec<Param>,
+    /// Total bytes of the rank's buffer.
+    pub total_bytes: u64,
+}
+
+impl RankLayout {
+    /// A rank layout from explicit boxes, each its own parameter named after its tensor, in order
+    /// (for N-d layouts the schemes do not cover, e.g. expert or 2-D grid splits).
+    ///
+    /// # Errors
+    /// [`Error::Overflow`] on sizes past u64; [`Error::ImpossibleLayout`] when a box is outside
+    /// its tensor.
+    pub fn from_boxes(layout: LayoutSpec, rank: u32, boxes: &[(TensorSpec, TensorBox)]) -> Result<RankLayout, Error> {
+        let mut b = Builder {
+            layout,
+            params: Vec::new(),
+            offset: 0,
+        };
+        for (t, bx) in boxes {
+            if !bx.fits_in(&t.shape) {
+                return Err(Error::ImpossibleLayout {
+                    layout: layout.to_string(),
+                    tensor: t.name.clone(),
+                    reason: format!("box {bx} is outside shape {:?}", t.shape),
+                });
+            }
+            b.single(t.name.clone(), t, bx.clone())?;
+        }
+        Ok(RankLayout {
+            layout,
+            rank,
+            total_bytes: b.offset,
+            params: b.params,
+        })
+    }
+
+    /// Finds a parameter by name.
+    pub fn param(&self, name: &str) -> Option<&Param> {
+        self.params.iter().find(|p| p.name == name)
+    }
+}
+
+/// How a checkpoint tensor is placed under vLLM tensor parallelism.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Role {
+    Replicated,
+    Column,
+    Row,
+    Vocab,
+    /// Part of a fused parameter: (vLLM param name, part index: q/k/v = 0/1/2, gate/up = 0/1).
+    Fused(String, usize),
+}
+
+fn role(family: Family, name: &str) -> Role {
+    let fused = |suffix_from: &str, to: &str, part: usize| -> Option<Role> {
+        let idx = name.find(suffix_from)?;
+        let rest = &name[idx + suffix_from.len()..];
+        if rest == "weight" || rest == "bias" {
+            Some(Role::Fused(format!("{}{to}{rest}", &name[..idx]), part))
+        } else {
+            None
+        }
+    };
+    let is_weight = name.ends_with(".weight");
+    match family {
+        Family::Llama => {
+            if let Some(r) = fused("self_attn.q_proj.", "self_attn.qkv_proj.", 0)
+                .or_else(|| fused("self_attn.k_proj.", "self_attn.qkv_proj.", 1))
+                .or_else(|| fused("self_attn.v_proj.", "self_attn.qkv_proj.", 2))
+                .or_else(|| fused("mlp.gate_proj.", "mlp.gate_up_proj.", 0))
+                .or_else(|| fused("mlp.up_proj.", "mlp.gate_up_proj.", 1))
+            {
+                return r;
+            }
+            if is_weight && (name.ends_with("self_attn.o_proj.weight") || name.ends_with("mlp.down_proj.weight")) {
+                return Role::Row;
+            }
+            if name == "model.embed_tokens.weight" || name == "lm_head.weight" {
+                return Role::Vocab;
+            }
+            Role::Replicated
+        }
+        Family::Bert => {
+            if let Some(r) = fused("attention.self.query.", "attention.self.qkv_proj.", 0)
+                .or_else(|| fused("attention.self.key.", "attention.self.qkv_proj.", 1))
+                .or_else(|| fused("attention.self.value.", "attention.self.qkv_proj.", 2))
+            {
+                return r;
+            }
+            if is_weight
+                && (name.ends_with("attention.output.dense.weight")
+                    || (name.ends_with(".output.dense.weight") && !name.contains("attention")))
+            {
+                return Role::Row;
+            }
+            if name.ends_with("intermediate.dense.weight") || name.ends_with("intermediate.dense.bias") {
+                return Role::Column;
+            }
+            if name.ends_with("embeddings.word_embeddings.weight") {
+                return Role::Vocab;
+            }
+            Role::Replicated
+        }
+    }
+}
+
+/// Rows `[start, end)` of dim 0 that FSDP rank `rank` of `n` holds (torch.chunk: ceil(rows/n) per
+/// rank, trailing ranks short or empty).
+pub fn fsdp_rows(rows: u64, rank: u32, n: u32) -> (u64, u64) {
+    let n = u64::from(n.max(1));
+    let chunk = rows.div_ceil(n);
+    let start = chunk.saturating_mul(u64::from(rank)).min(rows);
+    let end = start.saturating_add(chunk).min(rows);
+    (start, end)
+}
+
+/// vLLM's padded vocab size: rounded up to a multiple of 64 (`pad_vocab_size`).
+pub fn padded_vocab(vocab: u64) -> u64 {
+    vocab.div_ceil(64) * 64
+}
+
+struct Builder {
+    layout: LayoutSpec,
+    params: Vec<Param>,
+    offset: u64,
+}
+
+impl Builder {
+    fn single(&mut self, name: String, t: &TensorSpec, region: TensorBox) -> Result<(), Error> {
+        let shape = region.local_shape.clone();
+        self.push(name, t.dtype, &shape, vec![(t, region)], 0)
+    }
+
+    fn push(
+        &mut self,
+        name: String,
+        dtype: DType,
+        template: &[u64],
+        pieces: Vec<(&TensorSpec, TensorBox)>,
+        zero_rows: u64,
+    ) -> Result<(), Error> {
+        let overflow = |what| Error::Overflow {
+            what,
+            tensor: name.clone(),
+        };
+        let mut shape = template.to_vec();
+        let mut rows = 0u64;
+        let mut placed = Vec::with_capacity(pieces.len());
+        let mut off = self.offset;
+        for (spec, region) in pieces {
+            if region.local_shape.get(1..) != shape.get(1..) {
+                return Err(Error::ImpossibleLayout {
+                    layout: self.layout.to_string(),
+                    tensor: spec.name.clone(),
+                    reason: format!("cannot fuse into {name}: trailing dims differ"),
+                });
+            }
+            let bytes = region
+                .numel()
+                .and_then(|n| n.checked_mul(dtype.size_bytes()))
+                .ok_or_else(|| overflow("piece bytes"))?;
+            rows = rows.saturating_add(region.local_shape.first().copied().unwrap_or(1));
+            placed.push(Piece {
+                tensor: spec.name.clone(),
+                dtype: spec.dtype,
+                global_shape: spec.shape.clone(),
+                region,
+                offset: off,
+            });
+            off = off.checked_add(bytes).ok_or_else(|| overflow("offset"))?;
+        }
+        let mut zero_fill = None;
+        if zero_rows > 0 {
+            let row_bytes = shape
+                .iter()
+                .skip(1)
+                .try_fold(dtype.size_bytes(), |a, &d| a.checked_mul(d))
+                .ok_or_else(|| overflow("row bytes"))?;
+            let z = row_bytes
+                .checked_mul(zero_rows)
+                .ok_or_else(|| overflow("padding bytes"))?;
+            zero_fill = Some((off, z));
+            off = off.checked_add(z).ok_or_else(|| overflow("offset"))?;
+            rows = rows.saturating_add(zero_rows);
+        }
+        if let Some(d0) = shape.first_mut() {
+            *d0 = rows;
+        }
+        let len = off - self.offset;
+        self.params.push(Param {
+            name,
+            dtype,
+            shape,
+            offset: self.offset,
+            len,
+            pieces: placed,
+            zero_fill,
+        });
+        self.offset = off;
+        Ok(())
+    }
+}
+
+fn rows_box(spec: &TensorSpec, start: u64, end: u64) -> TensorBox {
+    let mut b = TensorBox::full(&spec.shape);
+    if let (Some(o), Some(s)) = (b.global_offset.first_mut(), b.local_shape.first_mut()) {
+        *o = start;
+        *s = end - start;
+    }
+    b
+}
+
+fn split_even(layout: LayoutSpec, spec: &TensorSpec, dim: usize, rank: u32) -> Result<TensorBox, Error> {
+    let tp = u64::from(layout.world_size);
+    let extent = *spec.shape.get(dim).ok_or_else(|| Error::ImpossibleLayout {
+        layout: layout.to_string(),
+        tensor: spec.name.clone(),
+        reason: format!("needs a dim {dim} to split, shape is {:?}", spec.shape),
+    })?;
+    if extent % tp != 0 {
+        return Err(Error::ImpossibleLayout {
+            layout: layout.to_string(),
+            tensor: spec.name.clone(),
+            reason: format!("dim {dim} of size {extent} is not divisible by tp={tp}"),
+        });
+    }
+    let per = extent / tp;
+    let mut b = TensorBox::full(&spec.shape);
+    b.global_offset[dim] = per * u64::from(rank);
+    b.local_shape[dim] = per;
+    Ok(b)
+}
+
+/// The box of q, k or v (`part` 0/1/2) that tp rank `rank` holds in vLLM's QKVParallelLinear.
+fn qkv_box(model: &ModelInfo, layout: LayoutSpec, spec: &TensorSpec, part: usize, rank: u32) -> Result<TensorBox, Error> {
+    let tp = u64::from(layout.world_size);
+    let r = u64::from(rank);
+    let bad = |reason: String| Error::ImpossibleLayout {
+        layout: layout.to_string(),
+        tensor: spec.name.clone(),
+        reason,
+    };
+    let heads = if part == 0 { model.num_heads } else { model.num_kv_heads };
+    let rows = spec.shape.first().copied().unwrap_or(0);
+    if rows != heads * model.head_dim {
+        return Err(bad(format!(
+            "dim 0 is {rows}, expected {heads} heads x head_dim {}",
+            model.head_dim
+        )));
+    }
+    let (first_head, n_heads) = if part == 0 {
+        if heads % tp != 0 {
+            return Err(bad(format!("{heads} attention heads are not divisible by tp={tp}")));
+        }
+        (r * (heads / tp), heads / tp)
+    } else if tp >= heads {
+        if tp % heads != 0 {
+            return Err(bad(format!("tp={tp} is not a multiple of {heads} kv heads")));
+        }
+        (r / (tp / heads), 1)
+    } else {
+        if heads % tp != 0 {
+            return Err(bad(format!("{heads} kv heads are not divisible by tp={tp}")));
+        }
+        (r * (heads / tp), heads / tp)
+    };
+    Ok(rows_box(
+        spec,
+        first_head * model.head_dim,
+        (first_head + n_heads) * model.head_dim,
+    ))
+}
+
+/// The layout of every rank of `layout` for `model`.
+///
+/// # Errors
+/// [`Error::ImpossibleLayout`] naming the tensor when the layout cannot split it (e.g. tp=2 over 9
+/// attention heads); [`Error::MissingTensor`] when a fused parameter lacks one of its parts.
+pub fn rank_layouts(model: &ModelInfo, layout: LayoutSpec) -> Result<Vec<RankLayout>, Error> {
+    (0..layout.world_size)
+        .map(|rank| rank_layout(model, layout, rank))
+        .collect()
+}
+
+/// The layout of one rank; see [`rank_layouts`].
+///
+/// # Errors
+/// As [`rank_layouts`].
+pub fn rank_layout(model: &ModelInfo, layout: LayoutSpec, rank: u32) -> Result<RankLayout, Error> {
+    let mut b = Builder {
+        layout,
+        params: Vec::new(),
+        offset: 0,
+    };
+    match layout.scheme {
+        Scheme::Replicated => {
+            for t in &model.tensors {
+                b.single(t.name.clone(), t, TensorBox::full(&t.shape))?;
+            }
+        }
+        Scheme::Fsdp => {
+            for t in &model.tensors {
+                if t.shape.is_empty() {
+                    if rank == 0 {
+                        b.single(t.name.clone(), t, TensorBox::full(&t.shape))?;
+                    }
+                    continue;
+                }
+                let (s, e) = fsdp_rows(t.shape[0], rank, layout.world_size);
+                if e > s {
+                    b.single(t.name.clone(), t, rows_box(t, s, e))?;
+                }
+            }
+        }
+        Scheme::VllmTp => vllm_tp(model, layout, rank, &mut b)?,
+    }
+    Ok(RankLayout {
+        layout,
+        rank,
+        total_bytes: b.offset,
+        params: b.params,
+    })
+}
+
+fn vllm_tp(model: &ModelInfo, layout: LayoutSpec, rank: u32, b: &mut Builder) -> Result<(), Error> {
+    // Fused params collect their parts; emitted at the position of their first part.
+    let mut fused: BTreeMap<String, Vec<Option<&TensorSpec>>> = BTreeMap::new();
+    let mut order: Vec<(String, Option<&TensorSpec>)> = Vec::new();
+    for t in &model.tensors {
+        match role(model.family, &t.name) {
+            Role::Fused(param, part) => {
+                let parts = fused.entry(param.clone()).or_insert_with(|| {
+                    order.push((param.clone(), None));
+                    Vec::new()
+                });
+                if parts.len() <= part {
+                    parts.resize(part + 1, None);
+                }
+                parts[part] = Some(t);
+            }
+            _ => order.push((t.name.clone(), Some(t))),
+        }
+    }
+    for (name, single) in order {
+        if let Some(t) = single {
+            match role(model.family, &t.name) {
+                Role::Replicated => b.single(name, t, TensorBox::full(&t.shape))?,
+                Role::Column => {
+                    let bx = split_even(layout, t, 0, rank)?;
+                    b.single(name, t, bx)?
+                }
+                Role::Row => {
+                    let bx = split_even(layout, t, 1, rank)?;
+                    b.single(name, t, bx)?
+                }
+                Role::Vocab => {
+                    let vocab = t.shape.first().copied().unwrap_or(0);
+                    let padded = padded_vocab(vocab);
+                    let tp = u64::from(layout.world_size);
+                    if padded % tp != 0 {
+                        return Err(Error::ImpossibleLayout {
+                            layout: layout.to_string(),
+                            tensor: t.name.clone(),
+                            reason: format!("padded vocab {padded} is not divisible by tp={tp}"),
+                        });
+                    }
+                    let per = padded / tp;
+                    let start = per * u64::from(rank);
+                    let end = start + per;
+                    let real_end = end.min(vocab);
+                    let real_start = start.min(vocab);
+                    let pieces = if real_end > real_start {
+                        vec![(t, rows_box(t, real_start, real_end))]
+                    } else {
+                        Vec::new()
+                    };
+                    let zero = end - real_end.max(start);
+                    b.push(name, t.dtype, &t.shape, pieces, zero)?;
+                }
+                Role::Fused(..) => {}
+            }
+            continue;
+        }
+        let parts = fused.get(&name).cloned().unwrap_or_default();
+        let expected = if name.contains("qkv_proj") { 3 } else { 2 };
+        let mut pieces = Vec::with_capacity(expected);
+        for part in 0..expected {
+            let Some(t) = parts.get(part).copied().flatten() else {
+                return Err(Error::MissingTensor {
+                    tensor: format!("{name} part {part}"),
+                    reason: "a fused parameter needs all of its parts in the checkpoint".into(),
+                });
+            };
+            let bx = if expected == 3 {
+                qkv_box(model, layout, t, part, rank)?
+            } else {
+                split_even(layout, t, 0, rank)?
+            };
+            pieces.push((t, bx));
+        }
+        let dtype = pieces[0].0.dtype;
+        let template = pieces[0].0.shape.clone();
+        if let Some((t, _)) = pieces.iter().find(|(t, _)| t.dtype != dtype) {
+            return Err(Error::Mismatch {
+                tensor: t.name.clone(),
+                what: "dtype",
+                source_value: t.dtype.to_string(),
+                dest_value: dtype.to_string(),
+            });
+        }
+        b.push(name, dtype, &template, pieces, 0)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,246 @@
+//! Newtypes shared by every crate: ranks, digests, layout specs, boxes.
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+use crate::Error;
+
+/// A 32-byte blake3 digest, shown and parsed as 64 lowercase hex characters.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct Digest(pub [u8; 32]);
+
+impl Digest {
+    /// blake3 of `bytes`.
+    pub fn of(bytes: &[u8]) -> Digest {
+        Digest(*blake3::hash(bytes).as_bytes())
+    }
+
+    /// The raw 32 bytes.
+    pub fn as_bytes(&self) -> &[u8; 32] {
+        &self.0
+    }
+
+    /// Builds a digest from a byte slice of length 32.
+    ///
+    /// # Errors
+    /// [`Error::BadDigest`] when `b` is not 32 bytes long.
+    pub fn from_slice(b: &[u8]) -> Result<Digest, Error> {
+        let arr: [u8; 32] = b.try_into().map_err(|_| Error::BadDigest {
+            value: format!("{} bytes", b.len()),
+        })?;
+        Ok(Digest(arr))
+    }
+}
+
+impl From<blake3::Hash> for Digest {
+    fn from(h: blake3::Hash) -> Digest {
+        Digest(*h.as_bytes())
+    }
+}
+
+impl fmt::Display for Digest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for b in self.0 {
+            write!(f, "{b:02x}")?;
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Debug for Digest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Digest({self})")
+    }
+}
+
+impl FromStr for Digest {
+    type Err = Error;
+
+    /// Parses 64 hex characters.
+    ///
+    /// # Errors
+    /// [`Error::BadDigest`] naming the input.
+    fn from_str(s: &str) -> Result<Digest, Error> {
+        let bad = || Error::BadDigest { value: s.to_string() };
+        if s.len() != 64 || !s.is_ascii() {
+            return Err(bad());
+        }
+        let mut out = [0u8; 32];
+        for (i, o) in out.iter_mut().enumerate() {
+            *o = u8::from_str_radix(&s[2 * i..2 * i + 2], 16).map_err(|_| bad())?;
+        }
+        Ok(Digest(out))
+    }
+}
+
+impl Serialize for Digest {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for Digest {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Digest, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+/// How a model's tensors are split over the ranks of one process group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum Scheme {
+    /// Every rank holds every tensor whole, under its checkpoint (HF) name.
+    Replicated,
+    /// FSDP2 dim-0 shards under checkpoint names: torch.chunk semantics, ceil(rows / N) rows per
+    /// rank, trailing ranks short or empty. 0-d tensors live on rank 0.
+    Fsdp,
+    /// vLLM tensor parallelism with vLLM parameter names: fused `qkv_proj` (QKVParallelLinear, GQA kv
+    /// heads replicated when tp > kv heads), fused `gate_up_proj` (MergedColumnParallelLinear),
+    /// row-parallel `o_proj`/`down_proj` (RowParallelLinear, dim 1), vocab-parallel embedding and
+    /// lm_head (VocabParallelEmbedding: vocab padded to a multiple of 64, split evenly), norms
+    /// replicated.
+    VllmTp,
+}
+
+/// A layout: a scheme over `world_size` ranks. Written `fsdp:4`, `tp:3`, `replicated:1`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct LayoutSpec {
+    /// The split scheme.
+    pub scheme: Scheme,
+    /// Number of ranks (>= 1).
+    pub world_size: u32,
+}
+
+impl fmt::Display for LayoutSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = match self.scheme {
+            Scheme::Replicated => "replicated",
+            Scheme::Fsdp => "fsdp",
+            Scheme::VllmTp => "tp",
+        };
+        write!(f, "{s}:{}", self.world_size)
+    }
+}
+
+impl FromStr for LayoutSpec {
+    type Err = Error;
+
+    /// Parses `fsdp:N`, `tp:N` (vLLM tensor parallel) or `replicated:N`.
+    ///
+    /// # Errors
+    /// [`Error::BadLayoutSpec`] naming the input.
+    fn from_str(s: &str) -> Result<LayoutSpec, Error> {
+        let bad = |why: &str| Error::BadLayoutSpec {
+            spec: s.to_string(),
+            reason: why.to_string(),
+        };
+        let (name, n) = s.split_once(':').ok_or_else(|| bad("expected SCHEME:N"))?;
+        let scheme = match name {
+            "fsdp" => Scheme::Fsdp,
+            "tp" | "vllm-tp" => Scheme::VllmTp,
+            "replicated" | "identity" => Scheme::Replicated,
+            _ => return Err(bad("scheme must be fsdp, tp or replicated")),
+        };
+        let world_size: u32 = n.parse().map_err(|_| bad("N must be an integer"))?;
+        if world_size == 0 {
+            return Err(bad("N must be >= 1"));
+        }
+        Ok(LayoutSpec { scheme, world_size })
+    }
+}
+
+/// An N-dimensional box inside a tensor's global shape: `global_offset[d] .. global_offset[d] +
+/// local_shape[d]` in every dim `d`. Elements are counted, not bytes.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct TensorBox {
+    /// Start of the box in each dim (elements).
+    pub global_offset: Vec<u64>,
+    /// Extent of the box in each dim (elements).
+    pub local_shape: Vec<u64>,
+}
+
+impl TensorBox {
+    /// The box covering a whole tensor of `shape`.
+    pub fn full(shape: &[u64]) -> TensorBox {
+        TensorBox {
+            global_offset: vec![0; shape.len()],
+            local_shape: shape.to_vec(),
+        }
+    }
+
+    /// Number of dims.
+    pub fn ndim(&self) -> usize {
+        self.local_shape.len()
+    }
+
+    /// Element count; `None` on overflow.
+    pub fn numel(&self) -> Option<u64> {
+        self.local_shape
+            .iter()
+            .try_fold(1u64, |acc, &d| acc.checked_mul(d))
+    }
+
+    /// True when the box has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.local_shape.contains(&0)
+    }
+
+    /// The intersection of two boxes of the same rank; `None` when empty or ranks differ.
+    pub fn intersect(&self, other: &TensorBox) -> Option<TensorBox> {
+        if self.ndim() != other.ndim() {
+            return None;
+        }
+        let mut off = Vec::with_capacity(self.ndim());
+        let mut shape = Vec::with_capacity(self.ndim());
+        for d in 0..self.ndim() {
+            let lo = self.global_offset[d].max(other.global_offset[d]);
+            let hi = (self.global_offset[d].saturating_add(self.local_shape[d]))
+                .min(other.global_offset[d].saturating_add(other.local_shape[d]));
+            if hi <= lo {
+                return None;
+            }
+            off.push(lo);
+            shape.push(hi - lo);
+        }
+        Some(TensorBox {
+            global_offset: off,
+            local_shape: shape,
+        })
+    }
+
+    /// True when `self` lies inside `shape`, with checked arithmetic.
+    pub fn fits_in(&self, shape: &[u64]) -> bool {
+        self.ndim() == shape.len()
+            && (0..shape.len()).all(|d| {
+                self.global_offset[d]
+                    .checked_add(self.local_shape[d])
+                    .is_some_and(|end| end <= shape[d])
+            })
+    }
+
+    /// True when `inner` lies inside `self`.
+    pub fn contains(&self, inner: &TensorBox) -> bool {
+        inner.ndim() == self.ndim()
+            && (0..self.ndim()).all(|d| {
+                inner.global_offset[d] >= self.global_offset[d]
+                    && inner.global_offset[d] + inner.local_shape[d]
+                        <= self.global_offset[d] + self.local_shape[d]
+            })
+    }
+}
+
+impl fmt::Display for TensorBox {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("[")?;
+        for d in 0..self.ndim() {
+            if d > 0 {
+                f.write_str(", ")?;
+            }
+            let o = self.global_offset[d];
+            write!(f, "{o}..{}", o + self.local_shape[d])?;
+        }
+        f.write_str("]")
+    }
+}

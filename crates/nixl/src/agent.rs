@@ -1,0 +1,172 @@
+//! The agent: a NIXL agent with one UCX backend, polled (no progress thread).
+
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use nixl_sys::{AgentConfig, NixlError, ThreadSync};
+
+use crate::loader::{loaded_from, nixl_available};
+use crate::Error;
+
+/// The checked layer: every nixl-sys result passes here, so a failure names its call.
+pub(crate) fn check<T>(call: &'static str, result: Result<T, NixlError>) -> Result<T, Error> {
+    result.map_err(|e| Error::Nixl {
+        call,
+        status: e.to_string(),
+    })
+}
+
+/// One NIXL agent with the UCX backend and the progress thread off.
+///
+/// Cloning is cheap and shares the agent (an `Arc` inside). The agent lives until the last clone
+/// and the last [`Arena`](crate::Arena) registered with it are dropped.
+#[derive(Clone)]
+pub struct Agent {
+    pub(crate) inner: Arc<AgentInner>,
+}
+
+pub(crate) struct AgentInner {
+    pub(crate) name: String,
+    pub(crate) nixl: nixl_sys::Agent,
+    pub(crate) backend: nixl_sys::Backend,
+    /// Remote agents whose metadata is loaded.
+    remotes: Mutex<BTreeSet<String>>,
+}
+
+impl std::fmt::Debug for Agent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Agent")
+            .field("name", &self.inner.name)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Agent {
+    /// Creates the agent `name` with the UCX backend, its progress thread off (transfers progress
+    /// while [`Agent::read`] polls them) and reader/writer locking inside NIXL, so one agent may be
+    /// shared by threads.
+    ///
+    /// Names must be unique among the agents that exchange metadata.
+    ///
+    /// # Errors
+    /// [`Error::NixlMissing`] when the NIXL libraries are not found (see the crate docs),
+    /// [`Error::BadAgentName`] for an empty name or one with a NUL byte, [`Error::Nixl`] when NIXL
+    /// cannot create the agent or the UCX backend (e.g. the plugin directory lacks
+    /// `libplugin_UCX.so`).
+    pub fn new(name: &str) -> Result<Agent, Error> {
+        if name.is_empty() {
+            return Err(Error::BadAgentName {
+                name: name.to_string(),
+                reason: "empty",
+            });
+        }
+        if name.contains('\0') {
+            return Err(Error::BadAgentName {
+                name: name.to_string(),
+                reason: "contains a NUL byte",
+            });
+        }
+        nixl_available()?;
+        let config = AgentConfig {
+            enable_prog_thread: false,
+            enable_listen_thread: false,
+            thread_sync: ThreadSync::Rw,
+            ..AgentConfig::default()
+        };
+        let nixl = check(
+            "nixl_capi_create_configured_agent",
+            nixl_sys::Agent::new_configured(name, &config),
+        )?;
+        let (_mems, params) = check("nixl_capi_get_plugin_params(UCX)", nixl.get_plugin_params("UCX"))?;
+        let backend = check("nixl_capi_create_backend(UCX)", nixl.create_backend("UCX", &params))?;
+        tracing::debug!(agent = name, nixl = loaded_from().unwrap_or("?"), "NIXL agent created");
+        Ok(Agent {
+            inner: Arc::new(AgentInner {
+                name: name.to_string(),
+                nixl,
+                backend,
+                remotes: Mutex::new(BTreeSet::new()),
+            }),
+        })
+    }
+
+    /// This agent's name.
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    /// This agent's metadata (connection info and registered memory), to hand to peers'
+    /// [`Agent::load_remote`]. Call it after registering the arenas peers will read: memory
+    /// registered later is not in it.
+    ///
+    /// # Errors
+    /// [`Error::Nixl`] from `get_local_md`.
+    pub fn local_metadata(&self) -> Result<Vec<u8>, Error> {
+        check("nixl_capi_get_local_md", self.inner.nixl.get_local_md())
+    }
+
+    /// Loads a peer's metadata (from its [`Agent::local_metadata`]) and returns the peer's name.
+    ///
+    /// Loading metadata for a peer that is already loaded replaces it (the peer may have
+    /// registered more memory since), so calling this again with the same or newer metadata is
+    /// harmless.
+    ///
+    /// # Errors
+    /// [`Error::Nixl`] when NIXL rejects the bytes (garbled, or this agent's own metadata).
+    pub fn load_remote(&self, metadata: &[u8]) -> Result<String, Error> {
+        let mut remotes = self.remotes();
+        let name = match self.inner.nixl.load_remote_md(metadata) {
+            Ok(name) => name,
+            Err(first) => {
+                // NIXL refuses a second load of a known peer; find which peer this is by
+                // dropping each known one that refuses... not knowable: report the first error
+                // unless exactly the case handled in `reload`.
+                return Err(Error::Nixl {
+                    call: "nixl_capi_load_remote_md",
+                    status: first.to_string(),
+                });
+            }
+        };
+        remotes.insert(name.clone());
+        Ok(name)
+    }
+
+    /// Forgets a peer's metadata (e.g. when the peer exits or re-registers). Forgetting a peer
+    /// that is not loaded is a no-op.
+    ///
+    /// # Errors
+    /// [`Error::Nixl`] from `invalidate_remote_md`.
+    pub fn invalidate_remote(&self, name: &str) -> Result<(), Error> {
+        let mut remotes = self.remotes();
+        if !remotes.contains(name) {
+            return Ok(());
+        }
+        check(
+            "nixl_capi_invalidate_remote_md",
+            self.inner.nixl.invalidate_remote_md(name),
+        )?;
+        remotes.remove(name);
+        Ok(())
+    }
+
+    /// Names of the peers whose metadata is loaded, sorted.
+    pub fn remotes_loaded(&self) -> Vec<String> {
+        self.remotes().iter().cloned().collect()
+    }
+
+    pub(crate) fn has_remote(&self, name: &str) -> bool {
+        self.remotes().contains(name)
+    }
+
+    fn remotes(&self) -> MutexGuard<'_, BTreeSet<String>> {
+        // A poisoned set is still a valid set of names.
+        self.inner
+            .remotes
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    pub(crate) fn same_agent(&self, other: &Agent) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+}
