@@ -72,10 +72,17 @@ impl Checkpoint {
         } else if single.is_file() {
             open_files(&[single])?
         } else {
-            return Err(Error::NoCheckpoint { dir: dir.to_path_buf() });
+            return Err(Error::NoCheckpoint {
+                dir: dir.to_path_buf(),
+            });
         };
         let config = read_config(&dir.join(CONFIG_FILE))?;
-        Ok(Checkpoint { dir: dir.to_path_buf(), files, tensors, config })
+        Ok(Checkpoint {
+            dir: dir.to_path_buf(),
+            files,
+            tensors,
+            config,
+        })
     }
 
     /// Opens one safetensors file as a checkpoint; `dir()` is its parent, and `config.json` there
@@ -87,7 +94,12 @@ impl Checkpoint {
         let dir = path.parent().map(Path::to_path_buf).unwrap_or_default();
         let (files, tensors) = open_files(&[path.to_path_buf()])?;
         let config = read_config(&dir.join(CONFIG_FILE))?;
-        Ok(Checkpoint { dir, files, tensors, config })
+        Ok(Checkpoint {
+            dir,
+            files,
+            tensors,
+            config,
+        })
     }
 
     /// All tensor names, sorted.
@@ -110,9 +122,13 @@ impl Checkpoint {
     /// # Errors
     /// [`Error::MissingTensor`] naming it when the checkpoint does not hold it.
     pub fn tensor(&self, name: &str) -> Result<TensorView<'_>, Error> {
-        let (key, (file_idx, entry)) = self.tensors.get_key_value(name).ok_or_else(|| {
-            Error::MissingTensor { dir: self.dir.clone(), name: name.to_string() }
-        })?;
+        let (key, (file_idx, entry)) =
+            self.tensors
+                .get_key_value(name)
+                .ok_or_else(|| Error::MissingTensor {
+                    dir: self.dir.clone(),
+                    name: name.to_string(),
+                })?;
         // `file_idx` always indexes `files`: both are built together in `open_files`.
         let file = &self.files[*file_idx];
         Ok(TensorView {
@@ -183,7 +199,10 @@ fn open_files(paths: &[PathBuf]) -> Result<(Vec<MappedFile>, Tensors), Error> {
         let f = MappedFile::open(path)?;
         for (name, entry) in &f.tensors {
             if tensors.insert(name.clone(), (i, entry.clone())).is_some() {
-                return Err(Error::DuplicateTensor { file: path.clone(), tensor: name.clone() });
+                return Err(Error::DuplicateTensor {
+                    file: path.clone(),
+                    tensor: name.clone(),
+                });
             }
         }
         files.push(f);
@@ -193,7 +212,10 @@ fn open_files(paths: &[PathBuf]) -> Result<(Vec<MappedFile>, Tensors), Error> {
 
 /// Opens a sharded checkpoint and checks that the index and the shards agree exactly.
 fn open_sharded(dir: &Path, index: &Path) -> Result<(Vec<MappedFile>, Tensors), Error> {
-    let bad = |reason: String| Error::BadIndex { index: index.to_path_buf(), reason };
+    let bad = |reason: String| Error::BadIndex {
+        index: index.to_path_buf(),
+        reason,
+    };
     let text = std::fs::read_to_string(index).map_err(|source| Error::Io {
         op: "reading",
         path: index.to_path_buf(),
@@ -212,7 +234,9 @@ fn open_sharded(dir: &Path, index: &Path) -> Result<(Vec<MappedFile>, Tensors), 
             .as_str()
             .ok_or_else(|| bad(format!("tensor {tensor}: file name is not a string")))?;
         if !is_plain_file_name(file) {
-            return Err(bad(format!("tensor {tensor}: file {file:?} is not a plain file name")));
+            return Err(bad(format!(
+                "tensor {tensor}: file {file:?} is not a plain file name"
+            )));
         }
         wanted.insert(tensor, file);
         shard_names.entry(file).or_insert(tensor);
@@ -257,7 +281,10 @@ fn open_sharded(dir: &Path, index: &Path) -> Result<(Vec<MappedFile>, Tensors), 
 /// True for a single normal path component (no separators, no `..`, not absolute).
 fn is_plain_file_name(name: &str) -> bool {
     let mut comps = Path::new(name).components();
-    matches!((comps.next(), comps.next()), (Some(Component::Normal(_)), None))
+    matches!(
+        (comps.next(), comps.next()),
+        (Some(Component::Normal(_)), None)
+    )
 }
 
 /// Reads `path` as JSON if it exists.
@@ -272,5 +299,8 @@ fn read_config(path: &Path) -> Result<Option<Value>, Error> {
     })?;
     serde_json::from_str(&text)
         .map(Some)
-        .map_err(|e| Error::BadConfig { file: path.to_path_buf(), reason: e.to_string() })
+        .map_err(|e| Error::BadConfig {
+            file: path.to_path_buf(),
+            reason: e.to_string(),
+        })
 }

@@ -57,7 +57,10 @@ impl MappedFile {
         let file = File::open(path).map_err(io("opening"))?;
         let file_len = file.metadata().map_err(io("reading metadata of"))?.len();
         if file_len < PREFIX_LEN {
-            return Err(Error::HeaderTruncated { file: path.to_path_buf(), file_len });
+            return Err(Error::HeaderTruncated {
+                file: path.to_path_buf(),
+                file_len,
+            });
         }
         // SAFETY: the mapping is read-only and private to this process; mx treats checkpoint files
         // as immutable while a `Checkpoint` is open (a file truncated by another process while
@@ -66,9 +69,16 @@ impl MappedFile {
         let map = unsafe { Mmap::map(&file) }.map_err(io("mapping"))?;
         let tensors = check_header(path, &map)?;
         if let Err(source) = SafeTensors::read_metadata(&map) {
-            return Err(Error::Safetensors { file: path.to_path_buf(), source });
+            return Err(Error::Safetensors {
+                file: path.to_path_buf(),
+                source,
+            });
         }
-        Ok(MappedFile { path: path.to_path_buf(), map, tensors })
+        Ok(MappedFile {
+            path: path.to_path_buf(),
+            map,
+            tensors,
+        })
     }
 
     /// The data bytes of `entry`, which came from this file's header.
@@ -86,22 +96,40 @@ fn check_header(path: &Path, buf: &[u8]) -> Result<Vec<(String, Entry)>, Error> 
     let file = || path.to_path_buf();
     let file_len = buf.len() as u64;
     let mut prefix = [0u8; 8];
-    prefix.copy_from_slice(buf.get(..8).ok_or(Error::HeaderTruncated { file: file(), file_len })?);
+    prefix.copy_from_slice(buf.get(..8).ok_or(Error::HeaderTruncated {
+        file: file(),
+        file_len,
+    })?);
     let header_len = u64::from_le_bytes(prefix);
     if header_len > MAX_HEADER_LEN {
-        return Err(Error::HeaderTooLarge { file: file(), header_len, limit: MAX_HEADER_LEN });
+        return Err(Error::HeaderTooLarge {
+            file: file(),
+            header_len,
+            limit: MAX_HEADER_LEN,
+        });
     }
     let data_start = PREFIX_LEN + header_len; // cannot overflow: header_len <= 1e8
     if data_start > file_len {
-        return Err(Error::HeaderPastEof { file: file(), header_len, file_len });
+        return Err(Error::HeaderPastEof {
+            file: file(),
+            header_len,
+            file_len,
+        });
     }
     let header = buf.get(8..data_start as usize).unwrap_or(&[]);
-    let text = std::str::from_utf8(header)
-        .map_err(|e| Error::BadHeader { file: file(), reason: format!("not UTF-8: {e}") })?;
-    let json: Value = serde_json::from_str(text)
-        .map_err(|e| Error::BadHeader { file: file(), reason: format!("not JSON: {e}") })?;
+    let text = std::str::from_utf8(header).map_err(|e| Error::BadHeader {
+        file: file(),
+        reason: format!("not UTF-8: {e}"),
+    })?;
+    let json: Value = serde_json::from_str(text).map_err(|e| Error::BadHeader {
+        file: file(),
+        reason: format!("not JSON: {e}"),
+    })?;
     let Value::Object(map) = json else {
-        return Err(Error::BadHeader { file: file(), reason: "not a JSON object".to_string() });
+        return Err(Error::BadHeader {
+            file: file(),
+            reason: "not a JSON object".to_string(),
+        });
     };
     let data_len = file_len - data_start;
     let mut out = Vec::with_capacity(map.len());
@@ -167,7 +195,15 @@ fn check_header(path: &Path, buf: &[u8]) -> Result<Vec<(String, Entry)>, Error> 
                 data_len,
             });
         }
-        out.push((name.clone(), Entry { dtype, shape, start: data_start + begin, len: actual }));
+        out.push((
+            name.clone(),
+            Entry {
+                dtype,
+                shape,
+                start: data_start + begin,
+                len: actual,
+            },
+        ));
     }
     out.sort_by(|a, b| a.0.cmp(&b.0));
     Ok(out)
@@ -175,5 +211,7 @@ fn check_header(path: &Path, buf: &[u8]) -> Result<Vec<(String, Entry)>, Error> 
 
 /// Bytes of a `dtype` tensor of `shape`, or None on u64 overflow.
 pub(crate) fn byte_len(dtype: DType, shape: &[u64]) -> Option<u64> {
-    shape.iter().try_fold(dtype.size_bytes(), |acc, &d| acc.checked_mul(d))
+    shape
+        .iter()
+        .try_fold(dtype.size_bytes(), |acc, &d| acc.checked_mul(d))
 }

@@ -31,7 +31,10 @@ pub fn write_safetensors(
     let mut offset = 0u64;
     for (name, dtype, shape, data) in order.iter().map(|t| (&t.0, t.1, &t.2, &t.3)) {
         if !seen.insert(name.as_str()) {
-            return Err(Error::DuplicateTensor { file: path.to_path_buf(), tensor: name.clone() });
+            return Err(Error::DuplicateTensor {
+                file: path.to_path_buf(),
+                tensor: name.clone(),
+            });
         }
         let actual = data.len() as u64;
         if byte_len(dtype, shape) != Some(actual) {
@@ -57,10 +60,15 @@ pub fn write_safetensors(
         source: std::io::Error::other(e),
     })?;
     head.resize(head.len().next_multiple_of(8), b' ');
-    let io = |source| Error::Io { op: "writing", path: path.to_path_buf(), source };
+    let io = |source| Error::Io {
+        op: "writing",
+        path: path.to_path_buf(),
+        source,
+    };
     let file = File::create(path).map_err(io)?;
     let mut out = BufWriter::new(file);
-    out.write_all(&(head.len() as u64).to_le_bytes()).map_err(io)?;
+    out.write_all(&(head.len() as u64).to_le_bytes())
+        .map_err(io)?;
     out.write_all(&head).map_err(io)?;
     for t in &order {
         out.write_all(&t.3).map_err(io)?;

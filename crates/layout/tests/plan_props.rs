@@ -301,7 +301,7 @@ fn vllm_tp3_qkv_and_vocab_padding() {
     assert_eq!(e.pieces[0].region.local_shape, vec![16382, 576]);
     assert_eq!(e.zero_fill.unwrap().1, 2 * 576 * 2);
     // tp > kv heads: tp=9 -> ranks 0..2 share kv head 0, ranks 3..5 kv head 1.
-    let m9 = llama(9, 3, 64, 576, 1536, 576, DType::BF16, true);
+    let m9 = llama(9, 3, 64, 576, 1152, 576, DType::BF16, true);
     let r4 = rank_layout(&m9, "tp:9".parse().unwrap(), 4).unwrap();
     let q = r4.param("model.layers.0.self_attn.qkv_proj.weight").unwrap();
     assert_eq!(q.pieces[1].region.global_offset, vec![64, 0]);
