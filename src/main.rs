@@ -1,1 +1,220 @@
-fn main() {}
+//! `mx`: live policy-weight refit for RL. The binary is thin: each subcommand parses its flags
+//! and calls into the crates (see README.md for the architecture).
+
+mod demo;
+mod slice;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use mx_layout::LayoutSpec;
+
+/// mx: resharded trainer->inference weight refit over NIXL, committed over gRPC.
+#[derive(Parser)]
+#[command(name = "mx", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run the control plane (gRPC) with a durable file journal.
+    Control {
+        /// Listen address (port 0 picks a free port).
+        #[arg(long, default_value = "127.0.0.1:7700")]
+        listen: std::net::SocketAddr,
+        /// Journal file (created, or replayed when present).
+        #[arg(long, default_value = ".mx/control/journal.jsonl")]
+        journal: PathBuf,
+        /// Write the bound address here once listening.
+        #[arg(long)]
+        addr_file: Option<PathBuf>,
+    },
+    /// Run one trainer rank: load its shards, publish versions step-1..step-N.
+    Publish {
+        /// Control plane address.
+        #[arg(long, default_value = "http://127.0.0.1:7700")]
+        control: String,
+        /// HF checkpoint directory.
+        #[arg(long)]
+        model: PathBuf,
+        /// Trainer layout (fsdp:N, tp:N, replicated:N).
+        #[arg(long, default_value = "fsdp:4")]
+        layout: LayoutSpec,
+        /// This trainer rank.
+        #[arg(long)]
+        rank: u32,
+        /// Versions to publish (a training step between each).
+        #[arg(long, default_value_t = 1)]
+        steps: u32,
+        /// Version label prefix.
+        #[arg(long, default_value = "step-")]
+        label_prefix: String,
+        /// Disable source-side packing.
+        #[arg(long)]
+        no_pack: bool,
+        /// Seconds to wait for declarations and commits.
+        #[arg(long, default_value_t = 600)]
+        wait_s: u64,
+    },
+    /// Run one inference instance holding some ranks of an inference layout.
+    Worker {
+        /// Control plane address.
+        #[arg(long, default_value = "http://127.0.0.1:7700")]
+        control: String,
+        /// Model directory (config.json + safetensors header give the tensor list).
+        #[arg(long)]
+        model: PathBuf,
+        /// Inference layout.
+        #[arg(long, default_value = "tp:3")]
+        layout: LayoutSpec,
+        /// Ranks held, comma separated (default: all ranks of the layout).
+        #[arg(long, value_delimiter = ',')]
+        ranks: Vec<u32>,
+        /// Worker id.
+        #[arg(long)]
+        id: String,
+    },
+    /// The main job: a real multi-process refit of a real checkpoint, verified byte for byte.
+    Demo(demo::DemoArgs),
+    /// Show versions and workers.
+    Status {
+        /// Control plane address.
+        #[arg(long, default_value = "http://127.0.0.1:7700")]
+        control: String,
+    },
+    /// Print the control plane's journal.
+    Journal {
+        /// Journal file.
+        #[arg(default_value = ".mx/control/journal.jsonl")]
+        path: PathBuf,
+    },
+}
+
+fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("MX_LOG").unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    if let Err(e) = run(Cli::parse()) {
+        eprintln!("mx: error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting tokio")
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.cmd {
+        Cmd::Control {
+            listen,
+            journal,
+            addr_file,
+        } => runtime()?.block_on(async move {
+            if let Some(dir) = journal.parent() {
+                std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+            }
+            let (addr, handle) = mx_control::spawn(mx_control::ControlPlaneConfig {
+                listen,
+                journal_path: journal,
+            })
+            .await?;
+            if let Some(f) = addr_file {
+                let tmp = f.with_extension("tmp");
+                std::fs::write(&tmp, addr.to_string())?;
+                std::fs::rename(&tmp, &f)?;
+            }
+            eprintln!("mx control listening on {addr}");
+            let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+            handle.shutdown().await?;
+            Ok(())
+        }),
+        Cmd::Publish {
+            control,
+            model,
+            layout,
+            rank,
+            steps,
+            label_prefix,
+            no_pack,
+            wait_s,
+        } => runtime()?.block_on(async move {
+            let mut p = mx_publisher::Publisher::start(mx_publisher::PublisherConfig {
+                control,
+                model_dir: model,
+                layout,
+                rank,
+                pack: !no_pack,
+            })
+            .await?;
+            p.run_steps(&label_prefix, steps, Duration::from_secs(wait_s)).await?;
+            Ok(())
+        }),
+        Cmd::Worker {
+            control,
+            model,
+            layout,
+            ranks,
+            id,
+        } => runtime()?.block_on(async move {
+            let ranks = if ranks.is_empty() {
+                (0..layout.world_size).collect()
+            } else {
+                ranks
+            };
+            let w = mx_worker::Worker::start(mx_worker::WorkerConfig {
+                control,
+                model_dir: model,
+                layout,
+                ranks,
+                instance: id.clone(),
+                worker_id: id,
+            })
+            .await?;
+            w.run().await?;
+            Ok(())
+        }),
+        Cmd::Demo(args) => demo::run(args),
+        Cmd::Status { control } => runtime()?.block_on(async move {
+            let c = mx_control::client::ControlClient::connect(&control).await?;
+            let s = c.get_status().await?;
+            for v in &s.versions {
+                let d = v.version_digest.map(|d| d.to_string()).unwrap_or_default();
+                println!("version {:<12} {:<11} {d}", v.label, format!("{:?}", v.state));
+            }
+            for w in &s.workers {
+                println!(
+                    "worker  {:<12} {:<9} ranks {:?} {:?} label {} resident {}",
+                    w.worker_id,
+                    w.layout.to_string(),
+                    w.ranks,
+                    w.state,
+                    w.label.clone().unwrap_or_default(),
+                    w.resident_version.map(|d| d.to_string()).unwrap_or_default()
+                );
+            }
+            Ok(())
+        }),
+        Cmd::Journal { path } => {
+            for e in mx_control::journal::read_records(&path)? {
+                println!("{}", serde_json::to_string(&e)?);
+            }
+            Ok(())
+        }
+    }
+}

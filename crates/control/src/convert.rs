@@ -47,7 +47,10 @@ fn finite_seconds(v: f64, field: &str) -> Result<f64, Error> {
     if v.is_finite() && v >= 0.0 {
         Ok(v)
     } else {
-        Err(invalid(field, format!("{v} is not a finite, non-negative number of seconds")))
+        Err(invalid(
+            field,
+            format!("{v} is not a finite, non-negative number of seconds"),
+        ))
     }
 }
 
@@ -60,7 +63,8 @@ fn non_empty(s: &str, field: &str) -> Result<String, Error> {
 }
 
 fn dtype(s: &str, field: &str) -> Result<DType, Error> {
-    s.parse().map_err(|e: mx_layout::Error| invalid(field, e.to_string()))
+    s.parse()
+        .map_err(|e: mx_layout::Error| invalid(field, e.to_string()))
 }
 
 /// Decodes a layout spec.
@@ -70,7 +74,10 @@ pub(crate) fn layout(p: &pb::LayoutSpec, field: &str) -> Result<LayoutSpec, Erro
         Ok(pb::Scheme::Fsdp) => Scheme::Fsdp,
         Ok(pb::Scheme::VllmTp) => Scheme::VllmTp,
         Ok(pb::Scheme::Unspecified) | Err(_) => {
-            return Err(invalid(&format!("{field}.scheme"), format!("unknown scheme {}", p.scheme)))
+            return Err(invalid(
+                &format!("{field}.scheme"),
+                format!("unknown scheme {}", p.scheme),
+            ))
         }
     };
     if p.world_size == 0 {
@@ -156,7 +163,10 @@ fn shard(p: &pb::ShardEntry, field: &str) -> Result<ShardEntry, Error> {
         Ok(pb::DeviceKind::Dram) => MemDevice::Dram,
         Ok(pb::DeviceKind::Vram) => MemDevice::Vram(p.device_ordinal),
         Ok(pb::DeviceKind::Unspecified) | Err(_) => {
-            return Err(invalid(&format!("{field}.device"), format!("unknown device kind {}", p.device)))
+            return Err(invalid(
+                &format!("{field}.device"),
+                format!("unknown device kind {}", p.device),
+            ))
         }
     };
     Ok(ShardEntry {
@@ -255,7 +265,10 @@ fn rank_digests(p: &[pb::RankDigests], field: &str) -> Result<Vec<RankDigests>, 
                 .tensors
                 .iter()
                 .map(|(name, d)| {
-                    Ok((name.clone(), digest(d, &format!("{field}[{i}].tensors[{name}]"))?))
+                    Ok((
+                        name.clone(),
+                        digest(d, &format!("{field}[{i}].tensors[{name}]"))?,
+                    ))
                 })
                 .collect::<Result<_, Error>>()?;
             Ok(RankDigests {

@@ -198,9 +198,12 @@ impl Error {
             | Error::UndeclaredTensor { .. }
             | Error::Mismatch { .. }
             | Error::BadManifest { .. } => Code::InvalidArgument,
-            Error::UnknownVersion { .. } | Error::UnknownWorker { .. } => Code::NotFound,
+            Error::UnknownVersion { .. } => Code::NotFound,
             Error::VersionExists { .. } => Code::AlreadyExists,
-            Error::VersionState { .. } | Error::WorkerState { .. } => Code::FailedPrecondition,
+            // A worker must register before it is staged, committed, watched or reports.
+            Error::UnknownWorker { .. }
+            | Error::VersionState { .. }
+            | Error::WorkerState { .. } => Code::FailedPrecondition,
             Error::WaitNotReached { .. } => Code::DeadlineExceeded,
             Error::Transport { .. } => Code::Unavailable,
             Error::Rpc { code, .. } => *code,

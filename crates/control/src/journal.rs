@@ -66,7 +66,10 @@ fn parse(path: &Path, bytes: &[u8]) -> Result<Parsed, Error> {
         let entry: Entry = serde_json::from_slice(line).map_err(|e| corrupt(e.to_string()))?;
         let want = entries.len() as u64 + 1;
         if entry.seq != want {
-            return Err(corrupt(format!("sequence number {} where {want} was expected", entry.seq)));
+            return Err(corrupt(format!(
+                "sequence number {} where {want} was expected",
+                entry.seq
+            )));
         }
         entries.push(entry);
         pos += nl + 1;
@@ -258,7 +261,10 @@ mod tests {
         lines[1] = "{not json";
         std::fs::write(&path, lines.join("\n") + "\n").unwrap();
         let err = read_records(&path).unwrap_err();
-        assert!(matches!(err, Error::JournalCorrupt { line: 2, .. }), "{err}");
+        assert!(
+            matches!(err, Error::JournalCorrupt { line: 2, .. }),
+            "{err}"
+        );
         assert!(Journal::open(&path).is_err());
     }
 }

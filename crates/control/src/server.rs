@@ -265,13 +265,7 @@ impl ControlPlane for Service {
         // Wake (and so end) the stream this one replaces.
         mailbox.notify.notify_waiters();
         let (tx, rx) = mpsc::channel(4);
-        tokio::spawn(pump(
-            Arc::clone(&self.shared),
-            worker_id,
-            mailbox,
-            gen,
-            tx,
-        ));
+        tokio::spawn(pump(Arc::clone(&self.shared), worker_id, mailbox, gen, tx));
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 

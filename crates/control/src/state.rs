@@ -147,7 +147,10 @@ fn worker_set(worker_ids: &[String]) -> Result<Vec<String>, Error> {
             return Err(invalid(format!("worker_ids[{i}]"), "empty worker id"));
         }
         if !seen.insert(w.as_str()) {
-            return Err(invalid(format!("worker_ids[{i}]"), format!("duplicate worker {w:?}")));
+            return Err(invalid(
+                format!("worker_ids[{i}]"),
+                format!("duplicate worker {w:?}"),
+            ));
         }
     }
     Ok(seen.into_iter().map(str::to_string).collect())
@@ -382,9 +385,11 @@ impl State {
     }
 
     fn version(&self, label: &str) -> Result<&Version, Error> {
-        self.versions.get(label).ok_or_else(|| Error::UnknownVersion {
-            label: label.to_string(),
-        })
+        self.versions
+            .get(label)
+            .ok_or_else(|| Error::UnknownVersion {
+                label: label.to_string(),
+            })
     }
 
     fn worker(&self, worker_id: &str) -> Result<&Worker, Error> {
@@ -567,7 +572,10 @@ impl State {
             if p.dest_rank >= p.layout.world_size {
                 return Err(bad(
                     &p.tensor,
-                    format!("piece dest_rank {} out of range for {}", p.dest_rank, p.layout),
+                    format!(
+                        "piece dest_rank {} out of range for {}",
+                        p.dest_rank, p.layout
+                    ),
                 ));
             }
         }
@@ -613,14 +621,17 @@ impl State {
 
     fn check_staged(&self, r: &StagedReport) -> Result<Check, Error> {
         let w = self.worker(&r.worker_id)?;
-        self.version(&r.label)?;
         let ok_state = matches!(w.state, WorkerState::Staging | WorkerState::Staged);
         if !ok_state || w.label.as_deref() != Some(r.label.as_str()) {
             return Err(w.state_error(
                 &r.worker_id,
-                &format!("a staged report for {:?} needs the worker STAGING it", r.label),
+                &format!(
+                    "a staged report for {:?} needs the worker STAGING it",
+                    r.label
+                ),
             ));
         }
+        self.version(&r.label)?;
         Ok(Check::Apply)
     }
 
@@ -664,14 +675,17 @@ impl State {
 
     fn check_applied(&self, r: &AppliedReport) -> Result<Check, Error> {
         let w = self.worker(&r.worker_id)?;
-        self.version(&r.label)?;
         let ok_state = matches!(w.state, WorkerState::Applying | WorkerState::Applied);
         if !ok_state || w.label.as_deref() != Some(r.label.as_str()) {
             return Err(w.state_error(
                 &r.worker_id,
-                &format!("an applied report for {:?} needs the worker APPLYING it", r.label),
+                &format!(
+                    "an applied report for {:?} needs the worker APPLYING it",
+                    r.label
+                ),
             ));
         }
+        self.version(&r.label)?;
         Ok(Check::Apply)
     }
 
@@ -792,7 +806,10 @@ fn check_register(worker_id: &str, ranks: &[u32], layout: &LayoutSpec) -> Result
             ));
         }
         if !seen.insert(r) {
-            return Err(invalid(format!("ranks[{i}]"), format!("duplicate rank {r}")));
+            return Err(invalid(
+                format!("ranks[{i}]"),
+                format!("duplicate rank {r}"),
+            ));
         }
     }
     Ok(Check::Apply)
@@ -846,9 +863,7 @@ impl Version {
             VersionState::Declared | VersionState::Publishing => {
                 if self.missing_tensors.is_empty() && self.gaps.is_empty() {
                     self.state = VersionState::Ready;
-                    self.digest = Some(version_digest(
-                        self.slots.values().flat_map(|m| &m.shards),
-                    ));
+                    self.digest = Some(version_digest(self.slots.values().flat_map(|m| &m.shards)));
                 } else {
                     self.state = VersionState::Publishing;
                 }

@@ -14,6 +14,7 @@ mod error;
 mod manifest;
 pub mod model;
 pub mod plan;
+pub mod update;
 mod types;
 
 pub use dtype::DType;

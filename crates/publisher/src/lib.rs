@@ -1,1 +1,327 @@
-//! placeholder
+//! mx-publisher: a trainer rank that publishes the weight shards it holds.
+//!
+//! [`Publisher::start`] loads only this rank's shards (per the trainer layout) from an HF
+//! checkpoint into one registered NIXL [`Arena`], as a trainer's shard memory would be. For each
+//! version it then digests every shard, cuts and digests the regions every registered destination
+//! layout needs from it ([`mx_layout::plan::cut_for_layout`]), packs the strided ones contiguously
+//! after the shards (source-side packing, shared by every worker of that layout), and publishes a
+//! typed [`SourceManifest`] with its NIXL agent metadata. [`Publisher::run_steps`] drives several
+//! versions, applying [`mx_layout::update::training_step`] between them as a training step would.
+//!
+//! Left out: the training itself, GPU memory (the arena is DRAM), and peer re-publishing.
+#![forbid(unsafe_code)]
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use mx_checkpoint::Checkpoint;
+use mx_control::client::ControlClient;
+use mx_control::VersionState;
+use mx_layout::plan::{cut_for_layout, decompose, Cut};
+use mx_layout::{
+    rank_layout, rank_layouts, DestPiece, Digest, LayoutSpec, MemDevice, ModelInfo, RankLayout, ShardEntry,
+    SourceManifest, TensorBox,
+};
+use mx_nixl::{Agent, Arena};
+use rayon::prelude::*;
+
+/// Errors of the publisher; each wraps the failing layer's error.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// Reading the checkpoint failed.
+    #[error("checkpoint: {0}")]
+    Checkpoint(#[from] mx_checkpoint::Error),
+    /// The layout cannot place the model.
+    #[error("layout: {0}")]
+    Layout(#[from] mx_layout::Error),
+    /// The data plane failed.
+    #[error("nixl: {0}")]
+    Nixl(#[from] mx_nixl::Error),
+    /// The control plane refused or failed.
+    #[error("control plane: {0}")]
+    Control(#[from] mx_control::Error),
+    /// The checkpoint has no config.json.
+    #[error("checkpoint {dir} has no config.json")]
+    NoConfig {
+        /// The checkpoint directory.
+        dir: PathBuf,
+    },
+    /// Rank outside the layout.
+    #[error("rank {rank} is outside layout {layout}")]
+    BadRank {
+        /// The rank.
+        rank: u32,
+        /// The layout.
+        layout: LayoutSpec,
+    },
+}
+
+/// What a publisher needs to start.
+#[derive(Debug, Clone)]
+pub struct PublisherConfig {
+    /// Control plane address, `http://host:port`.
+    pub control: String,
+    /// HF checkpoint directory (config.json + safetensors).
+    pub model_dir: PathBuf,
+    /// Trainer layout.
+    pub layout: LayoutSpec,
+    /// This trainer rank.
+    pub rank: u32,
+    /// Pack strided destination regions contiguously (source-side packing).
+    pub pack: bool,
+}
+
+/// One trainer rank's registered shard memory and its connection to the control plane.
+pub struct Publisher {
+    cfg: PublisherConfig,
+    agent: Agent,
+    arena: Arena,
+    rank_layout: RankLayout,
+    model: ModelInfo,
+    client: ControlClient,
+    /// Bytes of the rank buffer (shards); packed regions follow.
+    shard_bytes: u64,
+    /// Destination layouts packed for: (layout, its rank layouts).
+    dest: Vec<(LayoutSpec, Vec<RankLayout>)>,
+    cuts: Vec<(LayoutSpec, Vec<Cut>)>,
+}
+
+/// Copies `region` of a full row-major tensor `full` (shape `shape`) into `out`, row-major.
+fn copy_box(full: &[u8], shape: &[u64], region: &TensorBox, elem: u64, out: &mut [u8]) {
+    let (run, starts) = decompose(region, &TensorBox::full(shape));
+    let rb = (run * elem) as usize;
+    for (i, s) in starts.iter().enumerate() {
+        let s = (*s * elem) as usize;
+        out[i * rb..(i + 1) * rb].copy_from_slice(&full[s..s + rb]);
+    }
+}
+
+impl Publisher {
+    /// Loads this rank's shards into a registered arena, sized for packing every destination
+    /// layout registered at the control plane right now (workers register when they start).
+    ///
+    /// # Errors
+    /// [`Error::Checkpoint`], [`Error::Layout`] (e.g. the trainer layout cannot split a tensor),
+    /// [`Error::Nixl`] (NIXL missing: the message says how to install it), [`Error::Control`].
+    pub async fn start(cfg: PublisherConfig) -> Result<Publisher, Error> {
+        if cfg.rank >= cfg.layout.world_size {
+            return Err(Error::BadRank {
+                rank: cfg.rank,
+                layout: cfg.layout,
+            });
+        }
+        mx_nixl::nixl_available()?;
+        let ckpt = Checkpoint::open(&cfg.model_dir)?;
+        let config = ckpt.config().ok_or_else(|| Error::NoConfig {
+            dir: cfg.model_dir.clone(),
+        })?;
+        let model = ModelInfo::from_hf_config(config, ckpt.specs())?;
+        let rl = rank_layout(&model, cfg.layout, cfg.rank)?;
+        let client = ControlClient::connect(&cfg.control).await?;
+        let mut dest = Vec::new();
+        for l in client.list_layouts().await? {
+            dest.push((l, rank_layouts(&model, l)?));
+        }
+        // Shard entries with addresses filled in once the arena exists.
+        let proto_shards = Self::shard_entries(&rl, 0);
+        let mut cuts = Vec::new();
+        let mut packed = 0u64;
+        for (l, rls) in &dest {
+            let c = cut_for_layout(&proto_shards, rls)?;
+            if cfg.pack {
+                packed += c.iter().filter(|c| c.run_offsets.len() > 1).map(Cut::bytes).sum::<u64>();
+            }
+            cuts.push((*l, c));
+        }
+        let agent = Agent::new(&format!("mx-pub-{}-{}-{}", cfg.layout, cfg.rank, std::process::id()))?;
+        let mut arena = Arena::new(&agent, (rl.total_bytes + packed).max(1))?;
+        // Load only this rank's boxes from the checkpoint.
+        {
+            let buf = arena.as_mut_slice();
+            for p in &rl.params {
+                for piece in &p.pieces {
+                    let t = ckpt.tensor(&piece.tensor)?;
+                    let elem = piece.dtype.size_bytes();
+                    let len = (piece.region.numel().unwrap_or(0) * elem) as usize;
+                    let o = piece.offset as usize;
+                    copy_box(t.data, &t.shape, &piece.region, elem, &mut buf[o..o + len]);
+                }
+            }
+        }
+        Ok(Publisher {
+            shard_bytes: rl.total_bytes,
+            cfg,
+            agent,
+            arena,
+            rank_layout: rl,
+            model,
+            client,
+            dest,
+            cuts,
+        })
+    }
+
+    fn shard_entries(rl: &RankLayout, base: u64) -> Vec<ShardEntry> {
+        rl.params
+            .iter()
+            .flat_map(|p| p.pieces.iter())
+            .map(|piece| ShardEntry {
+                tensor: piece.tensor.clone(),
+                dtype: piece.dtype,
+                global_shape: piece.global_shape.clone(),
+                shard: piece.region.clone(),
+                addr: base + piece.offset,
+                len: piece.region.numel().unwrap_or(0) * piece.dtype.size_bytes(),
+                device: MemDevice::Dram,
+                digest: Digest::default(),
+            })
+            .collect()
+    }
+
+    /// The model this publisher serves.
+    pub fn model(&self) -> &ModelInfo {
+        &self.model
+    }
+
+    /// Applies `training_step(step)` to every shard in place.
+    pub fn train_step(&mut self, step: u32) {
+        let rl = &self.rank_layout;
+        let buf = &mut self.arena.as_mut_slice()[..self.shard_bytes as usize];
+        let mut rest: &mut [u8] = buf;
+        let mut chunks = Vec::new();
+        let mut pos = 0u64;
+        for p in &rl.params {
+            let (_, tail) = rest.split_at_mut((p.offset - pos) as usize);
+            let (mine, tail) = tail.split_at_mut(p.len as usize);
+            chunks.push((p.dtype, mine));
+            rest = tail;
+            pos = p.offset + p.len;
+        }
+        chunks
+            .into_par_iter()
+            .for_each(|(dt, b)| mx_layout::update::training_step(dt, b, step));
+    }
+
+    /// Digests, packs and publishes the current shard bytes as version `label` (which the
+    /// orchestrator must have declared; waits up to `wait` for the declaration).
+    ///
+    /// # Errors
+    /// [`Error::Control`] when the version is not declared in time or the manifest is refused.
+    pub async fn publish(&mut self, label: &str, wait: Duration) -> Result<SourceManifest, Error> {
+        self.client.wait_version(label, VersionState::Declared, wait).await?;
+        let t0 = Instant::now();
+        let base = self.arena.addr();
+        let mut shards = Self::shard_entries(&self.rank_layout, base);
+        let shard_bytes = self.shard_bytes as usize;
+        let (mem, packed_area) = self.arena.as_mut_slice().split_at_mut(shard_bytes);
+        let mem: &[u8] = mem;
+        shards.par_iter_mut().for_each(|s| {
+            let o = (s.addr - base) as usize;
+            s.digest = Digest::of(&mem[o..o + s.len as usize]);
+        });
+        // Pack and digest the destination regions.
+        let mut pieces = Vec::new();
+        let mut jobs: Vec<(LayoutSpec, &Cut, Option<u64>)> = Vec::new();
+        let mut cursor = 0u64;
+        for (l, cuts) in &self.cuts {
+            for c in cuts {
+                let packed = if self.cfg.pack && c.run_offsets.len() > 1 {
+                    let a = cursor;
+                    cursor += c.bytes();
+                    Some(a)
+                } else {
+                    None
+                };
+                jobs.push((*l, c, packed));
+            }
+        }
+        // Split the packed area into disjoint slices, one per packed cut, for parallel packing.
+        let mut slots: Vec<Option<&mut [u8]>> = Vec::with_capacity(jobs.len());
+        let mut rest: &mut [u8] = packed_area;
+        for (_, c, p) in &jobs {
+            if p.is_some() {
+                let (a, b) = rest.split_at_mut(c.bytes() as usize);
+                slots.push(Some(a));
+                rest = b;
+            } else {
+                slots.push(None);
+            }
+        }
+        let shard_list = &shards;
+        let digests: Vec<Digest> = jobs
+            .par_iter()
+            .zip(slots.into_par_iter())
+            .map(|((_, c, _), slot)| {
+                let s = &shard_list[c.shard];
+                let so = (s.addr - base) as usize;
+                let rb = c.run_bytes as usize;
+                match slot {
+                    Some(out) => {
+                        for (i, &o) in c.run_offsets.iter().enumerate() {
+                            let o = so + o as usize;
+                            out[i * rb..(i + 1) * rb].copy_from_slice(&mem[o..o + rb]);
+                        }
+                        Digest::of(out)
+                    }
+                    None => {
+                        let mut h = blake3::Hasher::new();
+                        for &o in &c.run_offsets {
+                            let o = so + o as usize;
+                            h.update(&mem[o..o + rb]);
+                        }
+                        h.finalize().into()
+                    }
+                }
+            })
+            .collect();
+        let packed_base = base + self.shard_bytes;
+        for ((l, c, p), d) in jobs.iter().zip(digests) {
+            pieces.push(DestPiece {
+                layout: *l,
+                dest_rank: c.dest_rank,
+                tensor: c.tensor.clone(),
+                region: c.region.clone(),
+                digest: d,
+                packed_addr: p.map(|a| packed_base + a),
+            });
+        }
+        let manifest = SourceManifest {
+            slot: self.cfg.rank,
+            layout: self.cfg.layout,
+            agent_name: self.agent.name().to_string(),
+            agent_metadata: self.agent.local_metadata()?,
+            shards,
+            pieces,
+            pack_seconds: t0.elapsed().as_secs_f64(),
+        };
+        self.client.publish(label, &manifest).await?;
+        tracing::info!(label, slot = self.cfg.rank, pack_s = manifest.pack_seconds, "published");
+        Ok(manifest)
+    }
+
+    /// Publishes `steps` versions labelled `{prefix}{k}` for k in 1..=steps; before version k > 1
+    /// waits until version k-1 is COMMITTED, then applies training step k. Returns after the last
+    /// version is COMMITTED (so its bytes stay served until every worker staged them).
+    ///
+    /// # Errors
+    /// As [`Publisher::publish`]; [`Error::Control`] when a version does not commit within `wait`.
+    pub async fn run_steps(&mut self, prefix: &str, steps: u32, wait: Duration) -> Result<(), Error> {
+        for k in 1..=steps {
+            if k > 1 {
+                let prev = format!("{prefix}{}", k - 1);
+                self.client.wait_version(&prev, VersionState::Committed, wait).await?;
+                self.train_step(k);
+            }
+            self.publish(&format!("{prefix}{k}"), wait).await?;
+        }
+        let last = format!("{prefix}{steps}");
+        self.client.wait_version(&last, VersionState::Committed, wait).await?;
+        Ok(())
+    }
+
+    /// Destination layouts this publisher cuts and packs for.
+    pub fn dest_layouts(&self) -> Vec<LayoutSpec> {
+        self.dest.iter().map(|(l, _)| *l).collect()
+    }
+}

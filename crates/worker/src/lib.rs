@@ -1,1 +1,438 @@
-//! placeholder
+//! mx-worker: an inference instance that pulls the ranges its own layout needs and applies them.
+//!
+//! A [`Worker`] holds one or more ranks of an inference layout (one process holding its TP ranks,
+//! like an engine's executor). It registers its layout with the control plane when it starts, then
+//! follows the commands on its stream:
+//! - **Stage**: fetch the version's manifests, measure the data plane's cost model once
+//!   ([`mx_nixl::probe_costs`]), plan ([`mx_layout::plan::plan`]), pull with NIXL READs into one
+//!   registered staging arena, verify every pulled region against the digest its source published
+//!   (no extra bytes on the wire), report STAGED. Live weights are not touched.
+//! - **Apply**: copy staged bytes into the live buffers in place (engines' CUDA graphs hold fixed
+//!   addresses, so live buffers never move), zero-fill vocab padding, read back digests of the
+//!   live bytes, report APPLIED with the resident version digest.
+//!
+//! Left out (later issues): pause/resume of generation, cache clearing, rollback to a pinned
+//! previous version, the HTTP engine contracts.
+#![forbid(unsafe_code)]
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use mx_checkpoint::Checkpoint;
+use mx_control::client::ControlClient;
+use mx_control::{AppliedReport, Command, StagedReport};
+use mx_layout::plan::{plan, CostModel, Plan};
+use mx_layout::{rank_layout, Digest, LayoutSpec, ModelInfo, RankDigests, RankLayout};
+use mx_nixl::{Agent, Arena, ReadOp, ReadOptions};
+use rayon::prelude::*;
+
+/// Errors of the worker.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// Reading the model config failed.
+    #[error("checkpoint: {0}")]
+    Checkpoint(#[from] mx_checkpoint::Error),
+    /// Layout or planning failed.
+    #[error("layout: {0}")]
+    Layout(#[from] mx_layout::Error),
+    /// The data plane failed.
+    #[error("nixl: {0}")]
+    Nixl(#[from] mx_nixl::Error),
+    /// The control plane failed.
+    #[error("control plane: {0}")]
+    Control(#[from] mx_control::Error),
+    /// A pulled region did not match its source's digest.
+    #[error("verification failed: tensor {tensor} region {region} for rank {rank} from source slot {slot}")]
+    Verify {
+        /// Tensor.
+        tensor: String,
+        /// Region.
+        region: String,
+        /// Destination rank.
+        rank: u32,
+        /// Source slot.
+        slot: u32,
+    },
+    /// Apply asked for a version that is not staged.
+    #[error("apply of {label} ({digest}) but staged is {staged}")]
+    NotStaged {
+        /// Requested label.
+        label: String,
+        /// Requested digest.
+        digest: Digest,
+        /// What is staged.
+        staged: String,
+    },
+    /// The checkpoint dir has no config.json.
+    #[error("model dir {dir} has no config.json")]
+    NoConfig {
+        /// Directory.
+        dir: PathBuf,
+    },
+    /// A background task died.
+    #[error("task failed: {0}")]
+    Task(String),
+}
+
+/// What a worker needs to start.
+#[derive(Debug, Clone)]
+pub struct WorkerConfig {
+    /// Control plane address, `http://host:port`.
+    pub control: String,
+    /// Model directory: its config.json and safetensors header give the tensor list (no weights
+    /// are read).
+    pub model_dir: PathBuf,
+    /// Inference layout.
+    pub layout: LayoutSpec,
+    /// Ranks of `layout` this instance holds.
+    pub ranks: Vec<u32>,
+    /// Worker id (unique in the fleet).
+    pub worker_id: String,
+    /// Instance name.
+    pub instance: String,
+}
+
+/// Timings and counts of one stage.
+#[derive(Debug, Clone, Default)]
+pub struct StageStats {
+    /// Seconds planning.
+    pub plan_s: f64,
+    /// Seconds in NIXL reads.
+    pub pull_s: f64,
+    /// Seconds verifying digests.
+    pub verify_s: f64,
+    /// Read descriptors.
+    pub descriptors: u64,
+    /// Wire bytes.
+    pub wire_bytes: u64,
+    /// Useful destination bytes.
+    pub useful_bytes: u64,
+}
+
+struct Staged {
+    label: String,
+    digest: Digest,
+    plan: Plan,
+}
+
+struct Core {
+    agent: Agent,
+    dest: Vec<RankLayout>,
+    live: Vec<Vec<u8>>,
+    staging: Option<Arena>,
+    staged: Option<Staged>,
+    cost: Option<CostModel>,
+    resident: Option<Digest>,
+}
+
+/// One inference instance.
+pub struct Worker {
+    cfg: WorkerConfig,
+    client: ControlClient,
+    core: Arc<Mutex<Core>>,
+}
+
+fn lock(core: &Mutex<Core>) -> std::sync::MutexGuard<'_, Core> {
+    core.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl Worker {
+    /// Computes the layout of its ranks, allocates live buffers, creates the NIXL agent and
+    /// registers with the control plane.
+    ///
+    /// # Errors
+    /// [`Error::Layout`] when the layout cannot place the model (e.g. tp=2 over 9 heads),
+    /// [`Error::Nixl`] when NIXL is missing, [`Error::Control`].
+    pub async fn start(cfg: WorkerConfig) -> Result<Worker, Error> {
+        mx_nixl::nixl_available()?;
+        let ckpt = Checkpoint::open(&cfg.model_dir)?;
+        let config = ckpt.config().ok_or_else(|| Error::NoConfig {
+            dir: cfg.model_dir.clone(),
+        })?;
+        let model = ModelInfo::from_hf_config(config, ckpt.specs())?;
+        let dest = cfg
+            .ranks
+            .iter()
+            .map(|&r| rank_layout(&model, cfg.layout, r))
+            .collect::<Result<Vec<_>, _>>()?;
+        let live = dest.iter().map(|d| vec![0u8; d.total_bytes as usize]).collect();
+        let agent = Agent::new(&format!("mx-worker-{}-{}", cfg.worker_id, std::process::id()))?;
+        let client = ControlClient::connect(&cfg.control).await?;
+        client
+            .register_worker(&cfg.worker_id, &cfg.instance, &cfg.ranks, cfg.layout)
+            .await?;
+        tracing::info!(worker = cfg.worker_id, layout = %cfg.layout, ranks = ?cfg.ranks, "registered");
+        Ok(Worker {
+            cfg,
+            client,
+            core: Arc::new(Mutex::new(Core {
+                agent,
+                dest,
+                live,
+                staging: None,
+                staged: None,
+                cost: None,
+                resident: None,
+            })),
+        })
+    }
+
+    /// Follows the command stream until it ends.
+    ///
+    /// # Errors
+    /// [`Error::Control`] when the stream fails. Stage/apply failures are reported to the control
+    /// plane, not returned.
+    pub async fn run(&self) -> Result<(), Error> {
+        let mut stream = self.client.watch_commands(&self.cfg.worker_id).await?;
+        while let Some(cmd) = stream.next().await? {
+            match cmd {
+                Command::Stage { label, version_digest } => {
+                    let t0 = Instant::now();
+                    let res = self.stage(&label, version_digest).await;
+                    let report = match res {
+                        Ok((stats, strategies)) => {
+                            tracing::info!(
+                                worker = self.cfg.worker_id, label,
+                                pull_s = stats.pull_s, verify_s = stats.verify_s, plan_s = stats.plan_s,
+                                descriptors = stats.descriptors, "staged"
+                            );
+                            StagedReport {
+                                worker_id: self.cfg.worker_id.clone(),
+                                label: label.clone(),
+                                ok: true,
+                                error: String::new(),
+                                ranks: Vec::new(),
+                                bytes: stats.useful_bytes,
+                                descriptors: stats.descriptors,
+                                seconds: t0.elapsed().as_secs_f64(),
+                                strategies,
+                            }
+                        }
+                        Err(e) => {
+                            tracing::error!(worker = self.cfg.worker_id, label, "stage failed: {e}");
+                            StagedReport {
+                                worker_id: self.cfg.worker_id.clone(),
+                                label: label.clone(),
+                                ok: false,
+                                error: e.to_string(),
+                                seconds: t0.elapsed().as_secs_f64(),
+                                ..StagedReport::default()
+                            }
+                        }
+                    };
+                    self.client.report_staged(&report).await?;
+                }
+                Command::Apply { label, version_digest } => {
+                    let report = match self.apply(&label, version_digest).await {
+                        Ok(ranks) => AppliedReport {
+                            worker_id: self.cfg.worker_id.clone(),
+                            label: label.clone(),
+                            ok: true,
+                            error: String::new(),
+                            resident_version: Some(version_digest),
+                            ranks,
+                        },
+                        Err(e) => AppliedReport {
+                            worker_id: self.cfg.worker_id.clone(),
+                            label: label.clone(),
+                            ok: false,
+                            error: e.to_string(),
+                            resident_version: lock(&self.core).resident,
+                            ranks: Vec::new(),
+                        },
+                    };
+                    self.client.report_applied(&report).await?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Plans, pulls and verifies `label` into staging.
+    ///
+    /// # Errors
+    /// Planning, NIXL and verification errors; nothing live is touched.
+    pub async fn stage(&self, label: &str, digest: Digest) -> Result<(StageStats, BTreeMap<String, u64>), Error> {
+        let info = self.client.get_version(label).await?;
+        let core = self.core.clone();
+        let label = label.to_string();
+        tokio::task::spawn_blocking(move || {
+            let mut c = lock(&core);
+            stage_blocking(&mut c, &label, digest, &info.manifests)
+        })
+        .await
+        .map_err(|e| Error::Task(e.to_string()))?
+    }
+
+    /// Applies the staged version to the live buffers and returns digests of the live bytes.
+    ///
+    /// # Errors
+    /// [`Error::NotStaged`] when a different version (or none) is staged.
+    pub async fn apply(&self, label: &str, digest: Digest) -> Result<Vec<RankDigests>, Error> {
+        let core = self.core.clone();
+        let label = label.to_string();
+        tokio::task::spawn_blocking(move || {
+            let mut c = lock(&core);
+            apply_blocking(&mut c, &label, digest)
+        })
+        .await
+        .map_err(|e| Error::Task(e.to_string()))?
+    }
+}
+
+fn stage_blocking(
+    c: &mut Core,
+    label: &str,
+    digest: Digest,
+    manifests: &[mx_layout::SourceManifest],
+) -> Result<(StageStats, BTreeMap<String, u64>), Error> {
+    let mut stats = StageStats::default();
+    let t = Instant::now();
+    // Load every source's agent metadata (idempotent per agent name).
+    let mut remotes = Vec::with_capacity(manifests.len());
+    for m in manifests {
+        remotes.push(c.agent.load_remote(&m.agent_metadata)?);
+    }
+    if c.cost.is_none() {
+        c.cost = Some(measure_costs(c, manifests, &remotes));
+    }
+    let cost = c.cost.unwrap_or_default();
+    let p = plan(&c.dest, manifests, &cost)?;
+    stats.plan_s = t.elapsed().as_secs_f64();
+    let need = p.staging_bytes.max(1);
+    if c.staging.as_ref().is_none_or(|a| a.len() < need) {
+        c.staging = None;
+        c.staging = Some(Arena::new(&c.agent, need)?);
+    }
+    let Some(arena) = c.staging.as_mut() else {
+        return Err(Error::Task("staging arena missing".into()));
+    };
+    let t = Instant::now();
+    let opts = ReadOptions::default();
+    let mut per_source: HashMap<usize, Vec<ReadOp>> = HashMap::new();
+    for r in &p.reads {
+        per_source.entry(r.source).or_default().push(ReadOp {
+            remote_addr: r.src_addr,
+            len: r.len,
+            local_offset: r.staging_offset,
+        });
+    }
+    let mut sources: Vec<_> = per_source.into_iter().collect();
+    sources.sort_by_key(|(s, _)| *s);
+    for (s, ops) in &sources {
+        let st = c.agent.read(&remotes[*s], ops, arena, &opts)?;
+        stats.descriptors += st.descriptors;
+    }
+    stats.pull_s = t.elapsed().as_secs_f64();
+    let t = Instant::now();
+    let buf = arena.as_slice();
+    let bad = p.verify.par_iter().find_any(|v| {
+        let mut h = blake3::Hasher::new();
+        for &(o, l) in &v.segments {
+            h.update(&buf[o as usize..(o + l) as usize]);
+        }
+        Digest::from(h.finalize()) != v.digest
+    });
+    if let Some(v) = bad {
+        c.staged = None;
+        return Err(Error::Verify {
+            tensor: v.tensor.clone(),
+            region: v.region.to_string(),
+            rank: v.dest_rank,
+            slot: manifests.get(v.source).map(|m| m.slot).unwrap_or(u32::MAX),
+        });
+    }
+    stats.verify_s = t.elapsed().as_secs_f64();
+    stats.wire_bytes = p.wire_bytes;
+    stats.useful_bytes = p.useful_bytes;
+    let strategies = p.strategy_counts();
+    c.staged = Some(Staged {
+        label: label.to_string(),
+        digest,
+        plan: p,
+    });
+    Ok((stats, strategies))
+}
+
+/// Measures the cost model against the first source's largest shard; falls back to the
+/// reference numbers when the probe cannot run (tiny models).
+fn measure_costs(c: &mut Core, manifests: &[mx_layout::SourceManifest], remotes: &[String]) -> CostModel {
+    let Some((si, shard)) = manifests
+        .iter()
+        .enumerate()
+        .flat_map(|(i, m)| m.shards.iter().map(move |s| (i, s)))
+        .max_by_key(|(_, s)| s.len)
+    else {
+        return CostModel::default();
+    };
+    let scratch_len = shard.len.min(64 << 20);
+    let Ok(mut scratch) = Arena::new(&c.agent, scratch_len.max(1)) else {
+        return CostModel::default();
+    };
+    match mx_nixl::probe_costs(&c.agent, &remotes[si], shard.addr, shard.len, &mut scratch) {
+        Ok(m) => {
+            tracing::info!(per_descriptor_us = m.per_descriptor_s * 1e6, wire_gbps = m.wire_gbps, "measured data-plane costs");
+            CostModel {
+                per_descriptor_s: m.per_descriptor_s,
+                wire_gbps: m.wire_gbps,
+            }
+        }
+        Err(e) => {
+            tracing::warn!("cost probe failed ({e}); using reference costs");
+            CostModel::default()
+        }
+    }
+}
+
+fn apply_blocking(c: &mut Core, label: &str, digest: Digest) -> Result<Vec<RankDigests>, Error> {
+    let ok = c.staged.as_ref().is_some_and(|s| s.label == label && s.digest == digest);
+    if !ok {
+        return Err(Error::NotStaged {
+            label: label.to_string(),
+            digest,
+            staged: c
+                .staged
+                .as_ref()
+                .map(|s| format!("{} ({})", s.label, s.digest))
+                .unwrap_or_else(|| "nothing".into()),
+        });
+    }
+    let (Some(staged), Some(arena)) = (c.staged.as_ref(), c.staging.as_ref()) else {
+        return Err(Error::Task("staging lost".into()));
+    };
+    let buf = arena.as_slice();
+    // Copies per rank in parallel; each rank's live buffer is written in place.
+    let p = &staged.plan;
+    c.live.par_iter_mut().enumerate().for_each(|(ri, live)| {
+        for cp in p.copies.iter().filter(|cp| cp.rank_index == ri) {
+            live[cp.live_offset as usize..(cp.live_offset + cp.len) as usize]
+                .copy_from_slice(&buf[cp.staging_offset as usize..(cp.staging_offset + cp.len) as usize]);
+        }
+        for z in p.zero_fills.iter().filter(|z| z.rank_index == ri) {
+            live[z.live_offset as usize..(z.live_offset + z.len) as usize].fill(0);
+        }
+    });
+    c.resident = Some(digest);
+    Ok(live_digests(&c.dest, &c.live))
+}
+
+/// blake3 of every parameter's live bytes, per rank.
+pub fn live_digests(dest: &[RankLayout], live: &[Vec<u8>]) -> Vec<RankDigests> {
+    dest.iter()
+        .zip(live)
+        .map(|(rl, buf)| RankDigests {
+            rank: rl.rank,
+            tensors: rl
+                .params
+                .par_iter()
+                .map(|p| (p.name.clone(), Digest::of(&buf[p.offset as usize..(p.offset + p.len) as usize])))
+                .collect(),
+        })
+        .collect()
+}
+
+/// Waits a little between control-plane polls.
+pub const POLL: Duration = Duration::from_millis(2);

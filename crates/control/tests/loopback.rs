@@ -1,0 +1,592 @@
+//! Control plane over real loopback gRPC: an ephemeral port, a real journal in a temp dir.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // reason: tests fail loudly on purpose
+
+use std::io::Write;
+use std::path::Path;
+use std::time::Duration;
+
+use mx_control::client::{CommandStream, ControlClient};
+use mx_control::{
+    spawn, AppliedReport, Command, ControlPlaneConfig, Error, ServerHandle, StagedReport,
+    VersionState, WorkerState,
+};
+use mx_layout::{
+    version_digest, DType, DestPiece, Digest, LayoutSpec, MemDevice, RankDigests, Scheme,
+    ShardEntry, SourceManifest, TensorBox, TensorSpec,
+};
+
+const FSDP2: LayoutSpec = LayoutSpec {
+    scheme: Scheme::Fsdp,
+    world_size: 2,
+};
+const TP2: LayoutSpec = LayoutSpec {
+    scheme: Scheme::VllmTp,
+    world_size: 2,
+};
+const REP1: LayoutSpec = LayoutSpec {
+    scheme: Scheme::Replicated,
+    world_size: 1,
+};
+const T: Duration = Duration::from_secs(10);
+
+async fn start(journal: &Path) -> (ControlClient, ServerHandle) {
+    let (addr, handle) = spawn(ControlPlaneConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        journal_path: journal.to_path_buf(),
+    })
+    .await
+    .unwrap();
+    assert_ne!(addr.port(), 0);
+    let client = ControlClient::connect(&addr.to_string()).await.unwrap();
+    (client, handle)
+}
+
+fn tensors() -> Vec<TensorSpec> {
+    vec![
+        TensorSpec {
+            name: "embed.weight".into(),
+            dtype: DType::BF16,
+            shape: vec![8, 4],
+        },
+        TensorSpec {
+            name: "norm.weight".into(),
+            dtype: DType::F32,
+            shape: vec![4],
+        },
+    ]
+}
+
+/// Synthetic bytes for a box of a tensor, so every shard has a distinct real digest.
+fn shard(t: &TensorSpec, off: &[u64], shape: &[u64], addr: u64) -> ShardEntry {
+    let b = TensorBox {
+        global_offset: off.to_vec(),
+        local_shape: shape.to_vec(),
+    };
+    let len = b.numel().unwrap() * t.dtype.size_bytes();
+    let bytes: Vec<u8> = (0..len)
+        .map(|i| (i as u8) ^ (off[0] as u8).wrapping_mul(31) ^ t.name.len() as u8)
+        .collect();
+    ShardEntry {
+        tensor: t.name.clone(),
+        dtype: t.dtype,
+        global_shape: t.shape.clone(),
+        shard: b,
+        addr,
+        len,
+        device: MemDevice::Dram,
+        digest: Digest::of(&bytes),
+    }
+}
+
+/// FSDP over 2 slots: rows 0..4 / 4..8 of embed, 0..2 / 2..4 of norm.
+fn manifest(slot: u32) -> SourceManifest {
+    let ts = tensors();
+    let r = u64::from(slot);
+    let embed = shard(&ts[0], &[4 * r, 0], &[4, 4], 0x1000 + 0x10000 * r);
+    let norm = shard(&ts[1], &[2 * r], &[2], 0x2000 + 0x10000 * r);
+    let piece = DestPiece {
+        layout: TP2,
+        dest_rank: slot,
+        tensor: embed.tensor.clone(),
+        region: embed.shard.clone(),
+        digest: embed.digest,
+        packed_addr: Some(0x9000 + r),
+    };
+    SourceManifest {
+        slot,
+        layout: FSDP2,
+        agent_name: format!("trainer-{slot}"),
+        agent_metadata: vec![0xA5, slot as u8, 7],
+        shards: vec![embed, norm],
+        pieces: vec![piece],
+        pack_seconds: 0.125,
+    }
+}
+
+fn rpc_err(e: Error) -> (tonic::Code, String) {
+    match e {
+        Error::Rpc { code, message, .. } => (code, message),
+        other => panic!("expected an RPC error, got {other}"),
+    }
+}
+
+async fn next_cmd(s: &mut CommandStream) -> Command {
+    tokio::time::timeout(T, s.next())
+        .await
+        .expect("command within the timeout")
+        .unwrap()
+        .expect("stream open")
+}
+
+fn staged(worker: &str, label: &str, rank: u32) -> StagedReport {
+    StagedReport {
+        worker_id: worker.into(),
+        label: label.into(),
+        ok: true,
+        error: String::new(),
+        ranks: vec![RankDigests {
+            rank,
+            tensors: [("embed.weight".to_string(), Digest::of(worker.as_bytes()))].into(),
+        }],
+        bytes: 96,
+        descriptors: 3,
+        seconds: 0.1 + f64::from(rank) / 3.0,
+        strategies: [("exact".to_string(), 2), ("packed".to_string(), 1)].into(),
+    }
+}
+
+fn applied(worker: &str, label: &str, resident: Option<Digest>) -> AppliedReport {
+    AppliedReport {
+        worker_id: worker.into(),
+        label: label.into(),
+        ok: true,
+        error: String::new(),
+        resident_version: resident,
+        ranks: vec![RankDigests {
+            rank: 0,
+            tensors: [("norm.weight".to_string(), Digest::of(b"live"))].into(),
+        }],
+    }
+}
+
+#[tokio::test]
+async fn ready_only_when_every_slot_published_and_every_tensor_covered() {
+    let dir = tempfile::tempdir().unwrap();
+    let (c, h) = start(&dir.path().join("journal.jsonl")).await;
+
+    c.declare_version("step-1", FSDP2, &tensors())
+        .await
+        .unwrap();
+    let info = c.get_version("step-1").await.unwrap();
+    assert_eq!(info.state, VersionState::Declared);
+    assert_eq!(info.missing_slots, vec![0, 1]);
+
+    // A waiter started before READY wakes when the last slot lands.
+    let waiter = {
+        let c = c.clone();
+        tokio::spawn(async move { c.wait_version("step-1", VersionState::Ready, T).await })
+    };
+
+    let m0 = manifest(0);
+    let m1 = manifest(1);
+    let out = c.publish("step-1", &m0).await.unwrap();
+    assert_eq!(out.state, VersionState::Publishing);
+    assert_eq!(out.version_digest, None);
+    let info = c.get_version("step-1").await.unwrap();
+    assert_eq!(info.published_slots, vec![0]);
+    assert_eq!(info.missing_slots, vec![1]);
+    assert_eq!(info.version_digest, None);
+    let e = c
+        .wait_version("step-1", VersionState::Ready, Duration::from_millis(100))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(e, Error::WaitNotReached { timed_out: true, current, .. } if current.0 == Some(VersionState::Publishing)),
+        "{e}"
+    );
+
+    let out = c.publish("step-1", &m1).await.unwrap();
+    let want = version_digest(m0.shards.iter().chain(&m1.shards));
+    assert_eq!(out.state, VersionState::Ready);
+    assert_eq!(out.version_digest, Some(want));
+    let woke = waiter.await.unwrap().unwrap();
+    assert_eq!(woke.state, VersionState::Ready);
+    assert_eq!(woke.version_digest, Some(want));
+
+    let info = c.get_version("step-1").await.unwrap();
+    assert_eq!(info.state, VersionState::Ready);
+    assert!(info.missing_slots.is_empty() && info.missing_tensors.is_empty());
+    // Manifests round-trip through proto unchanged.
+    assert_eq!(info.manifests, vec![m0.clone(), m1.clone()]);
+
+    // A declared tensor that no manifest holds: never READY, named in missing_tensors.
+    let mut with_head = tensors();
+    with_head.push(TensorSpec {
+        name: "lm_head.weight".into(),
+        dtype: DType::BF16,
+        shape: vec![8, 4],
+    });
+    c.declare_version("step-2", FSDP2, &with_head)
+        .await
+        .unwrap();
+    c.publish("step-2", &m0).await.unwrap();
+    let out = c.publish("step-2", &m1).await.unwrap();
+    assert_eq!(out.state, VersionState::Publishing);
+    let info = c.get_version("step-2").await.unwrap();
+    assert_eq!(info.state, VersionState::Publishing);
+    assert!(info.missing_slots.is_empty());
+    assert_eq!(info.missing_tensors, vec!["lm_head.weight".to_string()]);
+    assert_eq!(info.version_digest, None);
+    let (code, msg) = rpc_err(c.stage("step-2", &["w"]).await.unwrap_err());
+    assert_eq!(code, tonic::Code::FailedPrecondition);
+    assert!(msg.contains("PUBLISHING"), "{msg}");
+
+    // A tensor covered only in part: the gap is reported with its region.
+    c.declare_version("step-3", FSDP2, &tensors())
+        .await
+        .unwrap();
+    c.publish("step-3", &m0).await.unwrap();
+    let mut m1_short = m1.clone();
+    m1_short.shards.retain(|s| s.tensor != "embed.weight");
+    c.publish("step-3", &m1_short).await.unwrap();
+    let info = c.get_version("step-3").await.unwrap();
+    assert_eq!(info.state, VersionState::Publishing);
+    assert!(info.missing_tensors.is_empty());
+    assert_eq!(info.coverage_gaps.len(), 1);
+    assert_eq!(info.coverage_gaps[0].tensor, "embed.weight");
+    assert_eq!(
+        info.coverage_gaps[0].region,
+        TensorBox {
+            global_offset: vec![4, 0],
+            local_shape: vec![4, 4]
+        }
+    );
+    // The restarted rank republishes its slot whole: READY.
+    let out = c.publish("step-3", &m1).await.unwrap();
+    assert_eq!(out.state, VersionState::Ready);
+    assert_eq!(out.version_digest, Some(want));
+
+    let status = c.get_status().await.unwrap();
+    let states: Vec<_> = status
+        .versions
+        .iter()
+        .map(|v| (v.label.as_str(), v.state))
+        .collect();
+    assert_eq!(
+        states,
+        vec![
+            ("step-1", VersionState::Ready),
+            ("step-2", VersionState::Publishing),
+            ("step-3", VersionState::Ready)
+        ]
+    );
+    h.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn bad_manifests_and_declarations_are_refused_naming_the_tensor() {
+    let dir = tempfile::tempdir().unwrap();
+    let (c, h) = start(&dir.path().join("journal.jsonl")).await;
+    c.declare_version("v", FSDP2, &tensors()).await.unwrap();
+    // Identical re-declare is fine; a different one is AlreadyExists.
+    c.declare_version("v", FSDP2, &tensors()).await.unwrap();
+    let (code, msg) = rpc_err(c.declare_version("v", TP2, &tensors()).await.unwrap_err());
+    assert_eq!(code, tonic::Code::AlreadyExists);
+    assert!(msg.contains("\"v\""), "{msg}");
+
+    let mut bad = manifest(0);
+    bad.shards[0].dtype = DType::F16;
+    let (code, msg) = rpc_err(c.publish("v", &bad).await.unwrap_err());
+    assert_eq!(code, tonic::Code::InvalidArgument);
+    assert!(
+        msg.contains("embed.weight") && msg.contains("dtype mismatch"),
+        "{msg}"
+    );
+    assert!(msg.contains("F16") && msg.contains("BF16"), "{msg}");
+
+    let mut bad = manifest(1);
+    bad.shards[1].global_shape = vec![5];
+    let (code, msg) = rpc_err(c.publish("v", &bad).await.unwrap_err());
+    assert_eq!(code, tonic::Code::InvalidArgument);
+    assert!(
+        msg.contains("norm.weight") && msg.contains("shape mismatch"),
+        "{msg}"
+    );
+
+    let mut bad = manifest(0);
+    bad.shards[0].tensor = "ghost.weight".into();
+    let (code, msg) = rpc_err(c.publish("v", &bad).await.unwrap_err());
+    assert_eq!(code, tonic::Code::InvalidArgument);
+    assert!(
+        msg.contains("ghost.weight") && msg.contains("not declared"),
+        "{msg}"
+    );
+
+    let mut bad = manifest(0);
+    bad.shards[0].len -= 2;
+    let (code, msg) = rpc_err(c.publish("v", &bad).await.unwrap_err());
+    assert_eq!(code, tonic::Code::InvalidArgument);
+    assert!(
+        msg.contains("embed.weight") && msg.contains("len 30"),
+        "{msg}"
+    );
+
+    let mut bad = manifest(1);
+    bad.shards[0].shard.global_offset = vec![6, 0];
+    let (code, msg) = rpc_err(c.publish("v", &bad).await.unwrap_err());
+    assert_eq!(code, tonic::Code::InvalidArgument);
+    assert!(
+        msg.contains("embed.weight") && msg.contains("does not fit"),
+        "{msg}"
+    );
+
+    let mut bad = manifest(0);
+    bad.slot = 2;
+    let (code, msg) = rpc_err(c.publish("v", &bad).await.unwrap_err());
+    assert_eq!(code, tonic::Code::InvalidArgument);
+    assert!(msg.contains("slot 2"), "{msg}");
+
+    let mut bad = manifest(0);
+    bad.shards[0].digest = Digest::default();
+    bad.pieces[0].region.local_shape = vec![9, 4];
+    let (code, msg) = rpc_err(c.publish("v", &bad).await.unwrap_err());
+    assert_eq!(code, tonic::Code::InvalidArgument);
+    assert!(
+        msg.contains("embed.weight") && msg.contains("region"),
+        "{msg}"
+    );
+
+    let (code, _) = rpc_err(c.publish("nope", &manifest(0)).await.unwrap_err());
+    assert_eq!(code, tonic::Code::NotFound);
+
+    // Nothing refused was recorded: no slot published, and only the one declare in the journal.
+    let info = c.get_version("v").await.unwrap();
+    assert_eq!(info.state, VersionState::Declared);
+    assert!(info.published_slots.is_empty());
+    h.shutdown().await.unwrap();
+    let records = mx_control::journal::read_records(&dir.path().join("journal.jsonl")).unwrap();
+    assert_eq!(records.len(), 1);
+}
+
+#[tokio::test]
+async fn commit_needs_every_worker_staged_and_happy_path_commits() {
+    let dir = tempfile::tempdir().unwrap();
+    let (c, h) = start(&dir.path().join("journal.jsonl")).await;
+    c.declare_version("step-7", FSDP2, &tensors())
+        .await
+        .unwrap();
+    c.publish("step-7", &manifest(0)).await.unwrap();
+    let digest = c
+        .publish("step-7", &manifest(1))
+        .await
+        .unwrap()
+        .version_digest
+        .unwrap();
+
+    c.register_worker("w0", "inst-0", &[0, 1], TP2)
+        .await
+        .unwrap();
+    c.register_worker("w1", "inst-1", &[0], REP1).await.unwrap();
+    assert_eq!(c.list_layouts().await.unwrap(), vec![REP1, TP2]);
+    let (code, _) = rpc_err(c.register_worker("bad", "i", &[2], TP2).await.unwrap_err());
+    assert_eq!(code, tonic::Code::InvalidArgument);
+
+    let mut s0 = c.watch_commands("w0").await.unwrap();
+
+    let (code, msg) = rpc_err(c.stage("step-7", &["w0", "ghost"]).await.unwrap_err());
+    assert_eq!(code, tonic::Code::FailedPrecondition);
+    assert!(msg.contains("ghost"), "{msg}");
+    let (code, msg) = rpc_err(c.commit("step-7", &["w0", "w1"]).await.unwrap_err());
+    assert_eq!(code, tonic::Code::FailedPrecondition);
+    assert!(msg.contains("\"w0\"") && msg.contains("IDLE"), "{msg}");
+
+    c.stage("step-7", &["w0", "w1"]).await.unwrap();
+    let stage = Command::Stage {
+        label: "step-7".into(),
+        version_digest: digest,
+    };
+    assert_eq!(next_cmd(&mut s0).await, stage);
+    // w1 had no stream when the Stage was issued: it gets it when it connects.
+    let mut s1 = c.watch_commands("w1").await.unwrap();
+    assert_eq!(next_cmd(&mut s1).await, stage);
+
+    c.report_staged(&staged("w0", "step-7", 0)).await.unwrap();
+    let (code, msg) = rpc_err(c.commit("step-7", &["w0", "w1"]).await.unwrap_err());
+    assert_eq!(code, tonic::Code::FailedPrecondition);
+    assert!(msg.contains("\"w1\"") && msg.contains("STAGING"), "{msg}");
+    // A report for a version the worker is not staging is refused.
+    let (code, _) = rpc_err(
+        c.report_staged(&staged("w1", "step-8", 0))
+            .await
+            .unwrap_err(),
+    );
+    assert_eq!(code, tonic::Code::FailedPrecondition);
+    c.report_staged(&staged("w1", "step-7", 1)).await.unwrap();
+
+    c.commit("step-7", &["w0", "w1"]).await.unwrap();
+    let apply = Command::Apply {
+        label: "step-7".into(),
+        version_digest: digest,
+    };
+    assert_eq!(next_cmd(&mut s0).await, apply);
+    assert_eq!(next_cmd(&mut s1).await, apply);
+    assert_eq!(
+        c.get_version("step-7").await.unwrap().state,
+        VersionState::Committing
+    );
+    // Same set again: idempotent. Another set: refused.
+    c.commit("step-7", &["w1", "w0"]).await.unwrap();
+    let (code, _) = rpc_err(c.commit("step-7", &["w0"]).await.unwrap_err());
+    assert_eq!(code, tonic::Code::FailedPrecondition);
+
+    c.report_applied(&applied("w0", "step-7", Some(digest)))
+        .await
+        .unwrap();
+    assert_eq!(
+        c.get_version("step-7").await.unwrap().state,
+        VersionState::Committing
+    );
+    c.report_applied(&applied("w1", "step-7", Some(digest)))
+        .await
+        .unwrap();
+    let info = c
+        .wait_version("step-7", VersionState::Committed, T)
+        .await
+        .unwrap();
+    assert_eq!(info.state, VersionState::Committed);
+    assert_eq!(info.version_digest, Some(digest));
+    assert_eq!(
+        info.commit_workers,
+        vec!["w0".to_string(), "w1".to_string()]
+    );
+    c.commit("step-7", &["w0", "w1"]).await.unwrap();
+
+    let status = c.get_status().await.unwrap();
+    assert_eq!(status.workers.len(), 2);
+    let w1 = &status.workers[1];
+    assert_eq!(w1.worker_id, "w1");
+    assert_eq!(w1.instance, "inst-1");
+    assert_eq!(w1.layout, REP1);
+    assert_eq!(w1.state, WorkerState::Applied);
+    assert_eq!(w1.label.as_deref(), Some("step-7"));
+    assert_eq!(w1.resident_version, Some(digest));
+    assert_eq!(w1.last_staged.as_ref(), Some(&staged("w1", "step-7", 1)));
+    assert_eq!(
+        w1.last_applied.as_ref(),
+        Some(&applied("w1", "step-7", Some(digest)))
+    );
+    assert_eq!(status.workers[0].ranks, vec![0, 1]);
+
+    // A new stream for w0 replaces the old one, which ends.
+    let _s0b = c.watch_commands("w0").await.unwrap();
+    let ended = tokio::time::timeout(T, s0.next()).await.unwrap().unwrap();
+    assert_eq!(ended, None);
+    h.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn wrong_resident_digest_fails_the_version() {
+    let dir = tempfile::tempdir().unwrap();
+    let (c, h) = start(&dir.path().join("journal.jsonl")).await;
+    c.declare_version("v", FSDP2, &tensors()).await.unwrap();
+    c.publish("v", &manifest(0)).await.unwrap();
+    c.publish("v", &manifest(1)).await.unwrap();
+    c.register_worker("w", "i", &[0], REP1).await.unwrap();
+    c.stage("v", &["w"]).await.unwrap();
+    c.report_staged(&staged("w", "v", 0)).await.unwrap();
+    c.commit("v", &["w"]).await.unwrap();
+    c.report_applied(&applied("w", "v", Some(Digest::of(b"v0"))))
+        .await
+        .unwrap();
+    let e = c
+        .wait_version("v", VersionState::Committed, T)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::WaitNotReached {
+                timed_out: false,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let status = c.get_status().await.unwrap();
+    assert_eq!(status.versions[0].state, VersionState::Failed);
+    assert_eq!(status.workers[0].state, WorkerState::Failed);
+    assert!(status.workers[0]
+        .last_error
+        .as_deref()
+        .unwrap()
+        .contains("resident version"));
+    h.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn restart_replays_the_journal_to_the_same_state() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("journal.jsonl");
+    let (c, h) = start(&path).await;
+    c.declare_version("a", FSDP2, &tensors()).await.unwrap();
+    c.publish("a", &manifest(0)).await.unwrap();
+    let digest = c
+        .publish("a", &manifest(1))
+        .await
+        .unwrap()
+        .version_digest
+        .unwrap();
+    c.declare_version("b", FSDP2, &tensors()).await.unwrap();
+    c.publish("b", &manifest(1)).await.unwrap();
+    c.register_worker("w0", "inst-0", &[0, 1], TP2)
+        .await
+        .unwrap();
+    c.register_worker("w1", "inst-1", &[0], REP1).await.unwrap();
+    c.stage("a", &["w0", "w1"]).await.unwrap();
+    c.report_staged(&staged("w0", "a", 0)).await.unwrap();
+    c.report_staged(&staged("w1", "a", 1)).await.unwrap();
+    c.commit("a", &["w0", "w1"]).await.unwrap();
+    c.commit("a", &["w0", "w1"]).await.unwrap(); // a no-op: not journaled
+    c.report_applied(&applied("w0", "a", Some(digest)))
+        .await
+        .unwrap();
+    let status = c.get_status().await.unwrap();
+    let va = c.get_version("a").await.unwrap();
+    let vb = c.get_version("b").await.unwrap();
+    h.shutdown().await.unwrap();
+    assert_eq!(mx_control::journal::read_records(&path).unwrap().len(), 12);
+
+    // A crash mid-write leaves a torn last line: tolerated.
+    std::fs::OpenOptions::new()
+        .append(true)
+        .open(&path)
+        .unwrap()
+        .write_all(b"{\"seq\":13,\"unix_ms\":17,\"record\":{\"op\":\"reg")
+        .unwrap();
+
+    let (c, h) = start(&path).await;
+    assert_eq!(c.get_status().await.unwrap(), status);
+    assert_eq!(c.get_version("a").await.unwrap(), va);
+    assert_eq!(c.get_version("b").await.unwrap(), vb);
+    assert_eq!(va.state, VersionState::Committing);
+    assert_eq!(status.workers[0].state, WorkerState::Applied);
+    assert_eq!(status.workers[1].state, WorkerState::Applying);
+
+    // The outstanding command is re-sent to the reconnecting worker; the commit completes.
+    let mut s1 = c.watch_commands("w1").await.unwrap();
+    assert_eq!(
+        next_cmd(&mut s1).await,
+        Command::Apply {
+            label: "a".into(),
+            version_digest: digest
+        }
+    );
+    c.report_applied(&applied("w1", "a", Some(digest)))
+        .await
+        .unwrap();
+    assert_eq!(
+        c.get_version("a").await.unwrap().state,
+        VersionState::Committed
+    );
+    h.shutdown().await.unwrap();
+    // The torn line was cut off; the new record follows the last good one.
+    let records = mx_control::journal::read_records(&path).unwrap();
+    assert_eq!(records.len(), 13);
+    assert_eq!(records[12].seq, 13);
+
+    // A garbled line that is not the last one is an error naming it.
+    let text = std::fs::read_to_string(&path).unwrap();
+    let mut lines: Vec<&str> = text.lines().collect();
+    lines[4] = "{\"seq\":5,\"garbage";
+    std::fs::write(&path, lines.join("\n") + "\n").unwrap();
+    let err = spawn(ControlPlaneConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        journal_path: path.clone(),
+    })
+    .await
+    .unwrap_err();
+    assert!(
+        matches!(err, Error::JournalCorrupt { line: 5, .. }),
+        "{err}"
+    );
+}

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Installs everything mx needs to build, test and run the demo, idempotently:
+#   - Debian packages: protobuf-compiler (protoc, for tonic), libclang-dev (bindgen in nixl-sys),
+#     pkg-config, unzip, and python3 / python3-venv when the system python cannot make a venv;
+#   - the model checkpoints and the Python venv ($REPO/.mx/models, $REPO/.mx/venv): setup-models.sh;
+#   - the NIXL 1.5.1 runtime libraries ($REPO/.mx/nixl): install-nixl.sh.
+# apt-get runs only when something is missing. A second run changes nothing and takes seconds.
+set -euo pipefail
+
+SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+REPO="$(cd "$SCRIPT_DIR/.." && pwd)"
+
+log() { printf 'setup: %s\n' "$*" >&2; }
+
+installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q 'install ok installed'; }
+
+# --- Debian packages -------------------------------------------------------------------------------
+missing=()
+command -v protoc >/dev/null 2>&1 || missing+=(protobuf-compiler)
+installed libclang-dev || missing+=(libclang-dev)
+command -v unzip >/dev/null 2>&1 || missing+=(unzip)
+command -v pkg-config >/dev/null 2>&1 || missing+=(pkg-config)
+if ! command -v python3 >/dev/null 2>&1; then
+    missing+=(python3 python3-venv)
+elif ! python3 -c 'import venv, ensurepip' >/dev/null 2>&1; then
+    missing+=(python3-venv)
+fi
+
+if ((${#missing[@]})); then
+    sudo=()
+    if [[ $EUID -ne 0 ]]; then
+        command -v sudo >/dev/null 2>&1 || { log "need root (or sudo) to install: ${missing[*]}"; exit 1; }
+        sudo=(sudo)
+    fi
+    log "installing Debian packages: ${missing[*]}"
+    "${sudo[@]}" apt-get update -y >&2
+    "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive \
+        apt-get install -y --no-install-recommends "${missing[@]}" >&2
+else
+    log "Debian packages present (protoc, libclang-dev, unzip, pkg-config, python3 venv)"
+fi
+
+# --- models and the Python venv --------------------------------------------------------------------
+log "models: scripts/setup-models.sh"
+bash "$SCRIPT_DIR/setup-models.sh" >/dev/null
+
+# --- NIXL libraries --------------------------------------------------------------------------------
+# install-nixl.sh runs `pip download`; the venv made above always has pip (a stock Debian python3
+# does not), so it goes first on PATH.
+log "NIXL: scripts/install-nixl.sh"
+PATH="$REPO/.mx/venv/bin:$PATH" bash "$SCRIPT_DIR/install-nixl.sh" >/dev/null
+
+log "ready: models in $REPO/.mx/models, NIXL in $REPO/.mx/nixl"

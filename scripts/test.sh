@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Runs the mx test suite on this machine, installing what it needs first (scripts/setup.sh).
+#
+#   scripts/test.sh                 the whole workspace, release profile
+#   scripts/test.sh -p mx-layout    arguments go to `cargo test` unchanged
+#   MX_LINT=1 scripts/test.sh       also `cargo fmt --check` and clippy -D warnings, first (CI does)
+#
+# NIXL tests fail (instead of skipping) when the NIXL libraries are missing: MX_REQUIRE_NIXL=1.
+set -euo pipefail
+
+SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+REPO="$(cd "$SCRIPT_DIR/.." && pwd)"
+cd "$REPO"
+
+log() { printf 'test: %s\n' "$*" >&2; }
+
+step=setup
+trap 'rc=$?; if ((rc)); then echo "mx tests: FAILED at step \"$step\" (exit $rc)"; fi' EXIT
+
+if ! command -v cargo >/dev/null 2>&1 && [[ -f "$HOME/.cargo/env" ]]; then
+    # shellcheck disable=SC1091
+    . "$HOME/.cargo/env"
+fi
+
+bash "$SCRIPT_DIR/setup.sh"
+
+export MX_REQUIRE_NIXL=1
+export UCX_MODULES='^efa'
+
+if [[ "${MX_LINT:-0}" == 1 ]]; then
+    step="cargo fmt --check"
+    log "$step"
+    cargo fmt --all --check
+    step="cargo clippy"
+    log "cargo clippy --workspace --all-targets -- -D warnings"
+    cargo clippy --workspace --all-targets -- -D warnings
+fi
+
+step="cargo build"
+log "cargo build --release --workspace --all-targets"
+cargo build --release --workspace --all-targets
+
+# `--workspace` would override a `-p/--package` given here, so it is added only without one.
+scope=(--workspace)
+for arg in "$@"; do
+    case "$arg" in
+        --) break ;;
+        -p | -p* | --package | --package=*) scope=() ;;
+    esac
+done
+
+step="cargo test"
+log "cargo test --release ${scope[*]} $*"
+cargo test --release "${scope[@]}" "$@"
+
+trap - EXIT
+echo "mx tests: PASSED (cargo test --release ${scope[*]} $*)"

@@ -1,0 +1,496 @@
+//! `mx demo`: control plane, trainer publishers and inference workers as separate OS processes on
+//! loopback; refits versions step-1..step-N, commits each, and checks every worker's live bytes
+//! against slices computed independently from the checkpoint file.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use indicatif::{ProgressBar, ProgressStyle};
+use mx_checkpoint::Checkpoint;
+use mx_control::client::ControlClient;
+use mx_control::{VersionState, WorkerState};
+use mx_layout::{rank_layout, LayoutSpec, ModelInfo};
+use serde::Serialize;
+
+use crate::slice::Reference;
+
+/// Flags of `mx demo`.
+#[derive(clap::Args, Debug)]
+pub(crate) struct DemoArgs {
+    /// HF checkpoint directory (default: the SmolLM2-135M checkpoint made by scripts/setup.sh).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Trainer layout of the publishers.
+    #[arg(long, default_value = "fsdp:4")]
+    trainer_layout: LayoutSpec,
+    /// Inference layout of each instance (every instance holds all its ranks in one process).
+    #[arg(long, default_value = "tp:3")]
+    inference_layout: LayoutSpec,
+    /// Number of inference instances.
+    #[arg(long, default_value_t = 2)]
+    workers: u32,
+    /// Versions to refit (a deterministic training step between each).
+    #[arg(long, default_value_t = 2)]
+    steps: u32,
+    /// Stage runs per version (the reported pull GB/s is the median).
+    #[arg(long, default_value_t = 3)]
+    runs: u32,
+    /// Disable source-side packing at the publishers.
+    #[arg(long)]
+    no_pack: bool,
+    /// Write the JSON report here.
+    #[arg(long)]
+    report: Option<PathBuf>,
+    /// Keep the work directory (journal, logs).
+    #[arg(long)]
+    keep: bool,
+}
+
+#[derive(Serialize)]
+struct RankReport {
+    rank: u32,
+    tensors: std::collections::BTreeMap<String, String>,
+}
+
+#[derive(Serialize)]
+struct WorkerReport {
+    worker_id: String,
+    ranks: Vec<RankReport>,
+    verified: bool,
+    bytes: u64,
+    descriptors: u64,
+    seconds: f64,
+    gbps: f64,
+    strategies: std::collections::BTreeMap<String, u64>,
+    mismatches: Vec<String>,
+}
+
+#[derive(Serialize)]
+struct VersionReport {
+    label: String,
+    version_digest: String,
+    stage_seconds_runs: Vec<f64>,
+    stage_seconds_median: f64,
+    pack_seconds: f64,
+    useful_bytes: u64,
+    pull_gbps: f64,
+    all_verified: bool,
+    workers: Vec<WorkerReport>,
+}
+
+#[derive(Serialize)]
+struct Report {
+    model_dir: String,
+    trainer_layout: String,
+    inference_layout: String,
+    all_verified: bool,
+    pull_gbps: f64,
+    memcpy_gbps: f64,
+    pull_vs_memcpy: f64,
+    version_digests: Vec<String>,
+    versions: Vec<VersionReport>,
+    /// Workers of the last version, with live digests per rank.
+    workers: Vec<WorkerReport>,
+}
+
+/// Children killed when dropped.
+struct Procs(Vec<(String, Child)>);
+
+impl Drop for Procs {
+    fn drop(&mut self) {
+        for (_, c) in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Procs {
+    fn spawn(&mut self, name: &str, work: &Path, args: &[String]) -> anyhow::Result<()> {
+        let exe = std::env::current_exe()?;
+        let log = std::fs::File::create(work.join(format!("{name}.log")))?;
+        let child = Command::new(exe)
+            .args(args)
+            .env("MX_LOG", std::env::var("MX_LOG").unwrap_or_else(|_| "info".into()))
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .with_context(|| format!("spawning {name}"))?;
+        self.0.push((name.to_string(), child));
+        Ok(())
+    }
+
+    /// Fails naming the first child that exited with an error.
+    fn check(&mut self, work: &Path) -> anyhow::Result<()> {
+        for (name, c) in &mut self.0 {
+            if let Some(st) = c.try_wait()? {
+                if !st.success() {
+                    let log = std::fs::read_to_string(work.join(format!("{name}.log"))).unwrap_or_default();
+                    let tail: Vec<&str> = log.lines().rev().take(8).collect();
+                    bail!("{name} exited with {st}; last log lines:\n{}", tail.into_iter().rev().collect::<Vec<_>>().join("\n"));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn default_model() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join(".mx/models/smollm2-135m")
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    if s.is_empty() {
+        0.0
+    } else {
+        s[s.len() / 2]
+    }
+}
+
+pub(crate) fn run(args: DemoArgs) -> anyhow::Result<()> {
+    let rt = crate::runtime()?;
+    rt.block_on(run_async(args))
+}
+
+async fn run_async(args: DemoArgs) -> anyhow::Result<()> {
+    let model_dir = args.model.clone().unwrap_or_else(default_model);
+    if !model_dir.join("config.json").exists() {
+        bail!(
+            "no checkpoint at {} (config.json missing): run scripts/setup.sh to make the SmolLM2 checkpoint, or pass --model DIR",
+            model_dir.display()
+        );
+    }
+    mx_nixl::nixl_available()?;
+    let model_dir = model_dir.canonicalize()?;
+    let ckpt = Checkpoint::open(&model_dir)?;
+    let config = ckpt.config().context("config.json")?;
+    let model = ModelInfo::from_hf_config(config, ckpt.specs())?;
+    // Fail at plan time, before any process starts, on layouts that cannot split the model.
+    mx_layout::rank_layouts(&model, args.trainer_layout)?;
+    let dest: Vec<_> = mx_layout::rank_layouts(&model, args.inference_layout)?;
+
+    let work = std::env::temp_dir().join(format!("mx-demo-{}", std::process::id()));
+    std::fs::create_dir_all(&work)?;
+    let pb = ProgressBar::new_spinner();
+    pb.set_style(ProgressStyle::with_template("{spinner} [{elapsed_precise}] {msg}")?);
+    pb.enable_steady_tick(Duration::from_millis(120));
+    let mut procs = Procs(Vec::new());
+
+    pb.set_message("starting control plane");
+    let addr_file = work.join("control.addr");
+    procs.spawn(
+        "control",
+        &work,
+        &[
+            "control".into(),
+            "--listen".into(),
+            "127.0.0.1:0".into(),
+            "--journal".into(),
+            work.join("journal.jsonl").display().to_string(),
+            "--addr-file".into(),
+            addr_file.display().to_string(),
+        ],
+    )?;
+    let t = Instant::now();
+    let addr = loop {
+        if let Ok(a) = std::fs::read_to_string(&addr_file) {
+            break format!("http://{a}");
+        }
+        procs.check(&work)?;
+        if t.elapsed() > Duration::from_secs(30) {
+            bail!("control plane did not start within 30 s (log: {})", work.join("control.log").display());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let client = ControlClient::connect(&addr).await?;
+
+    pb.set_message(format!("starting {} inference instances ({})", args.workers, args.inference_layout));
+    let worker_ids: Vec<String> = (0..args.workers).map(|i| format!("inst-{i}")).collect();
+    for id in &worker_ids {
+        procs.spawn(
+            id,
+            &work,
+            &[
+                "worker".into(),
+                "--control".into(),
+                addr.clone(),
+                "--model".into(),
+                model_dir.display().to_string(),
+                "--layout".into(),
+                args.inference_layout.to_string(),
+                "--id".into(),
+                id.clone(),
+            ],
+        )?;
+    }
+    wait_until(&mut procs, &work, Duration::from_secs(120), || async {
+        let s = client.get_status().await?;
+        Ok(worker_ids.iter().all(|id| s.workers.iter().any(|w| &w.worker_id == id)))
+    })
+    .await
+    .context("waiting for workers to register")?;
+
+    let specs = ckpt.specs();
+    client.declare_version("step-1", args.trainer_layout, &specs).await?;
+    pb.set_message(format!("starting {} trainer publishers ({})", args.trainer_layout.world_size, args.trainer_layout));
+    for r in 0..args.trainer_layout.world_size {
+        let mut a = vec![
+            "publish".into(),
+            "--control".into(),
+            addr.clone(),
+            "--model".into(),
+            model_dir.display().to_string(),
+            "--layout".into(),
+            args.trainer_layout.to_string(),
+            "--rank".into(),
+            r.to_string(),
+            "--steps".into(),
+            args.steps.to_string(),
+        ];
+        if args.no_pack {
+            a.push("--no-pack".into());
+        }
+        procs.spawn(&format!("publisher-{r}"), &work, &a)?;
+    }
+
+    let mut versions = Vec::new();
+    for k in 1..=args.steps {
+        let label = format!("step-{k}");
+        if k > 1 {
+            client.declare_version(&label, args.trainer_layout, &specs).await?;
+        }
+        pb.set_message(format!("{label}: waiting for every source slot to publish"));
+        wait_until(&mut procs, &work, Duration::from_secs(300), || async {
+            Ok(client.get_version(&label).await.map(|v| v.state.reaches(VersionState::Ready)).unwrap_or(false))
+        })
+        .await
+        .with_context(|| format!("waiting for {label} READY"))?;
+        let info = client.get_version(&label).await?;
+        let digest = info.version_digest.context("READY version without digest")?;
+        let pack_seconds = info.manifests.iter().map(|m| m.pack_seconds).fold(0.0, f64::max);
+
+        let mut walls = Vec::new();
+        for run in 0..args.runs.max(1) {
+            pb.set_message(format!("{label}: stage run {}/{} on {} workers", run + 1, args.runs.max(1), args.workers));
+            let t0 = Instant::now();
+            client.stage(&label, &worker_ids).await?;
+            wait_until(&mut procs, &work, Duration::from_secs(300), || async {
+                let s = client.get_status().await?;
+                let mut all = true;
+                for w in s.workers.iter().filter(|w| worker_ids.contains(&w.worker_id)) {
+                    match w.state {
+                        WorkerState::Staged if w.label.as_deref() == Some(label.as_str()) => {}
+                        WorkerState::Failed => bail!("worker {} failed to stage {label}: {}", w.worker_id, w.last_error.clone().unwrap_or_default()),
+                        _ => all = false,
+                    }
+                }
+                Ok(all)
+            })
+            .await?;
+            walls.push(t0.elapsed().as_secs_f64());
+        }
+        pb.set_message(format!("{label}: commit"));
+        client.commit(&label, &worker_ids).await?;
+        client.wait_version(&label, VersionState::Committed, Duration::from_secs(300)).await?;
+
+        pb.set_message(format!("{label}: checking live bytes against the checkpoint"));
+        let status = client.get_status().await?;
+        let mut reference = Reference::new(&ckpt, k);
+        let mut expected = std::collections::BTreeMap::new();
+        for rl in &dest {
+            expected.insert(rl.rank, reference.rank_digests(rl)?);
+        }
+        let mut workers = Vec::new();
+        let mut useful = 0u64;
+        for id in &worker_ids {
+            let w = status.workers.iter().find(|w| &w.worker_id == id).context("worker vanished")?;
+            let staged = w.last_staged.clone().unwrap_or_default();
+            let applied = w.last_applied.clone().unwrap_or_default();
+            let mut mismatches = Vec::new();
+            if applied.resident_version != Some(digest) {
+                mismatches.push(format!("resident version {:?} != {digest}", applied.resident_version));
+            }
+            for &r in &w.ranks {
+                let got = applied.ranks.iter().find(|x| x.rank == r);
+                let want = &expected[&r];
+                match got {
+                    None => mismatches.push(format!("rank {r}: no live digests reported")),
+                    Some(g) => {
+                        for (name, d) in want {
+                            if g.tensors.get(name) != Some(d) {
+                                mismatches.push(format!("rank {r} {name}"));
+                            }
+                        }
+                        if g.tensors.len() != want.len() {
+                            mismatches.push(format!("rank {r}: {} params reported, {} expected", g.tensors.len(), want.len()));
+                        }
+                    }
+                }
+            }
+            useful += staged.bytes;
+            workers.push(WorkerReport {
+                worker_id: id.clone(),
+                ranks: applied
+                    .ranks
+                    .iter()
+                    .map(|r| RankReport {
+                        rank: r.rank,
+                        tensors: r.tensors.iter().map(|(k, v)| (k.clone(), v.to_string())).collect(),
+                    })
+                    .collect(),
+                verified: mismatches.is_empty(),
+                bytes: staged.bytes,
+                descriptors: staged.descriptors,
+                seconds: staged.seconds,
+                gbps: staged.bytes as f64 / staged.seconds.max(1e-9) / 1e9,
+                strategies: staged.strategies.clone(),
+                mismatches,
+            });
+        }
+        let stage_median = median(&walls);
+        let pull_gbps = useful as f64 / (stage_median + pack_seconds).max(1e-9) / 1e9;
+        versions.push(VersionReport {
+            label: label.clone(),
+            version_digest: digest.to_string(),
+            stage_seconds_runs: walls,
+            stage_seconds_median: stage_median,
+            pack_seconds,
+            useful_bytes: useful,
+            pull_gbps,
+            all_verified: workers.iter().all(|w| w.verified),
+            workers,
+        });
+    }
+    pb.set_message("measuring memcpy of the same bytes");
+    let last_useful = versions.last().map(|v| v.useful_bytes).unwrap_or(0);
+    let memcpy = mx_nixl::memcpy_gbps(last_useful, args.workers as usize);
+    pb.finish_and_clear();
+    drop(procs);
+
+    let pull_gbps = median(&versions.iter().map(|v| v.pull_gbps).collect::<Vec<_>>());
+    let all_verified = versions.iter().all(|v| v.all_verified);
+    print_tables(&args, &model_dir, &versions, pull_gbps, memcpy);
+    let report = Report {
+        model_dir: model_dir.display().to_string(),
+        trainer_layout: args.trainer_layout.to_string(),
+        inference_layout: args.inference_layout.to_string(),
+        all_verified,
+        pull_gbps,
+        memcpy_gbps: memcpy,
+        pull_vs_memcpy: if memcpy > 0.0 { pull_gbps / memcpy } else { 0.0 },
+        version_digests: versions.iter().map(|v| v.version_digest.clone()).collect(),
+        workers: versions.last().map(|v| v.workers.iter().map(clone_worker).collect()).unwrap_or_default(),
+        versions,
+    };
+    if let Some(p) = &args.report {
+        std::fs::write(p, serde_json::to_string_pretty(&report)?)?;
+        println!("report written to {}", p.display());
+    }
+    if args.keep {
+        println!("work directory (journal, logs): {}", work.display());
+    } else {
+        let _ = std::fs::remove_dir_all(&work);
+    }
+    if !all_verified {
+        for v in &report.versions {
+            for w in &v.workers {
+                for m in w.mismatches.iter().take(5) {
+                    eprintln!("{} {}: mismatch {m}", v.label, w.worker_id);
+                }
+            }
+        }
+        bail!("some workers' live bytes do not match the checkpoint");
+    }
+    let _ = rank_layout;
+    Ok(())
+}
+
+fn clone_worker(w: &WorkerReport) -> WorkerReport {
+    WorkerReport {
+        worker_id: w.worker_id.clone(),
+        ranks: w
+            .ranks
+            .iter()
+            .map(|r| RankReport {
+                rank: r.rank,
+                tensors: r.tensors.clone(),
+            })
+            .collect(),
+        verified: w.verified,
+        bytes: w.bytes,
+        descriptors: w.descriptors,
+        seconds: w.seconds,
+        gbps: w.gbps,
+        strategies: w.strategies.clone(),
+        mismatches: w.mismatches.clone(),
+    }
+}
+
+fn print_tables(args: &DemoArgs, model_dir: &Path, versions: &[VersionReport], pull: f64, memcpy: f64) {
+    println!(
+        "mx demo: {} -> {} x {} instances, model {}",
+        args.trainer_layout,
+        args.inference_layout,
+        args.workers,
+        model_dir.display()
+    );
+    for v in versions {
+        println!("\n{}  version {}", v.label, &v.version_digest[..16]);
+        println!(
+            "{:<8} {:<10} {:>12} {:>11} {:>9} {:>7}  {:<28} verified",
+            "worker", "ranks", "bytes", "descriptors", "seconds", "GB/s", "strategies"
+        );
+        for w in &v.workers {
+            let ranks: Vec<String> = w.ranks.iter().map(|r| r.rank.to_string()).collect();
+            let strat: Vec<String> = w.strategies.iter().map(|(k, n)| format!("{k}={n}")).collect();
+            println!(
+                "{:<8} {:<10} {:>12} {:>11} {:>9.4} {:>7.2}  {:<28} {}",
+                w.worker_id,
+                ranks.join(","),
+                w.bytes,
+                w.descriptors,
+                w.seconds,
+                w.gbps,
+                strat.join(" "),
+                if w.verified { "yes" } else { "NO" }
+            );
+        }
+        println!(
+            "stage wall (median of {}): {:.4} s + publisher packing {:.4} s -> aggregate pull {:.2} GB/s",
+            v.stage_seconds_runs.len(),
+            v.stage_seconds_median,
+            v.pack_seconds,
+            v.pull_gbps
+        );
+    }
+    println!(
+        "\npull {:.2} GB/s vs memcpy {:.2} GB/s ({} concurrent copies, same bytes): ratio {:.2}",
+        pull,
+        memcpy,
+        args.workers,
+        if memcpy > 0.0 { pull / memcpy } else { 0.0 }
+    );
+}
+
+async fn wait_until<F, Fut>(procs: &mut Procs, work: &Path, timeout: Duration, mut f: F) -> anyhow::Result<()>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<bool>>,
+{
+    let t = Instant::now();
+    loop {
+        if f().await? {
+            return Ok(());
+        }
+        procs.check(work)?;
+        if t.elapsed() > timeout {
+            bail!("timed out after {timeout:?} (logs in {})", work.display());
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
