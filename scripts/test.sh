@@ -49,9 +49,10 @@ for arg in "$@"; do
     esac
 done
 
-step="cargo test"
-log "cargo test --release ${scope[*]} $*"
-cargo test --release "${scope[@]}" "$@"
+test_cmd=(cargo test --release "${scope[@]}" "$@")
+step="${test_cmd[*]}"
+log "$step"
+"${test_cmd[@]}"
 
 trap - EXIT
-echo "mx tests: PASSED (cargo test --release ${scope[*]} $*)"
+echo "mx tests: PASSED ($step)"

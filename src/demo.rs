@@ -113,7 +113,10 @@ impl Procs {
         let log = std::fs::File::create(work.join(format!("{name}.log")))?;
         let child = Command::new(exe)
             .args(args)
-            .env("MX_LOG", std::env::var("MX_LOG").unwrap_or_else(|_| "info".into()))
+            .env(
+                "MX_LOG",
+                std::env::var("MX_LOG").unwrap_or_else(|_| "info".into()),
+            )
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log)
@@ -128,9 +131,13 @@ impl Procs {
         for (name, c) in &mut self.0 {
             if let Some(st) = c.try_wait()? {
                 if !st.success() {
-                    let log = std::fs::read_to_string(work.join(format!("{name}.log"))).unwrap_or_default();
+                    let log = std::fs::read_to_string(work.join(format!("{name}.log")))
+                        .unwrap_or_default();
                     let tail: Vec<&str> = log.lines().rev().take(8).collect();
-                    bail!("{name} exited with {st}; last log lines:\n{}", tail.into_iter().rev().collect::<Vec<_>>().join("\n"));
+                    bail!(
+                        "{name} exited with {st}; last log lines:\n{}",
+                        tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+                    );
                 }
             }
         }
@@ -177,7 +184,9 @@ async fn run_async(args: DemoArgs) -> anyhow::Result<()> {
     let work = std::env::temp_dir().join(format!("mx-demo-{}", std::process::id()));
     std::fs::create_dir_all(&work)?;
     let pb = ProgressBar::new_spinner();
-    pb.set_style(ProgressStyle::with_template("{spinner} [{elapsed_precise}] {msg}")?);
+    pb.set_style(ProgressStyle::with_template(
+        "{spinner} [{elapsed_precise}] {msg}",
+    )?);
     pb.enable_steady_tick(Duration::from_millis(120));
     let mut procs = Procs(Vec::new());
 
@@ -203,13 +212,19 @@ async fn run_async(args: DemoArgs) -> anyhow::Result<()> {
         }
         procs.check(&work)?;
         if t.elapsed() > Duration::from_secs(30) {
-            bail!("control plane did not start within 30 s (log: {})", work.join("control.log").display());
+            bail!(
+                "control plane did not start within 30 s (log: {})",
+                work.join("control.log").display()
+            );
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
     let client = ControlClient::connect(&addr).await?;
 
-    pb.set_message(format!("starting {} inference instances ({})", args.workers, args.inference_layout));
+    pb.set_message(format!(
+        "starting {} inference instances ({})",
+        args.workers, args.inference_layout
+    ));
     let worker_ids: Vec<String> = (0..args.workers).map(|i| format!("inst-{i}")).collect();
     for id in &worker_ids {
         procs.spawn(
@@ -230,14 +245,21 @@ async fn run_async(args: DemoArgs) -> anyhow::Result<()> {
     }
     wait_until(&mut procs, &work, Duration::from_secs(120), || async {
         let s = client.get_status().await?;
-        Ok(worker_ids.iter().all(|id| s.workers.iter().any(|w| &w.worker_id == id)))
+        Ok(worker_ids
+            .iter()
+            .all(|id| s.workers.iter().any(|w| &w.worker_id == id)))
     })
     .await
     .context("waiting for workers to register")?;
 
     let specs = ckpt.specs();
-    client.declare_version("step-1", args.trainer_layout, &specs).await?;
-    pb.set_message(format!("starting {} trainer publishers ({})", args.trainer_layout.world_size, args.trainer_layout));
+    client
+        .declare_version("step-1", args.trainer_layout, &specs)
+        .await?;
+    pb.set_message(format!(
+        "starting {} trainer publishers ({})",
+        args.trainer_layout.world_size, args.trainer_layout
+    ));
     for r in 0..args.trainer_layout.world_size {
         let mut a = vec![
             "publish".into(),
@@ -262,30 +284,55 @@ async fn run_async(args: DemoArgs) -> anyhow::Result<()> {
     for k in 1..=args.steps {
         let label = format!("step-{k}");
         if k > 1 {
-            client.declare_version(&label, args.trainer_layout, &specs).await?;
+            client
+                .declare_version(&label, args.trainer_layout, &specs)
+                .await?;
         }
         pb.set_message(format!("{label}: waiting for every source slot to publish"));
         wait_until(&mut procs, &work, Duration::from_secs(300), || async {
-            Ok(client.get_version(&label).await.map(|v| v.state.reaches(VersionState::Ready)).unwrap_or(false))
+            Ok(client
+                .get_version(&label)
+                .await
+                .map(|v| v.state.reaches(VersionState::Ready))
+                .unwrap_or(false))
         })
         .await
         .with_context(|| format!("waiting for {label} READY"))?;
         let info = client.get_version(&label).await?;
-        let digest = info.version_digest.context("READY version without digest")?;
-        let pack_seconds = info.manifests.iter().map(|m| m.pack_seconds).fold(0.0, f64::max);
+        let digest = info
+            .version_digest
+            .context("READY version without digest")?;
+        let pack_seconds = info
+            .manifests
+            .iter()
+            .map(|m| m.pack_seconds)
+            .fold(0.0, f64::max);
 
         let mut walls = Vec::new();
         for run in 0..args.runs.max(1) {
-            pb.set_message(format!("{label}: stage run {}/{} on {} workers", run + 1, args.runs.max(1), args.workers));
+            pb.set_message(format!(
+                "{label}: stage run {}/{} on {} workers",
+                run + 1,
+                args.runs.max(1),
+                args.workers
+            ));
             let t0 = Instant::now();
             client.stage(&label, &worker_ids).await?;
             wait_until(&mut procs, &work, Duration::from_secs(300), || async {
                 let s = client.get_status().await?;
                 let mut all = true;
-                for w in s.workers.iter().filter(|w| worker_ids.contains(&w.worker_id)) {
+                for w in s
+                    .workers
+                    .iter()
+                    .filter(|w| worker_ids.contains(&w.worker_id))
+                {
                     match w.state {
                         WorkerState::Staged if w.label.as_deref() == Some(label.as_str()) => {}
-                        WorkerState::Failed => bail!("worker {} failed to stage {label}: {}", w.worker_id, w.last_error.clone().unwrap_or_default()),
+                        WorkerState::Failed => bail!(
+                            "worker {} failed to stage {label}: {}",
+                            w.worker_id,
+                            w.last_error.clone().unwrap_or_default()
+                        ),
                         _ => all = false,
                     }
                 }
@@ -296,9 +343,13 @@ async fn run_async(args: DemoArgs) -> anyhow::Result<()> {
         }
         pb.set_message(format!("{label}: commit"));
         client.commit(&label, &worker_ids).await?;
-        client.wait_version(&label, VersionState::Committed, Duration::from_secs(300)).await?;
+        client
+            .wait_version(&label, VersionState::Committed, Duration::from_secs(300))
+            .await?;
 
-        pb.set_message(format!("{label}: checking live bytes against the checkpoint"));
+        pb.set_message(format!(
+            "{label}: checking live bytes against the checkpoint"
+        ));
         let status = client.get_status().await?;
         let mut reference = Reference::new(&ckpt, k);
         let mut expected = std::collections::BTreeMap::new();
@@ -308,12 +359,19 @@ async fn run_async(args: DemoArgs) -> anyhow::Result<()> {
         let mut workers = Vec::new();
         let mut useful = 0u64;
         for id in &worker_ids {
-            let w = status.workers.iter().find(|w| &w.worker_id == id).context("worker vanished")?;
+            let w = status
+                .workers
+                .iter()
+                .find(|w| &w.worker_id == id)
+                .context("worker vanished")?;
             let staged = w.last_staged.clone().unwrap_or_default();
             let applied = w.last_applied.clone().unwrap_or_default();
             let mut mismatches = Vec::new();
             if applied.resident_version != Some(digest) {
-                mismatches.push(format!("resident version {:?} != {digest}", applied.resident_version));
+                mismatches.push(format!(
+                    "resident version {:?} != {digest}",
+                    applied.resident_version
+                ));
             }
             for &r in &w.ranks {
                 let got = applied.ranks.iter().find(|x| x.rank == r);
@@ -327,7 +385,11 @@ async fn run_async(args: DemoArgs) -> anyhow::Result<()> {
                             }
                         }
                         if g.tensors.len() != want.len() {
-                            mismatches.push(format!("rank {r}: {} params reported, {} expected", g.tensors.len(), want.len()));
+                            mismatches.push(format!(
+                                "rank {r}: {} params reported, {} expected",
+                                g.tensors.len(),
+                                want.len()
+                            ));
                         }
                     }
                 }
@@ -340,7 +402,11 @@ async fn run_async(args: DemoArgs) -> anyhow::Result<()> {
                     .iter()
                     .map(|r| RankReport {
                         rank: r.rank,
-                        tensors: r.tensors.iter().map(|(k, v)| (k.clone(), v.to_string())).collect(),
+                        tensors: r
+                            .tensors
+                            .iter()
+                            .map(|(k, v)| (k.clone(), v.to_string()))
+                            .collect(),
                     })
                     .collect(),
                 verified: mismatches.is_empty(),
@@ -382,9 +448,16 @@ async fn run_async(args: DemoArgs) -> anyhow::Result<()> {
         all_verified,
         pull_gbps,
         memcpy_gbps: memcpy,
-        pull_vs_memcpy: if memcpy > 0.0 { pull_gbps / memcpy } else { 0.0 },
+        pull_vs_memcpy: if memcpy > 0.0 {
+            pull_gbps / memcpy
+        } else {
+            0.0
+        },
         version_digests: versions.iter().map(|v| v.version_digest.clone()).collect(),
-        workers: versions.last().map(|v| v.workers.iter().map(clone_worker).collect()).unwrap_or_default(),
+        workers: versions
+            .last()
+            .map(|v| v.workers.iter().map(clone_worker).collect())
+            .unwrap_or_default(),
         versions,
     };
     if let Some(p) = &args.report {
@@ -431,7 +504,13 @@ fn clone_worker(w: &WorkerReport) -> WorkerReport {
     }
 }
 
-fn print_tables(args: &DemoArgs, model_dir: &Path, versions: &[VersionReport], pull: f64, memcpy: f64) {
+fn print_tables(
+    args: &DemoArgs,
+    model_dir: &Path,
+    versions: &[VersionReport],
+    pull: f64,
+    memcpy: f64,
+) {
     println!(
         "mx demo: {} -> {} x {} instances, model {}",
         args.trainer_layout,
@@ -447,7 +526,11 @@ fn print_tables(args: &DemoArgs, model_dir: &Path, versions: &[VersionReport], p
         );
         for w in &v.workers {
             let ranks: Vec<String> = w.ranks.iter().map(|r| r.rank.to_string()).collect();
-            let strat: Vec<String> = w.strategies.iter().map(|(k, n)| format!("{k}={n}")).collect();
+            let strat: Vec<String> = w
+                .strategies
+                .iter()
+                .map(|(k, n)| format!("{k}={n}"))
+                .collect();
             println!(
                 "{:<8} {:<10} {:>12} {:>11} {:>9.4} {:>7.2}  {:<28} {}",
                 w.worker_id,
@@ -477,7 +560,12 @@ fn print_tables(args: &DemoArgs, model_dir: &Path, versions: &[VersionReport], p
     );
 }
 
-async fn wait_until<F, Fut>(procs: &mut Procs, work: &Path, timeout: Duration, mut f: F) -> anyhow::Result<()>
+async fn wait_until<F, Fut>(
+    procs: &mut Procs,
+    work: &Path,
+    timeout: Duration,
+    mut f: F,
+) -> anyhow::Result<()>
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = anyhow::Result<bool>>,

@@ -123,7 +123,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             addr_file,
         } => runtime()?.block_on(async move {
             if let Some(dir) = journal.parent() {
-                std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+                std::fs::create_dir_all(dir)
+                    .with_context(|| format!("creating {}", dir.display()))?;
             }
             let (addr, handle) = mx_control::spawn(mx_control::ControlPlaneConfig {
                 listen,
@@ -136,7 +137,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 std::fs::rename(&tmp, &f)?;
             }
             eprintln!("mx control listening on {addr}");
-            let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+            let mut term =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
             tokio::select! {
                 _ = tokio::signal::ctrl_c() => {}
                 _ = term.recv() => {}
@@ -162,7 +164,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 pack: !no_pack,
             })
             .await?;
-            p.run_steps(&label_prefix, steps, Duration::from_secs(wait_s)).await?;
+            p.run_steps(&label_prefix, steps, Duration::from_secs(wait_s))
+                .await?;
             Ok(())
         }),
         Cmd::Worker {
@@ -195,7 +198,11 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let s = c.get_status().await?;
             for v in &s.versions {
                 let d = v.version_digest.map(|d| d.to_string()).unwrap_or_default();
-                println!("version {:<12} {:<11} {d}", v.label, format!("{:?}", v.state));
+                println!(
+                    "version {:<12} {:<11} {d}",
+                    v.label,
+                    format!("{:?}", v.state)
+                );
             }
             for w in &s.workers {
                 println!(
@@ -205,7 +212,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     w.ranks,
                     w.state,
                     w.label.clone().unwrap_or_default(),
-                    w.resident_version.map(|d| d.to_string()).unwrap_or_default()
+                    w.resident_version
+                        .map(|d| d.to_string())
+                        .unwrap_or_default()
                 );
             }
             Ok(())

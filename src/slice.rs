@@ -8,7 +8,13 @@ use mx_checkpoint::Checkpoint;
 use mx_layout::{Digest, RankLayout, TensorBox};
 
 /// Appends `region` of a row-major tensor of `shape` (elements of `es` bytes) to `out`.
-pub(crate) fn slice_into(full: &[u8], shape: &[u64], region: &TensorBox, es: usize, out: &mut Vec<u8>) {
+pub(crate) fn slice_into(
+    full: &[u8],
+    shape: &[u64],
+    region: &TensorBox,
+    es: usize,
+    out: &mut Vec<u8>,
+) {
     let nd = shape.len();
     if nd == 0 {
         out.extend_from_slice(&full[..es]);
@@ -63,22 +69,40 @@ impl<'a> Reference<'a> {
             }
             self.cache.insert(name.to_string(), v);
         }
-        Ok((self.cache.get(name).map(Vec::as_slice).unwrap_or_default(), shape))
+        Ok((
+            self.cache.get(name).map(Vec::as_slice).unwrap_or_default(),
+            shape,
+        ))
     }
 
     /// blake3 of every parameter of `rl`, built by slicing the reference tensors.
-    pub(crate) fn rank_digests(&mut self, rl: &RankLayout) -> anyhow::Result<BTreeMap<String, Digest>> {
+    pub(crate) fn rank_digests(
+        &mut self,
+        rl: &RankLayout,
+    ) -> anyhow::Result<BTreeMap<String, Digest>> {
         let mut out = BTreeMap::new();
         for p in &rl.params {
             let mut bytes = Vec::with_capacity(p.len as usize);
             for piece in &p.pieces {
                 let (full, shape) = self.full(&piece.tensor)?;
-                slice_into(full, &shape, &piece.region, piece.dtype.size_bytes() as usize, &mut bytes);
+                slice_into(
+                    full,
+                    &shape,
+                    &piece.region,
+                    piece.dtype.size_bytes() as usize,
+                    &mut bytes,
+                );
             }
             if let Some((_, z)) = p.zero_fill {
                 bytes.resize(bytes.len() + z as usize, 0);
             }
-            anyhow::ensure!(bytes.len() as u64 == p.len, "reference size of {} is {} not {}", p.name, bytes.len(), p.len);
+            anyhow::ensure!(
+                bytes.len() as u64 == p.len,
+                "reference size of {} is {} not {}",
+                p.name,
+                bytes.len(),
+                p.len
+            );
             out.insert(p.name.clone(), Digest::of(&bytes));
         }
         Ok(out)
@@ -93,7 +117,10 @@ mod tests {
     fn slices_a_2d_box() {
         // 3x4 matrix of u8 0..12, rows 1..3, cols 1..3.
         let full: Vec<u8> = (0..12).collect();
-        let r = TensorBox { global_offset: vec![1, 1], local_shape: vec![2, 2] };
+        let r = TensorBox {
+            global_offset: vec![1, 1],
+            local_shape: vec![2, 2],
+        };
         let mut out = Vec::new();
         slice_into(&full, &[3, 4], &r, 1, &mut out);
         assert_eq!(out, vec![5, 6, 9, 10]);

@@ -114,7 +114,11 @@ impl FromStr for DType {
             "F64" | "FLOAT64" => DType::F64,
             "F8_E4M3" | "F8E4M3" | "FLOAT8_E4M3FN" => DType::F8E4M3,
             "F8_E5M2" | "F8E5M2" | "FLOAT8_E5M2" => DType::F8E5M2,
-            _ => return Err(Error::UnknownDType { name: s.to_string() }),
+            _ => {
+                return Err(Error::UnknownDType {
+                    name: s.to_string(),
+                })
+            }
         };
         Ok(d)
     }
@@ -132,6 +136,9 @@ mod tests {
         assert_eq!(DType::BF16.size_bytes(), 2);
         assert_eq!(DType::F8E5M2.size_bytes(), 1);
         assert_eq!(DType::F64.size_bytes(), 8);
-        assert!(matches!("Q4_1".parse::<DType>(), Err(Error::UnknownDType { .. })));
+        assert!(matches!(
+            "Q4_1".parse::<DType>(),
+            Err(Error::UnknownDType { .. })
+        ));
     }
 }

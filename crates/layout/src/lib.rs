@@ -14,8 +14,8 @@ mod error;
 mod manifest;
 pub mod model;
 pub mod plan;
-pub mod update;
 mod types;
+pub mod update;
 
 pub use dtype::DType;
 pub use error::Error;

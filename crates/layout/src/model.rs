@@ -106,7 +106,9 @@ impl ModelInfo {
                 if hidden % num_heads != 0 {
                     return Err(Error::BadConfig {
                         field: "hidden_size".into(),
-                        reason: format!("{hidden} not divisible by num_attention_heads {num_heads}"),
+                        reason: format!(
+                            "{hidden} not divisible by num_attention_heads {num_heads}"
+                        ),
                     });
                 }
                 hidden / num_heads
@@ -189,7 +191,11 @@ impl RankLayout {
     /// # Errors
     /// [`Error::Overflow`] on sizes past u64; [`Error::ImpossibleLayout`] when a box is outside
     /// its tensor.
-    pub fn from_boxes(layout: LayoutSpec, rank: u32, boxes: &[(TensorSpec, TensorBox)]) -> Result<RankLayout, Error> {
+    pub fn from_boxes(
+        layout: LayoutSpec,
+        rank: u32,
+        boxes: &[(TensorSpec, TensorBox)],
+    ) -> Result<RankLayout, Error> {
         let mut b = Builder {
             layout,
             params: Vec::new(),
@@ -251,7 +257,10 @@ fn role(family: Family, name: &str) -> Role {
             {
                 return r;
             }
-            if is_weight && (name.ends_with("self_attn.o_proj.weight") || name.ends_with("mlp.down_proj.weight")) {
+            if is_weight
+                && (name.ends_with("self_attn.o_proj.weight")
+                    || name.ends_with("mlp.down_proj.weight"))
+            {
                 return Role::Row;
             }
             if name == "model.embed_tokens.weight" || name == "lm_head.weight" {
@@ -272,7 +281,9 @@ fn role(family: Family, name: &str) -> Role {
             {
                 return Role::Row;
             }
-            if name.ends_with("intermediate.dense.weight") || name.ends_with("intermediate.dense.bias") {
+            if name.ends_with("intermediate.dense.weight")
+                || name.ends_with("intermediate.dense.bias")
+            {
                 return Role::Column;
             }
             if name.ends_with("embeddings.word_embeddings.weight") {
@@ -389,7 +400,12 @@ fn rows_box(spec: &TensorSpec, start: u64, end: u64) -> TensorBox {
     b
 }
 
-fn split_even(layout: LayoutSpec, spec: &TensorSpec, dim: usize, rank: u32) -> Result<TensorBox, Error> {
+fn split_even(
+    layout: LayoutSpec,
+    spec: &TensorSpec,
+    dim: usize,
+    rank: u32,
+) -> Result<TensorBox, Error> {
     let tp = u64::from(layout.world_size);
     let extent = *spec.shape.get(dim).ok_or_else(|| Error::ImpossibleLayout {
         layout: layout.to_string(),
@@ -411,7 +427,13 @@ fn split_even(layout: LayoutSpec, spec: &TensorSpec, dim: usize, rank: u32) -> R
 }
 
 /// The box of q, k or v (`part` 0/1/2) that tp rank `rank` holds in vLLM's QKVParallelLinear.
-fn qkv_box(model: &ModelInfo, layout: LayoutSpec, spec: &TensorSpec, part: usize, rank: u32) -> Result<TensorBox, Error> {
+fn qkv_box(
+    model: &ModelInfo,
+    layout: LayoutSpec,
+    spec: &TensorSpec,
+    part: usize,
+    rank: u32,
+) -> Result<TensorBox, Error> {
     let tp = u64::from(layout.world_size);
     let r = u64::from(rank);
     let bad = |reason: String| Error::ImpossibleLayout {
@@ -419,7 +441,11 @@ fn qkv_box(model: &ModelInfo, layout: LayoutSpec, spec: &TensorSpec, part: usize
         tensor: spec.name.clone(),
         reason,
     };
-    let heads = if part == 0 { model.num_heads } else { model.num_kv_heads };
+    let heads = if part == 0 {
+        model.num_heads
+    } else {
+        model.num_kv_heads
+    };
     let rows = spec.shape.first().copied().unwrap_or(0);
     if rows != heads * model.head_dim {
         return Err(bad(format!(
@@ -429,17 +455,23 @@ fn qkv_box(model: &ModelInfo, layout: LayoutSpec, spec: &TensorSpec, part: usize
     }
     let (first_head, n_heads) = if part == 0 {
         if heads % tp != 0 {
-            return Err(bad(format!("{heads} attention heads are not divisible by tp={tp}")));
+            return Err(bad(format!(
+                "{heads} attention heads are not divisible by tp={tp}"
+            )));
         }
         (r * (heads / tp), heads / tp)
     } else if tp >= heads {
         if tp % heads != 0 {
-            return Err(bad(format!("tp={tp} is not a multiple of {heads} kv heads")));
+            return Err(bad(format!(
+                "tp={tp} is not a multiple of {heads} kv heads"
+            )));
         }
         (r / (tp / heads), 1)
     } else {
         if heads % tp != 0 {
-            return Err(bad(format!("{heads} kv heads are not divisible by tp={tp}")));
+            return Err(bad(format!(
+                "{heads} kv heads are not divisible by tp={tp}"
+            )));
         }
         (r * (heads / tp), heads / tp)
     };
@@ -536,7 +568,7 @@ fn vllm_tp(model: &ModelInfo, layout: LayoutSpec, rank: u32, b: &mut Builder) ->
                     let vocab = t.shape.first().copied().unwrap_or(0);
                     let padded = padded_vocab(vocab);
                     let tp = u64::from(layout.world_size);
-                    if padded % tp != 0 {
+                    if !padded.is_multiple_of(tp) {
                         return Err(Error::ImpossibleLayout {
                             layout: layout.to_string(),
                             tensor: t.name.clone(),

@@ -227,8 +227,13 @@ pub fn validate_manifest(m: &SourceManifest) -> Result<(), Error> {
             tensor: s.tensor.clone(),
             reason,
         };
-        if !s.shard.fits_in(&s.global_shape) || s.shard.global_offset.len() != s.shard.local_shape.len() {
-            return Err(bad(format!("box {} is outside shape {:?}", s.shard, s.global_shape)));
+        if !s.shard.fits_in(&s.global_shape)
+            || s.shard.global_offset.len() != s.shard.local_shape.len()
+        {
+            return Err(bad(format!(
+                "box {} is outside shape {:?}",
+                s.shard, s.global_shape
+            )));
         }
         let bytes = s
             .shard
@@ -261,6 +266,11 @@ pub fn validate_manifest(m: &SourceManifest) -> Result<(), Error> {
     }
     Ok(())
 }
+
+/// (source, destination rank, tensor, region) of a published piece.
+type PieceKey<'a> = (usize, u32, &'a str, &'a TensorBox);
+/// (source, digest, segments) of a verification already planned.
+type VerifyKey = (usize, Digest, Vec<(u64, u64)>);
 
 /// Intersection of one destination piece with one source shard.
 struct Isect<'a> {
@@ -310,21 +320,31 @@ fn coalesced_count(mut runs: Vec<(u64, u64)>) -> (u64, u64) {
 /// a tensor the destination needs or a source lacks a digest for a region; [`Error::Mismatch`] on
 /// dtype or shape disagreement; [`Error::CoverageGap`] / [`Error::Overlap`] naming the parameter
 /// when the live bytes would not be written exactly once; [`Error::Overflow`].
-pub fn plan(dest: &[RankLayout], sources: &[SourceManifest], cost: &CostModel) -> Result<Plan, Error> {
+pub fn plan(
+    dest: &[RankLayout],
+    sources: &[SourceManifest],
+    cost: &CostModel,
+) -> Result<Plan, Error> {
     for m in sources {
         validate_manifest(m)?;
     }
     let mut by_tensor: HashMap<&str, Vec<(usize, usize)>> = HashMap::new();
     for (si, m) in sources.iter().enumerate() {
         for (hi, s) in m.shards.iter().enumerate() {
-            by_tensor.entry(s.tensor.as_str()).or_default().push((si, hi));
+            by_tensor
+                .entry(s.tensor.as_str())
+                .or_default()
+                .push((si, hi));
         }
     }
-    let mut piece_index: HashMap<(usize, u32, &str, &TensorBox), (Digest, Option<u64>)> = HashMap::new();
+    let mut piece_index: HashMap<PieceKey<'_>, (Digest, Option<u64>)> = HashMap::new();
     for (si, m) in sources.iter().enumerate() {
         for p in &m.pieces {
             if dest.first().is_some_and(|d| d.layout == p.layout) {
-                piece_index.insert((si, p.dest_rank, p.tensor.as_str(), &p.region), (p.digest, p.packed_addr));
+                piece_index.insert(
+                    (si, p.dest_rank, p.tensor.as_str(), &p.region),
+                    (p.digest, p.packed_addr),
+                );
             }
         }
     }
@@ -337,16 +357,24 @@ pub fn plan(dest: &[RankLayout], sources: &[SourceManifest], cost: &CostModel) -
                 let Some(cands) = by_tensor.get(piece.tensor.as_str()) else {
                     return Err(Error::MissingTensor {
                         tensor: piece.tensor.clone(),
-                        reason: format!("no source published it (needed by {} on rank {})", param.name, rl.rank),
+                        reason: format!(
+                            "no source published it (needed by {} on rank {})",
+                            param.name, rl.rank
+                        ),
                     });
                 };
                 // Sources holding the same box (replicated sources, replicated kv heads) are
                 // alternatives: pick one per box, spread over ranks and tensors.
                 let mut alternatives: BTreeMap<&TensorBox, Vec<(usize, usize)>> = BTreeMap::new();
                 for &(si, hi) in cands {
-                    alternatives.entry(&sources[si].shards[hi].shard).or_default().push((si, hi));
+                    alternatives
+                        .entry(&sources[si].shards[hi].shard)
+                        .or_default()
+                        .push((si, hi));
                 }
-                let spread = (rl.rank as usize).wrapping_add(param.pieces.len()).wrapping_add(piece.tensor.len());
+                let spread = (rl.rank as usize)
+                    .wrapping_add(param.pieces.len())
+                    .wrapping_add(piece.tensor.len());
                 for alts in alternatives.values() {
                     let (si, hi) = alts[spread % alts.len()];
                     let s = &sources[si].shards[hi];
@@ -421,16 +449,30 @@ pub fn plan(dest: &[RankLayout], sources: &[SourceManifest], cost: &CostModel) -
             .flat_map(|x| x.src_runs.iter().map(move |&a| (a, x.src_run_bytes)))
             .collect();
         let (n_exact, b_exact) = coalesced_count(exact_runs);
-        let mut cands = vec![(Strategy::Exact, cost.seconds(n_exact, b_exact), n_exact, b_exact)];
+        let mut cands = vec![(
+            Strategy::Exact,
+            cost.seconds(n_exact, b_exact),
+            n_exact,
+            b_exact,
+        )];
         if isects.iter().all(|x| x.packed_addr.is_some()) {
             let runs = isects
                 .iter()
-                .map(|x| (x.packed_addr.unwrap_or(0), x.region.numel().unwrap_or(0) * x.elem))
+                .map(|x| {
+                    (
+                        x.packed_addr.unwrap_or(0),
+                        x.region.numel().unwrap_or(0) * x.elem,
+                    )
+                })
                 .collect();
             let (n, b) = coalesced_count(runs);
             cands.push((Strategy::Packed, cost.seconds(n, b), n, b));
         }
-        let lo = isects.iter().filter_map(|x| x.src_runs.first().copied()).min().unwrap_or(s.addr);
+        let lo = isects
+            .iter()
+            .filter_map(|x| x.src_runs.first().copied())
+            .min()
+            .unwrap_or(s.addr);
         let hi_end = isects
             .iter()
             .filter_map(|x| x.src_runs.last().map(|a| a + x.src_run_bytes))
@@ -495,7 +537,11 @@ pub fn plan(dest: &[RankLayout], sources: &[SourceManifest], cost: &CostModel) -
         let (si, a, l) = wire[i];
         staging[i] = off;
         match reads.last_mut() {
-            Some(r) if r.source == si && r.src_addr + r.len == a && r.staging_offset + r.len == off => r.len += l,
+            Some(r)
+                if r.source == si && r.src_addr + r.len == a && r.staging_offset + r.len == off =>
+            {
+                r.len += l
+            }
             _ => reads.push(Read {
                 source: si,
                 src_addr: a,
@@ -514,7 +560,7 @@ pub fn plan(dest: &[RankLayout], sources: &[SourceManifest], cost: &CostModel) -
     // 4. Apply copies and verification segments.
     let mut copies: Vec<Copy> = Vec::new();
     let mut verify: Vec<VerifyItem> = Vec::new();
-    let mut seen_verify: HashMap<(usize, Digest, Vec<(u64, u64)>), ()> = HashMap::new();
+    let mut seen_verify: std::collections::HashSet<VerifyKey> = std::collections::HashSet::new();
     let mut useful_bytes = 0u64;
     for isects in groups.values() {
         for x in isects {
@@ -527,7 +573,8 @@ pub fn plan(dest: &[RankLayout], sources: &[SourceManifest], cost: &CostModel) -
             let mut pos = 0u64;
             while pos < total {
                 let s_off = img[(pos / x.img_run_bytes) as usize] + pos % x.img_run_bytes;
-                let l_off = x.piece_offset + lstarts[(pos / lrun_b) as usize] * x.elem + pos % lrun_b;
+                let l_off =
+                    x.piece_offset + lstarts[(pos / lrun_b) as usize] * x.elem + pos % lrun_b;
                 match copies.last_mut() {
                     Some(c)
                         if c.rank_index == x.rank_index
@@ -552,7 +599,7 @@ pub fn plan(dest: &[RankLayout], sources: &[SourceManifest], cost: &CostModel) -
                     _ => segments.push((o, x.img_run_bytes)),
                 }
             }
-            if seen_verify.insert((x.source, x.digest, segments.clone()), ()).is_none() {
+            if seen_verify.insert((x.source, x.digest, segments.clone())) {
                 verify.push(VerifyItem {
                     source: x.source,
                     tensor: x.tensor.to_string(),
@@ -605,7 +652,11 @@ fn gcd(a: u64, b: u64) -> u64 {
 ///
 /// # Errors
 /// [`Error::CoverageGap`] or [`Error::Overlap`] naming the parameter and byte range.
-pub fn prove_coverage(dest: &[RankLayout], copies: &[Copy], zero_fills: &[ZeroFill]) -> Result<(), Error> {
+pub fn prove_coverage(
+    dest: &[RankLayout],
+    copies: &[Copy],
+    zero_fills: &[ZeroFill],
+) -> Result<(), Error> {
     let mut per_rank: Vec<Vec<(u64, u64)>> = vec![Vec::new(); dest.len()];
     for c in copies {
         if let Some(v) = per_rank.get_mut(c.rank_index) {
@@ -688,15 +739,21 @@ impl Cut {
 ///
 /// # Errors
 /// [`Error::Overflow`] when a shard's size overflows.
-pub fn cut_for_layout(shards: &[crate::ShardEntry], dest: &[RankLayout]) -> Result<Vec<Cut>, Error> {
+pub fn cut_for_layout(
+    shards: &[crate::ShardEntry],
+    dest: &[RankLayout],
+) -> Result<Vec<Cut>, Error> {
     let mut out = Vec::new();
     let mut seen = std::collections::HashSet::new();
     for (hi, s) in shards.iter().enumerate() {
         let elem = s.dtype.size_bytes();
-        s.shard.numel().and_then(|n| n.checked_mul(elem)).ok_or(Error::Overflow {
-            what: "shard bytes",
-            tensor: s.tensor.clone(),
-        })?;
+        s.shard
+            .numel()
+            .and_then(|n| n.checked_mul(elem))
+            .ok_or(Error::Overflow {
+                what: "shard bytes",
+                tensor: s.tensor.clone(),
+            })?;
         for rl in dest {
             for p in &rl.params {
                 for piece in &p.pieces {
@@ -737,7 +794,8 @@ pub fn execute_in_memory<'m>(
     let mut staging = vec![0u8; plan.staging_bytes as usize];
     for r in &plan.reads {
         let src = memory(r.source, r.src_addr, r.len).ok_or_else(|| (format!("read {r:?}"), 0))?;
-        staging[r.staging_offset as usize..(r.staging_offset + r.len) as usize].copy_from_slice(src);
+        staging[r.staging_offset as usize..(r.staging_offset + r.len) as usize]
+            .copy_from_slice(src);
     }
     for v in &plan.verify {
         let mut h = blake3::Hasher::new();
@@ -748,10 +806,15 @@ pub fn execute_in_memory<'m>(
             return Err((v.tensor.clone(), v.dest_rank));
         }
     }
-    let mut live: Vec<Vec<u8>> = dest.iter().map(|d| vec![0xAA; d.total_bytes as usize]).collect();
+    let mut live: Vec<Vec<u8>> = dest
+        .iter()
+        .map(|d| vec![0xAA; d.total_bytes as usize])
+        .collect();
     for c in &plan.copies {
         live[c.rank_index][c.live_offset as usize..(c.live_offset + c.len) as usize]
-            .copy_from_slice(&staging[c.staging_offset as usize..(c.staging_offset + c.len) as usize]);
+            .copy_from_slice(
+                &staging[c.staging_offset as usize..(c.staging_offset + c.len) as usize],
+            );
     }
     for z in &plan.zero_fills {
         live[z.rank_index][z.live_offset as usize..(z.live_offset + z.len) as usize].fill(0);

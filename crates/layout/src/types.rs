@@ -63,7 +63,9 @@ impl FromStr for Digest {
     /// # Errors
     /// [`Error::BadDigest`] naming the input.
     fn from_str(s: &str) -> Result<Digest, Error> {
-        let bad = || Error::BadDigest { value: s.to_string() };
+        let bad = || Error::BadDigest {
+            value: s.to_string(),
+        };
         if s.len() != 64 || !s.is_ascii() {
             return Err(bad());
         }

@@ -12,7 +12,8 @@ use half::{bf16, f16};
 use crate::DType;
 
 fn sign(bits: u64, step: u32) -> f32 {
-    let h = (bits ^ u64::from(step).wrapping_mul(0x9E37_79B9_7F4A_7C15)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    let h = (bits ^ u64::from(step).wrapping_mul(0x9E37_79B9_7F4A_7C15))
+        .wrapping_mul(0xBF58_476D_1CE4_E5B9);
     if (h >> 61) & 1 == 1 {
         1.0
     } else {
@@ -74,13 +75,23 @@ mod tests {
 
     #[test]
     fn commutes_with_slicing_and_changes_values() {
-        let vals: Vec<u8> = (0..64u16).flat_map(|i| bf16::from_f32(f32::from(i) * 0.37 - 3.0).to_bits().to_le_bytes()).collect();
+        let vals: Vec<u8> = (0..64u16)
+            .flat_map(|i| {
+                bf16::from_f32(f32::from(i) * 0.37 - 3.0)
+                    .to_bits()
+                    .to_le_bytes()
+            })
+            .collect();
         let mut whole = vals.clone();
         training_step(DType::BF16, &mut whole, 2);
         let mut part = vals[20..40].to_vec();
         training_step(DType::BF16, &mut part, 2);
         assert_eq!(&whole[20..40], &part[..]);
-        let changed = whole.chunks(2).zip(vals.chunks(2)).filter(|(a, b)| a != b).count();
+        let changed = whole
+            .chunks(2)
+            .zip(vals.chunks(2))
+            .filter(|(a, b)| a != b)
+            .count();
         assert!(changed >= 60, "{changed} of 64 changed");
     }
 }

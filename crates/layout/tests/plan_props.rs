@@ -1,5 +1,10 @@
 //! Property tests: executing a plan with memcpy equals slicing the full tensors independently.
-#![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)] // tests: panics are failures
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::too_many_arguments,
+    missing_docs
+)] // tests: panics are failures; model builders take every dim
 
 use std::collections::HashMap;
 
@@ -149,7 +154,10 @@ fn run_case(
         .map(|r| build_source(&src_layouts, r, &fulls, &dst_layouts, pack))
         .collect();
     let manifests: Vec<SourceManifest> = sources.iter().map(|s| s.manifest.clone()).collect();
-    let mine: Vec<RankLayout> = worker_ranks.iter().map(|&r| dst_layouts[r as usize].clone()).collect();
+    let mine: Vec<RankLayout> = worker_ranks
+        .iter()
+        .map(|&r| dst_layouts[r as usize].clone())
+        .collect();
     let p = plan(&mine, &manifests, &cost)?;
     let live = execute_in_memory(&p, &mine, |si, addr, len| {
         let s = &sources[si];
@@ -158,12 +166,26 @@ fn run_case(
     })
     .expect("verification failed");
     for (rl, buf) in mine.iter().zip(&live) {
-        assert_eq!(buf, &reference(rl, &fulls), "rank {} of {dst} differs", rl.rank);
+        assert_eq!(
+            buf,
+            &reference(rl, &fulls),
+            "rank {} of {dst} differs",
+            rl.rank
+        );
     }
     Ok(p)
 }
 
-fn llama(heads: u64, kv: u64, head_dim: u64, hidden: u64, inter: u64, vocab: u64, dtype: DType, tied: bool) -> ModelInfo {
+fn llama(
+    heads: u64,
+    kv: u64,
+    head_dim: u64,
+    hidden: u64,
+    inter: u64,
+    vocab: u64,
+    dtype: DType,
+    tied: bool,
+) -> ModelInfo {
     let mut t = vec![];
     let mut add = |name: String, shape: Vec<u64>| t.push(TensorSpec { name, dtype, shape });
     add("model.embed_tokens.weight".into(), vec![vocab, hidden]);
@@ -172,13 +194,25 @@ fn llama(heads: u64, kv: u64, head_dim: u64, hidden: u64, inter: u64, vocab: u64
     }
     add("model.norm.weight".into(), vec![hidden]);
     let l = "model.layers.0";
-    add(format!("{l}.self_attn.q_proj.weight"), vec![heads * head_dim, hidden]);
-    add(format!("{l}.self_attn.k_proj.weight"), vec![kv * head_dim, hidden]);
-    add(format!("{l}.self_attn.v_proj.weight"), vec![kv * head_dim, hidden]);
+    add(
+        format!("{l}.self_attn.q_proj.weight"),
+        vec![heads * head_dim, hidden],
+    );
+    add(
+        format!("{l}.self_attn.k_proj.weight"),
+        vec![kv * head_dim, hidden],
+    );
+    add(
+        format!("{l}.self_attn.v_proj.weight"),
+        vec![kv * head_dim, hidden],
+    );
     add(format!("{l}.self_attn.q_proj.bias"), vec![heads * head_dim]);
     add(format!("{l}.self_attn.k_proj.bias"), vec![kv * head_dim]);
     add(format!("{l}.self_attn.v_proj.bias"), vec![kv * head_dim]);
-    add(format!("{l}.self_attn.o_proj.weight"), vec![hidden, heads * head_dim]);
+    add(
+        format!("{l}.self_attn.o_proj.weight"),
+        vec![hidden, heads * head_dim],
+    );
     add(format!("{l}.mlp.gate_proj.weight"), vec![inter, hidden]);
     add(format!("{l}.mlp.up_proj.weight"), vec![inter, hidden]);
     add(format!("{l}.mlp.down_proj.weight"), vec![hidden, inter]);
@@ -290,7 +324,9 @@ fn tp2_over_nine_heads_is_a_clear_error() {
 fn vllm_tp3_qkv_and_vocab_padding() {
     let m = llama(9, 3, 64, 576, 1536, 49150, DType::BF16, true);
     let r1 = rank_layout(&m, "tp:3".parse().unwrap(), 1).unwrap();
-    let qkv = r1.param("model.layers.0.self_attn.qkv_proj.weight").unwrap();
+    let qkv = r1
+        .param("model.layers.0.self_attn.qkv_proj.weight")
+        .unwrap();
     assert_eq!(qkv.shape, vec![3 * 64 + 64 + 64, 576]);
     assert_eq!(qkv.pieces[0].region.global_offset, vec![192, 0]);
     assert_eq!(qkv.pieces[1].region.global_offset, vec![64, 0]); // kv head 1
@@ -303,14 +339,22 @@ fn vllm_tp3_qkv_and_vocab_padding() {
     // tp > kv heads: tp=9 -> ranks 0..2 share kv head 0, ranks 3..5 kv head 1.
     let m9 = llama(9, 3, 64, 576, 1152, 576, DType::BF16, true);
     let r4 = rank_layout(&m9, "tp:9".parse().unwrap(), 4).unwrap();
-    let q = r4.param("model.layers.0.self_attn.qkv_proj.weight").unwrap();
+    let q = r4
+        .param("model.layers.0.self_attn.qkv_proj.weight")
+        .unwrap();
     assert_eq!(q.pieces[1].region.global_offset, vec![64, 0]);
     let g = rank_layout(&m, "tp:3".parse().unwrap(), 0).unwrap();
     let gu = g.param("model.layers.0.mlp.gate_up_proj.weight").unwrap();
-    assert_eq!(gu.pieces.iter().map(|p| p.tensor.as_str()).collect::<Vec<_>>(), vec![
-        "model.layers.0.mlp.gate_proj.weight",
-        "model.layers.0.mlp.up_proj.weight"
-    ]);
+    assert_eq!(
+        gu.pieces
+            .iter()
+            .map(|p| p.tensor.as_str())
+            .collect::<Vec<_>>(),
+        vec![
+            "model.layers.0.mlp.gate_proj.weight",
+            "model.layers.0.mlp.up_proj.weight"
+        ]
+    );
     assert_eq!(gu.shape, vec![1024, 576]);
 }
 
@@ -329,19 +373,45 @@ fn cost_model_picks_each_strategy() {
     let tp3: LayoutSpec = "tp:3".parse().unwrap();
     // Expensive descriptors and packing available: row-parallel tensors come packed.
     let p = run_case(&m, fsdp4, tp3, &[1], true, CostModel::default()).unwrap();
-    let down = p.choices.iter().find(|c| c.tensor.ends_with("down_proj.weight")).unwrap();
+    let down = p
+        .choices
+        .iter()
+        .find(|c| c.tensor.ends_with("down_proj.weight"))
+        .unwrap();
     assert_eq!(down.strategy, Pull::Packed);
     // Free descriptors: exact runs.
-    let free = CostModel { per_descriptor_s: 0.0, wire_gbps: 10.0 };
+    let free = CostModel {
+        per_descriptor_s: 0.0,
+        wire_gbps: 10.0,
+    };
     let p = run_case(&m, fsdp4, tp3, &[1], false, free).unwrap();
     assert!(p.choices.iter().all(|c| c.strategy == Pull::Exact));
     // Costly descriptors, no packing: a superset span beats 144 rows of 1 KiB.
-    let p = run_case(&m, fsdp4, tp3, &[1], false, CostModel { per_descriptor_s: 1e-3, wire_gbps: 10.0 }).unwrap();
-    let down = p.choices.iter().find(|c| c.tensor.ends_with("down_proj.weight")).unwrap();
+    let p = run_case(
+        &m,
+        fsdp4,
+        tp3,
+        &[1],
+        false,
+        CostModel {
+            per_descriptor_s: 1e-3,
+            wire_gbps: 10.0,
+        },
+    )
+    .unwrap();
+    let down = p
+        .choices
+        .iter()
+        .find(|c| c.tensor.ends_with("down_proj.weight"))
+        .unwrap();
     assert_eq!(down.strategy, Pull::Superset);
     // A worker holding all three ranks pulls whole rows of o_proj exactly: one run per shard.
     let p = run_case(&m, fsdp4, tp3, &[0, 1, 2], false, CostModel::default()).unwrap();
-    let o = p.choices.iter().find(|c| c.tensor.ends_with("o_proj.weight")).unwrap();
+    let o = p
+        .choices
+        .iter()
+        .find(|c| c.tensor.ends_with("o_proj.weight"))
+        .unwrap();
     assert_eq!((o.strategy, o.descriptors), (Pull::Exact, 1));
 }
 
@@ -354,20 +424,29 @@ fn dtype_mismatch_between_source_and_destination_names_the_tensor() {
             t.dtype = DType::F16;
         }
     }
-    let fulls: HashMap<String, (TensorSpec, Vec<u8>)> =
-        src_model.tensors.iter().map(|t| (t.name.clone(), (t.clone(), full_bytes(t)))).collect();
+    let fulls: HashMap<String, (TensorSpec, Vec<u8>)> = src_model
+        .tensors
+        .iter()
+        .map(|t| (t.name.clone(), (t.clone(), full_bytes(t))))
+        .collect();
     let sl = rank_layouts(&src_model, "fsdp:2".parse().unwrap()).unwrap();
     let dl = rank_layouts(&dst_model, "tp:3".parse().unwrap()).unwrap();
     let src = build_source(&sl, 0, &fulls, &dl, false);
     let err = plan(&dl, &[src.manifest], &CostModel::default()).unwrap_err();
-    assert!(matches!(&err, Error::Mismatch { tensor, what: "dtype", .. } if tensor.ends_with("o_proj.weight")), "{err}");
+    assert!(
+        matches!(&err, Error::Mismatch { tensor, what: "dtype", .. } if tensor.ends_with("o_proj.weight")),
+        "{err}"
+    );
 }
 
 #[test]
 fn missing_source_coverage_is_a_gap_naming_the_param() {
     let m = smollm_like();
-    let fulls: HashMap<String, (TensorSpec, Vec<u8>)> =
-        m.tensors.iter().map(|t| (t.name.clone(), (t.clone(), full_bytes(t)))).collect();
+    let fulls: HashMap<String, (TensorSpec, Vec<u8>)> = m
+        .tensors
+        .iter()
+        .map(|t| (t.name.clone(), (t.clone(), full_bytes(t))))
+        .collect();
     let sl = rank_layouts(&m, "fsdp:2".parse().unwrap()).unwrap();
     let dl = rank_layouts(&m, "tp:3".parse().unwrap()).unwrap();
     // Only source 0 of 2: half of every tensor is missing.
@@ -376,7 +455,12 @@ fn missing_source_coverage_is_a_gap_naming_the_param() {
     assert!(matches!(err, Error::CoverageGap { .. }), "{err}");
     // A tensor no source published at all is named.
     let mut src = build_source(&sl, 0, &fulls, &dl, false);
-    src.manifest.shards.retain(|s| !s.tensor.ends_with("input_layernorm.weight"));
+    src.manifest
+        .shards
+        .retain(|s| !s.tensor.ends_with("input_layernorm.weight"));
     let err = plan(&dl[..1], &[src.manifest], &CostModel::default()).unwrap_err();
-    assert!(matches!(&err, Error::MissingTensor { tensor, .. } if tensor.ends_with("input_layernorm.weight")), "{err}");
+    assert!(
+        matches!(&err, Error::MissingTensor { tensor, .. } if tensor.ends_with("input_layernorm.weight")),
+        "{err}"
+    );
 }

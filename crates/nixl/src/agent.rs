@@ -1,7 +1,9 @@
 //! The agent: a NIXL agent with one UCX backend, polled (no progress thread).
 
 use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
 use nixl_sys::{AgentConfig, NixlError, ThreadSync};
 
@@ -77,9 +79,19 @@ impl Agent {
             "nixl_capi_create_configured_agent",
             nixl_sys::Agent::new_configured(name, &config),
         )?;
-        let (_mems, params) = check("nixl_capi_get_plugin_params(UCX)", nixl.get_plugin_params("UCX"))?;
-        let backend = check("nixl_capi_create_backend(UCX)", nixl.create_backend("UCX", &params))?;
-        tracing::debug!(agent = name, nixl = loaded_from().unwrap_or("?"), "NIXL agent created");
+        let (_mems, params) = check(
+            "nixl_capi_get_plugin_params(UCX)",
+            nixl.get_plugin_params("UCX"),
+        )?;
+        let backend = check(
+            "nixl_capi_create_backend(UCX)",
+            nixl.create_backend("UCX", &params),
+        )?;
+        tracing::debug!(
+            agent = name,
+            nixl = loaded_from().unwrap_or("?"),
+            "NIXL agent created"
+        );
         Ok(Agent {
             inner: Arc::new(AgentInner {
                 name: name.to_string(),
@@ -115,18 +127,10 @@ impl Agent {
     /// [`Error::Nixl`] when NIXL rejects the bytes (garbled, or this agent's own metadata).
     pub fn load_remote(&self, metadata: &[u8]) -> Result<String, Error> {
         let mut remotes = self.remotes();
-        let name = match self.inner.nixl.load_remote_md(metadata) {
-            Ok(name) => name,
-            Err(first) => {
-                // NIXL refuses a second load of a known peer; find which peer this is by
-                // dropping each known one that refuses... not knowable: report the first error
-                // unless exactly the case handled in `reload`.
-                return Err(Error::Nixl {
-                    call: "nixl_capi_load_remote_md",
-                    status: first.to_string(),
-                });
-            }
-        };
+        let name = check(
+            "nixl_capi_load_remote_md",
+            self.inner.nixl.load_remote_md(metadata),
+        )?;
         remotes.insert(name.clone());
         Ok(name)
     }
@@ -166,7 +170,70 @@ impl Agent {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
+    /// Drives the UCX backend once: answers peers' connection set-up (wire-up) messages and
+    /// collects notifications (discarded; mx uses none). With the progress thread off, an agent
+    /// that only *serves* READs must call this now and then, or let [`Agent::spawn_progress`] do
+    /// it: peers cannot connect to an agent that never progresses (their READs stay pending). The
+    /// data itself moves without the serving side (one-sided).
+    ///
+    /// # Errors
+    /// [`Error::Nixl`] from `get_notifs`.
+    pub fn progress(&self) -> Result<(), Error> {
+        let mut notifs = check(
+            "nixl_capi_create_notif_map",
+            nixl_sys::NotificationMap::new(),
+        )?;
+        check(
+            "nixl_capi_get_notifs",
+            self.inner.nixl.get_notifications(&mut notifs, None),
+        )
+    }
+
+    /// Starts a thread that calls [`Agent::progress`] every `interval` (1-10 ms is plenty: only
+    /// connection set-up waits on it) until the returned guard is dropped. Errors are logged.
+    pub fn spawn_progress(&self, interval: Duration) -> ProgressThread {
+        let stop = Arc::new(AtomicBool::new(false));
+        let agent = self.clone();
+        let flag = Arc::clone(&stop);
+        let handle = std::thread::Builder::new()
+            .name(format!("nixl-progress-{}", self.name()))
+            .spawn(move || {
+                while !flag.load(Ordering::Relaxed) {
+                    if let Err(e) = agent.progress() {
+                        tracing::warn!(agent = agent.name(), error = %e, "NIXL progress failed");
+                    }
+                    std::thread::sleep(interval);
+                }
+            });
+        match handle {
+            Ok(handle) => ProgressThread {
+                stop,
+                handle: Some(handle),
+            },
+            Err(e) => {
+                tracing::warn!(error = %e, "could not start the NIXL progress thread");
+                ProgressThread { stop, handle: None }
+            }
+        }
+    }
+
     pub(crate) fn same_agent(&self, other: &Agent) -> bool {
         Arc::ptr_eq(&self.inner, &other.inner)
+    }
+}
+
+/// A background thread calling [`Agent::progress`]; stopped and joined on drop.
+#[derive(Debug)]
+pub struct ProgressThread {
+    stop: Arc<AtomicBool>,
+    handle: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for ProgressThread {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(handle) = self.handle.take() {
+            let _ = handle.join();
+        }
     }
 }

@@ -86,13 +86,8 @@ impl HugeMap {
             });
         }
         // SAFETY: the range is our own mapping; madvise only changes how the kernel backs it.
-        let advised = unsafe {
-            libc::madvise(
-                aligned as *mut libc::c_void,
-                map_len,
-                libc::MADV_HUGEPAGE,
-            )
-        };
+        let advised =
+            unsafe { libc::madvise(aligned as *mut libc::c_void, map_len, libc::MADV_HUGEPAGE) };
         if advised != 0 {
             tracing::debug!(
                 error = %std::io::Error::last_os_error(),

@@ -60,7 +60,7 @@ mod read;
 #[cfg(feature = "cuda")]
 pub mod vram;
 
-pub use agent::Agent;
+pub use agent::{Agent, ProgressThread};
 pub use arena::Arena;
 pub use loader::{nixl_available, NIXL_DIR_ENV};
 pub use probe::{memcpy_gbps, probe_costs, CostModel};

@@ -53,7 +53,10 @@ pub fn nixl_available() -> Result<(), Error> {
 
 /// Where the NIXL C API was loaded from, when it was.
 pub(crate) fn loaded_from() -> Option<&'static str> {
-    LOADED.get().and_then(|r| r.as_ref().ok()).map(String::as_str)
+    LOADED
+        .get()
+        .and_then(|r| r.as_ref().ok())
+        .map(String::as_str)
 }
 
 fn load() -> Result<String, String> {

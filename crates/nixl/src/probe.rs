@@ -97,7 +97,14 @@ pub fn probe_costs(
     }
     let tb = median(&mut t_big);
     let ts = median(&mut t_small);
-    let model = fit(1.0, big_len as f64, tb, count as f64, small_bytes as f64, ts);
+    let model = fit(
+        1.0,
+        big_len as f64,
+        tb,
+        count as f64,
+        small_bytes as f64,
+        ts,
+    );
     tracing::debug!(
         remote,
         big_len,

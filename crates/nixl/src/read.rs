@@ -223,9 +223,14 @@ impl Agent {
         base: u64,
         chunk: &[ReadOp],
     ) -> Result<Option<XferRequest>, Error> {
-        let mut local_list = check("nixl_capi_create_xfer_dlist", XferDescList::new(MemType::Dram))?;
-        let mut remote_list =
-            check("nixl_capi_create_xfer_dlist", XferDescList::new(MemType::Dram))?;
+        let mut local_list = check(
+            "nixl_capi_create_xfer_dlist",
+            XferDescList::new(MemType::Dram),
+        )?;
+        let mut remote_list = check(
+            "nixl_capi_create_xfer_dlist",
+            XferDescList::new(MemType::Dram),
+        )?;
         for op in chunk {
             // Validated: local_offset + len <= arena len, so base + local_offset is inside the
             // mapping; remote_addr + len fits usize.

@@ -17,9 +17,7 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::time::Duration;
 
-use mx_nixl::{
-    memcpy_gbps, nixl_available, probe_costs, Agent, Arena, Error, ReadOp, ReadOptions,
-};
+use mx_nixl::{memcpy_gbps, nixl_available, probe_costs, Agent, Arena, Error, ReadOp, ReadOptions};
 
 const ROLE_ENV: &str = "MX_NIXL_TEST_SOURCE";
 
@@ -74,9 +72,11 @@ fn source_child() {
     writeln!(out, "MXSRC {} {} {}", arena.addr(), arena.len(), hex).unwrap();
     out.flush().unwrap();
     drop(out);
-    // Serve until the parent closes our stdin.
+    // Serve until the parent closes our stdin; progress answers the reader's connection set-up.
+    let progress = agent.spawn_progress(Duration::from_millis(1));
     let mut sink = Vec::new();
     let _ = std::io::stdin().read_to_end(&mut sink);
+    drop(progress);
     drop(arena);
     drop(agent);
 }
@@ -107,8 +107,9 @@ impl Source {
                 .next()
                 .expect("source exited before printing its metadata")
                 .unwrap();
-            if line.starts_with("MXSRC ") {
-                break line;
+            // libtest prints "test source_child ... " before our line.
+            if let Some(at) = line.find("MXSRC ") {
+                break line[at..].to_string();
             }
         };
         let mut parts = line.split(' ').skip(1);
@@ -249,7 +250,13 @@ fn scattered_reads_are_byte_exact() {
         .read(&remote, &outside, &mut local, &ReadOptions::default())
         .unwrap_err();
     assert!(
-        matches!(err, Error::Nixl { call: "nixl_capi_create_xfer_req", .. }),
+        matches!(
+            err,
+            Error::Nixl {
+                call: "nixl_capi_create_xfer_req",
+                ..
+            }
+        ),
         "{err}"
     );
 
@@ -351,7 +358,10 @@ fn bad_read_ops_are_refused_before_posting() {
             },
         )
         .unwrap_err();
-    assert!(matches!(err, Error::BadReadOptions { field: "batch", .. }), "{err}");
+    assert!(
+        matches!(err, Error::BadReadOptions { field: "batch", .. }),
+        "{err}"
+    );
     // An arena of another agent is refused.
     let other = Agent::new(&format!("mx-test-other-{}", std::process::id())).unwrap();
     let mut foreign = Arena::new(&other, 4096).unwrap();
@@ -385,8 +395,14 @@ fn probe_costs_is_sane() {
         model.wire_gbps,
         model.break_even_bytes()
     );
-    assert!(model.per_descriptor_s > 0.0 && model.per_descriptor_s < 1e-2, "{model:?}");
-    assert!(model.wire_gbps > 0.0 && model.wire_gbps.is_finite(), "{model:?}");
+    assert!(
+        model.per_descriptor_s > 0.0 && model.per_descriptor_s < 1e-2,
+        "{model:?}"
+    );
+    assert!(
+        model.wire_gbps > 0.0 && model.wire_gbps.is_finite(),
+        "{model:?}"
+    );
     // A region too small to probe is a clear error.
     let err = probe_costs(&agent, &remote, source.addr, 100, &mut scratch).unwrap_err();
     assert!(matches!(err, Error::Probe { .. }), "{err}");
@@ -421,7 +437,12 @@ fn bench_read_throughput() {
     }];
     agent.read(&remote, &whole, &mut local, &opts).unwrap();
     let runs: Vec<f64> = (0..7)
-        .map(|_| agent.read(&remote, &whole, &mut local, &opts).unwrap().gbps())
+        .map(|_| {
+            agent
+                .read(&remote, &whole, &mut local, &opts)
+                .unwrap()
+                .gbps()
+        })
         .collect();
     let best = runs.iter().cloned().fold(0.0, f64::max);
     check_ranges(&local, source.addr, &[whole[0]]);
@@ -448,7 +469,14 @@ fn bench_read_throughput() {
         check_ranges(&local, source.addr, &ops[..ops.len().min(2000)]);
         eprintln!("| {run} | {rows} | {:.2} |", median(g));
     }
-    for (batch, inflight) in [(64, 4), (256, 4), (1024, 1), (1024, 4), (4096, 2), (16384, 2)] {
+    for (batch, inflight) in [
+        (64, 4),
+        (256, 4),
+        (1024, 1),
+        (1024, 4),
+        (4096, 2),
+        (16384, 2),
+    ] {
         let run = 1024;
         let rows = region / (3 * run);
         let ops: Vec<ReadOp> = (0..rows)
@@ -466,7 +494,10 @@ fn bench_read_throughput() {
         let g: Vec<f64> = (0..3)
             .map(|_| agent.read(&remote, &ops, &mut local, &o).unwrap().gbps())
             .collect();
-        eprintln!("1 KiB runs, batch {batch}, in flight {inflight}: {:.2} GB/s", median(g));
+        eprintln!(
+            "1 KiB runs, batch {batch}, in flight {inflight}: {:.2} GB/s",
+            median(g)
+        );
     }
     drop((local, agent));
     source.finish();

@@ -19,8 +19,8 @@ use mx_control::client::ControlClient;
 use mx_control::VersionState;
 use mx_layout::plan::{cut_for_layout, decompose, Cut};
 use mx_layout::{
-    rank_layout, rank_layouts, DestPiece, Digest, LayoutSpec, MemDevice, ModelInfo, RankLayout, ShardEntry,
-    SourceManifest, TensorBox,
+    rank_layout, rank_layouts, DestPiece, Digest, LayoutSpec, MemDevice, ModelInfo, RankLayout,
+    ShardEntry, SourceManifest, TensorBox,
 };
 use mx_nixl::{Agent, Arena};
 use rayon::prelude::*;
@@ -130,11 +130,20 @@ impl Publisher {
         for (l, rls) in &dest {
             let c = cut_for_layout(&proto_shards, rls)?;
             if cfg.pack {
-                packed += c.iter().filter(|c| c.run_offsets.len() > 1).map(Cut::bytes).sum::<u64>();
+                packed += c
+                    .iter()
+                    .filter(|c| c.run_offsets.len() > 1)
+                    .map(Cut::bytes)
+                    .sum::<u64>();
             }
             cuts.push((*l, c));
         }
-        let agent = Agent::new(&format!("mx-pub-{}-{}-{}", cfg.layout, cfg.rank, std::process::id()))?;
+        let agent = Agent::new(&format!(
+            "mx-pub-{}-{}-{}",
+            cfg.layout,
+            cfg.rank,
+            std::process::id()
+        ))?;
         let mut arena = Arena::new(&agent, (rl.total_bytes + packed).max(1))?;
         // Load only this rank's boxes from the checkpoint.
         {
@@ -209,7 +218,9 @@ impl Publisher {
     /// # Errors
     /// [`Error::Control`] when the version is not declared in time or the manifest is refused.
     pub async fn publish(&mut self, label: &str, wait: Duration) -> Result<SourceManifest, Error> {
-        self.client.wait_version(label, VersionState::Declared, wait).await?;
+        self.client
+            .wait_version(label, VersionState::Declared, wait)
+            .await?;
         let t0 = Instant::now();
         let base = self.arena.addr();
         let mut shards = Self::shard_entries(&self.rank_layout, base);
@@ -296,7 +307,12 @@ impl Publisher {
             pack_seconds: t0.elapsed().as_secs_f64(),
         };
         self.client.publish(label, &manifest).await?;
-        tracing::info!(label, slot = self.cfg.rank, pack_s = manifest.pack_seconds, "published");
+        tracing::info!(
+            label,
+            slot = self.cfg.rank,
+            pack_s = manifest.pack_seconds,
+            "published"
+        );
         Ok(manifest)
     }
 
@@ -306,17 +322,26 @@ impl Publisher {
     ///
     /// # Errors
     /// As [`Publisher::publish`]; [`Error::Control`] when a version does not commit within `wait`.
-    pub async fn run_steps(&mut self, prefix: &str, steps: u32, wait: Duration) -> Result<(), Error> {
+    pub async fn run_steps(
+        &mut self,
+        prefix: &str,
+        steps: u32,
+        wait: Duration,
+    ) -> Result<(), Error> {
         for k in 1..=steps {
             if k > 1 {
                 let prev = format!("{prefix}{}", k - 1);
-                self.client.wait_version(&prev, VersionState::Committed, wait).await?;
+                self.client
+                    .wait_version(&prev, VersionState::Committed, wait)
+                    .await?;
                 self.train_step(k);
             }
             self.publish(&format!("{prefix}{k}"), wait).await?;
         }
         let last = format!("{prefix}{steps}");
-        self.client.wait_version(&last, VersionState::Committed, wait).await?;
+        self.client
+            .wait_version(&last, VersionState::Committed, wait)
+            .await?;
         Ok(())
     }
 

@@ -136,7 +136,8 @@ pub struct Worker {
 }
 
 fn lock(core: &Mutex<Core>) -> std::sync::MutexGuard<'_, Core> {
-    core.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    core.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 impl Worker {
@@ -158,8 +159,15 @@ impl Worker {
             .iter()
             .map(|&r| rank_layout(&model, cfg.layout, r))
             .collect::<Result<Vec<_>, _>>()?;
-        let live = dest.iter().map(|d| vec![0u8; d.total_bytes as usize]).collect();
-        let agent = Agent::new(&format!("mx-worker-{}-{}", cfg.worker_id, std::process::id()))?;
+        let live = dest
+            .iter()
+            .map(|d| vec![0u8; d.total_bytes as usize])
+            .collect();
+        let agent = Agent::new(&format!(
+            "mx-worker-{}-{}",
+            cfg.worker_id,
+            std::process::id()
+        ))?;
         let client = ControlClient::connect(&cfg.control).await?;
         client
             .register_worker(&cfg.worker_id, &cfg.instance, &cfg.ranks, cfg.layout)
@@ -189,15 +197,22 @@ impl Worker {
         let mut stream = self.client.watch_commands(&self.cfg.worker_id).await?;
         while let Some(cmd) = stream.next().await? {
             match cmd {
-                Command::Stage { label, version_digest } => {
+                Command::Stage {
+                    label,
+                    version_digest,
+                } => {
                     let t0 = Instant::now();
                     let res = self.stage(&label, version_digest).await;
                     let report = match res {
                         Ok((stats, strategies)) => {
                             tracing::info!(
-                                worker = self.cfg.worker_id, label,
-                                pull_s = stats.pull_s, verify_s = stats.verify_s, plan_s = stats.plan_s,
-                                descriptors = stats.descriptors, "staged"
+                                worker = self.cfg.worker_id,
+                                label,
+                                pull_s = stats.pull_s,
+                                verify_s = stats.verify_s,
+                                plan_s = stats.plan_s,
+                                descriptors = stats.descriptors,
+                                "staged"
                             );
                             StagedReport {
                                 worker_id: self.cfg.worker_id.clone(),
@@ -212,7 +227,11 @@ impl Worker {
                             }
                         }
                         Err(e) => {
-                            tracing::error!(worker = self.cfg.worker_id, label, "stage failed: {e}");
+                            tracing::error!(
+                                worker = self.cfg.worker_id,
+                                label,
+                                "stage failed: {e}"
+                            );
                             StagedReport {
                                 worker_id: self.cfg.worker_id.clone(),
                                 label: label.clone(),
@@ -225,7 +244,10 @@ impl Worker {
                     };
                     self.client.report_staged(&report).await?;
                 }
-                Command::Apply { label, version_digest } => {
+                Command::Apply {
+                    label,
+                    version_digest,
+                } => {
                     let report = match self.apply(&label, version_digest).await {
                         Ok(ranks) => AppliedReport {
                             worker_id: self.cfg.worker_id.clone(),
@@ -255,7 +277,11 @@ impl Worker {
     ///
     /// # Errors
     /// Planning, NIXL and verification errors; nothing live is touched.
-    pub async fn stage(&self, label: &str, digest: Digest) -> Result<(StageStats, BTreeMap<String, u64>), Error> {
+    pub async fn stage(
+        &self,
+        label: &str,
+        digest: Digest,
+    ) -> Result<(StageStats, BTreeMap<String, u64>), Error> {
         let info = self.client.get_version(label).await?;
         let core = self.core.clone();
         let label = label.to_string();
@@ -359,7 +385,11 @@ fn stage_blocking(
 
 /// Measures the cost model against the first source's largest shard; falls back to the
 /// reference numbers when the probe cannot run (tiny models).
-fn measure_costs(c: &mut Core, manifests: &[mx_layout::SourceManifest], remotes: &[String]) -> CostModel {
+fn measure_costs(
+    c: &mut Core,
+    manifests: &[mx_layout::SourceManifest],
+    remotes: &[String],
+) -> CostModel {
     let Some((si, shard)) = manifests
         .iter()
         .enumerate()
@@ -374,7 +404,11 @@ fn measure_costs(c: &mut Core, manifests: &[mx_layout::SourceManifest], remotes:
     };
     match mx_nixl::probe_costs(&c.agent, &remotes[si], shard.addr, shard.len, &mut scratch) {
         Ok(m) => {
-            tracing::info!(per_descriptor_us = m.per_descriptor_s * 1e6, wire_gbps = m.wire_gbps, "measured data-plane costs");
+            tracing::info!(
+                per_descriptor_us = m.per_descriptor_s * 1e6,
+                wire_gbps = m.wire_gbps,
+                "measured data-plane costs"
+            );
             CostModel {
                 per_descriptor_s: m.per_descriptor_s,
                 wire_gbps: m.wire_gbps,
@@ -388,7 +422,10 @@ fn measure_costs(c: &mut Core, manifests: &[mx_layout::SourceManifest], remotes:
 }
 
 fn apply_blocking(c: &mut Core, label: &str, digest: Digest) -> Result<Vec<RankDigests>, Error> {
-    let ok = c.staged.as_ref().is_some_and(|s| s.label == label && s.digest == digest);
+    let ok = c
+        .staged
+        .as_ref()
+        .is_some_and(|s| s.label == label && s.digest == digest);
     if !ok {
         return Err(Error::NotStaged {
             label: label.to_string(),
@@ -408,8 +445,9 @@ fn apply_blocking(c: &mut Core, label: &str, digest: Digest) -> Result<Vec<RankD
     let p = &staged.plan;
     c.live.par_iter_mut().enumerate().for_each(|(ri, live)| {
         for cp in p.copies.iter().filter(|cp| cp.rank_index == ri) {
-            live[cp.live_offset as usize..(cp.live_offset + cp.len) as usize]
-                .copy_from_slice(&buf[cp.staging_offset as usize..(cp.staging_offset + cp.len) as usize]);
+            live[cp.live_offset as usize..(cp.live_offset + cp.len) as usize].copy_from_slice(
+                &buf[cp.staging_offset as usize..(cp.staging_offset + cp.len) as usize],
+            );
         }
         for z in p.zero_fills.iter().filter(|z| z.rank_index == ri) {
             live[z.live_offset as usize..(z.live_offset + z.len) as usize].fill(0);
@@ -428,7 +466,12 @@ pub fn live_digests(dest: &[RankLayout], live: &[Vec<u8>]) -> Vec<RankDigests> {
             tensors: rl
                 .params
                 .par_iter()
-                .map(|p| (p.name.clone(), Digest::of(&buf[p.offset as usize..(p.offset + p.len) as usize])))
+                .map(|p| {
+                    (
+                        p.name.clone(),
+                        Digest::of(&buf[p.offset as usize..(p.offset + p.len) as usize]),
+                    )
+                })
                 .collect(),
         })
         .collect()
