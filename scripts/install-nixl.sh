@@ -75,9 +75,11 @@ fi
 
 cat <<EOF
 NIXL $VERSION libraries: $DEST
-Environment for processes that use NIXL (tests, mx):
-  export LD_LIBRARY_PATH=$DEST\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}
-  export NIXL_PLUGIN_DIR=$DEST/plugins
-  export UCX_MODULES=^efa
+mx binaries and tests built in this checkout find them there by themselves (mx-nixl dlopens
+$DEST/libnixl_capi.so; NIXL finds plugins/ and the bundled UCX next to it).
+Environment for NIXL processes:
+  export UCX_MODULES=^efa          # mx-nixl sets this when unset; needed where rdma-core is installed
+  export LD_LIBRARY_PATH=$DEST\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}   # only for binaries outside this checkout
+  # (or MX_NIXL_DIR=$DEST); NIXL_PLUGIN_DIR=$DEST/plugins is optional (it is the default)
 EOF
 echo "$DEST"

@@ -119,12 +119,11 @@ impl Agent {
 
     /// Loads a peer's metadata (from its [`Agent::local_metadata`]) and returns the peer's name.
     ///
-    /// Loading metadata for a peer that is already loaded replaces it (the peer may have
-    /// registered more memory since), so calling this again with the same or newer metadata is
-    /// harmless.
+    /// Loading the same metadata again is harmless and returns the same name. To replace a peer's
+    /// metadata (it re-registered), [`Agent::invalidate_remote`] it first.
     ///
     /// # Errors
-    /// [`Error::Nixl`] when NIXL rejects the bytes (garbled, or this agent's own metadata).
+    /// [`Error::Nixl`] when NIXL rejects the bytes (garbled or truncated).
     pub fn load_remote(&self, metadata: &[u8]) -> Result<String, Error> {
         let mut remotes = self.remotes();
         let name = check(

@@ -51,6 +51,29 @@ pub fn nixl_available() -> Result<(), Error> {
     }
 }
 
+/// Environment variable that turns "skip" into "fail" in [`nixl_or_skip`]: CI sets
+/// `MX_REQUIRE_NIXL=1` so a missing NIXL cannot pass silently.
+pub const REQUIRE_NIXL_ENV: &str = "MX_REQUIRE_NIXL";
+
+/// For tests that need NIXL: true when it is available; otherwise writes
+/// `SKIPPED <test>: <why>` to stderr (past the test harness's capture) and returns false.
+///
+/// # Panics
+/// When NIXL is missing and `MX_REQUIRE_NIXL=1`, so CI fails instead of skipping.
+pub fn nixl_or_skip(test: &str) -> bool {
+    use std::io::Write;
+    match nixl_available() {
+        Ok(()) => true,
+        Err(e) => {
+            if std::env::var(REQUIRE_NIXL_ENV).as_deref() == Ok("1") {
+                panic!("{test}: {REQUIRE_NIXL_ENV}=1 but {e}");
+            }
+            let _ = writeln!(std::io::stderr(), "SKIPPED {test}: {e}");
+            false
+        }
+    }
+}
+
 /// Where the NIXL C API was loaded from, when it was.
 pub(crate) fn loaded_from() -> Option<&'static str> {
     LOADED

@@ -131,20 +131,23 @@ impl Agent {
     /// Executes READs from the `remote` agent's DRAM (device id 0) into `local`.
     ///
     /// Every op is validated first (length > 0, `local_offset + len` within the arena with checked
-    /// arithmetic, remote end within the address space); nothing is posted if any op is bad. Ops
-    /// are then cut into NIXL transfer requests of at most `opts.batch` descriptors (one descriptor
-    /// per op, in order), at most `opts.max_in_flight` of them posted at once, and polled with
-    /// `get_xfer_status` (which also drives UCX progress) until all complete.
+    /// arithmetic, remote end within the address space). Ops are then cut into NIXL transfer
+    /// requests of at most `opts.batch` descriptors (one descriptor per op, in order) and *all*
+    /// requests are created, which makes NIXL check every remote range against the memory the
+    /// peer registered; only then are they posted, at most `opts.max_in_flight` at once, and
+    /// polled with `get_xfer_status` (which also drives UCX progress) until all complete. So a bad
+    /// op, local or remote, fails the call with nothing posted.
     ///
     /// Ops whose local ranges overlap leave those bytes in an unspecified one of the sources.
     ///
     /// # Errors
-    /// [`Error::BadReadOptions`], [`Error::BadReadOp`] (nothing posted),
-    /// [`Error::ForeignArena`] when `local` belongs to another agent, [`Error::UnknownRemote`]
-    /// when `remote` was not loaded with [`Agent::load_remote`], [`Error::Nixl`] when NIXL rejects
-    /// a request (e.g. a remote range outside the peer's registered memory) or a transfer fails,
-    /// [`Error::Timeout`]. After an error the arena's contents are unspecified; requests still in
-    /// flight are released before returning.
+    /// Nothing is posted for [`Error::BadReadOptions`], [`Error::BadReadOp`],
+    /// [`Error::ForeignArena`] (`local` belongs to another agent), [`Error::UnknownRemote`]
+    /// (`remote` not loaded with [`Agent::load_remote`]) and [`Error::Nixl`] with call
+    /// `nixl_capi_create_xfer_req` (a remote range outside the peer's registered memory). After
+    /// [`Error::Nixl`] from posting or polling (a transfer failed, e.g. the peer died) or
+    /// [`Error::Timeout`] the arena's contents are unspecified; requests still in flight are
+    /// released before returning.
     pub fn read(
         &self,
         remote: &str,
@@ -168,18 +171,35 @@ impl Agent {
             });
         }
         let base = local.addr();
-        let mut pending = ops.chunks(opts.batch);
-        let mut unposted = ops.len();
+        let mut args = check("nixl_capi_create_opt_args", nixl_sys::OptArgs::new())?;
+        check(
+            "nixl_capi_opt_args_add_backend",
+            args.add_backend(&self.inner.backend),
+        )?;
+        // Phase 1: create every request. NIXL checks each remote range against the peer's
+        // registered memory here, so a bad range fails the call before any byte moves.
+        let mut prepared: VecDeque<InFlight> = ops
+            .chunks(opts.batch)
+            .map(|chunk| {
+                Ok(InFlight {
+                    req: self.prepare_read(remote, base, chunk, &args)?,
+                    descriptors: chunk.len(),
+                })
+            })
+            .collect::<Result<_, Error>>()?;
+        // Phase 2: post with at most max_in_flight outstanding, polling (which drives progress).
         let mut in_flight: VecDeque<InFlight> = VecDeque::with_capacity(opts.max_in_flight);
         loop {
             while in_flight.len() < opts.max_in_flight {
-                let Some(chunk) = pending.next() else { break };
-                unposted -= chunk.len();
-                if let Some(req) = self.post_read(remote, base, chunk)? {
-                    in_flight.push_back(InFlight {
-                        req,
-                        descriptors: chunk.len(),
-                    });
+                let Some(next) = prepared.pop_front() else {
+                    break;
+                };
+                let in_progress = check(
+                    "nixl_capi_post_xfer_req",
+                    self.inner.nixl.post_xfer_req(&next.req, Some(&args)),
+                )?;
+                if in_progress {
+                    in_flight.push_back(next);
                 }
             }
             if in_flight.is_empty() {
@@ -203,8 +223,11 @@ impl Agent {
                     remote: remote.to_string(),
                     waited: start.elapsed(),
                     pending_requests: in_flight.len(),
-                    pending_descriptors: in_flight.iter().map(|f| f.descriptors).sum::<usize>()
-                        + unposted,
+                    pending_descriptors: in_flight
+                        .iter()
+                        .chain(prepared.iter())
+                        .map(|f| f.descriptors)
+                        .sum(),
                 });
             }
         }
@@ -215,14 +238,14 @@ impl Agent {
         })
     }
 
-    /// Creates and posts one READ request for `chunk` (already validated). `None` when it
-    /// completed within the post.
-    fn post_read(
+    /// Creates (does not post) one READ request for `chunk` (already validated).
+    fn prepare_read(
         &self,
         remote: &str,
         base: u64,
         chunk: &[ReadOp],
-    ) -> Result<Option<XferRequest>, Error> {
+        args: &nixl_sys::OptArgs,
+    ) -> Result<XferRequest, Error> {
         let mut local_list = check(
             "nixl_capi_create_xfer_dlist",
             XferDescList::new(MemType::Dram),
@@ -237,25 +260,15 @@ impl Agent {
             local_list.add_desc((base + op.local_offset) as usize, op.len as usize, 0);
             remote_list.add_desc(op.remote_addr as usize, op.len as usize, 0);
         }
-        let mut args = check("nixl_capi_create_opt_args", nixl_sys::OptArgs::new())?;
         check(
-            "nixl_capi_opt_args_add_backend",
-            args.add_backend(&self.inner.backend),
-        )?;
-        let req = check(
             "nixl_capi_create_xfer_req",
             self.inner.nixl.create_xfer_req(
                 XferOp::Read,
                 &local_list,
                 &remote_list,
                 remote,
-                Some(&args),
+                Some(args),
             ),
-        )?;
-        let in_progress = check(
-            "nixl_capi_post_xfer_req",
-            self.inner.nixl.post_xfer_req(&req, Some(&args)),
-        )?;
-        Ok(in_progress.then_some(req))
+        )
     }
 }

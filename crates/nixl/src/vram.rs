@@ -1,1 +1,199 @@
+//! Device memory registered with NIXL as VRAM (feature `cuda`), through cudarc.
+//!
+//! Every entry point first checks that the CUDA driver library can be loaded
+//! ([`cuda_available`]): cudarc's `CudaContext::new` panics without it, so nothing here calls
+//! into CUDA on a GPU-less machine; it returns [`Error::CudaMissing`] instead.
 
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DriverError};
+use nixl_sys::{MemType, RegistrationHandle};
+
+use crate::agent::Agent;
+use crate::arena::{register, Region};
+use crate::Error;
+
+fn cuda_err(call: &'static str) -> impl Fn(DriverError) -> Error {
+    move |e| Error::Cuda {
+        call,
+        status: e.to_string(),
+    }
+}
+
+/// Ok when the CUDA driver library (libcuda.so) can be loaded on this machine.
+///
+/// # Errors
+/// [`Error::CudaMissing`] otherwise.
+pub fn cuda_available() -> Result<(), Error> {
+    // SAFETY: is_culib_present only tries to dlopen the CUDA driver library by its standard names
+    // (running its initializers, as any use of CUDA would) and reports whether that worked.
+    let present = unsafe { cudarc::driver::sys::is_culib_present() };
+    if present {
+        Ok(())
+    } else {
+        Err(Error::CudaMissing)
+    }
+}
+
+/// A zeroed device buffer on GPU `device`, registered with an [`Agent`] as NIXL VRAM (device id =
+/// the CUDA ordinal). Dropping it deregisters first, then frees the device memory.
+pub struct VramBuffer {
+    // Field order is drop order (see Drop): registration, agent, memory, stream.
+    reg: Option<RegistrationHandle>,
+    agent: Agent,
+    buf: CudaSlice<u8>,
+    stream: Arc<CudaStream>,
+    addr: u64,
+    len: u64,
+    device: usize,
+}
+
+impl std::fmt::Debug for VramBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VramBuffer")
+            .field("agent", &self.agent.name())
+            .field("device", &self.device)
+            .field("addr", &format_args!("{:#x}", self.addr))
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+impl VramBuffer {
+    /// Allocates `len` zeroed bytes on CUDA device `device` and registers them with `agent`.
+    ///
+    /// # Errors
+    /// [`Error::CudaMissing`] without libcuda, [`Error::BadLength`] for 0 or an unaddressable size,
+    /// [`Error::Cuda`] when the driver fails (no such device, out of memory), [`Error::Nixl`] when
+    /// registration fails (the UCX backend needs CUDA support for VRAM).
+    pub fn new(agent: &Agent, device: usize, len: u64) -> Result<VramBuffer, Error> {
+        cuda_available()?;
+        if len == 0 {
+            return Err(Error::BadLength {
+                len,
+                reason: "zero",
+            });
+        }
+        let n = usize::try_from(len).map_err(|_| Error::BadLength {
+            len,
+            reason: "too large for this address space",
+        })?;
+        let ctx = CudaContext::new(device).map_err(cuda_err("CudaContext::new"))?;
+        let stream = ctx.default_stream();
+        let buf = stream
+            .alloc_zeros::<u8>(n)
+            .map_err(cuda_err("alloc_zeros"))?;
+        let addr = {
+            let (ptr, _sync) = buf.device_ptr(&stream);
+            ptr
+        };
+        stream.synchronize().map_err(cuda_err("synchronize"))?;
+        let region = Region {
+            addr: addr as usize,
+            len: n,
+            mem: MemType::Vram,
+            dev_id: device as u64,
+        };
+        let reg = register(agent, &region)?;
+        Ok(VramBuffer {
+            reg: Some(reg),
+            agent: agent.clone(),
+            buf,
+            stream,
+            addr,
+            len,
+            device,
+        })
+    }
+
+    /// Device address.
+    pub fn addr(&self) -> u64 {
+        self.addr
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Always false: buffers have at least one byte.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// CUDA device ordinal (also the NIXL device id).
+    pub fn device(&self) -> usize {
+        self.device
+    }
+
+    /// Copies `src` to the start of the buffer and waits for the copy.
+    ///
+    /// # Errors
+    /// [`Error::BadLength`] when `src` is longer than the buffer, [`Error::Cuda`].
+    pub fn copy_from_host(&mut self, src: &[u8]) -> Result<(), Error> {
+        if src.len() as u64 > self.len {
+            return Err(Error::BadLength {
+                len: src.len() as u64,
+                reason: "source longer than the VRAM buffer",
+            });
+        }
+        self.stream
+            .memcpy_htod(src, &mut self.buf)
+            .map_err(cuda_err("memcpy_htod"))?;
+        self.stream.synchronize().map_err(cuda_err("synchronize"))
+    }
+
+    /// Copies the whole buffer to host memory.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`].
+    pub fn to_host(&self) -> Result<Vec<u8>, Error> {
+        self.stream
+            .clone_dtoh(&self.buf)
+            .map_err(cuda_err("clone_dtoh"))
+    }
+}
+
+impl Drop for VramBuffer {
+    fn drop(&mut self) {
+        if let Some(mut reg) = self.reg.take() {
+            if let Err(e) = reg.deregister() {
+                tracing::warn!(agent = self.agent.name(), error = %e, "deregistering VRAM failed");
+            }
+        }
+        // Then the agent, the device memory and the stream drop in field order.
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn vram_needs_libcuda_or_skips() {
+        match cuda_available() {
+            Err(Error::CudaMissing) => eprintln!("SKIPPED vram test: no libcuda on this machine"),
+            Err(e) => panic!("unexpected {e}"),
+            Ok(()) => {
+                if crate::nixl_available().is_err() {
+                    eprintln!("SKIPPED vram test: NIXL missing");
+                    return;
+                }
+                let agent = Agent::new(&format!("mx-vram-{}", std::process::id()))
+                    .unwrap_or_else(|e| panic!("agent: {e}"));
+                let mut buf = match VramBuffer::new(&agent, 0, 1 << 20) {
+                    Ok(b) => b,
+                    Err(e @ (Error::Cuda { .. } | Error::Nixl { .. })) => {
+                        eprintln!("SKIPPED vram test: {e}");
+                        return;
+                    }
+                    Err(e) => panic!("unexpected {e}"),
+                };
+                let data: Vec<u8> = (0..1 << 20).map(|i: u32| (i % 251) as u8).collect();
+                buf.copy_from_host(&data)
+                    .unwrap_or_else(|e| panic!("htod: {e}"));
+                assert_eq!(buf.to_host().unwrap_or_else(|e| panic!("dtoh: {e}")), data);
+            }
+        }
+    }
+}

@@ -17,24 +17,9 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::time::Duration;
 
-use mx_nixl::{memcpy_gbps, nixl_available, probe_costs, Agent, Arena, Error, ReadOp, ReadOptions};
+use mx_nixl::{memcpy_gbps, nixl_or_skip, probe_costs, Agent, Arena, Error, ReadOp, ReadOptions};
 
 const ROLE_ENV: &str = "MX_NIXL_TEST_SOURCE";
-
-/// True when NIXL is usable; otherwise prints why and returns false, or panics under
-/// `MX_REQUIRE_NIXL=1`.
-fn nixl_or_skip(test: &str) -> bool {
-    match nixl_available() {
-        Ok(()) => true,
-        Err(e) => {
-            if std::env::var("MX_REQUIRE_NIXL").as_deref() == Ok("1") {
-                panic!("{test}: MX_REQUIRE_NIXL=1 but NIXL is missing: {e}");
-            }
-            eprintln!("SKIPPED {test}: {e}");
-            false
-        }
-    }
-}
 
 fn splitmix64(mut x: u64) -> u64 {
     x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
@@ -73,6 +58,14 @@ fn source_child() {
     out.flush().unwrap();
     drop(out);
     // Serve until the parent closes our stdin; progress answers the reader's connection set-up.
+    if std::env::var_os("MX_NIXL_TEST_THP").is_some() {
+        let thp = std::fs::read_to_string("/proc/self/smaps_rollup").unwrap_or_default();
+        let thp = thp
+            .lines()
+            .find(|l| l.starts_with("AnonHugePages"))
+            .unwrap_or("?");
+        eprintln!("source {thp} (arena {len} bytes)");
+    }
     let progress = agent.spawn_progress(Duration::from_millis(1));
     let mut sink = Vec::new();
     let _ = std::io::stdin().read_to_end(&mut sink);
@@ -240,26 +233,6 @@ fn scattered_reads_are_byte_exact() {
         check_ranges(&local, source.addr, &ops);
     }
 
-    // A remote range outside the peer's registered memory is refused by NIXL, not read.
-    let outside = [ReadOp {
-        remote_addr: source.addr + source.len,
-        len: 4096,
-        local_offset: 0,
-    }];
-    let err = agent
-        .read(&remote, &outside, &mut local, &ReadOptions::default())
-        .unwrap_err();
-    assert!(
-        matches!(
-            err,
-            Error::Nixl {
-                call: "nixl_capi_create_xfer_req",
-                ..
-            }
-        ),
-        "{err}"
-    );
-
     agent.invalidate_remote(&remote).unwrap();
     assert!(agent.remotes_loaded().is_empty());
     let err = agent
@@ -346,6 +319,65 @@ fn bad_read_ops_are_refused_before_posting() {
             "bytes landed although the list was refused"
         );
     }
+    // A remote range outside the peer's registered memory (last of 51, batch 8) is refused by
+    // NIXL when the requests are created, before any is posted.
+    let mut ops: Vec<ReadOp> = (0..50).map(good).collect();
+    ops.push(ReadOp {
+        remote_addr: source.addr + source.len,
+        len: 4096,
+        local_offset: 0,
+    });
+    let opts = ReadOptions {
+        batch: 8,
+        ..ReadOptions::default()
+    };
+    let err = agent.read(&remote, &ops, &mut local, &opts).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::Nixl {
+                call: "nixl_capi_create_xfer_req",
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(
+        local.as_slice().iter().all(|&b| b == 0),
+        "bytes landed although a remote range was refused"
+    );
+    // Garbled or truncated metadata is an error, not a crash.
+    for bad in [
+        &b"not nixl metadata"[..],
+        &source.metadata[..source.metadata.len() / 2],
+        &[][..],
+    ] {
+        let err = agent.load_remote(bad).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::Nixl {
+                    call: "nixl_capi_load_remote_md",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+    }
+    // Bad names and lengths are errors, not aborts.
+    assert!(matches!(Agent::new(""), Err(Error::BadAgentName { .. })));
+    assert!(matches!(
+        Agent::new("a\0b"),
+        Err(Error::BadAgentName { .. })
+    ));
+    assert!(matches!(
+        Arena::new(&agent, 0),
+        Err(Error::BadLength { len: 0, .. })
+    ));
+    assert!(matches!(
+        Arena::new(&agent, u64::MAX),
+        Err(Error::BadLength { .. })
+    ));
     // Options are checked too.
     let err = agent
         .read(
@@ -430,6 +462,12 @@ fn bench_read_throughput() {
     let remote = agent.load_remote(&source.metadata).unwrap();
     let mut local = Arena::new(&agent, src_len).unwrap();
     let opts = ReadOptions::default();
+    let thp = std::fs::read_to_string("/proc/self/smaps_rollup").unwrap_or_default();
+    let thp = thp
+        .lines()
+        .find(|l| l.starts_with("AnonHugePages"))
+        .unwrap_or("?");
+    eprintln!("reader {thp} (local arena 256 MiB)");
     let whole = [ReadOp {
         remote_addr: source.addr,
         len: src_len,
@@ -451,6 +489,23 @@ fn bench_read_throughput() {
         "contiguous 256 MiB: median {:.2} GB/s, best {best:.2} GB/s (memcpy 1 thread {memcpy:.2} GB/s)",
         median(runs)
     );
+    for piece in [64u64 << 20, 8 << 20, 2 << 20, 512 << 10] {
+        let ops: Vec<ReadOp> = (0..src_len / piece)
+            .map(|i| ReadOp {
+                remote_addr: source.addr + i * piece,
+                len: piece,
+                local_offset: i * piece,
+            })
+            .collect();
+        let g: Vec<f64> = (0..5)
+            .map(|_| agent.read(&remote, &ops, &mut local, &opts).unwrap().gbps())
+            .collect();
+        eprintln!(
+            "contiguous 256 MiB as {} KiB pieces: median {:.2} GB/s",
+            piece >> 10,
+            median(g)
+        );
+    }
     let region: u64 = 192 << 20;
     eprintln!("| run bytes | descriptors | GB/s (median of 3) |");
     for run in [384u64, 1024, 4096, 16 << 10, 64 << 10, 256 << 10] {

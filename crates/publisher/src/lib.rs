@@ -22,7 +22,7 @@ use mx_layout::{
     rank_layout, rank_layouts, DestPiece, Digest, LayoutSpec, MemDevice, ModelInfo, RankLayout,
     ShardEntry, SourceManifest, TensorBox,
 };
-use mx_nixl::{Agent, Arena};
+use mx_nixl::{Agent, Arena, ProgressThread};
 use rayon::prelude::*;
 
 /// Errors of the publisher; each wraps the failing layer's error.
@@ -85,6 +85,8 @@ pub struct Publisher {
     /// Destination layouts packed for: (layout, its rank layouts).
     dest: Vec<(LayoutSpec, Vec<RankLayout>)>,
     cuts: Vec<(LayoutSpec, Vec<Cut>)>,
+    /// Polls the agent so pullers can connect (READs are one-sided, connection set-up is not).
+    _progress: ProgressThread,
 }
 
 /// Copies `region` of a full row-major tensor `full` (shape `shape`) into `out`, row-major.
@@ -158,7 +160,9 @@ impl Publisher {
                 }
             }
         }
+        let progress = agent.spawn_progress(Duration::from_millis(1));
         Ok(Publisher {
+            _progress: progress,
             shard_bytes: rl.total_bytes,
             cfg,
             agent,
