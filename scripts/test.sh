@@ -49,7 +49,7 @@ for arg in "$@"; do
     esac
 done
 
-test_cmd=(cargo test --release "${scope[@]}" "$@")
+test_cmd=(cargo test --release --no-fail-fast "${scope[@]}" "$@")
 step="${test_cmd[*]}"
 log "$step"
 "${test_cmd[@]}"

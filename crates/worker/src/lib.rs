@@ -282,7 +282,13 @@ impl Worker {
         label: &str,
         digest: Digest,
     ) -> Result<(StageStats, BTreeMap<String, u64>), Error> {
+        let t = Instant::now();
         let info = self.client.get_version(label).await?;
+        tracing::info!(
+            label,
+            fetch_s = t.elapsed().as_secs_f64(),
+            "fetched manifests"
+        );
         let core = self.core.clone();
         let label = label.to_string();
         tokio::task::spawn_blocking(move || {
@@ -326,7 +332,9 @@ fn stage_blocking(
         c.cost = Some(measure_costs(c, manifests, &remotes));
     }
     let cost = c.cost.unwrap_or_default();
+    let load_s = t.elapsed().as_secs_f64();
     let p = plan(&c.dest, manifests, &cost)?;
+    tracing::info!(load_s, "loaded remote metadata");
     stats.plan_s = t.elapsed().as_secs_f64();
     let need = p.staging_bytes.max(1);
     if c.staging.as_ref().is_none_or(|a| a.len() < need) {
