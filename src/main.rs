@@ -2,6 +2,7 @@
 //! and calls into the crates (see README.md for the architecture).
 
 mod demo;
+mod plan_cmd;
 mod slice;
 
 use std::path::PathBuf;
@@ -80,6 +81,8 @@ enum Cmd {
     },
     /// The main job: a real multi-process refit of a real checkpoint, verified byte for byte.
     Demo(demo::DemoArgs),
+    /// Print the transfer plan of one worker offline: the strategy each tensor gets.
+    Plan(plan_cmd::PlanArgs),
     /// Show versions and workers.
     Status {
         /// Control plane address.
@@ -193,6 +196,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }),
         Cmd::Demo(args) => demo::run(args),
+        Cmd::Plan(args) => plan_cmd::run(args),
         Cmd::Status { control } => runtime()?.block_on(async move {
             let c = mx_control::client::ControlClient::connect(&control).await?;
             let s = c.get_status().await?;

@@ -782,6 +782,53 @@ pub fn cut_for_layout(
     Ok(out)
 }
 
+/// Which cuts are worth packing: for each registered worker's rank set, the cuts of a shard are
+/// packed when pulling them as exact runs would need more descriptors (after coalescing across the
+/// worker's ranks) than pulling one packed region per cut. A worker holding every TP rank of a
+/// row-parallel weight pulls whole rows, so nothing is packed for it. Returns one flag per cut.
+pub fn pack_marks(cuts: &[Cut], rank_sets: &[Vec<u32>]) -> Vec<bool> {
+    let mut marks = vec![false; cuts.len()];
+    let mut by_shard: std::collections::BTreeMap<usize, Vec<usize>> =
+        std::collections::BTreeMap::new();
+    for (i, c) in cuts.iter().enumerate() {
+        by_shard.entry(c.shard).or_default().push(i);
+    }
+    for ranks in rank_sets {
+        for idx in by_shard.values() {
+            let mine: Vec<usize> = idx
+                .iter()
+                .copied()
+                .filter(|&i| ranks.contains(&cuts[i].dest_rank))
+                .collect();
+            let mut runs: Vec<(u64, u64)> = mine
+                .iter()
+                .flat_map(|&i| {
+                    cuts[i]
+                        .run_offsets
+                        .iter()
+                        .map(move |&o| (o, cuts[i].run_bytes))
+                })
+                .collect();
+            runs.sort_unstable();
+            runs.dedup();
+            let mut exact = 0usize;
+            let mut end = None;
+            for (o, l) in runs {
+                if end != Some(o) {
+                    exact += 1;
+                }
+                end = Some(o + l);
+            }
+            if exact > mine.len() {
+                for &i in &mine {
+                    marks[i] |= cuts[i].run_offsets.len() > 1;
+                }
+            }
+        }
+    }
+    marks
+}
+
 /// Executes a plan with plain memory copies, for tests and for checking plans without NIXL.
 ///
 /// `memory(source, addr, len)` returns the source's bytes. Returns the live buffers, one per rank
@@ -820,4 +867,72 @@ pub fn execute_in_memory<'m>(
         live[z.rank_index][z.live_offset as usize..(z.live_offset + z.len) as usize].fill(0);
     }
     Ok(live)
+}
+
+/// Manifests of every source rank of `trainer` as publishers would publish them for destination
+/// layout `dest` (addresses synthetic: source `r` at `(r + 1) << 40`, digests zero), with strided
+/// cuts packed for the given worker rank sets (see [`pack_marks`]). For offline planning
+/// (`mx plan`) and planner benchmarks; no bytes exist behind the addresses.
+///
+/// # Errors
+/// [`Error::ImpossibleLayout`] and the other errors of [`crate::rank_layouts`].
+pub fn synthetic_manifests(
+    model: &crate::ModelInfo,
+    trainer: crate::LayoutSpec,
+    dest: crate::LayoutSpec,
+    pack_for: &[Vec<u32>],
+) -> Result<Vec<SourceManifest>, Error> {
+    let dest_layouts = crate::rank_layouts(model, dest)?;
+    let mut out = Vec::with_capacity(trainer.world_size as usize);
+    for r in 0..trainer.world_size {
+        let rl = crate::rank_layout(model, trainer, r)?;
+        let base = (u64::from(r) + 1) << 40;
+        let shards: Vec<crate::ShardEntry> = rl
+            .params
+            .iter()
+            .flat_map(|p| p.pieces.iter())
+            .map(|piece| crate::ShardEntry {
+                tensor: piece.tensor.clone(),
+                dtype: piece.dtype,
+                global_shape: piece.global_shape.clone(),
+                shard: piece.region.clone(),
+                addr: base + piece.offset,
+                len: piece.region.numel().unwrap_or(0) * piece.dtype.size_bytes(),
+                device: crate::MemDevice::Dram,
+                digest: Digest::default(),
+            })
+            .collect();
+        let cuts = cut_for_layout(&shards, &dest_layouts)?;
+        let marks = pack_marks(&cuts, pack_for);
+        let mut cursor = base + rl.total_bytes;
+        let pieces = cuts
+            .into_iter()
+            .zip(marks)
+            .map(|(c, m)| {
+                let packed_addr = m.then(|| {
+                    let a = cursor;
+                    cursor += c.bytes();
+                    a
+                });
+                crate::DestPiece {
+                    layout: dest,
+                    dest_rank: c.dest_rank,
+                    tensor: c.tensor,
+                    region: c.region,
+                    digest: Digest::default(),
+                    packed_addr,
+                }
+            })
+            .collect();
+        out.push(SourceManifest {
+            slot: r,
+            layout: trainer,
+            agent_name: format!("synthetic-{r}"),
+            agent_metadata: Vec::new(),
+            shards,
+            pieces,
+            pack_seconds: 0.0,
+        });
+    }
+    Ok(out)
 }

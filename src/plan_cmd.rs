@@ -1,0 +1,162 @@
+//! `mx plan`: the transfer plan for one worker, computed offline from a checkpoint's config and
+//! tensor list (no NIXL, no processes): which strategy every tensor gets, descriptors, bytes.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use anyhow::Context;
+use mx_checkpoint::Checkpoint;
+use mx_layout::plan::{plan, synthetic_manifests, CostModel};
+use mx_layout::{LayoutSpec, ModelInfo};
+use serde::Serialize;
+
+/// Flags of `mx plan`.
+#[derive(clap::Args, Debug)]
+pub(crate) struct PlanArgs {
+    /// HF checkpoint directory (only config.json and the safetensors headers are read).
+    #[arg(long)]
+    model: PathBuf,
+    /// Trainer (source) layout.
+    #[arg(long, default_value = "fsdp:4")]
+    trainer_layout: LayoutSpec,
+    /// Inference (destination) layout.
+    #[arg(long, default_value = "tp:3")]
+    inference_layout: LayoutSpec,
+    /// Ranks the worker holds (default: all).
+    #[arg(long, value_delimiter = ',')]
+    ranks: Vec<u32>,
+    /// Per-descriptor cost in microseconds (default: the reference measurement, 2.5).
+    #[arg(long)]
+    per_descriptor_us: Option<f64>,
+    /// Wire bandwidth in GB/s (default: 10.5).
+    #[arg(long)]
+    wire_gbps: Option<f64>,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Serialize)]
+struct TensorRow {
+    tensor: String,
+    strategies: BTreeMap<String, u64>,
+    descriptors: u64,
+    wire_bytes: u64,
+}
+
+#[derive(Serialize)]
+struct PlanReport {
+    trainer_layout: String,
+    inference_layout: String,
+    ranks: Vec<u32>,
+    cost: CostModel,
+    reads: usize,
+    wire_bytes: u64,
+    useful_bytes: u64,
+    staging_bytes: u64,
+    apply_copies: usize,
+    verify_items: usize,
+    predicted_seconds: f64,
+    tensors: Vec<TensorRow>,
+}
+
+pub(crate) fn run(a: PlanArgs) -> anyhow::Result<()> {
+    let ckpt = Checkpoint::open(&a.model)?;
+    let config = ckpt.config().context("config.json missing")?;
+    let model = ModelInfo::from_hf_config(config, ckpt.specs())?;
+    let ranks: Vec<u32> = if a.ranks.is_empty() {
+        (0..a.inference_layout.world_size).collect()
+    } else {
+        a.ranks.clone()
+    };
+    let mut cost = CostModel::default();
+    if let Some(us) = a.per_descriptor_us {
+        cost.per_descriptor_s = us * 1e-6;
+    }
+    if let Some(g) = a.wire_gbps {
+        cost.wire_gbps = g;
+    }
+    let manifests = synthetic_manifests(
+        &model,
+        a.trainer_layout,
+        a.inference_layout,
+        &[ranks.clone()],
+    )?;
+    let dest = ranks
+        .iter()
+        .map(|&r| {
+            anyhow::ensure!(
+                r < a.inference_layout.world_size,
+                "rank {r} is outside {}",
+                a.inference_layout
+            );
+            Ok(mx_layout::rank_layout(&model, a.inference_layout, r)?)
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let p = plan(&dest, &manifests, &cost)?;
+    let mut rows: BTreeMap<String, TensorRow> = BTreeMap::new();
+    for c in &p.choices {
+        let row = rows.entry(c.tensor.clone()).or_insert_with(|| TensorRow {
+            tensor: c.tensor.clone(),
+            strategies: BTreeMap::new(),
+            descriptors: 0,
+            wire_bytes: 0,
+        });
+        *row.strategies
+            .entry(c.strategy.as_str().to_string())
+            .or_insert(0) += 1;
+        row.descriptors += c.descriptors;
+        row.wire_bytes += c.wire_bytes;
+    }
+    let report = PlanReport {
+        trainer_layout: a.trainer_layout.to_string(),
+        inference_layout: a.inference_layout.to_string(),
+        ranks,
+        cost,
+        reads: p.reads.len(),
+        wire_bytes: p.wire_bytes,
+        useful_bytes: p.useful_bytes,
+        staging_bytes: p.staging_bytes,
+        apply_copies: p.copies.len(),
+        verify_items: p.verify.len(),
+        predicted_seconds: p.predicted_seconds,
+        tensors: rows.into_values().collect(),
+    };
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+        return Ok(());
+    }
+    println!(
+        "{:<52} {:<24} {:>11} {:>12}",
+        "tensor", "strategy (per source)", "descriptors", "wire bytes"
+    );
+    for r in &report.tensors {
+        let s: Vec<String> = r
+            .strategies
+            .iter()
+            .map(|(k, n)| format!("{k}x{n}"))
+            .collect();
+        println!(
+            "{:<52} {:<24} {:>11} {:>12}",
+            r.tensor,
+            s.join(" "),
+            r.descriptors,
+            r.wire_bytes
+        );
+    }
+    println!(
+        "\n{} -> {} ranks {:?}: {} reads after coalescing, {} wire bytes for {} useful, {} apply copies, {} digest checks; predicted {:.2} ms at {:.2} us/descriptor, {:.1} GB/s",
+        report.trainer_layout,
+        report.inference_layout,
+        report.ranks,
+        report.reads,
+        report.wire_bytes,
+        report.useful_bytes,
+        report.apply_copies,
+        report.verify_items,
+        report.predicted_seconds * 1e3,
+        cost.per_descriptor_s * 1e6,
+        cost.wire_gbps
+    );
+    Ok(())
+}
