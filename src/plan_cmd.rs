@@ -80,7 +80,7 @@ pub(crate) fn run(a: PlanArgs) -> anyhow::Result<()> {
         &model,
         a.trainer_layout,
         a.inference_layout,
-        &[ranks.clone()],
+        std::slice::from_ref(&ranks),
     )?;
     let dest = ranks
         .iter()
