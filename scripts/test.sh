@@ -40,6 +40,11 @@ step="cargo build"
 log "cargo build --release --workspace --all-targets"
 cargo build --release --workspace --all-targets
 
+# The VRAM path (cudarc, dynamic loading) must compile on GPU-less machines too.
+step="cargo build -p mx-nixl --features cuda"
+log "$step"
+cargo build --release -p mx-nixl --features cuda --all-targets
+
 # `--workspace` would override a `-p/--package` given here, so it is added only without one.
 scope=(--workspace)
 for arg in "$@"; do
