@@ -120,6 +120,9 @@ pub struct VerifyItem {
     pub tensor: String,
     /// Destination rank the region was cut for.
     pub dest_rank: u32,
+    /// Other destination ranks of this worker whose identical region is served by the same
+    /// staged bytes (replicated tensors are pulled and verified once).
+    pub shared_with: Vec<u32>,
     /// The region (global coordinates).
     pub region: TensorBox,
     /// Expected digest.
@@ -501,12 +504,33 @@ pub fn plan(
         });
         match best.0 {
             Strategy::Exact => {
+                // Merge the group's runs first (adjacent or overlapping), so a worker holding
+                // every TP rank of a row-parallel weight gets one wire run, not one per row.
+                let mut runs: Vec<(u64, u64)> = isects
+                    .iter()
+                    .flat_map(|x| x.src_runs.iter().map(move |&a| (a, a + x.src_run_bytes)))
+                    .collect();
+                runs.sort_unstable();
+                let mut merged: Vec<(u64, u64)> = Vec::new();
+                for (a, e) in runs {
+                    match merged.last_mut() {
+                        Some(m) if a <= m.1 => m.1 = m.1.max(e),
+                        _ => merged.push((a, e)),
+                    }
+                }
+                let ids: Vec<usize> = merged
+                    .iter()
+                    .map(|&(a, e)| intern((*si, a, e - a)))
+                    .collect();
                 for x in isects.iter_mut() {
                     x.img_run_bytes = x.src_run_bytes;
                     x.img = x
                         .src_runs
                         .iter()
-                        .map(|&a| (intern((*si, a, x.src_run_bytes)), 0))
+                        .map(|&a| {
+                            let k = merged.partition_point(|m| m.0 <= a).saturating_sub(1);
+                            (ids[k], a - merged[k].0)
+                        })
                         .collect();
                 }
             }
@@ -560,7 +584,7 @@ pub fn plan(
     // 4. Apply copies and verification segments.
     let mut copies: Vec<Copy> = Vec::new();
     let mut verify: Vec<VerifyItem> = Vec::new();
-    let mut seen_verify: std::collections::HashSet<VerifyKey> = std::collections::HashSet::new();
+    let mut seen_verify: HashMap<VerifyKey, usize> = HashMap::new();
     let mut useful_bytes = 0u64;
     for isects in groups.values() {
         for x in isects {
@@ -599,15 +623,25 @@ pub fn plan(
                     _ => segments.push((o, x.img_run_bytes)),
                 }
             }
-            if seen_verify.insert((x.source, x.digest, segments.clone())) {
-                verify.push(VerifyItem {
-                    source: x.source,
-                    tensor: x.tensor.to_string(),
-                    dest_rank: x.dest_rank,
-                    region: x.region.clone(),
-                    digest: x.digest,
-                    segments,
-                });
+            match seen_verify.entry((x.source, x.digest, segments.clone())) {
+                std::collections::hash_map::Entry::Occupied(e) => {
+                    let v = &mut verify[*e.get()];
+                    if v.dest_rank != x.dest_rank && !v.shared_with.contains(&x.dest_rank) {
+                        v.shared_with.push(x.dest_rank);
+                    }
+                }
+                std::collections::hash_map::Entry::Vacant(e) => {
+                    e.insert(verify.len());
+                    verify.push(VerifyItem {
+                        source: x.source,
+                        tensor: x.tensor.to_string(),
+                        dest_rank: x.dest_rank,
+                        shared_with: Vec::new(),
+                        region: x.region.clone(),
+                        digest: x.digest,
+                        segments,
+                    });
+                }
             }
         }
     }

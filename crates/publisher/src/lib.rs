@@ -297,14 +297,10 @@ impl Publisher {
                         pack_nanos.fetch_add(ns, std::sync::atomic::Ordering::Relaxed);
                         Digest::of(out)
                     }
-                    None => {
-                        let mut h = blake3::Hasher::new();
-                        for &o in &c.run_offsets {
-                            let o = so + o as usize;
-                            h.update(&mem[o..o + rb]);
-                        }
-                        h.finalize().into()
-                    }
+                    None => mx_layout::digest_segments(c.run_offsets.iter().map(|&o| {
+                        let o = so + o as usize;
+                        &mem[o..o + rb]
+                    })),
                 }
             })
             .collect();

@@ -204,7 +204,7 @@ impl Worker {
                     let t0 = Instant::now();
                     let res = self.stage(&label, version_digest).await;
                     let report = match res {
-                        Ok((stats, strategies)) => {
+                        Ok((stats, strategies, ranks)) => {
                             tracing::info!(
                                 worker = self.cfg.worker_id,
                                 label,
@@ -219,7 +219,7 @@ impl Worker {
                                 label: label.clone(),
                                 ok: true,
                                 error: String::new(),
-                                ranks: Vec::new(),
+                                ranks,
                                 bytes: stats.useful_bytes,
                                 descriptors: stats.descriptors,
                                 seconds: t0.elapsed().as_secs_f64(),
@@ -277,11 +277,7 @@ impl Worker {
     ///
     /// # Errors
     /// Planning, NIXL and verification errors; nothing live is touched.
-    pub async fn stage(
-        &self,
-        label: &str,
-        digest: Digest,
-    ) -> Result<(StageStats, BTreeMap<String, u64>), Error> {
+    pub async fn stage(&self, label: &str, digest: Digest) -> Result<StageOutcome, Error> {
         let t = Instant::now();
         let info = self.client.get_version(label).await?;
         tracing::info!(
@@ -315,12 +311,16 @@ impl Worker {
     }
 }
 
+/// What a stage returns: timings, strategy counts, and per rank the digest of what was pulled for
+/// each checkpoint tensor (blake3 over the verified region digests, in region order).
+pub type StageOutcome = (StageStats, BTreeMap<String, u64>, Vec<RankDigests>);
+
 fn stage_blocking(
     c: &mut Core,
     label: &str,
     digest: Digest,
     manifests: &[mx_layout::SourceManifest],
-) -> Result<(StageStats, BTreeMap<String, u64>), Error> {
+) -> Result<StageOutcome, Error> {
     let mut stats = StageStats::default();
     let t = Instant::now();
     // Load every source's agent metadata (idempotent per agent name).
@@ -364,11 +364,11 @@ fn stage_blocking(
     let t = Instant::now();
     let buf = arena.as_slice();
     let bad = p.verify.par_iter().find_any(|v| {
-        let mut h = blake3::Hasher::new();
-        for &(o, l) in &v.segments {
-            h.update(&buf[o as usize..(o + l) as usize]);
-        }
-        Digest::from(h.finalize()) != v.digest
+        let segs = v
+            .segments
+            .iter()
+            .map(|&(o, l)| &buf[o as usize..(o + l) as usize]);
+        mx_layout::digest_segments(segs) != v.digest
     });
     if let Some(v) = bad {
         c.staged = None;
@@ -383,12 +383,43 @@ fn stage_blocking(
     stats.wire_bytes = p.wire_bytes;
     stats.useful_bytes = p.useful_bytes;
     let strategies = p.strategy_counts();
+    let pulled = pulled_digests(&c.dest, &p);
     c.staged = Some(Staged {
         label: label.to_string(),
         digest,
         plan: p,
     });
-    Ok((stats, strategies))
+    Ok((stats, strategies, pulled))
+}
+
+/// Per rank, per checkpoint tensor: blake3 over the digests of the regions pulled and verified for
+/// it, in (tensor, region) order.
+fn pulled_digests(dest: &[RankLayout], p: &Plan) -> Vec<RankDigests> {
+    dest.iter()
+        .map(|rl| {
+            let mut items: Vec<(&str, &mx_layout::TensorBox, Digest)> = p
+                .verify
+                .iter()
+                .filter(|v| v.dest_rank == rl.rank || v.shared_with.contains(&rl.rank))
+                .map(|v| (v.tensor.as_str(), &v.region, v.digest))
+                .collect();
+            items.sort();
+            let mut tensors: BTreeMap<String, blake3::Hasher> = BTreeMap::new();
+            for (t, _, d) in items {
+                tensors
+                    .entry(t.to_string())
+                    .or_default()
+                    .update(d.as_bytes());
+            }
+            RankDigests {
+                rank: rl.rank,
+                tensors: tensors
+                    .into_iter()
+                    .map(|(k, h)| (k, h.finalize().into()))
+                    .collect(),
+            }
+        })
+        .collect()
 }
 
 /// Measures the cost model against the first source's largest shard; falls back to the
