@@ -34,6 +34,9 @@ pub(crate) struct DemoArgs {
     /// Versions to refit (a deterministic training step between each).
     #[arg(long, default_value_t = 2)]
     steps: u32,
+    /// Run each inference instance as one process per rank instead of one process per instance.
+    #[arg(long)]
+    process_per_rank: bool,
     /// Stage runs per version (the reported pull GB/s is the median).
     #[arg(long, default_value_t = 3)]
     runs: u32,
@@ -57,6 +60,7 @@ struct RankReport {
 #[derive(Serialize)]
 struct WorkerReport {
     worker_id: String,
+    instance: String,
     ranks: Vec<RankReport>,
     verified: bool,
     bytes: u64,
@@ -225,8 +229,25 @@ async fn run_async(args: DemoArgs) -> anyhow::Result<()> {
         "starting {} inference instances ({})",
         args.workers, args.inference_layout
     ));
-    let worker_ids: Vec<String> = (0..args.workers).map(|i| format!("inst-{i}")).collect();
-    for id in &worker_ids {
+    // (worker id, instance, ranks): one process per instance, or one per rank.
+    let mut members: Vec<(String, String, Vec<u32>)> = Vec::new();
+    for i in 0..args.workers {
+        let inst = format!("inst-{i}");
+        if args.process_per_rank {
+            for r in 0..args.inference_layout.world_size {
+                members.push((format!("{inst}-rank{r}"), inst.clone(), vec![r]));
+            }
+        } else {
+            members.push((
+                inst.clone(),
+                inst,
+                (0..args.inference_layout.world_size).collect(),
+            ));
+        }
+    }
+    let worker_ids: Vec<String> = members.iter().map(|m| m.0.clone()).collect();
+    for (id, inst, ranks) in &members {
+        let ranks: Vec<String> = ranks.iter().map(u32::to_string).collect();
         procs.spawn(
             id,
             &work,
@@ -238,8 +259,12 @@ async fn run_async(args: DemoArgs) -> anyhow::Result<()> {
                 model_dir.display().to_string(),
                 "--layout".into(),
                 args.inference_layout.to_string(),
+                "--ranks".into(),
+                ranks.join(","),
                 "--id".into(),
                 id.clone(),
+                "--instance".into(),
+                inst.clone(),
             ],
         )?;
     }
@@ -397,6 +422,7 @@ async fn run_async(args: DemoArgs) -> anyhow::Result<()> {
             useful += staged.bytes;
             workers.push(WorkerReport {
                 worker_id: id.clone(),
+                instance: w.instance.clone(),
                 ranks: applied
                     .ranks
                     .iter()
@@ -434,7 +460,7 @@ async fn run_async(args: DemoArgs) -> anyhow::Result<()> {
     }
     pb.set_message("measuring memcpy of the same bytes");
     let last_useful = versions.last().map(|v| v.useful_bytes).unwrap_or(0);
-    let memcpy = mx_nixl::memcpy_gbps(last_useful, args.workers as usize);
+    let memcpy = mx_nixl::memcpy_gbps(last_useful, worker_ids.len());
     pb.finish_and_clear();
     drop(procs);
 
@@ -486,6 +512,7 @@ async fn run_async(args: DemoArgs) -> anyhow::Result<()> {
 fn clone_worker(w: &WorkerReport) -> WorkerReport {
     WorkerReport {
         worker_id: w.worker_id.clone(),
+        instance: w.instance.clone(),
         ranks: w
             .ranks
             .iter()
@@ -521,7 +548,7 @@ fn print_tables(
     for v in versions {
         println!("\n{}  version {}", v.label, &v.version_digest[..16]);
         println!(
-            "{:<8} {:<10} {:>12} {:>11} {:>9} {:>7}  {:<28} verified",
+            "{:<14} {:<10} {:>12} {:>11} {:>9} {:>7}  {:<28} verified",
             "worker", "ranks", "bytes", "descriptors", "seconds", "GB/s", "strategies"
         );
         for w in &v.workers {
@@ -532,7 +559,7 @@ fn print_tables(
                 .map(|(k, n)| format!("{k}={n}"))
                 .collect();
             println!(
-                "{:<8} {:<10} {:>12} {:>11} {:>9.4} {:>7.2}  {:<28} {}",
+                "{:<14} {:<10} {:>12} {:>11} {:>9.4} {:>7.2}  {:<28} {}",
                 w.worker_id,
                 ranks.join(","),
                 w.bytes,
@@ -555,7 +582,7 @@ fn print_tables(
         "\npull {:.2} GB/s vs memcpy {:.2} GB/s ({} concurrent copies, same bytes): ratio {:.2}",
         pull,
         memcpy,
-        args.workers,
+        versions.first().map(|v| v.workers.len()).unwrap_or(0),
         if memcpy > 0.0 { pull / memcpy } else { 0.0 }
     );
 }

@@ -78,6 +78,10 @@ enum Cmd {
         /// Worker id.
         #[arg(long)]
         id: String,
+        /// Instance this process belongs to (default: the worker id); an instance may be one
+        /// process holding all its ranks or one process per rank.
+        #[arg(long)]
+        instance: Option<String>,
     },
     /// The main job: a real multi-process refit of a real checkpoint, verified byte for byte.
     Demo(demo::DemoArgs),
@@ -177,6 +181,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             layout,
             ranks,
             id,
+            instance,
         } => runtime()?.block_on(async move {
             let ranks = if ranks.is_empty() {
                 (0..layout.world_size).collect()
@@ -188,7 +193,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 model_dir: model,
                 layout,
                 ranks,
-                instance: id.clone(),
+                instance: instance.unwrap_or_else(|| id.clone()),
                 worker_id: id,
             })
             .await?;

@@ -115,7 +115,7 @@ fn demo_refits_smollm2_fsdp4_to_two_tp3_instances() {
 }
 
 #[test]
-fn demo_on_bert_minilm_f32_fsdp3_to_tp2() {
+fn demo_on_bert_minilm_f32_fsdp3_to_tp2_one_process_per_rank() {
     let Some(_) = model("minilm-l6") else { return };
     let dir = repo().join(".mx/models/minilm-l6");
     let tmp = tempfile::tempdir().unwrap();
@@ -130,6 +130,7 @@ fn demo_on_bert_minilm_f32_fsdp3_to_tp2() {
             "tp:2",
             "--workers",
             "1",
+            "--process-per-rank",
             "--runs",
             "1",
         ],
