@@ -5,7 +5,7 @@ set -euo pipefail
 
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(cd "$SCRIPT_DIR/.." && pwd)"
-cd "$REPO"
+# Stay in the caller's directory, so relative paths such as `--report out.json` mean what they say.
 
 if ! command -v cargo >/dev/null 2>&1 && [[ -f "$HOME/.cargo/env" ]]; then
     # shellcheck disable=SC1091
@@ -15,7 +15,7 @@ fi
 bash "$SCRIPT_DIR/setup.sh"
 
 printf 'demo: %s\n' "cargo build --release --bin mx" >&2
-cargo build --release --bin mx
+cargo build --release --bin mx --manifest-path "$REPO/Cargo.toml"
 
 export UCX_MODULES="${UCX_MODULES:-^efa}"
 exec "$REPO/target/release/mx" demo "$@"

@@ -29,16 +29,16 @@ pub(crate) struct DemoArgs {
     #[arg(long, default_value = "tp:3")]
     inference_layout: LayoutSpec,
     /// Number of inference instances.
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=64))]
     workers: u32,
     /// Versions to refit (a deterministic training step between each).
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=100))]
     steps: u32,
     /// Run each inference instance as one process per rank instead of one process per instance.
     #[arg(long)]
     process_per_rank: bool,
     /// Stage runs per version (the reported pull GB/s is the median).
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=100))]
     runs: u32,
     /// Disable source-side packing at the publishers.
     #[arg(long)]
@@ -97,6 +97,21 @@ struct Report {
     versions: Vec<VersionReport>,
     /// Workers of the last version, with live digests per rank.
     workers: Vec<WorkerReport>,
+}
+
+/// The demo's work directory, removed when dropped unless `--keep` (on failures too: the error
+/// names the logs only with `--keep`).
+struct WorkDir {
+    path: PathBuf,
+    keep: bool,
+}
+
+impl Drop for WorkDir {
+    fn drop(&mut self) {
+        if !self.keep {
+            let _ = std::fs::remove_dir_all(&self.path);
+        }
+    }
 }
 
 /// Children killed when dropped.
@@ -163,9 +178,38 @@ fn median(v: &[f64]) -> f64 {
     }
 }
 
+/// Most OS processes the demo starts (publishers + workers) on one machine.
+const MAX_PROCESSES: u32 = 64;
+
 pub(crate) fn run(args: DemoArgs) -> anyhow::Result<()> {
+    let per_instance = if args.process_per_rank {
+        args.inference_layout.world_size
+    } else {
+        1
+    };
+    let procs = args.trainer_layout.world_size + args.workers.saturating_mul(per_instance);
+    if procs > MAX_PROCESSES {
+        bail!(
+            "the demo starts one process per trainer rank and per inference worker: {procs} processes ({} + {} x {per_instance}) is more than {MAX_PROCESSES}",
+            args.trainer_layout.world_size,
+            args.workers
+        );
+    }
+    if let Some(p) = &args.report {
+        // Fail now, not after the whole run, on a report path that cannot be written.
+        std::fs::write(p, b"{}")
+            .with_context(|| format!("cannot write the report to {}", p.display()))?;
+    }
     let rt = crate::runtime()?;
-    rt.block_on(run_async(args))
+    rt.block_on(async move {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        // On a signal the demo future is dropped, and with it every child process.
+        tokio::select! {
+            r = run_async(args) => r,
+            _ = tokio::signal::ctrl_c() => bail!("interrupted (SIGINT); child processes stopped"),
+            _ = term.recv() => bail!("terminated (SIGTERM); child processes stopped"),
+        }
+    })
 }
 
 async fn run_async(args: DemoArgs) -> anyhow::Result<()> {
@@ -187,6 +231,10 @@ async fn run_async(args: DemoArgs) -> anyhow::Result<()> {
 
     let work = std::env::temp_dir().join(format!("mx-demo-{}", std::process::id()));
     std::fs::create_dir_all(&work)?;
+    let _cleanup = WorkDir {
+        path: work.clone(),
+        keep: args.keep,
+    };
     let pb = ProgressBar::new_spinner();
     pb.set_style(ProgressStyle::with_template(
         "{spinner} [{elapsed_precise}] {msg}",
@@ -492,8 +540,6 @@ async fn run_async(args: DemoArgs) -> anyhow::Result<()> {
     }
     if args.keep {
         println!("work directory (journal, logs): {}", work.display());
-    } else {
-        let _ = std::fs::remove_dir_all(&work);
     }
     if !all_verified {
         for v in &report.versions {
@@ -606,6 +652,6 @@ where
         if t.elapsed() > timeout {
             bail!("timed out after {timeout:?} (logs in {})", work.display());
         }
-        tokio::time::sleep(Duration::from_millis(2)).await;
+        tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }

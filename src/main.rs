@@ -102,7 +102,9 @@ enum Cmd {
 }
 
 fn main() {
+    use std::io::IsTerminal;
     tracing_subscriber::fmt()
+        .with_ansi(std::io::stderr().is_terminal())
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("MX_LOG").unwrap_or_else(|_| "warn".into()),
         )
@@ -229,6 +231,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }),
         Cmd::Journal { path } => {
+            anyhow::ensure!(path.exists(), "no journal at {}", path.display());
             for e in mx_control::journal::read_records(&path)? {
                 println!("{}", serde_json::to_string(&e)?);
             }

@@ -69,6 +69,22 @@ pub(crate) fn run(a: PlanArgs) -> anyhow::Result<()> {
     } else {
         a.ranks.clone()
     };
+    let mut seen = std::collections::BTreeSet::new();
+    for r in &ranks {
+        anyhow::ensure!(seen.insert(*r), "rank {r} is listed twice in --ranks");
+    }
+    if let Some(us) = a.per_descriptor_us {
+        anyhow::ensure!(
+            us.is_finite() && us >= 0.0,
+            "--per-descriptor-us must be a finite number >= 0, got {us}"
+        );
+    }
+    if let Some(g) = a.wire_gbps {
+        anyhow::ensure!(
+            g.is_finite() && g > 0.0,
+            "--wire-gbps must be a finite number > 0, got {g}"
+        );
+    }
     let mut cost = CostModel::default();
     if let Some(us) = a.per_descriptor_us {
         cost.per_descriptor_s = us * 1e-6;

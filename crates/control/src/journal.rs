@@ -109,7 +109,8 @@ impl Journal {
     /// A torn last line is cut off so the next append starts on a fresh line.
     ///
     /// # Errors
-    /// [`Error::JournalIo`] on I/O failures; [`Error::JournalCorrupt`] naming a bad line.
+    /// [`Error::JournalIo`] on I/O failures or when another process holds the journal's lock;
+    /// [`Error::JournalCorrupt`] naming a bad line.
     pub fn open(path: &Path) -> Result<(Journal, Vec<Entry>), Error> {
         let existed = path.exists();
         let mut file = OpenOptions::new()
@@ -120,6 +121,19 @@ impl Journal {
             .map_err(io_err(path, "open"))?;
         if !existed {
             sync_parent(path)?;
+        }
+        // One control plane per journal: a second writer would interleave sequence numbers.
+        if let Err(e) = file.try_lock() {
+            return Err(Error::JournalIo {
+                path: path.to_path_buf(),
+                what: "lock (another control plane is using this journal)",
+                source: match e {
+                    std::fs::TryLockError::Error(io) => io,
+                    std::fs::TryLockError::WouldBlock => {
+                        std::io::Error::from(std::io::ErrorKind::WouldBlock)
+                    }
+                },
+            });
         }
         let mut bytes = Vec::new();
         file.read_to_end(&mut bytes).map_err(io_err(path, "read"))?;
@@ -219,6 +233,23 @@ fn sync_parent(path: &Path) -> Result<(), Error> {
 mod tests {
     use super::*;
     use mx_layout::{LayoutSpec, Scheme};
+
+    #[test]
+    fn a_second_control_plane_cannot_open_a_journal_in_use() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("j.jsonl");
+        let (first, _) = Journal::open(&path).unwrap();
+        let err = Journal::open(&path).map(|_| ()).unwrap_err();
+        assert!(
+            matches!(err, Error::JournalIo { what, .. } if what.starts_with("lock")),
+            "{err}"
+        );
+        drop(first);
+        assert!(
+            Journal::open(&path).is_ok(),
+            "the lock is released with the journal"
+        );
+    }
 
     fn reg(id: &str) -> Record {
         Record::Register {

@@ -622,6 +622,16 @@ impl State {
     fn check_staged(&self, r: &StagedReport) -> Result<Check, Error> {
         let w = self.worker(&r.worker_id)?;
         let ok_state = matches!(w.state, WorkerState::Staging | WorkerState::Staged);
+        if ok_state && w.label.as_deref() != Some(r.label.as_str()) {
+            // A newer Stage superseded this one while the worker was pulling: the late report
+            // is dropped (not journaled); the worker is sent the newer Stage next.
+            tracing::info!(
+                worker = r.worker_id,
+                label = r.label,
+                "stale staged report dropped"
+            );
+            return Ok(Check::Noop);
+        }
         if !ok_state || w.label.as_deref() != Some(r.label.as_str()) {
             return Err(w.state_error(
                 &r.worker_id,

@@ -116,14 +116,113 @@ impl ModelInfo {
         };
         let vocab_size = cfg_u64(config, "vocab_size")?;
         tensors.sort_by(|a, b| a.name.cmp(&b.name));
-        Ok(ModelInfo {
+        let info = ModelInfo {
             family,
             num_heads,
             num_kv_heads,
             head_dim,
             vocab_size,
             tensors,
-        })
+        };
+        if let Ok(layers) = cfg_u64(config, "num_hidden_layers") {
+            info.check_architecture(config, hidden, layers)?;
+        }
+        Ok(info)
+    }
+
+    /// Checks that every tensor the architecture needs is present with the shape `config.json`
+    /// implies, so a checkpoint missing a layer or an embedding is refused instead of leaving an
+    /// engine parameter stale.
+    fn check_architecture(
+        &self,
+        config: &serde_json::Value,
+        hidden: u64,
+        layers: u64,
+    ) -> Result<(), Error> {
+        let mut want: Vec<(String, Vec<u64>)> = Vec::new();
+        let q = self.num_heads * self.head_dim;
+        let kv = self.num_kv_heads * self.head_dim;
+        match self.family {
+            Family::Llama => {
+                let inter = cfg_u64(config, "intermediate_size")?;
+                let tied = config
+                    .get("tie_word_embeddings")
+                    .and_then(serde_json::Value::as_bool)
+                    .unwrap_or(false);
+                want.push((
+                    "model.embed_tokens.weight".into(),
+                    vec![self.vocab_size, hidden],
+                ));
+                want.push(("model.norm.weight".into(), vec![hidden]));
+                if !tied {
+                    want.push(("lm_head.weight".into(), vec![self.vocab_size, hidden]));
+                }
+                for i in 0..layers {
+                    let l = format!("model.layers.{i}");
+                    want.push((format!("{l}.self_attn.q_proj.weight"), vec![q, hidden]));
+                    want.push((format!("{l}.self_attn.k_proj.weight"), vec![kv, hidden]));
+                    want.push((format!("{l}.self_attn.v_proj.weight"), vec![kv, hidden]));
+                    want.push((format!("{l}.self_attn.o_proj.weight"), vec![hidden, q]));
+                    want.push((format!("{l}.mlp.gate_proj.weight"), vec![inter, hidden]));
+                    want.push((format!("{l}.mlp.up_proj.weight"), vec![inter, hidden]));
+                    want.push((format!("{l}.mlp.down_proj.weight"), vec![hidden, inter]));
+                    want.push((format!("{l}.input_layernorm.weight"), vec![hidden]));
+                    want.push((format!("{l}.post_attention_layernorm.weight"), vec![hidden]));
+                }
+            }
+            Family::Bert => {
+                let inter = cfg_u64(config, "intermediate_size")?;
+                let suffix = "embeddings.word_embeddings.weight";
+                let prefix = self
+                    .tensors
+                    .iter()
+                    .find_map(|t| t.name.strip_suffix(suffix))
+                    .unwrap_or("")
+                    .to_string();
+                want.push((format!("{prefix}{suffix}"), vec![self.vocab_size, hidden]));
+                for i in 0..layers {
+                    let l = format!("{prefix}encoder.layer.{i}");
+                    for part in ["query", "key", "value"] {
+                        want.push((
+                            format!("{l}.attention.self.{part}.weight"),
+                            vec![hidden, hidden],
+                        ));
+                        want.push((format!("{l}.attention.self.{part}.bias"), vec![hidden]));
+                    }
+                    want.push((
+                        format!("{l}.attention.output.dense.weight"),
+                        vec![hidden, hidden],
+                    ));
+                    want.push((
+                        format!("{l}.intermediate.dense.weight"),
+                        vec![inter, hidden],
+                    ));
+                    want.push((format!("{l}.output.dense.weight"), vec![hidden, inter]));
+                }
+            }
+        }
+        for (name, shape) in want {
+            match self.tensor(&name) {
+                None => {
+                    return Err(Error::MissingTensor {
+                        tensor: name,
+                        reason: format!(
+                            "config.json describes {layers} layers of this architecture"
+                        ),
+                    })
+                }
+                Some(t) if t.shape != shape => {
+                    return Err(Error::Mismatch {
+                        tensor: name,
+                        what: "shape",
+                        source_value: format!("{:?} in the checkpoint", t.shape),
+                        dest_value: format!("{shape:?} from config.json"),
+                    })
+                }
+                Some(_) => {}
+            }
+        }
+        Ok(())
     }
 
     /// Looks up a tensor by checkpoint name.

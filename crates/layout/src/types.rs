@@ -115,6 +115,11 @@ pub struct LayoutSpec {
     pub world_size: u32,
 }
 
+impl LayoutSpec {
+    /// The largest world size accepted (65536 ranks).
+    pub const MAX_WORLD_SIZE: u32 = 1 << 16;
+}
+
 impl fmt::Display for LayoutSpec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let s = match self.scheme {
@@ -146,8 +151,8 @@ impl FromStr for LayoutSpec {
             _ => return Err(bad("scheme must be fsdp, tp or replicated")),
         };
         let world_size: u32 = n.parse().map_err(|_| bad("N must be an integer"))?;
-        if world_size == 0 {
-            return Err(bad("N must be >= 1"));
+        if world_size == 0 || world_size > LayoutSpec::MAX_WORLD_SIZE {
+            return Err(bad("N must be between 1 and 65536"));
         }
         Ok(LayoutSpec { scheme, world_size })
     }

@@ -217,9 +217,11 @@ fn llama(
     add(format!("{l}.mlp.up_proj.weight"), vec![inter, hidden]);
     add(format!("{l}.mlp.down_proj.weight"), vec![hidden, inter]);
     add(format!("{l}.input_layernorm.weight"), vec![hidden]);
+    add(format!("{l}.post_attention_layernorm.weight"), vec![hidden]);
     let cfg = serde_json::json!({
         "model_type": "llama", "hidden_size": hidden, "num_attention_heads": heads,
         "num_key_value_heads": kv, "head_dim": head_dim, "vocab_size": vocab,
+        "num_hidden_layers": 1, "intermediate_size": inter, "tie_word_embeddings": tied,
     });
     ModelInfo::from_hf_config(&cfg, t).unwrap()
 }
@@ -461,6 +463,50 @@ fn missing_source_coverage_is_a_gap_naming_the_param() {
     let err = plan(&dl[..1], &[src.manifest], &CostModel::default()).unwrap_err();
     assert!(
         matches!(&err, Error::MissingTensor { tensor, .. } if tensor.ends_with("input_layernorm.weight")),
+        "{err}"
+    );
+}
+
+#[test]
+fn checkpoint_missing_a_layer_tensor_or_with_a_wrong_shape_is_refused() {
+    let m = smollm_like();
+    let cfg = serde_json::json!({
+        "model_type": "llama", "hidden_size": 576, "num_attention_heads": 9,
+        "num_key_value_heads": 3, "vocab_size": 49152, "num_hidden_layers": 1,
+        "intermediate_size": 1536, "tie_word_embeddings": true,
+    });
+    let mut t = m.tensors.clone();
+    t.retain(|t| !t.name.ends_with("mlp.down_proj.weight"));
+    let err = ModelInfo::from_hf_config(&cfg, t).unwrap_err();
+    assert!(
+        matches!(&err, Error::MissingTensor { tensor, .. } if tensor == "model.layers.0.mlp.down_proj.weight"),
+        "{err}"
+    );
+    let mut t = m.tensors.clone();
+    for x in &mut t {
+        if x.name == "model.layers.0.input_layernorm.weight" {
+            x.shape = vec![288, 2];
+        }
+    }
+    let err = ModelInfo::from_hf_config(&cfg, t).unwrap_err();
+    assert!(
+        matches!(&err, Error::Mismatch { tensor, what: "shape", .. } if tensor == "model.layers.0.input_layernorm.weight"),
+        "{err}"
+    );
+    // Two layers declared, one present.
+    let mut cfg2 = cfg.clone();
+    cfg2["num_hidden_layers"] = 2.into();
+    let err = ModelInfo::from_hf_config(&cfg2, m.tensors.clone()).unwrap_err();
+    assert!(
+        matches!(&err, Error::MissingTensor { tensor, .. } if tensor.starts_with("model.layers.1.")),
+        "{err}"
+    );
+    // Not tied: lm_head is required.
+    let mut cfg3 = cfg.clone();
+    cfg3["tie_word_embeddings"] = false.into();
+    let err = ModelInfo::from_hf_config(&cfg3, m.tensors.clone()).unwrap_err();
+    assert!(
+        matches!(&err, Error::MissingTensor { tensor, .. } if tensor == "lm_head.weight"),
         "{err}"
     );
 }

@@ -124,7 +124,12 @@ impl Publisher {
         let client = ControlClient::connect(&cfg.control).await?;
         let mut dest = Vec::new();
         for l in client.list_layouts().await? {
-            dest.push((l, rank_layouts(&model, l)?));
+            // A worker registered for another model (or a stale registration) must not block
+            // this publisher: skip layouts that cannot place this model, saying which.
+            match rank_layouts(&model, l) {
+                Ok(rls) => dest.push((l, rls)),
+                Err(e) => tracing::warn!(layout = %l, "not cutting for registered layout {l}: {e}"),
+            }
         }
         // Shard entries with addresses filled in once the arena exists.
         let proto_shards = Self::shard_entries(&rl, 0);

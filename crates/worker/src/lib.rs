@@ -44,6 +44,16 @@ pub enum Error {
     /// The control plane failed.
     #[error("control plane: {0}")]
     Control(#[from] mx_control::Error),
+    /// A NIXL READ from one source failed.
+    #[error("pull from source slot {slot} (agent {agent}) failed: {source}")]
+    Pull {
+        /// Source slot.
+        slot: u32,
+        /// Its NIXL agent.
+        agent: String,
+        /// The data-plane error.
+        source: mx_nixl::Error,
+    },
     /// A pulled region did not match its source's digest.
     #[error("verification failed: tensor {tensor} region {region} for rank {rank} from source slot {slot}")]
     Verify {
@@ -71,6 +81,15 @@ pub enum Error {
     NoConfig {
         /// Directory.
         dir: PathBuf,
+    },
+    /// The control plane ended this worker's command stream: another worker registered with the
+    /// same id, or the control plane stopped.
+    #[error(
+        "the control plane closed the command stream of worker {worker_id:?} (another worker registered with the same id, or the control plane stopped)"
+    )]
+    StreamClosed {
+        /// This worker's id.
+        worker_id: String,
     },
     /// A background task died.
     #[error("task failed: {0}")]
@@ -191,7 +210,8 @@ impl Worker {
     /// Follows the command stream until it ends.
     ///
     /// # Errors
-    /// [`Error::Control`] when the stream fails. Stage/apply failures are reported to the control
+    /// [`Error::Control`] when the stream fails, [`Error::StreamClosed`] when the control plane
+    /// ends it. Stage/apply failures are reported to the control
     /// plane, not returned.
     pub async fn run(&self) -> Result<(), Error> {
         let mut stream = self.client.watch_commands(&self.cfg.worker_id).await?;
@@ -242,7 +262,11 @@ impl Worker {
                             }
                         }
                     };
-                    self.client.report_staged(&report).await?;
+                    if let Err(e) = self.client.report_staged(&report).await {
+                        // A refused report (e.g. a newer Stage superseded this one) is not fatal:
+                        // the control plane sends whatever it wants next on the stream.
+                        tracing::warn!(worker = self.cfg.worker_id, "staged report refused: {e}");
+                    }
                 }
                 Command::Apply {
                     label,
@@ -266,11 +290,15 @@ impl Worker {
                             ranks: Vec::new(),
                         },
                     };
-                    self.client.report_applied(&report).await?;
+                    if let Err(e) = self.client.report_applied(&report).await {
+                        tracing::warn!(worker = self.cfg.worker_id, "applied report refused: {e}");
+                    }
                 }
             }
         }
-        Ok(())
+        Err(Error::StreamClosed {
+            worker_id: self.cfg.worker_id.clone(),
+        })
     }
 
     /// Plans, pulls and verifies `label` into staging.
@@ -357,7 +385,14 @@ fn stage_blocking(
     let mut sources: Vec<_> = per_source.into_iter().collect();
     sources.sort_by_key(|(s, _)| *s);
     for (s, ops) in &sources {
-        let st = c.agent.read(&remotes[*s], ops, arena, &opts)?;
+        let st = c
+            .agent
+            .read(&remotes[*s], ops, arena, &opts)
+            .map_err(|source| Error::Pull {
+                slot: manifests[*s].slot,
+                agent: remotes[*s].clone(),
+                source,
+            })?;
         stats.descriptors += st.descriptors;
     }
     stats.pull_s = t.elapsed().as_secs_f64();
