@@ -87,6 +87,52 @@ enum Cmd {
     Demo(demo::DemoArgs),
     /// Print the transfer plan of one worker offline: the strategy each tensor gets.
     Plan(plan_cmd::PlanArgs),
+    /// Declare a version: its expected source slots (the trainer layout) and tensor list (from
+    /// the checkpoint's headers). Publishing is accepted only for declared versions.
+    Declare {
+        /// Control plane address.
+        #[arg(long, default_value = "http://127.0.0.1:7700")]
+        control: String,
+        /// HF checkpoint directory (only headers are read).
+        #[arg(long)]
+        model: PathBuf,
+        /// Trainer layout: one source slot per rank.
+        #[arg(long, default_value = "fsdp:4")]
+        trainer_layout: LayoutSpec,
+        /// Version label (e.g. the trainer step).
+        #[arg(long)]
+        label: String,
+    },
+    /// Ask workers to stage (pull + verify) a READY version; waits until all STAGED.
+    Stage {
+        /// Control plane address.
+        #[arg(long, default_value = "http://127.0.0.1:7700")]
+        control: String,
+        /// Version label.
+        #[arg(long)]
+        label: String,
+        /// Worker ids, comma separated.
+        #[arg(long, value_delimiter = ',', required = true)]
+        workers: Vec<String>,
+        /// Seconds to wait.
+        #[arg(long, default_value_t = 300)]
+        wait_s: u64,
+    },
+    /// Commit a version on workers that all STAGED it; waits until COMMITTED.
+    Commit {
+        /// Control plane address.
+        #[arg(long, default_value = "http://127.0.0.1:7700")]
+        control: String,
+        /// Version label.
+        #[arg(long)]
+        label: String,
+        /// Worker ids, comma separated.
+        #[arg(long, value_delimiter = ',', required = true)]
+        workers: Vec<String>,
+        /// Seconds to wait.
+        #[arg(long, default_value_t = 300)]
+        wait_s: u64,
+    },
     /// Show versions and workers.
     Status {
         /// Control plane address.
@@ -204,6 +250,88 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         }),
         Cmd::Demo(args) => demo::run(args),
         Cmd::Plan(args) => plan_cmd::run(args),
+        Cmd::Declare {
+            control,
+            model,
+            trainer_layout,
+            label,
+        } => runtime()?.block_on(async move {
+            let ckpt = mx_checkpoint::Checkpoint::open(&model)?;
+            let config = ckpt.config().context("config.json missing")?;
+            let info = mx_layout::ModelInfo::from_hf_config(config, ckpt.specs())?;
+            mx_layout::rank_layouts(&info, trainer_layout)?;
+            let c = mx_control::client::ControlClient::connect(&control).await?;
+            c.declare_version(&label, trainer_layout, &ckpt.specs())
+                .await?;
+            println!(
+                "declared {label}: {} source slots ({trainer_layout}), {} tensors",
+                trainer_layout.world_size,
+                info.tensors.len()
+            );
+            Ok(())
+        }),
+        Cmd::Stage {
+            control,
+            label,
+            workers,
+            wait_s,
+        } => runtime()?.block_on(async move {
+            let c = mx_control::client::ControlClient::connect(&control).await?;
+            let t = std::time::Instant::now();
+            c.stage(&label, &workers).await?;
+            loop {
+                let s = c.get_status().await?;
+                let mut done = true;
+                for w in s.workers.iter().filter(|w| workers.contains(&w.worker_id)) {
+                    match w.state {
+                        mx_control::WorkerState::Staged
+                            if w.label.as_deref() == Some(label.as_str()) => {}
+                        mx_control::WorkerState::Failed => anyhow::bail!(
+                            "worker {} failed to stage {label}: {}",
+                            w.worker_id,
+                            w.last_error.clone().unwrap_or_default()
+                        ),
+                        _ => done = false,
+                    }
+                }
+                if done {
+                    break;
+                }
+                anyhow::ensure!(
+                    t.elapsed() < Duration::from_secs(wait_s),
+                    "workers did not stage {label} within {wait_s} s"
+                );
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            println!(
+                "{label} STAGED on {} workers in {:.3} s",
+                workers.len(),
+                t.elapsed().as_secs_f64()
+            );
+            Ok(())
+        }),
+        Cmd::Commit {
+            control,
+            label,
+            workers,
+            wait_s,
+        } => runtime()?.block_on(async move {
+            let c = mx_control::client::ControlClient::connect(&control).await?;
+            c.commit(&label, &workers).await?;
+            let v = c
+                .wait_version(
+                    &label,
+                    mx_control::VersionState::Committed,
+                    Duration::from_secs(wait_s),
+                )
+                .await?;
+            println!(
+                "{label} COMMITTED on {} workers: version {}",
+                workers.len(),
+                v.version_digest.map(|d| d.to_string()).unwrap_or_default()
+            );
+            Ok(())
+        }),
         Cmd::Status { control } => runtime()?.block_on(async move {
             let c = mx_control::client::ControlClient::connect(&control).await?;
             let s = c.get_status().await?;

@@ -177,3 +177,172 @@ fn demo_refuses_tp2_over_nine_heads_before_starting_anything() {
     );
     assert!(text.contains("q_proj"), "{text}");
 }
+
+/// Kills child processes when dropped.
+struct Kids(Vec<std::process::Child>);
+
+impl Drop for Kids {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn mx(args: &[&str]) -> (bool, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_mx"))
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    )
+}
+
+#[test]
+fn individual_commands_complete_a_refit_by_hand() {
+    let Some(dir) = model("smollm2-135m") else {
+        return;
+    };
+    let md = dir.to_str().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let addr_file = tmp.path().join("addr");
+    let journal = tmp.path().join("j.jsonl");
+    let spawn = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_mx"))
+            .args(args)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap()
+    };
+    let mut kids = Kids(vec![spawn(&[
+        "control",
+        "--listen",
+        "127.0.0.1:0",
+        "--journal",
+        journal.to_str().unwrap(),
+        "--addr-file",
+        addr_file.to_str().unwrap(),
+    ])]);
+    let t = std::time::Instant::now();
+    while !addr_file.exists() {
+        assert!(t.elapsed().as_secs() < 30, "control plane did not start");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let a = format!("http://{}", std::fs::read_to_string(&addr_file).unwrap());
+    // One worker holding only TP rank 1 (one process per rank), registered before publishing.
+    kids.0.push(spawn(&[
+        "worker",
+        "--control",
+        &a,
+        "--model",
+        md,
+        "--layout",
+        "tp:3",
+        "--ranks",
+        "1",
+        "--id",
+        "w1",
+    ]));
+    let t = std::time::Instant::now();
+    loop {
+        let (_, s) = mx(&["status", "--control", &a]);
+        if s.contains("w1") {
+            break;
+        }
+        assert!(t.elapsed().as_secs() < 60, "worker did not register: {s}");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let (ok, out) = mx(&[
+        "declare",
+        "--control",
+        &a,
+        "--model",
+        md,
+        "--trainer-layout",
+        "fsdp:2",
+        "--label",
+        "step-1",
+    ]);
+    assert!(ok, "{out}");
+    for r in ["0", "1"] {
+        kids.0.push(spawn(&[
+            "publish",
+            "--control",
+            &a,
+            "--model",
+            md,
+            "--layout",
+            "fsdp:2",
+            "--rank",
+            r,
+        ]));
+    }
+    let t = std::time::Instant::now();
+    loop {
+        let (_, s) = mx(&["status", "--control", &a]);
+        if s.contains("Ready") {
+            break;
+        }
+        assert!(t.elapsed().as_secs() < 120, "version never READY: {s}");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    // Commit before staging is refused, naming the worker.
+    let (ok, out) = mx(&[
+        "commit",
+        "--control",
+        &a,
+        "--label",
+        "step-1",
+        "--workers",
+        "w1",
+    ]);
+    assert!(!ok && out.contains("w1"), "{out}");
+    let (ok, out) = mx(&[
+        "stage",
+        "--control",
+        &a,
+        "--label",
+        "step-1",
+        "--workers",
+        "w1",
+    ]);
+    assert!(ok && out.contains("STAGED"), "{out}");
+    let (ok, out) = mx(&[
+        "commit",
+        "--control",
+        &a,
+        "--label",
+        "step-1",
+        "--workers",
+        "w1",
+    ]);
+    assert!(ok && out.contains("COMMITTED"), "{out}");
+    let digest = out.split_whitespace().last().unwrap().to_string();
+    let (_, s) = mx(&["status", "--control", &a]);
+    assert!(s.contains(&format!("resident {digest}")), "{s}");
+    // The journal has every mutating call: register, declare, 2 publishes, stage, staged, commit, applied.
+    let (ok, j) = mx(&["journal", journal.to_str().unwrap()]);
+    assert!(ok);
+    let ops: Vec<String> = j
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["record"]["op"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
+        .collect();
+    assert_eq!(
+        ops,
+        ["register", "declare", "publish", "publish", "stage", "staged", "commit", "applied"],
+        "{j}"
+    );
+}

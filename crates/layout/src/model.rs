@@ -697,8 +697,18 @@ fn vllm_tp(model: &ModelInfo, layout: LayoutSpec, rank: u32, b: &mut Builder) ->
         for part in 0..expected {
             let Some(t) = parts.get(part).copied().flatten() else {
                 return Err(Error::MissingTensor {
-                    tensor: format!("{name} part {part}"),
-                    reason: "a fused parameter needs all of its parts in the checkpoint".into(),
+                    tensor: match (expected, part) {
+                        (3, p) => {
+                            let parts = match model.family {
+                                Family::Llama => ["q_proj", "k_proj", "v_proj"],
+                                Family::Bert => ["query", "key", "value"],
+                            };
+                            name.replace("qkv_proj", parts[p.min(2)])
+                        }
+                        (_, 0) => name.replace("gate_up_proj", "gate_proj"),
+                        _ => name.replace("gate_up_proj", "up_proj"),
+                    },
+                    reason: format!("the fused vLLM parameter {name} needs it"),
                 });
             };
             let bx = if expected == 3 {

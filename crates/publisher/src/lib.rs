@@ -33,7 +33,7 @@ pub enum Error {
     #[error("checkpoint: {0}")]
     Checkpoint(#[from] mx_checkpoint::Error),
     /// The layout cannot place the model.
-    #[error("layout: {0}")]
+    #[error(transparent)]
     Layout(#[from] mx_layout::Error),
     /// The data plane failed.
     #[error("nixl: {0}")]
