@@ -23,22 +23,28 @@ use serde::{Deserialize, Serialize};
 
 use crate::{Digest, Error, RankLayout, SourceManifest, TensorBox};
 
-/// Measured costs of the data plane, inputs to the planner.
+/// Measured costs of the data plane and of the local work per staged segment, inputs to the
+/// planner.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct CostModel {
     /// Fixed cost of one READ descriptor (seconds).
     pub per_descriptor_s: f64,
     /// Streaming bandwidth of the wire (GB/s, 1e9 bytes per second).
     pub wire_gbps: f64,
+    /// Local cost of one staged segment (seconds): a strided region is verified and applied one
+    /// row at a time, a packed one in a single piece.
+    #[serde(default)]
+    pub per_segment_s: f64,
 }
 
 impl Default for CostModel {
     /// The UCX-over-shared-memory numbers measured on the reference CPU machine (FACTS.md):
-    /// 2.5 us per descriptor, 10.5 GB/s.
+    /// 2.5 us per descriptor, 10.5 GB/s; 50 ns per staged segment.
     fn default() -> Self {
         CostModel {
             per_descriptor_s: 2.5e-6,
             wire_gbps: 10.5,
+            per_segment_s: 5e-8,
         }
     }
 }
@@ -47,6 +53,11 @@ impl CostModel {
     /// Predicted seconds for `descriptors` reads moving `bytes` in total.
     pub fn seconds(&self, descriptors: u64, bytes: u64) -> f64 {
         descriptors as f64 * self.per_descriptor_s + bytes as f64 / (self.wire_gbps.max(1e-9) * 1e9)
+    }
+
+    /// As [`CostModel::seconds`], plus `segments` staged segments of local work.
+    pub fn seconds_with_segments(&self, descriptors: u64, bytes: u64, segments: u64) -> f64 {
+        self.seconds(descriptors, bytes) + segments as f64 * self.per_segment_s
     }
 }
 
@@ -452,9 +463,11 @@ pub fn plan(
             .flat_map(|x| x.src_runs.iter().map(move |&a| (a, x.src_run_bytes)))
             .collect();
         let (n_exact, b_exact) = coalesced_count(exact_runs);
+        // Exact and superset stage each region row by row: one segment per source run.
+        let strided: u64 = isects.iter().map(|x| x.src_runs.len() as u64).sum();
         let mut cands = vec![(
             Strategy::Exact,
-            cost.seconds(n_exact, b_exact),
+            cost.seconds_with_segments(n_exact, b_exact, strided),
             n_exact,
             b_exact,
         )];
@@ -469,7 +482,13 @@ pub fn plan(
                 })
                 .collect();
             let (n, b) = coalesced_count(runs);
-            cands.push((Strategy::Packed, cost.seconds(n, b), n, b));
+            let segs = isects.len() as u64;
+            cands.push((
+                Strategy::Packed,
+                cost.seconds_with_segments(n, b, segs),
+                n,
+                b,
+            ));
         }
         let lo = isects
             .iter()
@@ -482,7 +501,12 @@ pub fn plan(
             .max()
             .unwrap_or(s.addr);
         let span = hi_end - lo;
-        cands.push((Strategy::Superset, cost.seconds(1, span), 1, span));
+        cands.push((
+            Strategy::Superset,
+            cost.seconds_with_segments(1, span, strided),
+            1,
+            span,
+        ));
         // Prefer packed, then exact, then superset on ties.
         let rank_of = |st: Strategy| match st {
             Strategy::Packed => 0,
@@ -816,51 +840,14 @@ pub fn cut_for_layout(
     Ok(out)
 }
 
-/// Which cuts are worth packing: for each registered worker's rank set, the cuts of a shard are
-/// packed when pulling them as exact runs would need more descriptors (after coalescing across the
-/// worker's ranks) than pulling one packed region per cut. A worker holding every TP rank of a
-/// row-parallel weight pulls whole rows, so nothing is packed for it. Returns one flag per cut.
+/// Which cuts the publisher packs: every strided cut (more than one run in the shard) whose
+/// destination rank some registered worker holds. A packed region is pulled, verified and applied
+/// as one contiguous piece instead of one row at a time; its cost is one copy at the source per
+/// version, shared by every worker of that layout. Returns one flag per cut.
 pub fn pack_marks(cuts: &[Cut], rank_sets: &[Vec<u32>]) -> Vec<bool> {
-    let mut marks = vec![false; cuts.len()];
-    let mut by_shard: std::collections::BTreeMap<usize, Vec<usize>> =
-        std::collections::BTreeMap::new();
-    for (i, c) in cuts.iter().enumerate() {
-        by_shard.entry(c.shard).or_default().push(i);
-    }
-    for ranks in rank_sets {
-        for idx in by_shard.values() {
-            let mine: Vec<usize> = idx
-                .iter()
-                .copied()
-                .filter(|&i| ranks.contains(&cuts[i].dest_rank))
-                .collect();
-            let mut runs: Vec<(u64, u64)> = mine
-                .iter()
-                .flat_map(|&i| {
-                    cuts[i]
-                        .run_offsets
-                        .iter()
-                        .map(move |&o| (o, cuts[i].run_bytes))
-                })
-                .collect();
-            runs.sort_unstable();
-            runs.dedup();
-            let mut exact = 0usize;
-            let mut end = None;
-            for (o, l) in runs {
-                if end != Some(o) {
-                    exact += 1;
-                }
-                end = Some(o + l);
-            }
-            if exact > mine.len() {
-                for &i in &mine {
-                    marks[i] |= cuts[i].run_offsets.len() > 1;
-                }
-            }
-        }
-    }
-    marks
+    cuts.iter()
+        .map(|c| c.run_offsets.len() > 1 && rank_sets.iter().any(|rs| rs.contains(&c.dest_rank)))
+        .collect()
 }
 
 /// Executes a plan with plain memory copies, for tests and for checking plans without NIXL.

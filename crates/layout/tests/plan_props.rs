@@ -252,7 +252,7 @@ proptest! {
             Some(r) => vec![r % dst.world_size],
             None => (0..dst.world_size).collect(),
         };
-        let cost = CostModel { per_descriptor_s: per_desc, wire_gbps: bw };
+        let cost = CostModel { per_descriptor_s: per_desc, wire_gbps: bw, per_segment_s: per_desc / 20.0 };
         run_case(&model, src, dst, &ranks, pack, cost).unwrap();
     }
 
@@ -292,7 +292,7 @@ proptest! {
             s
         }).collect();
         let manifests: Vec<SourceManifest> = srcs.iter().map(|s| s.manifest.clone()).collect();
-        let p = plan(&dst, &manifests, &CostModel { per_descriptor_s: per_desc, wire_gbps: 10.0 }).unwrap();
+        let p = plan(&dst, &manifests, &CostModel { per_descriptor_s: per_desc, wire_gbps: 10.0, per_segment_s: 1e-8 }).unwrap();
         let live = execute_in_memory(&p, &dst, |si, addr, len| {
             let s = &srcs[si];
             let o = addr.checked_sub(s.base)? as usize;
@@ -385,6 +385,7 @@ fn cost_model_picks_each_strategy() {
     let free = CostModel {
         per_descriptor_s: 0.0,
         wire_gbps: 10.0,
+        per_segment_s: 0.0,
     };
     let p = run_case(&m, fsdp4, tp3, &[1], false, free).unwrap();
     assert!(p.choices.iter().all(|c| c.strategy == Pull::Exact));
@@ -398,6 +399,7 @@ fn cost_model_picks_each_strategy() {
         CostModel {
             per_descriptor_s: 1e-3,
             wire_gbps: 10.0,
+            per_segment_s: 0.0,
         },
     )
     .unwrap();
@@ -407,8 +409,13 @@ fn cost_model_picks_each_strategy() {
         .find(|c| c.tensor.ends_with("down_proj.weight"))
         .unwrap();
     assert_eq!(down.strategy, Pull::Superset);
-    // A worker holding all three ranks pulls whole rows of o_proj exactly: one run per shard.
-    let p = run_case(&m, fsdp4, tp3, &[0, 1, 2], false, CostModel::default()).unwrap();
+    // A worker holding all three ranks, with nothing packed and free local segments, pulls whole
+    // rows of o_proj exactly: one run per shard.
+    let rows = CostModel {
+        per_segment_s: 0.0,
+        ..CostModel::default()
+    };
+    let p = run_case(&m, fsdp4, tp3, &[0, 1, 2], false, rows).unwrap();
     let o = p
         .choices
         .iter()
