@@ -31,6 +31,12 @@ pub(crate) struct PlanArgs {
     /// Wire bandwidth in GB/s (default: 10.5).
     #[arg(long)]
     wire_gbps: Option<f64>,
+    /// Local cost per staged segment in nanoseconds (default: 50).
+    #[arg(long)]
+    per_segment_ns: Option<f64>,
+    /// Plan as if the publishers packed nothing.
+    #[arg(long)]
+    no_pack: bool,
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
@@ -85,7 +91,16 @@ pub(crate) fn run(a: PlanArgs) -> anyhow::Result<()> {
             "--wire-gbps must be a finite number > 0, got {g}"
         );
     }
+    if let Some(ns) = a.per_segment_ns {
+        anyhow::ensure!(
+            ns.is_finite() && ns >= 0.0,
+            "--per-segment-ns must be a finite number >= 0, got {ns}"
+        );
+    }
     let mut cost = CostModel::default();
+    if let Some(ns) = a.per_segment_ns {
+        cost.per_segment_s = ns * 1e-9;
+    }
     if let Some(us) = a.per_descriptor_us {
         cost.per_descriptor_s = us * 1e-6;
     }
@@ -96,7 +111,11 @@ pub(crate) fn run(a: PlanArgs) -> anyhow::Result<()> {
         &model,
         a.trainer_layout,
         a.inference_layout,
-        std::slice::from_ref(&ranks),
+        if a.no_pack {
+            &[]
+        } else {
+            std::slice::from_ref(&ranks)
+        },
     )?;
     let dest = ranks
         .iter()

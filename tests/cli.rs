@@ -56,13 +56,28 @@ fn plan_packs_row_parallel_slices_for_a_single_rank_worker() {
 }
 
 #[test]
-fn plan_for_a_worker_holding_every_tp_rank_pulls_each_source_in_one_read() {
+fn plan_for_a_worker_holding_every_tp_rank_weighs_descriptors_against_segments() {
     if smollm().is_none() {
         return;
     }
-    let j = plan_json(&[]);
-    // FSDP-4 sources: the three TP ranks together need every byte of each shard.
+    // FSDP-4 sources, nothing packed: the three TP ranks together need every byte of each
+    // shard, so each source is one read.
+    let j = plan_json(&["--no-pack"]);
     assert_eq!(j["reads"], 4, "{}", j["reads"]);
+    // With packing and the local per-segment cost counted, row-parallel weights come packed
+    // (one segment per rank instead of one per row) at the price of a few more descriptors.
+    let j = plan_json(&[]);
+    assert_eq!(
+        strategy_of(&j, "model.layers.0.mlp.down_proj.weight")["packed"],
+        4
+    );
+    assert!(
+        j["apply_copies"].as_u64().unwrap() < 5_000,
+        "{}",
+        j["apply_copies"]
+    );
+    let j0 = plan_json(&["--per-segment-ns", "0"]);
+    assert_eq!(j0["reads"], 4, "free segments: whole rows again");
     // Replicated norms are pulled once and copied to the three ranks.
     assert!(j["useful_bytes"].as_u64().unwrap() > j["wire_bytes"].as_u64().unwrap());
 }

@@ -507,10 +507,11 @@ pub fn plan(
             1,
             span,
         ));
-        // Prefer packed, then exact, then superset on ties.
+        // On ties prefer exact (its reads stay contiguous with the neighbouring shards' reads,
+        // which coalesce across tensors), then packed, then superset.
         let rank_of = |st: Strategy| match st {
-            Strategy::Packed => 0,
-            Strategy::Exact => 1,
+            Strategy::Exact => 0,
+            Strategy::Packed => 1,
             Strategy::Superset => 2,
         };
         let best = cands
