@@ -237,6 +237,33 @@ fn individual_commands_complete_a_refit_by_hand() {
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
     let a = format!("http://{}", std::fs::read_to_string(&addr_file).unwrap());
+    // Regression: a stale registration of a layout this model cannot take (a MiniLM worker at
+    // tp:2, then replaced) must not block the SmolLM publishers.
+    if let Some(minilm) = model("minilm-l6") {
+        let ml = minilm.to_str().unwrap();
+        let stale_args = [
+            "worker",
+            "--control",
+            &a,
+            "--model",
+            ml,
+            "--layout",
+            "tp:2",
+            "--id",
+            "stale",
+        ];
+        let mut stale = spawn(&stale_args);
+        let t = std::time::Instant::now();
+        while !mx(&["status", "--control", &a]).1.contains("stale") {
+            assert!(t.elapsed().as_secs() < 60, "stale worker did not register");
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        // Regression: a second worker with the same id replaces the first, which must exit
+        // non-zero (it used to exit 0 silently).
+        kids.0.push(spawn(&stale_args));
+        let status = stale.wait().unwrap();
+        assert!(!status.success(), "a replaced worker must not exit 0");
+    }
     // One worker holding only TP rank 1 (one process per rank), registered before publishing.
     kids.0.push(spawn(&[
         "worker",
@@ -340,9 +367,14 @@ fn individual_commands_complete_a_refit_by_hand() {
                 .to_string()
         })
         .collect();
+    let ops: Vec<&str> = ops
+        .iter()
+        .map(String::as_str)
+        .filter(|o| *o != "register")
+        .collect();
     assert_eq!(
         ops,
-        ["register", "declare", "publish", "publish", "stage", "staged", "commit", "applied"],
+        ["declare", "publish", "publish", "stage", "staged", "commit", "applied"],
         "{j}"
     );
 }
