@@ -15,7 +15,7 @@
 //! previous version, the HTTP engine contracts.
 #![forbid(unsafe_code)]
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -141,7 +141,9 @@ struct Core {
     agent: Agent,
     dest: Vec<RankLayout>,
     live: Vec<Vec<u8>>,
-    staging: Option<Arena>,
+    /// Staging, one registered arena per source (source index, first staging offset, arena),
+    /// so verification of one source's bytes runs while the next source is pulled.
+    staging: Vec<(usize, u64, Arena)>,
     staged: Option<Staged>,
     cost: Option<CostModel>,
     resident: Option<Digest>,
@@ -199,7 +201,7 @@ impl Worker {
                 agent,
                 dest,
                 live,
-                staging: None,
+                staging: Vec::new(),
                 staged: None,
                 cost: None,
                 resident: None,
@@ -364,47 +366,99 @@ fn stage_blocking(
     let p = plan(&c.dest, manifests, &cost)?;
     tracing::info!(load_s, "loaded remote metadata");
     stats.plan_s = t.elapsed().as_secs_f64();
-    let need = p.staging_bytes.max(1);
-    if c.staging.as_ref().is_none_or(|a| a.len() < need) {
-        c.staging = None;
-        c.staging = Some(Arena::new(&c.agent, need)?);
+    // Each source's reads occupy one contiguous range of staging (reads are ordered by source).
+    let mut ranges: Vec<(usize, u64, u64)> = Vec::new();
+    for r in &p.reads {
+        match ranges.last_mut() {
+            Some(last) if last.0 == r.source => last.2 = last.2.max(r.staging_offset + r.len),
+            _ => ranges.push((r.source, r.staging_offset, r.staging_offset + r.len)),
+        }
     }
-    let Some(arena) = c.staging.as_mut() else {
-        return Err(Error::Task("staging arena missing".into()));
-    };
+    let fits = c.staging.len() == ranges.len()
+        && c.staging
+            .iter()
+            .zip(&ranges)
+            .all(|((_, _, a), (_, lo, hi))| a.len() >= hi - lo);
+    if !fits {
+        c.staging.clear();
+        for &(s, lo, hi) in &ranges {
+            c.staging
+                .push((s, lo, Arena::new(&c.agent, (hi - lo).max(1))?));
+        }
+    }
+    for (slot, &(s, lo, _)) in c.staging.iter_mut().zip(&ranges) {
+        slot.0 = s;
+        slot.1 = lo;
+    }
+    let mut items: Vec<Vec<&mx_layout::plan::VerifyItem>> = vec![Vec::new(); ranges.len()];
+    for v in &p.verify {
+        if let Some(k) = ranges.iter().position(|r| r.0 == v.source) {
+            items[k].push(v);
+        }
+    }
     let t = Instant::now();
     let opts = ReadOptions::default();
-    let mut per_source: HashMap<usize, Vec<ReadOp>> = HashMap::new();
-    for r in &p.reads {
-        per_source.entry(r.source).or_default().push(ReadOp {
-            remote_addr: r.src_addr,
-            len: r.len,
-            local_offset: r.staging_offset,
+    let agent = &c.agent;
+    let arenas = &mut c.staging;
+    // Pull source by source; a verifier thread checks each source's regions as soon as its
+    // bytes are in, while the next source is pulled.
+    let (descriptors, pull_s, verify_tail_s, bad) = std::thread::scope(|sc| -> Result<_, Error> {
+        let (tx, rx) = std::sync::mpsc::channel::<(usize, &Arena)>();
+        let items = &items;
+        let ranges_ref = &ranges;
+        let verifier = sc.spawn(move || {
+            for (k, arena) in rx {
+                let lo = ranges_ref[k].1;
+                let buf = arena.as_slice();
+                let bad = items[k].par_iter().find_any(|v| {
+                    let segs = v
+                        .segments
+                        .iter()
+                        .map(|&(o, l)| &buf[(o - lo) as usize..(o - lo + l) as usize]);
+                    mx_layout::digest_segments(segs) != v.digest
+                });
+                if let Some(v) = bad {
+                    return Some(*v);
+                }
+            }
+            None
         });
-    }
-    let mut sources: Vec<_> = per_source.into_iter().collect();
-    sources.sort_by_key(|(s, _)| *s);
-    for (s, ops) in &sources {
-        let st = c
-            .agent
-            .read(&remotes[*s], ops, arena, &opts)
-            .map_err(|source| Error::Pull {
-                slot: manifests[*s].slot,
-                agent: remotes[*s].clone(),
-                source,
-            })?;
-        stats.descriptors += st.descriptors;
-    }
-    stats.pull_s = t.elapsed().as_secs_f64();
-    let t = Instant::now();
-    let buf = arena.as_slice();
-    let bad = p.verify.par_iter().find_any(|v| {
-        let segs = v
-            .segments
-            .iter()
-            .map(|&(o, l)| &buf[o as usize..(o + l) as usize]);
-        mx_layout::digest_segments(segs) != v.digest
-    });
+        let mut descriptors = 0;
+        for (k, (s, lo, arena)) in arenas.iter_mut().enumerate() {
+            let ops: Vec<ReadOp> = p
+                .reads
+                .iter()
+                .filter(|r| r.source == *s)
+                .map(|r| ReadOp {
+                    remote_addr: r.src_addr,
+                    len: r.len,
+                    local_offset: r.staging_offset - *lo,
+                })
+                .collect();
+            let st = agent
+                .read(&remotes[*s], &ops, arena, &opts)
+                .map_err(|source| Error::Pull {
+                    slot: manifests[*s].slot,
+                    agent: remotes[*s].clone(),
+                    source,
+                })?;
+            descriptors += st.descriptors;
+            let shared: &Arena = arena;
+            if tx.send((k, shared)).is_err() {
+                break; // the verifier already found a bad region
+            }
+        }
+        let pull_s = t.elapsed().as_secs_f64();
+        drop(tx);
+        let t_tail = Instant::now();
+        let bad = verifier
+            .join()
+            .map_err(|_| Error::Task("verifier thread panicked".into()))?;
+        Ok((descriptors, pull_s, t_tail.elapsed().as_secs_f64(), bad))
+    })?;
+    stats.descriptors = descriptors;
+    stats.pull_s = pull_s;
+    stats.verify_s = verify_tail_s;
     if let Some(v) = bad {
         c.staged = None;
         return Err(Error::Verify {
@@ -414,7 +468,6 @@ fn stage_blocking(
             slot: manifests.get(v.source).map(|m| m.slot).unwrap_or(u32::MAX),
         });
     }
-    stats.verify_s = t.elapsed().as_secs_f64();
     stats.wire_bytes = p.wire_bytes;
     stats.useful_bytes = p.useful_bytes;
     let strategies = p.strategy_counts();
@@ -544,16 +597,37 @@ fn apply_blocking(c: &mut Core, label: &str, digest: Digest) -> Result<Vec<RankD
                 .unwrap_or_else(|| "nothing".into()),
         });
     }
-    let (Some(staged), Some(arena)) = (c.staged.as_ref(), c.staging.as_ref()) else {
+    let Some(staged) = c.staged.as_ref() else {
         return Err(Error::Task("staging lost".into()));
     };
-    let buf = arena.as_slice();
+    let staging = &c.staging;
+    // Staged bytes at `off..off + len`, possibly across two sources' arenas.
+    let copy_out = |mut off: u64, out: &mut [u8]| {
+        let mut done = 0usize;
+        while done < out.len() {
+            let k = staging
+                .partition_point(|(_, lo, _)| *lo <= off)
+                .saturating_sub(1);
+            let (_, lo, arena) = &staging[k];
+            let buf = arena.as_slice();
+            let from = (off - lo) as usize;
+            // A reused arena may be longer than its source's range: stop at the next range.
+            let range_end = staging.get(k + 1).map_or(u64::MAX, |next| next.1);
+            let n = (out.len() - done)
+                .min(buf.len() - from)
+                .min(usize::try_from(range_end - off).unwrap_or(usize::MAX));
+            out[done..done + n].copy_from_slice(&buf[from..from + n]);
+            done += n;
+            off += n as u64;
+        }
+    };
     // Copies per rank in parallel; each rank's live buffer is written in place.
     let p = &staged.plan;
     c.live.par_iter_mut().enumerate().for_each(|(ri, live)| {
         for cp in p.copies.iter().filter(|cp| cp.rank_index == ri) {
-            live[cp.live_offset as usize..(cp.live_offset + cp.len) as usize].copy_from_slice(
-                &buf[cp.staging_offset as usize..(cp.staging_offset + cp.len) as usize],
+            copy_out(
+                cp.staging_offset,
+                &mut live[cp.live_offset as usize..(cp.live_offset + cp.len) as usize],
             );
         }
         for z in p.zero_fills.iter().filter(|z| z.rank_index == ri) {
