@@ -60,6 +60,9 @@ enum Cmd {
         /// Seconds to wait for declarations and commits.
         #[arg(long, default_value_t = 600)]
         wait_s: u64,
+        /// Fault injection (tests): after publishing, flip one byte of this tensor's shard.
+        #[arg(long, hide = true)]
+        fault_flip_byte: Option<String>,
     },
     /// Run one inference instance holding some ranks of an inference layout.
     Worker {
@@ -210,6 +213,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             label_prefix,
             no_pack,
             wait_s,
+            fault_flip_byte,
         } => runtime()?.block_on(async move {
             let mut p = mx_publisher::Publisher::start(mx_publisher::PublisherConfig {
                 control,
@@ -217,6 +221,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 layout,
                 rank,
                 pack: !no_pack,
+                fault_flip_byte,
             })
             .await?;
             p.run_steps(&label_prefix, steps, Duration::from_secs(wait_s))

@@ -205,24 +205,20 @@ fn mx(args: &[&str]) -> (bool, String) {
     )
 }
 
-#[test]
-fn individual_commands_complete_a_refit_by_hand() {
-    let Some(dir) = model("smollm2-135m") else {
-        return;
-    };
-    let md = dir.to_str().unwrap();
-    let tmp = tempfile::tempdir().unwrap();
-    let addr_file = tmp.path().join("addr");
-    let journal = tmp.path().join("j.jsonl");
-    let spawn = |args: &[&str]| {
-        Command::new(env!("CARGO_BIN_EXE_mx"))
-            .args(args)
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .unwrap()
-    };
-    let mut kids = Kids(vec![spawn(&[
+fn spawn(args: &[&str]) -> std::process::Child {
+    Command::new(env!("CARGO_BIN_EXE_mx"))
+        .args(args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap()
+}
+
+/// Starts `mx control` on an ephemeral port with its journal in `dir`; returns it and its URL.
+fn start_control(dir: &Path) -> (Kids, String) {
+    let addr_file = dir.join("addr");
+    let journal = dir.join("j.jsonl");
+    let kids = Kids(vec![spawn(&[
         "control",
         "--listen",
         "127.0.0.1:0",
@@ -237,6 +233,124 @@ fn individual_commands_complete_a_refit_by_hand() {
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
     let a = format!("http://{}", std::fs::read_to_string(&addr_file).unwrap());
+    (kids, a)
+}
+
+/// Polls `mx status` until its output contains `needle`.
+fn wait_status(a: &str, needle: &str, secs: u64) {
+    let t = std::time::Instant::now();
+    loop {
+        let (_, s) = mx(&["status", "--control", a]);
+        if s.contains(needle) {
+            return;
+        }
+        assert!(
+            t.elapsed().as_secs() < secs,
+            "status never showed {needle:?}: {s}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn a_flipped_byte_in_a_source_fails_the_stage_and_the_worker_is_not_admitted() {
+    let Some(dir) = model("smollm2-135m") else {
+        return;
+    };
+    let md = dir.to_str().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let (mut kids, a) = start_control(tmp.path());
+    kids.0.push(spawn(&[
+        "worker",
+        "--control",
+        &a,
+        "--model",
+        md,
+        "--layout",
+        "tp:3",
+        "--id",
+        "w",
+    ]));
+    wait_status(&a, "worker  w ", 60);
+    let (ok, out) = mx(&[
+        "declare",
+        "--control",
+        &a,
+        "--model",
+        md,
+        "--trainer-layout",
+        "fsdp:2",
+        "--label",
+        "step-1",
+    ]);
+    assert!(ok, "{out}");
+    kids.0.push(spawn(&[
+        "publish",
+        "--control",
+        &a,
+        "--model",
+        md,
+        "--layout",
+        "fsdp:2",
+        "--rank",
+        "0",
+    ]));
+    // Source slot 1 flips one byte of its embedding shard right after publishing its digests.
+    kids.0.push(spawn(&[
+        "publish",
+        "--control",
+        &a,
+        "--model",
+        md,
+        "--layout",
+        "fsdp:2",
+        "--rank",
+        "1",
+        "--fault-flip-byte",
+        "model.embed_tokens.weight",
+    ]));
+    wait_status(&a, "Ready", 120);
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    let (ok, out) = mx(&[
+        "stage",
+        "--control",
+        &a,
+        "--label",
+        "step-1",
+        "--workers",
+        "w",
+    ]);
+    assert!(!ok, "a corrupted source must fail the stage: {out}");
+    assert!(
+        out.contains("verification failed")
+            && out.contains("model.embed_tokens.weight")
+            && out.contains("slot 1"),
+        "{out}"
+    );
+    // Not admitted: commit is refused and nothing is resident.
+    let (ok, out) = mx(&[
+        "commit",
+        "--control",
+        &a,
+        "--label",
+        "step-1",
+        "--workers",
+        "w",
+    ]);
+    assert!(!ok && out.contains("\"w\""), "{out}");
+    let (_, s) = mx(&["status", "--control", &a]);
+    assert!(s.contains("Failed") && !s.contains("Applied"), "{s}");
+}
+
+#[test]
+fn individual_commands_complete_a_refit_by_hand() {
+    let Some(dir) = model("smollm2-135m") else {
+        return;
+    };
+    let md = dir.to_str().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let journal = tmp.path().join("j.jsonl");
+    let (mut kids, a) = start_control(tmp.path());
     // Regression: a stale registration of a layout this model cannot take (a MiniLM worker at
     // tp:2, then replaced) must not block the SmolLM publishers.
     if let Some(minilm) = model("minilm-l6") {

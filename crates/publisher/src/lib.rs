@@ -70,6 +70,8 @@ pub struct PublisherConfig {
     pub rank: u32,
     /// Pack strided destination regions contiguously (source-side packing).
     pub pack: bool,
+    /// Fault injection for tests: after each publish, flip one byte of this tensor's shard.
+    pub fault_flip_byte: Option<String>,
 }
 
 /// One trainer rank's registered shard memory and its connection to the control plane.
@@ -212,6 +214,29 @@ impl Publisher {
     /// The model this publisher serves.
     pub fn model(&self) -> &ModelInfo {
         &self.model
+    }
+
+    /// Fault injection: flips one byte (the middle one) of this rank's shard of `tensor` in the
+    /// registered memory, after its digests were published, as a memory error or a racing
+    /// optimizer step would. Returns the flipped address, or `None` when this rank holds none of
+    /// `tensor`.
+    pub fn flip_byte(&mut self, tensor: &str) -> Option<u64> {
+        let base = self.arena.addr();
+        let piece = self
+            .rank_layout
+            .params
+            .iter()
+            .flat_map(|p| p.pieces.iter())
+            .find(|p| p.tensor == tensor)?;
+        let len = piece.region.numel()? * piece.dtype.size_bytes();
+        if len == 0 {
+            return None;
+        }
+        let at = piece.offset + len / 2;
+        let b = self.arena.as_mut_slice().get_mut(at as usize)?;
+        *b ^= 0x01;
+        tracing::warn!(tensor, addr = base + at, "fault injected: flipped one byte");
+        Some(base + at)
     }
 
     /// Applies `training_step(step)` to every shard in place.
@@ -369,6 +394,9 @@ impl Publisher {
                 self.train_step(k);
             }
             self.publish(&format!("{prefix}{k}"), wait).await?;
+            if let Some(t) = self.cfg.fault_flip_byte.clone() {
+                self.flip_byte(&t);
+            }
         }
         let last = format!("{prefix}{steps}");
         self.client
