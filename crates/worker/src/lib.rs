@@ -4,9 +4,12 @@
 //! like an engine's executor). It registers its layout with the control plane when it starts, then
 //! follows the commands on its stream:
 //! - **Stage**: fetch the version's manifests, measure the data plane's cost model once
-//!   ([`mx_nixl::probe_costs`]), plan ([`mx_layout::plan::plan`]), pull with NIXL READs into one
-//!   registered staging arena, verify every pulled region against the digest its source published
-//!   (no extra bytes on the wire), report STAGED. Live weights are not touched.
+//!   ([`mx_nixl::probe_costs`], plus the local per-segment cost), plan
+//!   ([`mx_layout::plan::plan`]), pull with NIXL READs into staging (one registered huge-page
+//!   arena per source, kept across versions), verify every pulled region against the digest its
+//!   source published (no extra bytes on the wire) on a second thread while the next source is
+//!   pulled, report STAGED with per-rank digests of what was verified. Live weights are not
+//!   touched.
 //! - **Apply**: copy staged bytes into the live buffers in place (engines' CUDA graphs hold fixed
 //!   addresses, so live buffers never move), zero-fill vocab padding, read back digests of the
 //!   live bytes, report APPLIED with the resident version digest.
