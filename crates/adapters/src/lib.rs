@@ -1,0 +1,183 @@
+//! mx-adapters: clients for the inference engines' weight-update contracts.
+//!
+//! - [`dynamo`]: the Dynamo vLLM RL listener. Discovery with `GET {base}/v1/rl/workers`
+//!   (`protocol_version` must be 1; the worker list is `workers`, or `system_routes` in older
+//!   releases; a discovery failure is HTTP 500 `{error: "discovery_failed", message}`), then per
+//!   worker `POST {system_url}/engine/{route}` for `pause_generation` (`{mode, clear_cache}`),
+//!   `update_weights_from_disk` (`{model_path, weight_version}`), `get_weight_version` and
+//!   `resume_generation`; every response is `{status: ok|error, message, version}`.
+//! - [`sglang`]: SGLang's fixed routes (no discovery, no version read-back):
+//!   `POST {system_url}/engine/control/update_weights_from_disk` with `{model_path,
+//!   weight_version, flush_cache, keep_pause}` answering `{success, message,
+//!   num_paused_requests}`; `pause_generation` / `continue_generation` (`{torch_empty_cache}`)
+//!   exist only where the deployment allowlists them, so their absence is detected and reported
+//!   as "the framework must gate generation itself".
+//!
+//! Every call checks the HTTP status AND the body, and has a deadline: a timeout is a worker
+//! failure ([`Error::Timeout`]), never a hang. Field names follow the contracts exactly.
+//!
+//! Left out: the refit state machine that sequences these calls (mx-control) and the engines.
+#![forbid(unsafe_code)]
+
+pub mod dynamo;
+pub mod sglang;
+
+use std::time::Duration;
+
+/// Errors of the engine adapters; each names the worker (URL) and route at fault.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The HTTP request could not be sent or its body read.
+    #[error("{url}: {source}")]
+    Http {
+        /// The URL called.
+        url: String,
+        /// The transport error.
+        source: reqwest::Error,
+    },
+    /// The call did not finish within its deadline (a worker failure).
+    #[error("{url}: no answer within {timeout:?}")]
+    Timeout {
+        /// The URL called.
+        url: String,
+        /// The deadline.
+        timeout: Duration,
+    },
+    /// The engine answered with a non-success HTTP status.
+    #[error("{url}: HTTP {status}: {body}")]
+    Status {
+        /// The URL called.
+        url: String,
+        /// HTTP status code.
+        status: u16,
+        /// The response body (truncated to 512 bytes).
+        body: String,
+    },
+    /// The body is not what the contract specifies.
+    #[error("{url}: response does not follow the contract: {reason}")]
+    BadResponse {
+        /// The URL called.
+        url: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The engine answered HTTP 200 but reported a failure in the body.
+    #[error("{url}: engine reported an error: {message}")]
+    Engine {
+        /// The URL called.
+        url: String,
+        /// The engine's message.
+        message: String,
+    },
+    /// Dynamo discovery failed (HTTP 500 `{error: "discovery_failed", message}`).
+    #[error("discovery at {url} failed: {message}")]
+    DiscoveryFailed {
+        /// The discovery URL.
+        url: String,
+        /// The listener's message.
+        message: String,
+    },
+    /// The listener speaks another protocol version.
+    #[error("discovery at {url}: protocol_version {found}, mx speaks 1")]
+    Protocol {
+        /// The discovery URL.
+        url: String,
+        /// The version found.
+        found: u64,
+    },
+    /// A discovered worker lacks a route the refit needs.
+    #[error("worker {instance} ({endpoint}) does not expose route {route}")]
+    MissingRoute {
+        /// Worker instance id.
+        instance: String,
+        /// Worker endpoint.
+        endpoint: String,
+        /// The missing route.
+        route: &'static str,
+    },
+    /// A route the deployment did not allowlist (SGLang pause/continue).
+    #[error("{url}: route {route} is not allowlisted by this deployment: the framework must gate generation itself")]
+    RouteNotAllowlisted {
+        /// The URL called.
+        url: String,
+        /// The route.
+        route: &'static str,
+    },
+}
+
+/// Sends `body` as JSON to `url` with a deadline and returns (status, parsed JSON body or the
+/// raw text as a JSON string).
+pub(crate) async fn post_json(
+    http: &reqwest::Client,
+    url: &str,
+    body: &serde_json::Value,
+    timeout: Duration,
+) -> Result<(u16, serde_json::Value, String), Error> {
+    let send = http.post(url).json(body).send();
+    let resp = match tokio::time::timeout(timeout, send).await {
+        Err(_) => {
+            return Err(Error::Timeout {
+                url: url.to_string(),
+                timeout,
+            })
+        }
+        Ok(r) => r.map_err(|source| Error::Http {
+            url: url.to_string(),
+            source,
+        })?,
+    };
+    read_body(url, resp, timeout).await
+}
+
+/// GETs `url` with a deadline; as [`post_json`].
+pub(crate) async fn get_json(
+    http: &reqwest::Client,
+    url: &str,
+    timeout: Duration,
+) -> Result<(u16, serde_json::Value, String), Error> {
+    let resp = match tokio::time::timeout(timeout, http.get(url).send()).await {
+        Err(_) => {
+            return Err(Error::Timeout {
+                url: url.to_string(),
+                timeout,
+            })
+        }
+        Ok(r) => r.map_err(|source| Error::Http {
+            url: url.to_string(),
+            source,
+        })?,
+    };
+    read_body(url, resp, timeout).await
+}
+
+async fn read_body(
+    url: &str,
+    resp: reqwest::Response,
+    timeout: Duration,
+) -> Result<(u16, serde_json::Value, String), Error> {
+    let status = resp.status().as_u16();
+    let text = match tokio::time::timeout(timeout, resp.text()).await {
+        Err(_) => {
+            return Err(Error::Timeout {
+                url: url.to_string(),
+                timeout,
+            })
+        }
+        Ok(t) => t.map_err(|source| Error::Http {
+            url: url.to_string(),
+            source,
+        })?,
+    };
+    let json = serde_json::from_str(&text).unwrap_or(serde_json::Value::Null);
+    Ok((status, json, text))
+}
+
+/// The first 512 bytes of a body, for error messages.
+pub(crate) fn snippet(text: &str) -> String {
+    let mut end = text.len().min(512);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    text[..end].to_string()
+}
