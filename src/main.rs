@@ -24,8 +24,8 @@ struct Cli {
 enum Cmd {
     /// Run the control plane (gRPC) with a durable file journal.
     Control {
-        /// Listen address (port 0 picks a free port).
-        #[arg(long, default_value = "127.0.0.1:7700")]
+        /// Listen address, `host:port` (port 0 picks a free port).
+        #[arg(long, default_value = "127.0.0.1:7700", value_parser = parse_listen)]
         listen: std::net::SocketAddr,
         /// Journal file (created, or replayed when present).
         #[arg(long, default_value = ".mx/control/journal.jsonl")]
@@ -163,6 +163,15 @@ fn main() {
         eprintln!("mx: error: {e:#}");
         std::process::exit(1);
     }
+}
+
+/// `host:port` resolved to its first socket address (so `localhost:7700` works).
+fn parse_listen(s: &str) -> Result<std::net::SocketAddr, String> {
+    use std::net::ToSocketAddrs;
+    s.to_socket_addrs()
+        .map_err(|e| format!("{s}: {e}"))?
+        .next()
+        .ok_or_else(|| format!("{s}: resolves to no address"))
 }
 
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
@@ -340,6 +349,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Cmd::Status { control } => runtime()?.block_on(async move {
             let c = mx_control::client::ControlClient::connect(&control).await?;
             let s = c.get_status().await?;
+            if s.versions.is_empty() && s.workers.is_empty() {
+                println!("no versions declared, no workers registered");
+            }
             for v in &s.versions {
                 let d = v.version_digest.map(|d| d.to_string()).unwrap_or_default();
                 println!(
