@@ -391,25 +391,25 @@ async fn run_async(args: DemoArgs) -> anyhow::Result<()> {
             ));
             let t0 = Instant::now();
             client.stage(&label, &worker_ids).await?;
+            // Long poll (answers as soon as every worker is STAGED or one failed); between
+            // polls the children are checked, so a dead worker fails the demo at once.
             wait_until(&mut procs, &work, Duration::from_secs(300), || async {
-                let s = client.get_status().await?;
-                let mut all = true;
-                for w in s
-                    .workers
-                    .iter()
-                    .filter(|w| worker_ids.contains(&w.worker_id))
-                {
-                    match w.state {
-                        WorkerState::Staged if w.label.as_deref() == Some(label.as_str()) => {}
-                        WorkerState::Failed => bail!(
-                            "worker {} failed to stage {label}: {}",
-                            w.worker_id,
-                            w.last_error.clone().unwrap_or_default()
-                        ),
-                        _ => all = false,
-                    }
+                let (reached, briefs) = client
+                    .wait_workers(
+                        &label,
+                        &worker_ids,
+                        WorkerState::Staged,
+                        Duration::from_secs(1),
+                    )
+                    .await?;
+                if let Some(b) = briefs.iter().find(|b| b.state == WorkerState::Failed) {
+                    bail!(
+                        "worker {} failed to stage {label}: {}",
+                        b.worker_id,
+                        b.error.clone().unwrap_or_default()
+                    );
                 }
-                Ok(all)
+                Ok(reached)
             })
             .await?;
             walls.push(t0.elapsed().as_secs_f64());

@@ -293,30 +293,25 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let c = mx_control::client::ControlClient::connect(&control).await?;
             let t = std::time::Instant::now();
             c.stage(&label, &workers).await?;
-            loop {
-                let s = c.get_status().await?;
-                let mut done = true;
-                for w in s.workers.iter().filter(|w| workers.contains(&w.worker_id)) {
-                    match w.state {
-                        mx_control::WorkerState::Staged
-                            if w.label.as_deref() == Some(label.as_str()) => {}
-                        mx_control::WorkerState::Failed => anyhow::bail!(
-                            "worker {} failed to stage {label}: {}",
-                            w.worker_id,
-                            w.last_error.clone().unwrap_or_default()
-                        ),
-                        _ => done = false,
-                    }
-                }
-                if done {
-                    break;
-                }
-                anyhow::ensure!(
-                    t.elapsed() < Duration::from_secs(wait_s),
-                    "workers did not stage {label} within {wait_s} s"
+            let (reached, briefs) = c
+                .wait_workers(
+                    &label,
+                    &workers,
+                    mx_control::WorkerState::Staged,
+                    Duration::from_secs(wait_s),
+                )
+                .await?;
+            if let Some(b) = briefs
+                .iter()
+                .find(|b| b.state == mx_control::WorkerState::Failed)
+            {
+                anyhow::bail!(
+                    "worker {} failed to stage {label}: {}",
+                    b.worker_id,
+                    b.error.clone().unwrap_or_default()
                 );
-                tokio::time::sleep(Duration::from_millis(5)).await;
             }
+            anyhow::ensure!(reached, "workers did not stage {label} within {wait_s} s");
             println!(
                 "{label} STAGED on {} workers in {:.3} s",
                 workers.len(),

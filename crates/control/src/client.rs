@@ -10,7 +10,10 @@ use crate::convert;
 use crate::pb;
 use crate::pb::control_plane_client::ControlPlaneClient;
 use crate::server::MAX_MESSAGE_BYTES;
-use crate::types::{AppliedReport, Command, FleetStatus, StagedReport, VersionInfo, VersionState};
+use crate::types::{
+    AppliedReport, Command, FleetStatus, StagedReport, VersionInfo, VersionState, WorkerBrief,
+    WorkerState,
+};
 use crate::Error;
 
 /// A connection to the control plane. Cheap to clone; methods take `&self`.
@@ -277,6 +280,42 @@ impl ControlClient {
             .map_err(|s| Error::rpc("GetStatus", s))?
             .into_inner();
         convert::fleet(&r)
+    }
+
+    /// Waits (server-side long poll) until every worker in `worker_ids` is in `state` for `label`,
+    /// or one of them FAILED, or `timeout` passes; returns whether the state was reached and a
+    /// brief of each worker (state, label, last error). An unregistered worker counts as FAILED.
+    ///
+    /// # Errors
+    /// [`Error::Rpc`] when the call fails; [`Error::InvalidField`] for a malformed answer.
+    pub async fn wait_workers(
+        &self,
+        label: &str,
+        worker_ids: &[impl AsRef<str>],
+        state: WorkerState,
+        timeout: Duration,
+    ) -> Result<(bool, Vec<WorkerBrief>), Error> {
+        let r = self
+            .rpc()
+            .wait_workers(pb::WaitWorkersRequest {
+                label: label.to_string(),
+                worker_ids: worker_ids.iter().map(|w| w.as_ref().to_string()).collect(),
+                state: convert::worker_state_pb(state),
+                timeout_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
+            })
+            .await
+            .map_err(|s| Error::rpc("WaitWorkers", s))?
+            .into_inner();
+        let mut out = Vec::with_capacity(r.workers.len());
+        for b in r.workers {
+            out.push(WorkerBrief {
+                state: convert::worker_state(b.state, "workers.state")?,
+                label: (!b.label.is_empty()).then_some(b.label),
+                error: (!b.error.is_empty()).then_some(b.error),
+                worker_id: b.worker_id,
+            });
+        }
+        Ok((r.reached, out))
     }
 
     /// Waits (server-side long poll, no busy polling) until the version reaches `state` or a later

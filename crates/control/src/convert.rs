@@ -373,7 +373,7 @@ pub(crate) fn version_state_pb(s: VersionState) -> i32 {
     }) as i32
 }
 
-fn worker_state(v: i32, field: &str) -> Result<WorkerState, Error> {
+pub(crate) fn worker_state(v: i32, field: &str) -> Result<WorkerState, Error> {
     Ok(match pb::WorkerState::try_from(v) {
         Ok(pb::WorkerState::Idle) => WorkerState::Idle,
         Ok(pb::WorkerState::Staging) => WorkerState::Staging,
@@ -387,7 +387,7 @@ fn worker_state(v: i32, field: &str) -> Result<WorkerState, Error> {
     })
 }
 
-fn worker_state_pb(s: WorkerState) -> i32 {
+pub(crate) fn worker_state_pb(s: WorkerState) -> i32 {
     (match s {
         WorkerState::Idle => pb::WorkerState::Idle,
         WorkerState::Staging => pb::WorkerState::Staging,

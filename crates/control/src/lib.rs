@@ -41,5 +41,5 @@ pub use error::{Error, OptionalState};
 pub use server::{serve, spawn, ControlPlaneConfig, ServerHandle};
 pub use types::{
     AppliedReport, Command, CoverageGap, FleetStatus, StagedReport, VersionInfo, VersionState,
-    VersionSummary, WorkerState, WorkerStatus,
+    VersionSummary, WorkerBrief, WorkerState, WorkerStatus,
 };

@@ -2,6 +2,8 @@
 //! machine, wakes command streams and waiters.
 
 use std::collections::HashMap;
+
+use crate::WorkerState;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -333,6 +335,62 @@ impl ControlPlane for Service {
     ) -> Result<Response<pb::FleetStatus>, Status> {
         let status = self.shared.read(State::fleet_status);
         Ok(Response::new(convert::fleet_pb(&status)))
+    }
+
+    async fn wait_workers(
+        &self,
+        req: Request<pb::WaitWorkersRequest>,
+    ) -> Result<Response<pb::WaitWorkersResponse>, Status> {
+        let r = req.into_inner();
+        let wanted = convert::worker_state(r.state, "state")?;
+        let wait = Duration::from_millis(r.timeout_ms.min(MAX_WAIT_MS));
+        let deadline = tokio::time::Instant::now() + wait;
+        let mut changes = self.shared.changes.subscribe();
+        let mut closing = self.shared.closing.subscribe();
+        loop {
+            changes.borrow_and_update();
+            let briefs: Vec<pb::WorkerBrief> = self.shared.read(|s| {
+                r.worker_ids
+                    .iter()
+                    .map(|id| {
+                        let (state, label, error) = s.worker_brief(id).unwrap_or((
+                            WorkerState::Failed,
+                            None,
+                            Some("not registered".into()),
+                        ));
+                        pb::WorkerBrief {
+                            worker_id: id.clone(),
+                            state: convert::worker_state_pb(state),
+                            label: label.unwrap_or_default(),
+                            error: error.unwrap_or_default(),
+                        }
+                    })
+                    .collect()
+            });
+            let want = convert::worker_state_pb(wanted);
+            let failed = convert::worker_state_pb(WorkerState::Failed);
+            let reached = briefs.iter().all(|b| b.state == want && b.label == r.label);
+            let any_failed = briefs.iter().any(|b| b.state == failed);
+            if reached
+                || any_failed
+                || tokio::time::Instant::now() >= deadline
+                || *closing.borrow_and_update()
+            {
+                return Ok(Response::new(pb::WaitWorkersResponse {
+                    reached,
+                    workers: briefs,
+                }));
+            }
+            tokio::select! {
+                _ = tokio::time::sleep_until(deadline) => {}
+                r = changes.changed() => {
+                    if r.is_err() {
+                        return Err(Status::unavailable("control plane shutting down"));
+                    }
+                }
+                _ = closing.changed() => {}
+            }
+        }
     }
 
     async fn wait_version(

@@ -752,6 +752,17 @@ impl State {
     }
 
     /// Every version (in declaration order) and every worker (by id).
+    /// (state, label, last error) of a worker, `None` when not registered.
+    pub fn worker_brief(
+        &self,
+        worker_id: &str,
+    ) -> Option<(WorkerState, Option<String>, Option<String>)> {
+        self.workers
+            .get(worker_id)
+            .map(|w| (w.state, w.label.clone(), w.last_error.clone()))
+    }
+
+    /// The fleet's status.
     pub fn fleet_status(&self) -> FleetStatus {
         let mut versions: Vec<(u64, VersionSummary)> = self
             .versions

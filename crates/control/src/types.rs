@@ -218,6 +218,19 @@ pub struct WorkerStatus {
     pub last_applied: Option<AppliedReport>,
 }
 
+/// A worker's state in brief, as `WaitWorkers` answers it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerBrief {
+    /// Worker id.
+    pub worker_id: String,
+    /// Its state (FAILED when not registered).
+    pub state: WorkerState,
+    /// The version label it is on.
+    pub label: Option<String>,
+    /// Its last failure.
+    pub error: Option<String>,
+}
+
 /// `GetStatus`: every version (in declaration order) and every worker (by id).
 #[derive(Debug, Clone, PartialEq)]
 pub struct FleetStatus {

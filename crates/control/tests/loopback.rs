@@ -400,7 +400,52 @@ async fn commit_needs_every_worker_staged_and_happy_path_commits() {
     let (code, msg) = rpc_err(c.commit("step-7", &["w0", "w1"]).await.unwrap_err());
     assert_eq!(code, tonic::Code::FailedPrecondition);
     assert!(msg.contains("\"w1\"") && msg.contains("STAGING"), "{msg}");
+    // The long poll does not report STAGED while w1 is still staging...
+    let (reached, briefs) = c
+        .wait_workers(
+            "step-7",
+            &["w0", "w1"],
+            WorkerState::Staged,
+            Duration::from_millis(100),
+        )
+        .await
+        .unwrap();
+    assert!(!reached);
+    assert_eq!(briefs[0].state, WorkerState::Staged);
+    assert_eq!(briefs[1].state, WorkerState::Staging);
+    // ...answers as soon as it is, without waiting out its timeout...
+    let waiter = {
+        let c = c.clone();
+        tokio::spawn(async move {
+            let t = std::time::Instant::now();
+            let r = c
+                .wait_workers(
+                    "step-7",
+                    &["w0", "w1"],
+                    WorkerState::Staged,
+                    Duration::from_secs(30),
+                )
+                .await
+                .unwrap();
+            (r, t.elapsed())
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
     c.report_staged(&staged("w1", "step-7", 1)).await.unwrap();
+    let ((reached, _), waited) = waiter.await.unwrap();
+    assert!(reached && waited < Duration::from_secs(5), "{waited:?}");
+    // ...and counts an unregistered worker as FAILED.
+    let (reached, briefs) = c
+        .wait_workers(
+            "step-7",
+            &["nobody"],
+            WorkerState::Staged,
+            Duration::from_secs(5),
+        )
+        .await
+        .unwrap();
+    assert!(!reached);
+    assert_eq!(briefs[0].state, WorkerState::Failed);
 
     c.commit("step-7", &["w0", "w1"]).await.unwrap();
     let apply = Command::Apply {
