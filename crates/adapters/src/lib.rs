@@ -106,28 +106,15 @@ pub enum Error {
     },
 }
 
-/// Sends `body` as JSON to `url` with a deadline and returns (status, parsed JSON body or the
-/// raw text as a JSON string).
+/// Sends `body` as JSON to `url` with a deadline and returns (status, parsed JSON body or
+/// `Null`, raw text).
 pub(crate) async fn post_json(
     http: &reqwest::Client,
     url: &str,
     body: &serde_json::Value,
     timeout: Duration,
 ) -> Result<(u16, serde_json::Value, String), Error> {
-    let send = http.post(url).json(body).send();
-    let resp = match tokio::time::timeout(timeout, send).await {
-        Err(_) => {
-            return Err(Error::Timeout {
-                url: url.to_string(),
-                timeout,
-            })
-        }
-        Ok(r) => r.map_err(|source| Error::Http {
-            url: url.to_string(),
-            source,
-        })?,
-    };
-    read_body(url, resp, timeout).await
+    send(url, http.post(url).json(body), timeout).await
 }
 
 /// GETs `url` with a deadline; as [`post_json`].
@@ -136,7 +123,15 @@ pub(crate) async fn get_json(
     url: &str,
     timeout: Duration,
 ) -> Result<(u16, serde_json::Value, String), Error> {
-    let resp = match tokio::time::timeout(timeout, http.get(url).send()).await {
+    send(url, http.get(url), timeout).await
+}
+
+async fn send(
+    url: &str,
+    req: reqwest::RequestBuilder,
+    timeout: Duration,
+) -> Result<(u16, serde_json::Value, String), Error> {
+    let resp = match tokio::time::timeout(timeout, req.send()).await {
         Err(_) => {
             return Err(Error::Timeout {
                 url: url.to_string(),

@@ -284,6 +284,25 @@ pub struct RankLayout {
 }
 
 impl RankLayout {
+    /// The shard entries of this rank's pieces as a source publishes them: one per piece, at
+    /// `base + piece.offset` in DRAM, digests left zero for the publisher to fill in.
+    pub fn shard_entries(&self, base: u64) -> Vec<crate::ShardEntry> {
+        self.params
+            .iter()
+            .flat_map(|p| p.pieces.iter())
+            .map(|piece| crate::ShardEntry {
+                tensor: piece.tensor.clone(),
+                dtype: piece.dtype,
+                global_shape: piece.global_shape.clone(),
+                shard: piece.region.clone(),
+                addr: base + piece.offset,
+                len: piece.region.numel().unwrap_or(0) * piece.dtype.size_bytes(),
+                device: crate::MemDevice::Dram,
+                digest: crate::Digest::default(),
+            })
+            .collect()
+    }
+
     /// A rank layout from explicit boxes, each its own parameter named after its tensor, in order
     /// (for N-d layouts the schemes do not cover, e.g. expert or 2-D grid splits).
     ///

@@ -909,21 +909,7 @@ pub fn synthetic_manifests(
     for r in 0..trainer.world_size {
         let rl = crate::rank_layout(model, trainer, r)?;
         let base = (u64::from(r) + 1) << 40;
-        let shards: Vec<crate::ShardEntry> = rl
-            .params
-            .iter()
-            .flat_map(|p| p.pieces.iter())
-            .map(|piece| crate::ShardEntry {
-                tensor: piece.tensor.clone(),
-                dtype: piece.dtype,
-                global_shape: piece.global_shape.clone(),
-                shard: piece.region.clone(),
-                addr: base + piece.offset,
-                len: piece.region.numel().unwrap_or(0) * piece.dtype.size_bytes(),
-                device: crate::MemDevice::Dram,
-                digest: Digest::default(),
-            })
-            .collect();
+        let shards = rl.shard_entries(base);
         let cuts = cut_for_layout(&shards, &dest_layouts)?;
         let marks = pack_marks(&cuts, pack_for);
         let mut cursor = base + rl.total_bytes;

@@ -19,8 +19,8 @@ use mx_control::client::ControlClient;
 use mx_control::VersionState;
 use mx_layout::plan::{cut_for_layout, decompose, pack_marks, Cut};
 use mx_layout::{
-    rank_layout, rank_layouts, DestPiece, Digest, LayoutSpec, MemDevice, ModelInfo, RankLayout,
-    ShardEntry, SourceManifest, TensorBox,
+    rank_layout, rank_layouts, DestPiece, Digest, LayoutSpec, ModelInfo, RankLayout,
+    SourceManifest, TensorBox,
 };
 use mx_nixl::{Agent, Arena, ProgressThread};
 use rayon::prelude::*;
@@ -134,7 +134,7 @@ impl Publisher {
             }
         }
         // Shard entries with addresses filled in once the arena exists.
-        let proto_shards = Self::shard_entries(&rl, 0);
+        let proto_shards = rl.shard_entries(0);
         let mut cuts = Vec::new();
         let mut packed = 0u64;
         let fleet = client.get_status().await?;
@@ -192,23 +192,6 @@ impl Publisher {
             dest,
             cuts,
         })
-    }
-
-    fn shard_entries(rl: &RankLayout, base: u64) -> Vec<ShardEntry> {
-        rl.params
-            .iter()
-            .flat_map(|p| p.pieces.iter())
-            .map(|piece| ShardEntry {
-                tensor: piece.tensor.clone(),
-                dtype: piece.dtype,
-                global_shape: piece.global_shape.clone(),
-                shard: piece.region.clone(),
-                addr: base + piece.offset,
-                len: piece.region.numel().unwrap_or(0) * piece.dtype.size_bytes(),
-                device: MemDevice::Dram,
-                digest: Digest::default(),
-            })
-            .collect()
     }
 
     /// The model this publisher serves.
@@ -269,7 +252,7 @@ impl Publisher {
             .await?;
         let t0 = Instant::now();
         let base = self.arena.addr();
-        let mut shards = Self::shard_entries(&self.rank_layout, base);
+        let mut shards = self.rank_layout.shard_entries(base);
         let shard_bytes = self.shard_bytes as usize;
         let (mem, packed_area) = self.arena.as_mut_slice().split_at_mut(shard_bytes);
         let mem: &[u8] = mem;
