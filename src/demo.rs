@@ -3,7 +3,7 @@
 //! against slices computed independently from the checkpoint file.
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
@@ -14,6 +14,7 @@ use mx_control::{VersionState, WorkerState};
 use mx_layout::{rank_layout, LayoutSpec, ModelInfo};
 use serde::Serialize;
 
+use crate::fleet::{wait_until, Procs, WorkDir};
 use crate::slice::Reference;
 
 /// Flags of `mx demo`.
@@ -97,71 +98,6 @@ struct Report {
     versions: Vec<VersionReport>,
     /// Workers of the last version, with live digests per rank.
     workers: Vec<WorkerReport>,
-}
-
-/// The demo's work directory, removed when dropped unless `--keep` (on failures too: the error
-/// names the logs only with `--keep`).
-struct WorkDir {
-    path: PathBuf,
-    keep: bool,
-}
-
-impl Drop for WorkDir {
-    fn drop(&mut self) {
-        if !self.keep {
-            let _ = std::fs::remove_dir_all(&self.path);
-        }
-    }
-}
-
-/// Children killed when dropped.
-struct Procs(Vec<(String, Child)>);
-
-impl Drop for Procs {
-    fn drop(&mut self) {
-        for (_, c) in &mut self.0 {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-impl Procs {
-    fn spawn(&mut self, name: &str, work: &Path, args: &[String]) -> anyhow::Result<()> {
-        let exe = std::env::current_exe()?;
-        let log = std::fs::File::create(work.join(format!("{name}.log")))?;
-        let child = Command::new(exe)
-            .args(args)
-            .env(
-                "MX_LOG",
-                std::env::var("MX_LOG").unwrap_or_else(|_| "info".into()),
-            )
-            .stdin(Stdio::null())
-            .stdout(log.try_clone()?)
-            .stderr(log)
-            .spawn()
-            .with_context(|| format!("spawning {name}"))?;
-        self.0.push((name.to_string(), child));
-        Ok(())
-    }
-
-    /// Fails naming the first child that exited with an error.
-    fn check(&mut self, work: &Path) -> anyhow::Result<()> {
-        for (name, c) in &mut self.0 {
-            if let Some(st) = c.try_wait()? {
-                if !st.success() {
-                    let log = std::fs::read_to_string(work.join(format!("{name}.log")))
-                        .unwrap_or_default();
-                    let tail: Vec<&str> = log.lines().rev().take(8).collect();
-                    bail!(
-                        "{name} exited with {st}; last log lines:\n{}",
-                        tail.into_iter().rev().collect::<Vec<_>>().join("\n")
-                    );
-                }
-            }
-        }
-        Ok(())
-    }
 }
 
 fn default_model() -> PathBuf {
@@ -631,27 +567,4 @@ fn print_tables(
         versions.first().map(|v| v.workers.len()).unwrap_or(0),
         if memcpy > 0.0 { pull / memcpy } else { 0.0 }
     );
-}
-
-async fn wait_until<F, Fut>(
-    procs: &mut Procs,
-    work: &Path,
-    timeout: Duration,
-    mut f: F,
-) -> anyhow::Result<()>
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = anyhow::Result<bool>>,
-{
-    let t = Instant::now();
-    loop {
-        if f().await? {
-            return Ok(());
-        }
-        procs.check(work)?;
-        if t.elapsed() > timeout {
-            bail!("timed out after {timeout:?} (logs in {})", work.display());
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
 }

@@ -2,8 +2,11 @@
 //! and calls into the crates (see README.md for the architecture).
 
 mod demo;
+mod fleet;
 mod plan_cmd;
+mod refit_cmd;
 mod slice;
+mod validate;
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -60,6 +63,10 @@ enum Cmd {
         /// Seconds to wait for declarations and commits.
         #[arg(long, default_value_t = 600)]
         wait_s: u64,
+        /// After the last version committed, keep serving its bytes until SIGTERM/Ctrl-C (for
+        /// retried refits and workers that join later).
+        #[arg(long)]
+        stay: bool,
         /// Fault injection (tests): after publishing, flip one byte of this tensor's shard.
         #[arg(long, hide = true)]
         fault_flip_byte: Option<String>,
@@ -85,6 +92,26 @@ enum Cmd {
         /// process holding all its ranks or one process per rank.
         #[arg(long)]
         instance: Option<String>,
+        /// Listen address of the engine HTTP routes (Dynamo, SGLang, /generate); port 0 picks a
+        /// free port. The bound URL is printed and registered with the control plane.
+        #[arg(long, default_value = "127.0.0.1:0", value_parser = parse_listen)]
+        http: std::net::SocketAddr,
+        /// Engine contract the control plane should speak to this worker: dynamo or sglang
+        /// (both are always served).
+        #[arg(long, default_value = "dynamo")]
+        engine_api: mx_control::EngineApi,
+        /// Serve POST/GET /mx/failpoints (fault injection for tests).
+        #[arg(long)]
+        failpoints: bool,
+        /// Seconds to keep reconnecting to a lost control plane before exiting non-zero.
+        #[arg(long, default_value_t = 60)]
+        reconnect_timeout_s: u64,
+        /// Checkpoint directory loaded as the initial live weights, before registering.
+        #[arg(long)]
+        load: Option<PathBuf>,
+        /// Version id of the --load weights (default: disk:<DIR>).
+        #[arg(long, requires = "load")]
+        load_version: Option<String>,
     },
     /// The main job: a real multi-process refit of a real checkpoint, verified byte for byte.
     Demo(demo::DemoArgs),
@@ -142,6 +169,11 @@ enum Cmd {
         #[arg(long, default_value = "http://127.0.0.1:7700")]
         control: String,
     },
+    /// Move a worker set to a version: STAGE, PREPARE (pause), APPLY, VERIFY, RESUME, CHECK
+    /// (post-update generation against golden tokens), COMMIT; or ABORT / ROLLBACK.
+    Refit(refit_cmd::RefitArgs),
+    /// Run the refit fault matrix against an embedded fleet and print the table.
+    Validate(validate::ValidateArgs),
     /// Print the control plane's journal.
     Journal {
         /// Journal file.
@@ -222,6 +254,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             label_prefix,
             no_pack,
             wait_s,
+            stay,
             fault_flip_byte,
         } => runtime()?.block_on(async move {
             let mut p = mx_publisher::Publisher::start(mx_publisher::PublisherConfig {
@@ -235,6 +268,15 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             .await?;
             p.run_steps(&label_prefix, steps, Duration::from_secs(wait_s))
                 .await?;
+            if stay {
+                eprintln!("mx publish: {label_prefix}{steps} committed; serving until SIGTERM");
+                let mut term =
+                    tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
             Ok(())
         }),
         Cmd::Worker {
@@ -244,6 +286,12 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             ranks,
             id,
             instance,
+            http,
+            engine_api,
+            failpoints,
+            reconnect_timeout_s,
+            load,
+            load_version,
         } => runtime()?.block_on(async move {
             let ranks = if ranks.is_empty() {
                 (0..layout.world_size).collect()
@@ -256,14 +304,26 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 layout,
                 ranks,
                 instance: instance.unwrap_or_else(|| id.clone()),
-                worker_id: id,
+                worker_id: id.clone(),
+                http,
+                engine_api,
+                failpoints,
+                reconnect_timeout: Duration::from_secs(reconnect_timeout_s),
+                load,
+                load_version,
             })
             .await?;
+            eprintln!(
+                "mx worker {id} serving the engine routes at {} ({engine_api} contract registered)",
+                w.http_url()
+            );
             w.run().await?;
             Ok(())
         }),
         Cmd::Demo(args) => demo::run(args),
         Cmd::Plan(args) => plan_cmd::run(args),
+        Cmd::Refit(args) => runtime()?.block_on(refit_cmd::run(args)),
+        Cmd::Validate(args) => validate::run(args),
         Cmd::Declare {
             control,
             model,

@@ -81,6 +81,9 @@ pub struct EngineReply {
     pub message: String,
     /// The weight version it reports, when it reports one.
     pub version: Option<String>,
+    /// Cache tiers the engine says it cleared (`cache_tiers_cleared`, an mx extension; empty
+    /// when the engine does not report them).
+    pub cache_tiers_cleared: Vec<String>,
 }
 
 fn text(v: &Value, field: &str) -> Option<String> {
@@ -255,6 +258,11 @@ impl DynamoWorkerClient {
         }
     }
 
+    /// The worker's system server base URL.
+    pub fn system_url(&self) -> &str {
+        &self.system_url
+    }
+
     async fn call(&self, route: &str, body: Value) -> Result<EngineReply, Error> {
         let url = format!("{}/engine/{route}", self.system_url);
         let (status, json, raw) = post_json(&self.http, &url, &body, self.timeout).await?;
@@ -279,6 +287,7 @@ impl DynamoWorkerClient {
             Some("ok") => Ok(EngineReply {
                 message: text(&json, "message").unwrap_or_default(),
                 version: text(&json, "version"),
+                cache_tiers_cleared: crate::string_list(&json, "cache_tiers_cleared"),
             }),
             Some("error") => Err(Error::Engine {
                 url,

@@ -20,6 +20,7 @@
 #![forbid(unsafe_code)]
 
 pub mod dynamo;
+pub mod generate;
 pub mod sglang;
 
 use std::time::Duration;
@@ -175,4 +176,16 @@ pub(crate) fn snippet(text: &str) -> String {
         end -= 1;
     }
     text[..end].to_string()
+}
+
+/// The strings of `v[field]` when it is an array (non-strings skipped); empty otherwise.
+pub(crate) fn string_list(v: &serde_json::Value, field: &str) -> Vec<String> {
+    v.get(field)
+        .and_then(serde_json::Value::as_array)
+        .map(|a| {
+            a.iter()
+                .filter_map(|x| x.as_str().map(str::to_string))
+                .collect()
+        })
+        .unwrap_or_default()
 }

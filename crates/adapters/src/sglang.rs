@@ -13,6 +13,8 @@ pub struct SglangUpdate {
     pub message: String,
     /// Requests that were paused during the update.
     pub num_paused_requests: u64,
+    /// Cache tiers the engine says it cleared (`cache_tiers_cleared`, an mx extension).
+    pub cache_tiers_cleared: Vec<String>,
 }
 
 /// One SGLang server's control routes under `{system_url}/engine/control/`.
@@ -70,6 +72,7 @@ impl SglangClient {
                     .get("num_paused_requests")
                     .and_then(Value::as_u64)
                     .unwrap_or(0),
+                cache_tiers_cleared: crate::string_list(&json, "cache_tiers_cleared"),
             }),
             (_, Some(false)) => Err(Error::Engine { url, message }),
             (200, None) => Err(Error::BadResponse {

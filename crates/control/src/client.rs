@@ -9,6 +9,7 @@ use tonic::transport::{Channel, Endpoint};
 use crate::convert;
 use crate::pb;
 use crate::pb::control_plane_client::ControlPlaneClient;
+use crate::refit::{Refit, RefitSpec, Registration};
 use crate::server::MAX_MESSAGE_BYTES;
 use crate::types::{
     AppliedReport, Command, FleetStatus, StagedReport, VersionInfo, VersionState, WorkerBrief,
@@ -138,10 +139,32 @@ impl ControlClient {
         })
     }
 
-    /// Registers (or re-registers, resetting to IDLE) a worker holding `ranks` of `layout`.
+    /// Registers (or re-registers, resetting to IDLE) a worker: its ranks and layout, its engine
+    /// routes and the version resident in its live weights. The control plane admits it to
+    /// rollouts only when that version is the fleet's committed one.
     ///
     /// # Errors
-    /// [`Error::Rpc`] with `InvalidArgument` for an empty id or ranks out of range.
+    /// [`Error::Rpc`] with `InvalidArgument` for an empty id, ranks out of range or a bad
+    /// engine endpoint.
+    pub async fn register(&self, reg: &Registration) -> Result<(), Error> {
+        self.rpc()
+            .register_worker(pb::RegisterWorkerRequest {
+                worker_id: reg.worker_id.clone(),
+                instance: reg.instance.clone(),
+                ranks: reg.ranks.clone(),
+                layout: Some(convert::layout_pb(&reg.layout)),
+                engine: reg.engine.as_ref().map(convert::engine_pb),
+                resident_version: reg.resident_version.clone().unwrap_or_default(),
+            })
+            .await
+            .map_err(|s| Error::rpc("RegisterWorker", s))?;
+        Ok(())
+    }
+
+    /// [`register`](Self::register) for a worker without engine routes or weights.
+    ///
+    /// # Errors
+    /// As [`register`](Self::register).
     pub async fn register_worker(
         &self,
         worker_id: &str,
@@ -149,16 +172,53 @@ impl ControlClient {
         ranks: &[u32],
         layout: LayoutSpec,
     ) -> Result<(), Error> {
-        self.rpc()
-            .register_worker(pb::RegisterWorkerRequest {
-                worker_id: worker_id.to_string(),
-                instance: instance.to_string(),
-                ranks: ranks.to_vec(),
-                layout: Some(convert::layout_pb(&layout)),
+        self.register(&Registration {
+            worker_id: worker_id.to_string(),
+            instance: instance.to_string(),
+            ranks: ranks.to_vec(),
+            layout,
+            engine: None,
+            resident_version: None,
+        })
+        .await
+    }
+
+    /// Starts a refit (STAGE .. COMMIT, or ABORT / ROLLBACK) driven by the control plane;
+    /// returns its id at once. Zero timeouts in `spec` mean the defaults.
+    ///
+    /// # Errors
+    /// [`Error::Rpc`]: `FailedPrecondition` when a refit is open or the version is not READY,
+    /// `NotFound` for an unknown label, `InvalidArgument` for a bad check.
+    pub async fn refit(&self, spec: &RefitSpec) -> Result<u64, Error> {
+        let r = self
+            .rpc()
+            .refit(convert::refit_request_pb(spec))
+            .await
+            .map_err(|s| Error::rpc("Refit", s))?
+            .into_inner();
+        Ok(r.refit_id)
+    }
+
+    /// Long poll until refit `id` (0 = the latest) ended or `timeout` passed; returns whether it
+    /// ended and its record (`None` when there is no such refit).
+    ///
+    /// # Errors
+    /// [`Error::Rpc`], or [`Error::InvalidField`] when the record does not decode.
+    pub async fn wait_refit(
+        &self,
+        id: u64,
+        timeout: Duration,
+    ) -> Result<(bool, Option<Refit>), Error> {
+        let r = self
+            .rpc()
+            .wait_refit(pb::WaitRefitRequest {
+                refit_id: id,
+                timeout_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
             })
             .await
-            .map_err(|s| Error::rpc("RegisterWorker", s))?;
-        Ok(())
+            .map_err(|s| Error::rpc("WaitRefit", s))?
+            .into_inner();
+        Ok((r.ended, r.refit.as_ref().map(convert::refit).transpose()?))
     }
 
     /// The distinct layouts of registered workers, sorted.

@@ -8,6 +8,7 @@ use mx_layout::{
 };
 
 use crate::pb;
+use crate::refit::{EngineApi, EngineEndpoint, GenerationCheck, PauseMode, Refit, RefitSpec};
 use crate::types::{
     AppliedReport, Command, CoverageGap, FleetStatus, StagedReport, VersionInfo, VersionState,
     VersionSummary, WorkerState, WorkerStatus,
@@ -481,9 +482,164 @@ pub(crate) fn fleet_pb(f: &FleetStatus) -> pb::FleetStatus {
                 last_error: w.last_error.clone().unwrap_or_default(),
                 last_staged: w.last_staged.as_ref().map(staged_pb),
                 last_applied: w.last_applied.as_ref().map(applied_pb),
+                engine: w.engine.as_ref().map(engine_pb),
+                resident_id: w.resident_id.clone().unwrap_or_default(),
+                admitted: w.admitted,
+                admission: w.admission.clone(),
+                connected: w.connected,
             })
             .collect(),
+        fleet_label: f
+            .fleet_version
+            .as_ref()
+            .map(|v| v.0.clone())
+            .unwrap_or_default(),
+        fleet_version: f
+            .fleet_version
+            .as_ref()
+            .map(|v| v.1.clone())
+            .unwrap_or_default(),
+        open_refit: f.open_refit.unwrap_or(0),
     }
+}
+
+/// Encodes an engine endpoint.
+pub(crate) fn engine_pb(e: &EngineEndpoint) -> pb::EngineEndpoint {
+    pb::EngineEndpoint {
+        api: match e.api {
+            EngineApi::Dynamo => pb::EngineApi::Dynamo as i32,
+            EngineApi::Sglang => pb::EngineApi::Sglang as i32,
+        },
+        system_url: e.system_url.clone(),
+    }
+}
+
+/// Decodes an engine endpoint: a known api and an http(s) system_url.
+pub(crate) fn engine(p: &pb::EngineEndpoint, field: &str) -> Result<EngineEndpoint, Error> {
+    let api = match pb::EngineApi::try_from(p.api) {
+        Ok(pb::EngineApi::Dynamo) => EngineApi::Dynamo,
+        Ok(pb::EngineApi::Sglang) => EngineApi::Sglang,
+        _ => {
+            return Err(invalid(
+                &format!("{field}.api"),
+                format!("unknown engine api {}", p.api),
+            ))
+        }
+    };
+    if !(p.system_url.starts_with("http://") || p.system_url.starts_with("https://")) {
+        return Err(invalid(
+            &format!("{field}.system_url"),
+            format!("{:?} is not an http(s) URL", p.system_url),
+        ));
+    }
+    Ok(EngineEndpoint {
+        api,
+        system_url: p.system_url.clone(),
+    })
+}
+
+/// Decodes a pause mode (unspecified = wait).
+pub(crate) fn pause_mode(v: i32, field: &str) -> Result<PauseMode, Error> {
+    match pb::PauseMode::try_from(v) {
+        Ok(pb::PauseMode::Unspecified | pb::PauseMode::Wait) => Ok(PauseMode::Wait),
+        Ok(pb::PauseMode::Keep) => Ok(PauseMode::Keep),
+        Ok(pb::PauseMode::Abort) => Ok(PauseMode::Abort),
+        Err(_) => Err(invalid(field, format!("unknown pause mode {v}"))),
+    }
+}
+
+/// Encodes a pause mode.
+pub(crate) fn pause_mode_pb(m: PauseMode) -> i32 {
+    match m {
+        PauseMode::Keep => pb::PauseMode::Keep as i32,
+        PauseMode::Wait => pb::PauseMode::Wait as i32,
+        PauseMode::Abort => pb::PauseMode::Abort as i32,
+    }
+}
+
+/// Decodes a refit request into a spec (defaults filled in; checks the check).
+pub(crate) fn refit_spec(p: &pb::RefitRequest) -> Result<RefitSpec, Error> {
+    let check = match &p.check {
+        None => None,
+        Some(c) => {
+            if c.prompt_tokens.is_empty() {
+                return Err(invalid("check.prompt_tokens", "empty prompt"));
+            }
+            if c.max_new_tokens == 0 {
+                return Err(invalid("check.max_new_tokens", "must be >= 1"));
+            }
+            if !c.expected_tokens.is_empty() && c.expected_tokens.len() != c.max_new_tokens as usize
+            {
+                return Err(invalid(
+                    "check.expected_tokens",
+                    format!(
+                        "{} golden tokens for max_new_tokens {}",
+                        c.expected_tokens.len(),
+                        c.max_new_tokens
+                    ),
+                ));
+            }
+            Some(GenerationCheck {
+                prompt_tokens: c.prompt_tokens.clone(),
+                max_new_tokens: c.max_new_tokens,
+                expected_tokens: c.expected_tokens.clone(),
+            })
+        }
+    };
+    Ok(RefitSpec {
+        label: non_empty(&p.label, "label")?,
+        worker_ids: p.worker_ids.clone(),
+        pause_mode: pause_mode(p.pause_mode, "pause_mode")?,
+        allow_partial: p.allow_partial,
+        check,
+        framework_step: p.framework_step,
+        stage_timeout_ms: if p.stage_timeout_ms == 0 {
+            crate::refit::DEFAULT_STAGE_TIMEOUT_MS
+        } else {
+            p.stage_timeout_ms
+        },
+        call_timeout_ms: if p.call_timeout_ms == 0 {
+            crate::refit::DEFAULT_CALL_TIMEOUT_MS
+        } else {
+            p.call_timeout_ms
+        },
+    })
+}
+
+/// Encodes a refit spec as a request.
+pub(crate) fn refit_request_pb(s: &RefitSpec) -> pb::RefitRequest {
+    pb::RefitRequest {
+        label: s.label.clone(),
+        worker_ids: s.worker_ids.clone(),
+        pause_mode: pause_mode_pb(s.pause_mode),
+        allow_partial: s.allow_partial,
+        check: s.check.as_ref().map(|c| pb::GenerationCheck {
+            prompt_tokens: c.prompt_tokens.clone(),
+            max_new_tokens: c.max_new_tokens,
+            expected_tokens: c.expected_tokens.clone(),
+        }),
+        framework_step: s.framework_step,
+        stage_timeout_ms: s.stage_timeout_ms,
+        call_timeout_ms: s.call_timeout_ms,
+    }
+}
+
+/// Encodes a refit (summary fields plus the JSON record).
+pub(crate) fn refit_pb(r: &Refit) -> pb::RefitInfo {
+    pb::RefitInfo {
+        id: r.id,
+        label: r.spec.label.clone(),
+        phase: r.phase.to_string(),
+        outcome: r.outcome.map(|o| o.to_string()).unwrap_or_default(),
+        reason: r.reason.clone(),
+        detail_json: serde_json::to_vec(r).unwrap_or_default(),
+    }
+}
+
+/// Decodes a refit from its JSON record.
+pub(crate) fn refit(p: &pb::RefitInfo) -> Result<Refit, Error> {
+    serde_json::from_slice(&p.detail_json)
+        .map_err(|e| invalid("detail_json", format!("refit {}: {e}", p.id)))
 }
 
 fn opt_string(s: &str) -> Option<String> {
@@ -534,9 +690,21 @@ pub(crate) fn fleet(p: &pb::FleetStatus) -> Result<FleetStatus, Error> {
                         .as_ref()
                         .map(|r| applied(r, &f("last_applied.")))
                         .transpose()?,
+                    engine: w
+                        .engine
+                        .as_ref()
+                        .map(|e| engine(e, &f("engine")))
+                        .transpose()?,
+                    resident_id: opt_string(&w.resident_id),
+                    admitted: w.admitted,
+                    admission: w.admission.clone(),
+                    connected: w.connected,
                 })
             })
             .collect::<Result<_, Error>>()?,
+        fleet_version: (!p.fleet_version.is_empty())
+            .then(|| (p.fleet_label.clone(), p.fleet_version.clone())),
+        open_refit: (p.open_refit != 0).then_some(p.open_refit),
     })
 }
 

@@ -88,6 +88,14 @@ pub enum Error {
         /// What the call needed.
         reason: String,
     },
+    /// A refit record or request does not fit the refit's state.
+    #[error("refit {id}: {reason}")]
+    Refit {
+        /// Refit id.
+        id: u64,
+        /// What is wrong.
+        reason: String,
+    },
     /// A worker is not in a state that allows the call.
     #[error("worker {worker_id:?} is {state} (version {label:?}): {reason}")]
     WorkerState {
@@ -203,6 +211,7 @@ impl Error {
             // A worker must register before it is staged, committed, watched or reports.
             Error::UnknownWorker { .. }
             | Error::VersionState { .. }
+            | Error::Refit { .. }
             | Error::WorkerState { .. } => Code::FailedPrecondition,
             Error::WaitNotReached { .. } => Code::DeadlineExceeded,
             Error::Transport { .. } => Code::Unavailable,

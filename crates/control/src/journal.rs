@@ -260,6 +260,8 @@ mod tests {
                 scheme: Scheme::VllmTp,
                 world_size: 1,
             },
+            engine: None,
+            resident_version: None,
         }
     }
 

@@ -24,8 +24,10 @@
 
 pub mod client;
 mod convert;
+mod driver;
 mod error;
 pub mod journal;
+pub mod refit;
 mod server;
 pub mod state;
 pub mod types;
@@ -38,6 +40,10 @@ pub mod pb {
 }
 
 pub use error::{Error, OptionalState};
+pub use refit::{
+    model_path, version_id, Action, CallResult, EngineApi, EngineEndpoint, GenerationCheck,
+    Outcome, PauseMode, Phase, Refit, RefitSpec, RefitWorker, Registration,
+};
 pub use server::{serve, spawn, ControlPlaneConfig, ServerHandle};
 pub use types::{
     AppliedReport, Command, CoverageGap, FleetStatus, StagedReport, VersionInfo, VersionState,

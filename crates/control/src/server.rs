@@ -1,8 +1,9 @@
 //! The tonic service: converts requests at the edge, runs them through the journal and the state
 //! machine, wakes command streams and waiters.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
+use crate::refit::{now_ms, version_id, Outcome, Phase, Refit, RefitSpec, RefitWorker};
 use crate::WorkerState;
 use std::future::Future;
 use std::net::SocketAddr;
@@ -50,9 +51,25 @@ struct Mailbox {
     notify: Notify,
     /// Bumped by every new stream; an older stream sees a different value and ends.
     stream_gen: AtomicU64,
+    /// Command streams open now (a worker with none is not connected).
+    open_streams: AtomicU64,
 }
 
-struct Shared {
+/// Counts an open command stream for as long as it lives.
+struct StreamGuard {
+    shared: Arc<Shared>,
+    mailbox: Arc<Mailbox>,
+}
+
+impl Drop for StreamGuard {
+    fn drop(&mut self) {
+        self.mailbox.open_streams.fetch_sub(1, Ordering::SeqCst);
+        self.shared.changes.send_modify(|n| *n = n.wrapping_add(1));
+    }
+}
+
+/// The state, journal and wake-ups shared by the RPC handlers and refit drivers.
+pub(crate) struct Shared {
     core: Mutex<Core>,
     /// Bumped after every state change (for `WaitVersion`).
     changes: watch::Sender<u64>,
@@ -99,8 +116,18 @@ impl Shared {
             .clone()
     }
 
+    /// True while `worker_id` has an open command stream.
+    pub(crate) fn connected(&self, worker_id: &str) -> bool {
+        self.mailbox(worker_id).open_streams.load(Ordering::SeqCst) > 0
+    }
+
+    /// A receiver woken after every state or connection change.
+    pub(crate) fn subscribe(&self) -> watch::Receiver<u64> {
+        self.changes.subscribe()
+    }
+
     /// Check, journal (fsync), apply; then wake whoever must hear about it.
-    async fn mutate(self: &Arc<Self>, rec: Record) -> Result<(), Error> {
+    pub(crate) async fn mutate(self: &Arc<Self>, rec: Record) -> Result<(), Error> {
         let shared = Arc::clone(self);
         let effects = tokio::task::spawn_blocking(move || {
             let mut core = lock(&shared.core);
@@ -125,7 +152,7 @@ impl Shared {
         Ok(())
     }
 
-    fn read<R>(&self, f: impl FnOnce(&State) -> R) -> R {
+    pub(crate) fn read<R>(&self, f: impl FnOnce(&State) -> R) -> R {
         f(&lock(&self.core).state)
     }
 }
@@ -149,6 +176,12 @@ async fn pump(
 ) {
     let mut closing = shared.closing.subscribe();
     let mut last_sent = None;
+    mailbox.open_streams.fetch_add(1, Ordering::SeqCst);
+    shared.changes.send_modify(|n| *n = n.wrapping_add(1));
+    let _guard = StreamGuard {
+        shared: Arc::clone(&shared),
+        mailbox: Arc::clone(&mailbox),
+    };
     loop {
         let notified = mailbox.notify.notified();
         tokio::pin!(notified);
@@ -234,6 +267,12 @@ impl ControlPlane for Service {
         let r = req.into_inner();
         let rec = Record::Register {
             layout: convert::req_layout(&r.layout, "layout")?,
+            engine: r
+                .engine
+                .as_ref()
+                .map(|e| convert::engine(e, "engine"))
+                .transpose()?,
+            resident_version: (!r.resident_version.is_empty()).then_some(r.resident_version),
             worker_id: r.worker_id,
             instance: r.instance,
             ranks: r.ranks,
@@ -333,7 +372,10 @@ impl ControlPlane for Service {
         &self,
         _req: Request<pb::GetStatusRequest>,
     ) -> Result<Response<pb::FleetStatus>, Status> {
-        let status = self.shared.read(State::fleet_status);
+        let mut status = self.shared.read(State::fleet_status);
+        for w in &mut status.workers {
+            w.connected = self.shared.connected(&w.worker_id);
+        }
         Ok(Response::new(convert::fleet_pb(&status)))
     }
 
@@ -393,6 +435,57 @@ impl ControlPlane for Service {
         }
     }
 
+    async fn refit(
+        &self,
+        req: Request<pb::RefitRequest>,
+    ) -> Result<Response<pb::RefitResponse>, Status> {
+        let spec = convert::refit_spec(&req.into_inner())?;
+        let refit_id = start_refit(&self.shared, spec).await?;
+        Ok(Response::new(pb::RefitResponse { refit_id }))
+    }
+
+    async fn wait_refit(
+        &self,
+        req: Request<pb::WaitRefitRequest>,
+    ) -> Result<Response<pb::WaitRefitResponse>, Status> {
+        let r = req.into_inner();
+        let wait = Duration::from_millis(r.timeout_ms.min(MAX_WAIT_MS));
+        let deadline = tokio::time::Instant::now() + wait;
+        let mut changes = self.shared.changes.subscribe();
+        let mut closing = self.shared.closing.subscribe();
+        loop {
+            changes.borrow_and_update();
+            let refit = self.shared.read(|s| {
+                let id = if r.refit_id == 0 {
+                    s.next_refit_id().saturating_sub(1)
+                } else {
+                    r.refit_id
+                };
+                s.refit(id).cloned()
+            });
+            let ended = refit.as_ref().is_some_and(|x| x.outcome.is_some());
+            if ended
+                || refit.is_none()
+                || tokio::time::Instant::now() >= deadline
+                || *closing.borrow_and_update()
+            {
+                return Ok(Response::new(pb::WaitRefitResponse {
+                    ended,
+                    refit: refit.as_ref().map(convert::refit_pb),
+                }));
+            }
+            tokio::select! {
+                _ = tokio::time::sleep_until(deadline) => {}
+                r = changes.changed() => {
+                    if r.is_err() {
+                        return Err(Status::unavailable("control plane shutting down"));
+                    }
+                }
+                _ = closing.changed() => {}
+            }
+        }
+    }
+
     async fn wait_version(
         &self,
         req: Request<pb::WaitVersionRequest>,
@@ -429,9 +522,130 @@ impl ControlPlane for Service {
     }
 }
 
-/// Replays the journal and returns the service with its shared state.
+/// Validates a refit request, journals its BEGIN and starts its driver; returns its id. A refit
+/// of the version every worker of the set already runs, right after a committed refit of the
+/// same set, changes nothing and answers that refit's id (idempotent).
+async fn start_refit(shared: &Arc<Shared>, mut spec: RefitSpec) -> Result<u64, Error> {
+    let mut seen = std::collections::BTreeSet::new();
+    for (i, w) in spec.worker_ids.iter().enumerate() {
+        if w.is_empty() || !seen.insert(w.clone()) {
+            return Err(Error::InvalidField {
+                field: format!("worker_ids[{i}]"),
+                reason: format!("empty or duplicate worker id {w:?}"),
+            });
+        }
+    }
+    if seen.is_empty() {
+        return Err(Error::InvalidField {
+            field: "worker_ids".into(),
+            reason: "empty worker set".into(),
+        });
+    }
+    spec.worker_ids = seen.into_iter().collect();
+    let begin = shared.read(|s| -> Result<Result<Refit, u64>, Error> {
+        let info = s
+            .version_info(&spec.label)
+            .ok_or_else(|| Error::UnknownVersion {
+                label: spec.label.clone(),
+            })?;
+        let digest = info.version_digest.ok_or_else(|| Error::VersionState {
+            label: spec.label.clone(),
+            state: info.state,
+            reason: "a refit needs a READY version".into(),
+        })?;
+        let target = version_id(&digest);
+        let mut workers = BTreeMap::new();
+        let mut dropped = Vec::new();
+        for w in &spec.worker_ids {
+            let (engine, resident) = s.worker_engine(w).ok_or_else(|| Error::UnknownWorker {
+                worker_id: w.clone(),
+            })?;
+            if engine.is_none() {
+                return Err(Error::InvalidField {
+                    field: "worker_ids".into(),
+                    reason: format!(
+                        "worker {w} registered no engine routes: it cannot be refitted"
+                    ),
+                });
+            }
+            if !shared.connected(w) {
+                dropped.push((w.clone(), "not connected to the control plane".to_string()));
+                if spec.allow_partial {
+                    continue;
+                }
+            }
+            workers.insert(
+                w.clone(),
+                RefitWorker {
+                    previous: resident.clone(),
+                    resident,
+                    stage_seconds: 0.0,
+                    stage_bytes: 0,
+                    calls: Vec::new(),
+                },
+            );
+        }
+        // Idempotent: the same set already committed this version and nothing moved since.
+        if let Some(last) = s.refits().last() {
+            let same_set = last.spec.worker_ids == spec.worker_ids;
+            let all_there = workers
+                .values()
+                .all(|w| w.resident.as_deref() == Some(target.as_str()));
+            if last.outcome == Some(Outcome::Committed)
+                && last.target == target
+                && same_set
+                && all_there
+                && dropped.is_empty()
+                && s.fleet_version().is_some_and(|(_, v)| *v == target)
+            {
+                return Ok(Err(last.id));
+            }
+        }
+        spec.worker_ids = workers.keys().cloned().collect();
+        Ok(Ok(Refit {
+            id: s.next_refit_id(),
+            digest,
+            target,
+            dropped,
+            phase: Phase::Stage,
+            phases: vec![(Phase::Stage, now_ms())],
+            workers,
+            outcome: None,
+            reason: String::new(),
+            started_ms: now_ms(),
+            ended_ms: None,
+            recovered: false,
+            spec: spec.clone(),
+        }))
+    })?;
+    let refit = match begin {
+        Ok(r) => r,
+        Err(done) => {
+            tracing::info!(
+                refit = done,
+                label = spec.label,
+                "refit is a no-op: already committed"
+            );
+            return Ok(done);
+        }
+    };
+    let id = refit.id;
+    shared
+        .mutate(Record::RefitBegin {
+            refit: Box::new(refit),
+        })
+        .await?;
+    tokio::spawn(crate::driver::drive(Arc::clone(shared), id, false));
+    Ok(id)
+}
+
+/// Replays the journal and returns the service with its shared state; starts the recovery of a
+/// refit the journal left open.
 fn build(cfg: &ControlPlaneConfig) -> Result<(ControlPlaneServer<Service>, Arc<Shared>), Error> {
     let shared = Arc::new(Shared::open(&cfg.journal_path)?);
+    if let Some(id) = shared.read(State::open_refit_id) {
+        tokio::spawn(crate::driver::drive(Arc::clone(&shared), id, true));
+    }
     let svc = ControlPlaneServer::new(Service {
         shared: Arc::clone(&shared),
     })

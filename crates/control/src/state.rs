@@ -11,6 +11,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use mx_layout::{version_digest, Digest, LayoutSpec, SourceManifest, TensorBox, TensorSpec};
 use serde::{Deserialize, Serialize};
 
+use crate::refit::{Action, CallResult, EngineEndpoint, Outcome, Phase, Refit, WorkerCall};
 use crate::types::{
     AppliedReport, Command, CoverageGap, FleetStatus, StagedReport, VersionInfo, VersionState,
     VersionSummary, WorkerState, WorkerStatus,
@@ -48,6 +49,12 @@ pub enum Record {
         ranks: Vec<u32>,
         /// Its inference layout.
         layout: LayoutSpec,
+        /// Its engine routes (absent in journals written before engines were known).
+        #[serde(default)]
+        engine: Option<EngineEndpoint>,
+        /// The version id resident in its live weights.
+        #[serde(default)]
+        resident_version: Option<String>,
     },
     /// The orchestrator asks workers to stage a READY version.
     Stage {
@@ -72,6 +79,59 @@ pub enum Record {
     Applied {
         /// The report.
         report: AppliedReport,
+    },
+    /// A refit begins (phase STAGE): the whole plan, every worker's previous version.
+    RefitBegin {
+        /// The refit as it starts.
+        refit: Box<Refit>,
+    },
+    /// A refit enters a phase.
+    RefitPhase {
+        /// Refit id.
+        id: u64,
+        /// The new phase.
+        phase: Phase,
+        /// Unix ms.
+        at_ms: u64,
+        /// Why (for ABORT and ROLLBACK: the failure).
+        #[serde(default)]
+        reason: String,
+        /// Entered by a control plane that recovered the refit after a restart.
+        #[serde(default)]
+        recovered: bool,
+    },
+    /// The control plane is about to call a worker's engine (written before the call).
+    WorkerCall {
+        /// Refit id.
+        id: u64,
+        /// Worker.
+        worker_id: String,
+        /// The call.
+        action: Action,
+    },
+    /// The result of the worker's last call without one.
+    WorkerDone {
+        /// Refit id.
+        id: u64,
+        /// Worker.
+        worker_id: String,
+        /// The result.
+        result: CallResult,
+    },
+    /// A refit ends.
+    RefitEnd {
+        /// Refit id.
+        id: u64,
+        /// How.
+        outcome: Outcome,
+        /// Why it did not commit.
+        #[serde(default)]
+        reason: String,
+        /// Unix ms.
+        at_ms: u64,
+        /// Ended by a control plane that recovered the refit after a restart.
+        #[serde(default)]
+        recovered: bool,
     },
 }
 
@@ -102,6 +162,8 @@ struct Version {
     missing_tensors: Vec<String>,
     gaps: Vec<CoverageGap>,
     commit_set: Vec<String>,
+    /// State before the open refit began (restored when it does not commit).
+    before_refit: Option<VersionState>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -116,6 +178,14 @@ struct Worker {
     last_error: Option<String>,
     last_staged: Option<StagedReport>,
     last_applied: Option<AppliedReport>,
+    engine: Option<EngineEndpoint>,
+    /// Version id resident in its live weights, as last learned.
+    resident_id: Option<String>,
+    /// Rollouts may be sent to it: its resident version is the fleet's committed one and no
+    /// refit of it is open.
+    admitted: bool,
+    /// Why it is not admitted (empty when admitted).
+    admission: String,
     /// Increases every time a command is issued to this worker (kept across re-registration), so
     /// a command stream knows whether the pending command is new to it.
     command_seq: u64,
@@ -127,6 +197,10 @@ pub struct State {
     versions: BTreeMap<String, Version>,
     next_order: u64,
     workers: BTreeMap<String, Worker>,
+    refits: BTreeMap<u64, Refit>,
+    next_refit: u64,
+    /// The version the fleet last committed: (label, version id).
+    fleet_version: Option<(String, String)>,
 }
 
 fn invalid(field: impl Into<String>, reason: impl Into<String>) -> Error {
@@ -191,6 +265,66 @@ impl State {
             Record::Staged { report } => self.check_staged(report),
             Record::Commit { label, worker_ids } => self.check_commit(label, worker_ids),
             Record::Applied { report } => self.check_applied(report),
+            Record::RefitBegin { refit } => self.check_refit_begin(refit),
+            Record::RefitPhase { id, phase, .. } => {
+                let r = self.open_refit(*id)?;
+                if phase_follows(r, *phase) {
+                    Ok(Check::Apply)
+                } else {
+                    Err(Error::Refit {
+                        id: *id,
+                        reason: format!("phase {} cannot follow {}", phase, r.phase),
+                    })
+                }
+            }
+            Record::WorkerCall { id, worker_id, .. } => {
+                let r = self.open_refit(*id)?;
+                let w = refit_worker(r, worker_id)?;
+                if w.calls.last().is_some_and(|c| c.result.is_none()) {
+                    return Err(Error::Refit {
+                        id: *id,
+                        reason: format!("worker {worker_id} already has a call in flight"),
+                    });
+                }
+                Ok(Check::Apply)
+            }
+            Record::WorkerDone { id, worker_id, .. } => {
+                let r = self.open_refit(*id)?;
+                let w = refit_worker(r, worker_id)?;
+                if w.calls.last().is_none_or(|c| c.result.is_some()) {
+                    return Err(Error::Refit {
+                        id: *id,
+                        reason: format!("worker {worker_id} has no call in flight"),
+                    });
+                }
+                Ok(Check::Apply)
+            }
+            Record::RefitEnd { id, outcome, .. } => {
+                let r = self.open_refit(*id)?;
+                let fits = match outcome {
+                    Outcome::Committed => r.phase == Phase::Commit,
+                    Outcome::Aborted => r.phase == Phase::Abort,
+                    Outcome::RolledBack => r.phase == Phase::Rollback,
+                    Outcome::Fenced => matches!(r.phase, Phase::Abort | Phase::Rollback),
+                };
+                if !fits {
+                    return Err(Error::Refit {
+                        id: *id,
+                        reason: format!("outcome {outcome} cannot end phase {}", r.phase),
+                    });
+                }
+                if let Some((w, _)) = r
+                    .workers
+                    .iter()
+                    .find(|(_, w)| w.calls.last().is_some_and(|c| c.result.is_none()))
+                {
+                    return Err(Error::Refit {
+                        id: *id,
+                        reason: format!("worker {w} still has a call in flight"),
+                    });
+                }
+                Ok(Check::Apply)
+            }
         }
     }
 
@@ -222,6 +356,7 @@ impl State {
                         missing_tensors: Vec::new(),
                         gaps: Vec::new(),
                         commit_set: Vec::new(),
+                        before_refit: None,
                     },
                 );
                 Effects::default()
@@ -238,8 +373,11 @@ impl State {
                 instance,
                 ranks,
                 layout,
+                engine,
+                resident_version,
             } => {
                 let command_seq = self.workers.get(&worker_id).map_or(0, |w| w.command_seq);
+                let (admitted, admission) = self.admission(&worker_id, resident_version.as_deref());
                 self.workers.insert(
                     worker_id.clone(),
                     Worker {
@@ -253,6 +391,10 @@ impl State {
                         last_error: None,
                         last_staged: None,
                         last_applied: None,
+                        engine,
+                        resident_id: resident_version,
+                        admitted,
+                        admission,
                         command_seq,
                     },
                 );
@@ -344,8 +486,254 @@ impl State {
                 self.settle_commit(&label);
                 Effects::default()
             }
+            Record::RefitBegin { refit } => {
+                let refit = *refit;
+                self.next_refit = refit.id + 1;
+                if let Some(v) = self.versions.get_mut(&refit.spec.label) {
+                    v.before_refit = Some(v.state);
+                    v.state = VersionState::Committing;
+                    v.commit_set = refit.spec.worker_ids.clone();
+                }
+                for id in &refit.spec.worker_ids {
+                    if let Some(w) = self.workers.get_mut(id) {
+                        w.admitted = false;
+                        w.admission =
+                            format!("refit {} to {} in progress", refit.id, refit.spec.label);
+                    }
+                }
+                self.refits.insert(refit.id, refit);
+                Effects::default()
+            }
+            Record::RefitPhase {
+                id,
+                phase,
+                at_ms,
+                reason,
+                recovered,
+            } => {
+                if let Some(r) = self.refits.get_mut(&id) {
+                    r.phase = phase;
+                    r.phases.push((phase, at_ms));
+                    if !reason.is_empty() {
+                        r.reason = reason;
+                    }
+                    r.recovered |= recovered;
+                }
+                Effects::default()
+            }
+            Record::WorkerCall {
+                id,
+                worker_id,
+                action,
+            } => {
+                if let Some(r) = self.refits.get_mut(&id) {
+                    let phase = r.phase;
+                    if let Some(w) = r.workers.get_mut(&worker_id) {
+                        w.calls.push(WorkerCall {
+                            action,
+                            phase,
+                            result: None,
+                        });
+                    }
+                }
+                Effects::default()
+            }
+            Record::WorkerDone {
+                id,
+                worker_id,
+                result,
+            } => {
+                let mut learned = None;
+                if let Some(w) = self
+                    .refits
+                    .get_mut(&id)
+                    .and_then(|r| r.workers.get_mut(&worker_id))
+                {
+                    if let Some(c) = w.calls.last_mut() {
+                        if result.ok {
+                            learned = match &c.action {
+                                // SGLang answers no version: an update that succeeded installed
+                                // what was asked.
+                                Action::Apply { version } => {
+                                    Some(result.version.clone().unwrap_or_else(|| version.clone()))
+                                }
+                                Action::ReadVersion => result.version.clone(),
+                                _ => None,
+                            };
+                        }
+                        c.result = Some(result);
+                    }
+                    if let Some(v) = &learned {
+                        w.resident = Some(v.clone());
+                    }
+                }
+                if let (Some(v), Some(w)) = (learned, self.workers.get_mut(&worker_id)) {
+                    w.resident_id = Some(v);
+                }
+                Effects::default()
+            }
+            Record::RefitEnd {
+                id,
+                outcome,
+                reason,
+                at_ms,
+                recovered,
+            } => {
+                let Some(r) = self.refits.get_mut(&id) else {
+                    return Ok(Effects::default());
+                };
+                r.outcome = Some(outcome);
+                r.recovered |= recovered;
+                r.ended_ms = Some(at_ms);
+                if !reason.is_empty() {
+                    r.reason = reason;
+                }
+                let label = r.spec.label.clone();
+                let target = r.target.clone();
+                let set = r.spec.worker_ids.clone();
+                if outcome == Outcome::Committed {
+                    self.fleet_version = Some((label.clone(), target));
+                }
+                if let Some(v) = self.versions.get_mut(&label) {
+                    let before = v.before_refit.take().unwrap_or(VersionState::Ready);
+                    v.state = if outcome == Outcome::Committed {
+                        VersionState::Committed
+                    } else {
+                        before
+                    };
+                }
+                for wid in set {
+                    let resident = self.workers.get(&wid).and_then(|w| w.resident_id.clone());
+                    let (admitted, admission) = self.admission(&wid, resident.as_deref());
+                    if let Some(w) = self.workers.get_mut(&wid) {
+                        w.admitted = admitted;
+                        w.admission = admission;
+                    }
+                }
+                Effects::default()
+            }
         };
         Ok(effects)
+    }
+
+    /// Whether a worker with `resident` may take rollouts, and why not.
+    fn admission(&self, worker_id: &str, resident: Option<&str>) -> (bool, String) {
+        if let Some(r) = self.open_refit_of(worker_id) {
+            return (
+                false,
+                format!("refit {} to {} in progress", r.id, r.spec.label),
+            );
+        }
+        match (&self.fleet_version, resident) {
+            (_, None) => (false, "no weights resident".to_string()),
+            (None, Some(v)) => (
+                false,
+                format!("stale: resident {v}, but the fleet has committed no version"),
+            ),
+            (Some((label, fleet)), Some(v)) if v == fleet => {
+                let _ = label;
+                (true, String::new())
+            }
+            (Some((label, fleet)), Some(v)) => (
+                false,
+                format!("stale: resident {v}, the fleet committed {label} ({fleet})"),
+            ),
+        }
+    }
+
+    /// The open refit whose set holds `worker_id`.
+    fn open_refit_of(&self, worker_id: &str) -> Option<&Refit> {
+        self.refits
+            .values()
+            .find(|r| r.outcome.is_none() && r.workers.contains_key(worker_id))
+    }
+
+    fn open_refit(&self, id: u64) -> Result<&Refit, Error> {
+        match self.refits.get(&id) {
+            Some(r) if r.outcome.is_none() => Ok(r),
+            Some(r) => Err(Error::Refit {
+                id,
+                reason: format!(
+                    "already ended {}",
+                    r.outcome.map_or_else(String::new, |o| o.to_string())
+                ),
+            }),
+            None => Err(Error::Refit {
+                id,
+                reason: "no such refit".to_string(),
+            }),
+        }
+    }
+
+    fn check_refit_begin(&self, r: &Refit) -> Result<Check, Error> {
+        if let Some(open) = self.refits.values().find(|r| r.outcome.is_none()) {
+            return Err(Error::Refit {
+                id: r.id,
+                reason: format!(
+                    "refit {} to {} is still open (one refit at a time)",
+                    open.id, open.spec.label
+                ),
+            });
+        }
+        if r.id != self.next_refit.max(1) {
+            return Err(Error::Refit {
+                id: r.id,
+                reason: format!("refit ids go in order: expected {}", self.next_refit.max(1)),
+            });
+        }
+        let v = self.version(&r.spec.label)?;
+        if !matches!(v.state, VersionState::Ready | VersionState::Committed)
+            || v.digest != Some(r.digest)
+        {
+            return Err(Error::VersionState {
+                label: r.spec.label.clone(),
+                state: v.state,
+                reason: "a refit needs a READY (or once committed) version with this digest"
+                    .to_string(),
+            });
+        }
+        for id in r.workers.keys() {
+            self.worker(id)?;
+        }
+        Ok(Check::Apply)
+    }
+
+    /// The open refit, if any.
+    pub fn open_refit_id(&self) -> Option<u64> {
+        self.refits
+            .values()
+            .find(|r| r.outcome.is_none())
+            .map(|r| r.id)
+    }
+
+    /// A refit by id.
+    pub fn refit(&self, id: u64) -> Option<&Refit> {
+        self.refits.get(&id)
+    }
+
+    /// The id the next refit must have.
+    pub fn next_refit_id(&self) -> u64 {
+        self.next_refit.max(1)
+    }
+
+    /// Every refit, ascending id.
+    pub fn refits(&self) -> impl Iterator<Item = &Refit> {
+        self.refits.values()
+    }
+
+    /// The version the fleet last committed: (label, version id).
+    pub fn fleet_version(&self) -> Option<&(String, String)> {
+        self.fleet_version.as_ref()
+    }
+
+    /// A worker's engine endpoint and resident version id.
+    pub fn worker_engine(
+        &self,
+        worker_id: &str,
+    ) -> Option<(Option<EngineEndpoint>, Option<String>)> {
+        self.workers
+            .get(worker_id)
+            .map(|w| (w.engine.clone(), w.resident_id.clone()))
     }
 
     /// Moves a COMMITTING version to COMMITTED when its whole set applied, or to FAILED when one
@@ -602,7 +990,11 @@ impl State {
 
     fn check_stage(&self, label: &str, worker_ids: &[String]) -> Result<Check, Error> {
         let v = self.version(label)?;
-        if v.state != VersionState::Ready {
+        // COMMITTING: a refit stages it; COMMITTED: a refit back to it (or a late worker).
+        if !matches!(
+            v.state,
+            VersionState::Ready | VersionState::Committing | VersionState::Committed
+        ) {
             return Err(Error::VersionState {
                 label: label.to_string(),
                 state: v.state,
@@ -796,8 +1188,16 @@ impl State {
                     last_error: w.last_error.clone(),
                     last_staged: w.last_staged.clone(),
                     last_applied: w.last_applied.clone(),
+                    engine: w.engine.clone(),
+                    resident_id: w.resident_id.clone(),
+                    admitted: w.admitted,
+                    admission: w.admission.clone(),
+                    // Known to the server only (streams are not state).
+                    connected: false,
                 })
                 .collect(),
+            fleet_version: self.fleet_version.clone(),
+            open_refit: self.open_refit_id(),
         }
     }
 
@@ -834,6 +1234,26 @@ fn check_register(worker_id: &str, ranks: &[u32], layout: &LayoutSpec) -> Result
         }
     }
     Ok(Check::Apply)
+}
+
+/// Whether a refit in `r.phase` may enter `next`.
+fn phase_follows(r: &Refit, next: Phase) -> bool {
+    use Phase::*;
+    match (r.phase, next) {
+        (Stage, Prepare) | (Prepare, Apply) | (Apply, Verify) | (Verify, Resume) => true,
+        (Resume, Check) | (Resume, Commit) | (Check, Commit) => true,
+        (Stage | Prepare, Abort) => true,
+        (Apply, Abort) => !r.past_no_return(),
+        (Apply | Verify | Resume | Check, Rollback) => true,
+        _ => false,
+    }
+}
+
+fn refit_worker<'a>(r: &'a Refit, worker_id: &str) -> Result<&'a crate::refit::RefitWorker, Error> {
+    r.workers.get(worker_id).ok_or_else(|| Error::Refit {
+        id: r.id,
+        reason: format!("worker {worker_id} is not in the refit's set"),
+    })
 }
 
 impl Worker {
@@ -1081,6 +1501,8 @@ mod tests {
             instance: "i0".into(),
             ranks: vec![0],
             layout: LAYOUT,
+            engine: None,
+            resident_version: None,
         })
         .unwrap();
         let commit = Record::Commit {
@@ -1157,5 +1579,220 @@ mod tests {
         assert_eq!(info.state, VersionState::Publishing);
         assert_eq!(info.missing_tensors, vec!["b".to_string()]);
         assert_eq!(info.version_digest, None);
+    }
+
+    fn ready_state() -> (State, Digest) {
+        let mut st = State::new();
+        st.apply(Record::Declare {
+            label: "v1".into(),
+            trainer_layout: LAYOUT,
+            tensors: vec![spec("w", &[4, 2])],
+        })
+        .unwrap();
+        for slot in 0..2u32 {
+            let b = bx(&[u64::from(slot) * 2, 0], &[2, 2]);
+            st.apply(Record::Publish {
+                label: "v1".into(),
+                manifest: manifest(slot, vec![shard("w", &[4, 2], b)]),
+            })
+            .unwrap();
+        }
+        for id in ["a", "b"] {
+            st.apply(Record::Register {
+                worker_id: id.into(),
+                instance: id.into(),
+                ranks: vec![0],
+                layout: LAYOUT,
+                engine: Some(EngineEndpoint {
+                    api: crate::refit::EngineApi::Dynamo,
+                    system_url: "http://127.0.0.1:1".into(),
+                }),
+                resident_version: Some("disk:/ckpt".into()),
+            })
+            .unwrap();
+        }
+        let d = st.version_info("v1").unwrap().version_digest.unwrap();
+        (st, d)
+    }
+
+    fn begin(st: &State, d: Digest) -> Record {
+        let workers = ["a", "b"]
+            .iter()
+            .map(|id| {
+                (
+                    id.to_string(),
+                    crate::refit::RefitWorker {
+                        previous: Some("disk:/ckpt".into()),
+                        resident: Some("disk:/ckpt".into()),
+                        stage_seconds: 0.0,
+                        stage_bytes: 0,
+                        calls: vec![],
+                    },
+                )
+            })
+            .collect();
+        Record::RefitBegin {
+            refit: Box::new(Refit {
+                id: st.next_refit_id(),
+                spec: crate::refit::RefitSpec {
+                    label: "v1".into(),
+                    worker_ids: vec!["a".into(), "b".into()],
+                    pause_mode: crate::refit::PauseMode::Wait,
+                    allow_partial: false,
+                    check: None,
+                    framework_step: 1,
+                    stage_timeout_ms: 1000,
+                    call_timeout_ms: 1000,
+                },
+                digest: d,
+                target: crate::refit::version_id(&d),
+                dropped: vec![],
+                phase: Phase::Stage,
+                phases: vec![],
+                workers,
+                outcome: None,
+                reason: String::new(),
+                started_ms: 0,
+                ended_ms: None,
+                recovered: false,
+            }),
+        }
+    }
+
+    fn phase(id: u64, p: Phase) -> Record {
+        Record::RefitPhase {
+            id,
+            phase: p,
+            at_ms: 0,
+            reason: String::new(),
+            recovered: false,
+        }
+    }
+
+    #[test]
+    fn refit_commits_admits_and_refuses_illegal_steps() {
+        let (mut st, d) = ready_state();
+        // Registered from disk with no fleet version: gated.
+        let ws = st.fleet_status().workers;
+        assert!(ws
+            .iter()
+            .all(|w| !w.admitted && w.admission.contains("stale")));
+        st.apply(begin(&st, d)).unwrap();
+        assert_eq!(st.open_refit_id(), Some(1));
+        assert_eq!(st.version_state("v1"), Some(VersionState::Committing));
+        // One refit at a time; phases in order only.
+        let err = st.check(&begin(&st, d)).unwrap_err();
+        assert!(matches!(err, Error::Refit { .. }), "{err}");
+        assert!(st.check(&phase(1, Phase::Commit)).is_err());
+        for p in [Phase::Prepare, Phase::Apply] {
+            st.apply(phase(1, p)).unwrap();
+        }
+        let target = crate::refit::version_id(&d);
+        for w in ["a", "b"] {
+            st.apply(Record::WorkerCall {
+                id: 1,
+                worker_id: w.into(),
+                action: Action::Apply {
+                    version: target.clone(),
+                },
+            })
+            .unwrap();
+            // A second call while one is in flight is refused.
+            assert!(st
+                .check(&Record::WorkerCall {
+                    id: 1,
+                    worker_id: w.into(),
+                    action: Action::Resume,
+                })
+                .is_err());
+            st.apply(Record::WorkerDone {
+                id: 1,
+                worker_id: w.into(),
+                result: CallResult {
+                    ok: true,
+                    cache_tiers_cleared: vec!["kv_cache".into()],
+                    ..CallResult::default()
+                },
+            })
+            .unwrap();
+        }
+        // Past the point of no return ABORT is refused; ROLLBACK would be allowed.
+        assert!(st.check(&phase(1, Phase::Abort)).is_err());
+        assert!(st.check(&phase(1, Phase::Rollback)).is_ok());
+        for p in [Phase::Verify, Phase::Resume, Phase::Commit] {
+            st.apply(phase(1, p)).unwrap();
+        }
+        // Still gated until END.
+        assert!(st.fleet_status().workers.iter().all(|w| !w.admitted));
+        st.apply(Record::RefitEnd {
+            id: 1,
+            outcome: Outcome::Committed,
+            reason: String::new(),
+            at_ms: 0,
+            recovered: false,
+        })
+        .unwrap();
+        let f = st.fleet_status();
+        assert_eq!(f.fleet_version, Some(("v1".into(), target.clone())));
+        assert!(f
+            .workers
+            .iter()
+            .all(|w| w.admitted && w.resident_id.as_deref() == Some(target.as_str())));
+        assert_eq!(st.version_state("v1"), Some(VersionState::Committed));
+        assert!(st.refit(1).unwrap().journal_gaps().is_empty());
+        // A worker rejoining with other weights is not admitted.
+        st.apply(Record::Register {
+            worker_id: "b".into(),
+            instance: "b".into(),
+            ranks: vec![0],
+            layout: LAYOUT,
+            engine: None,
+            resident_version: Some("disk:/ckpt".into()),
+        })
+        .unwrap();
+        let b = st
+            .fleet_status()
+            .workers
+            .into_iter()
+            .find(|w| w.worker_id == "b")
+            .unwrap();
+        assert!(
+            !b.admitted && b.admission.contains("stale"),
+            "{}",
+            b.admission
+        );
+    }
+
+    #[test]
+    fn refit_abort_restores_the_version_state_and_gaps_are_named() {
+        let (mut st, d) = ready_state();
+        st.apply(begin(&st, d)).unwrap();
+        st.apply(Record::WorkerCall {
+            id: 1,
+            worker_id: "a".into(),
+            action: Action::Pause,
+        })
+        .unwrap();
+        let gaps = st.refit(1).unwrap().journal_gaps();
+        assert_eq!(gaps.len(), 2, "{gaps:?}"); // no END, a call without result
+        st.apply(phase(1, Phase::Abort)).unwrap();
+        // END with a call in flight is refused.
+        let end = Record::RefitEnd {
+            id: 1,
+            outcome: Outcome::Aborted,
+            reason: "x".into(),
+            at_ms: 0,
+            recovered: false,
+        };
+        assert!(st.check(&end).is_err());
+        st.apply(Record::WorkerDone {
+            id: 1,
+            worker_id: "a".into(),
+            result: CallResult::default(),
+        })
+        .unwrap();
+        st.apply(end).unwrap();
+        assert_eq!(st.version_state("v1"), Some(VersionState::Ready));
+        assert_eq!(st.fleet_status().fleet_version, None);
     }
 }

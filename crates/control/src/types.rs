@@ -216,6 +216,16 @@ pub struct WorkerStatus {
     pub last_staged: Option<StagedReport>,
     /// Its last Apply result.
     pub last_applied: Option<AppliedReport>,
+    /// Its engine routes.
+    pub engine: Option<crate::refit::EngineEndpoint>,
+    /// Version id resident in its live weights, as last learned (`mx:<hex>` for mx versions).
+    pub resident_id: Option<String>,
+    /// Rollouts may be sent to it.
+    pub admitted: bool,
+    /// Why it is not admitted (empty when admitted).
+    pub admission: String,
+    /// It has a command stream open to this control plane now.
+    pub connected: bool,
 }
 
 /// A worker's state in brief, as `WaitWorkers` answers it.
@@ -238,4 +248,8 @@ pub struct FleetStatus {
     pub versions: Vec<VersionSummary>,
     /// Workers.
     pub workers: Vec<WorkerStatus>,
+    /// The version the fleet last committed: (label, version id).
+    pub fleet_version: Option<(String, String)>,
+    /// The refit in progress.
+    pub open_refit: Option<u64>,
 }

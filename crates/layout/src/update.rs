@@ -3,9 +3,19 @@
 //!
 //! The update depends only on each element's value and the step number (never on its position),
 //! so it commutes with slicing: updating a shard equals slicing the updated full tensor.
-//! Floats: `x' = x * (1 - 2^-7) + s * 2^-10`, with `s = +-1` from a hash of the value's bits and
-//! the step; computed in f32 and rounded to nearest even (bf16/f16 via the `half` crate). Integers
-//! and FP8 bytes: wrapping add of the step (in the low byte for FP8).
+//!
+//! Floats: `x' = x * (1 + s * 3/64) + s * 3/256`, with `s = +-1` from a hash of the value's bits and
+//! the step (the same `s` in both terms); computed in f32 (f64 for F64) and rounded to nearest even
+//! (bf16/f16 via the `half` crate). Both constants are exact binary fractions. Integers and FP8
+//! bytes: wrapping add of the step (in the low byte for FP8).
+//!
+//! The amplitude is chosen to be visible in greedy decoding, so a demo or test can tell versions
+//! apart by their tokens, not just by their logits: on SmolLM2-135M with the prompt "The capital of
+//! France is" (token ids `[504, 3575, 282, 4649, 314]`), version 1 (the checkpoint) decodes
+//! " Paris" first, version 2 " France" (logit margin about 1.7 over the runner-up) and version 3
+//! another first token again (margin about 1.2). A 5% multiplicative part alone, or an additive part
+//! alone up to `2^-7`, leaves " Paris" first. Later versions drift further from the
+//! checkpoint (the text degrades) but the values stay finite.
 
 use half::{bf16, f16};
 
@@ -21,8 +31,14 @@ fn sign(bits: u64, step: u32) -> f32 {
     }
 }
 
+/// Relative amplitude of the multiplicative part (`3/64`, exact in binary).
+const REL: f32 = 3.0 / 64.0;
+/// Amplitude of the additive part (`3/256`, exact in binary).
+const ABS: f32 = 3.0 / 256.0;
+
 fn f(x: f32, bits: u64, step: u32) -> f32 {
-    x * (1.0 - 1.0 / 128.0) + sign(bits, step) / 1024.0
+    let s = sign(bits, step);
+    x * (1.0 + s * REL) + s * ABS
 }
 
 /// Applies training step `step` in place to `bytes`, a row-major array of `dtype` elements.
@@ -56,7 +72,8 @@ pub fn training_step(dtype: DType, bytes: &mut [u8], step: u32) {
                 a.copy_from_slice(c);
                 let b = u64::from_le_bytes(a);
                 let x = f64::from_bits(b);
-                let y = x * (1.0 - 1.0 / 128.0) + f64::from(sign(b, step)) / 1024.0;
+                let s = f64::from(sign(b, step));
+                let y = x * (1.0 + s * f64::from(REL)) + s * f64::from(ABS);
                 c.copy_from_slice(&y.to_le_bytes());
             }
         }
@@ -93,5 +110,67 @@ mod tests {
             .filter(|(a, b)| a != b)
             .count();
         assert!(changed >= 60, "{changed} of 64 changed");
+    }
+
+    #[test]
+    fn floats_follow_the_documented_formula() {
+        // F32: exactly x * (1 + s * 3/64) + s * 3/256 for s = +1 or -1, both signs occurring.
+        let xs = [0.0f32, 1.0, -1.0, 0.5, -0.03125, 2.0, 0.1, -7.25, 3.0, 0.75];
+        let mut bytes: Vec<u8> = xs.iter().flat_map(|x| x.to_le_bytes()).collect();
+        training_step(DType::F32, &mut bytes, 2);
+        let mut signs = [0usize; 2];
+        for (x, c) in xs.iter().zip(bytes.chunks_exact(4)) {
+            let y = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            let plus = x * (1.0 + 3.0 / 64.0) + 3.0 / 256.0;
+            let minus = x * (1.0 - 3.0 / 64.0) - 3.0 / 256.0;
+            assert!(y == plus || y == minus, "{x} -> {y}");
+            signs[usize::from(y == plus)] += 1;
+        }
+        assert!(signs[0] > 0 && signs[1] > 0, "{signs:?}");
+
+        // BF16: the f32 result rounded to nearest even. From 1.0: 1 + 15/256 lies halfway between
+        // the bf16 neighbours 1 + 7/128 and 1 + 8/128 and goes to the even one; 1 - 15/256 is exact.
+        let mut one = bf16::from_f32(1.0).to_bits().to_le_bytes();
+        training_step(DType::BF16, &mut one, 2);
+        let y = bf16::from_bits(u16::from_le_bytes(one)).to_f32();
+        assert!(y == 1.0625 || y == 0.941_406_25, "{y}");
+
+        // F16 rounds too, and a step is deterministic.
+        let src: Vec<u8> = [0.25f32, -3.0, 0.0]
+            .iter()
+            .flat_map(|&x| f16::from_f32(x).to_bits().to_le_bytes())
+            .collect();
+        let (mut a, mut b) = (src.clone(), src.clone());
+        training_step(DType::F16, &mut a, 3);
+        training_step(DType::F16, &mut b, 3);
+        assert_eq!(a, b);
+        for (x, c) in [0.25f32, -3.0, 0.0].iter().zip(a.chunks_exact(2)) {
+            let y = f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32();
+            let plus = f16::from_f32(x * (1.0 + 3.0 / 64.0) + 3.0 / 256.0).to_f32();
+            let minus = f16::from_f32(x * (1.0 - 3.0 / 64.0) - 3.0 / 256.0).to_f32();
+            assert!(y == plus || y == minus, "{x} -> {y}");
+        }
+
+        // F64 in f64 arithmetic.
+        let mut d = 0.1f64.to_le_bytes();
+        training_step(DType::F64, &mut d, 2);
+        let y = f64::from_le_bytes(d);
+        let plus = 0.1 * (1.0 + 3.0 / 64.0) + 3.0 / 256.0;
+        let minus = 0.1 * (1.0 - 3.0 / 64.0) - 3.0 / 256.0;
+        assert!(y == plus || y == minus, "{y}");
+    }
+
+    #[test]
+    fn integers_and_fp8_add_the_step_to_the_low_byte() {
+        let mut i = 5i32.to_le_bytes();
+        training_step(DType::I32, &mut i, 2);
+        assert_eq!(i32::from_le_bytes(i), 7);
+        let mut f8 = [0x10u8, 0xFF];
+        training_step(DType::F8E4M3, &mut f8, 3);
+        assert_eq!(f8, [0x13, 0x02]);
+        // Trailing bytes that do not form an element stay.
+        let mut odd = [1u8, 2, 3];
+        training_step(DType::I16, &mut odd, 4);
+        assert_eq!(odd, [5, 2, 3]);
     }
 }

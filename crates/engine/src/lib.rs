@@ -9,6 +9,10 @@
 //!   place with [`LlamaEngine::install_weights`]; like vLLM, that does not drop cached KV entries:
 //!   the caller must call [`LlamaEngine::clear_cache`] after installing new weights.
 //!
+//! - [`golden`] computes, from the checkpoint file alone, the weights of demo version `k` and the
+//!   greedy tokens a worker must produce with them (the independent reference for a refit), with
+//!   [`golden::CHECK_PROMPT`], whose first greedy token tells versions 1, 2 and 3 apart.
+//!
 //! Bad input (missing or misshapen tensors, unsupported dtypes, short buffers, out-of-vocabulary
 //! token ids, over-long requests) is an [`Error`] naming the tensor, rank or field at fault, never
 //! a panic.
@@ -17,6 +21,7 @@
 
 mod engine;
 mod error;
+pub mod golden;
 mod reassemble;
 
 pub use engine::LlamaEngine;

@@ -1,5 +1,7 @@
 //! The crate's error type.
 
+use std::path::PathBuf;
+
 use mx_layout::DType;
 
 /// Everything that can go wrong in mx-engine. Every variant names the tensor, rank or field at
@@ -101,6 +103,21 @@ pub enum Error {
         field: String,
         /// What is wrong.
         reason: String,
+    },
+    /// The checkpoint in a model directory could not be opened (the golden path).
+    #[error("reading the checkpoint in {dir}: {source}")]
+    Checkpoint {
+        /// The model directory.
+        dir: PathBuf,
+        /// mx-checkpoint's error (it names the file and tensor at fault).
+        #[source]
+        source: Box<mx_checkpoint::Error>,
+    },
+    /// A model directory has no `config.json` (the golden path needs it to build the model).
+    #[error("model directory {dir} has no config.json")]
+    NoConfig {
+        /// The model directory.
+        dir: PathBuf,
     },
     /// candle failed.
     #[error("candle failed while {during}: {source}")]

@@ -292,6 +292,27 @@ impl LlamaEngine {
     /// position) or `prompt.len() + max_new` past `max_position_embeddings`; [`Error::Candle`]
     /// if the forward pass fails.
     pub fn generate_greedy(&mut self, prompt: &[u32], max_new: usize) -> Result<Vec<u32>, Error> {
+        self.generate_greedy_while(prompt, max_new, &mut |_| true)
+    }
+
+    /// As [`generate_greedy`](Self::generate_greedy), but asks `keep_going(n)` before computing
+    /// each new token, `n` being the number of tokens generated so far (`0` before the prompt is
+    /// prefilled), and stops early, returning those `n` tokens, when it returns `false`. It is
+    /// not asked once `max_new` tokens exist. Lets a caller interrupt a decode, e.g. to install
+    /// new weights between tokens.
+    ///
+    /// The request is checked before `keep_going` is first asked. Stopping at `n = 0` leaves the
+    /// cache untouched; stopping later leaves it as a decode of `n` tokens would (the prompt kept
+    /// as the reusable prefix, plus the positions of the first `n - 1` generated tokens).
+    ///
+    /// # Errors
+    /// As [`generate_greedy`](Self::generate_greedy).
+    pub fn generate_greedy_while(
+        &mut self,
+        prompt: &[u32],
+        max_new: usize,
+        keep_going: &mut dyn FnMut(usize) -> bool,
+    ) -> Result<Vec<u32>, Error> {
         self.check_prompt(prompt)?;
         let max_pos = self.config.max_position_embeddings;
         if prompt
@@ -307,19 +328,26 @@ impl LlamaEngine {
                 ),
             });
         }
-        if max_new == 0 {
-            return Ok(Vec::new());
-        }
-        let mut logits = self.prefill(prompt)?;
         let mut out = Vec::with_capacity(max_new);
-        loop {
-            let next = argmax(&logits)?;
-            out.push(next);
-            if out.len() == max_new {
-                return Ok(out);
-            }
-            logits = self.forward(&[next])?;
+        while out.len() < max_new && keep_going(out.len()) {
+            // The last generated token is fed only when another token is wanted.
+            let logits = match out.last() {
+                None => self.prefill(prompt)?,
+                Some(&last) => self.forward(&[last])?,
+            };
+            out.push(argmax(&logits)?);
         }
+        Ok(out)
+    }
+
+    /// Whether a request for `prompt` would reuse the cached prefix (the KV entries of an earlier
+    /// prompt that `prompt` starts with) instead of prefilling from scratch. After
+    /// [`install_weights`](Self::install_weights) without [`clear_cache`](Self::clear_cache) a
+    /// hit means stale entries would be used.
+    pub fn prefix_hit(&self, prompt: &[u32]) -> bool {
+        self.prefix
+            .as_ref()
+            .is_some_and(|p| prompt.starts_with(&p.tokens))
     }
 
     /// Logits (f32, one per vocabulary entry) for the token after `prompt`, using and filling

@@ -243,3 +243,99 @@ fn reassemble_refuses_gaps_and_bad_buffers() {
     let err = reassemble(&info, &bad, &[&bufs[0], &bufs[1]]).unwrap_err();
     assert!(matches!(err, Error::BadRank { index: 0, .. }), "{err}");
 }
+
+#[test]
+fn generate_greedy_while_and_prefix_hit() {
+    let prompt = [3u32, 7, 11];
+    let mut e = LlamaEngine::new(&tiny_config(), &tiny_tensors()).unwrap();
+    assert!(!e.prefix_hit(&prompt));
+    let full = e.generate_greedy(&prompt, 6).unwrap();
+    assert!(e.prefix_hit(&prompt));
+    assert!(e.prefix_hit(&[3, 7, 11, 5]));
+    assert!(!e.prefix_hit(&[3, 7]));
+    assert!(!e.prefix_hit(&[4, 7, 11]));
+    e.clear_cache();
+    assert!(!e.prefix_hit(&prompt));
+
+    let mut asked = Vec::new();
+    let part = e
+        .generate_greedy_while(&prompt, 6, &mut |n| {
+            asked.push(n);
+            n < 2
+        })
+        .unwrap();
+    assert_eq!(part, full[..2]);
+    assert_eq!(asked, [0, 1, 2]);
+    // 3 prompt positions + the first generated token.
+    assert_eq!(e.cached_positions(), 4);
+    e.clear_cache();
+    assert!(e
+        .generate_greedy_while(&prompt, 6, &mut |_| false)
+        .unwrap()
+        .is_empty());
+    assert_eq!(e.cached_positions(), 0);
+    assert!(!e.prefix_hit(&prompt));
+    assert_eq!(
+        e.generate_greedy_while(&prompt, 6, &mut |_| true).unwrap(),
+        full
+    );
+    // max_new 0: nothing to ask.
+    let mut asked = false;
+    let none = e
+        .generate_greedy_while(&prompt, 0, &mut |_| {
+            asked = true;
+            true
+        })
+        .unwrap();
+    assert!(none.is_empty() && !asked);
+}
+
+#[test]
+fn golden_path_on_a_tiny_checkpoint() {
+    use mx_engine::golden::{golden_tokens, version_weights};
+
+    let dir = std::env::temp_dir().join(format!("mx-engine-golden-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let v1 = tiny_tensors();
+    let flat: Vec<_> = v1
+        .iter()
+        .map(|(n, (d, s, b))| (n.clone(), *d, s.clone(), b.clone()))
+        .collect();
+    mx_checkpoint::write_safetensors(&dir.join("model.safetensors"), &flat).unwrap();
+    std::fs::write(dir.join("config.json"), tiny_config().to_string()).unwrap();
+
+    assert_eq!(version_weights(&dir, 1).unwrap(), v1);
+    let mut v3 = v1.clone();
+    for (dtype, _, bytes) in v3.values_mut() {
+        mx_layout::update::training_step(*dtype, bytes, 2);
+        mx_layout::update::training_step(*dtype, bytes, 3);
+    }
+    assert_eq!(version_weights(&dir, 3).unwrap(), v3);
+    let prompt = [3u32, 7, 11];
+    let mut e = LlamaEngine::new(&tiny_config(), &v3).unwrap();
+    assert_eq!(
+        golden_tokens(&dir, 3, &prompt, 5).unwrap(),
+        e.generate_greedy(&prompt, 5).unwrap()
+    );
+    let err = golden_tokens(&dir, 0, &prompt, 5).unwrap_err();
+    assert!(
+        matches!(&err, Error::BadRequest { field, .. } if field == "version"),
+        "{err}"
+    );
+
+    std::fs::remove_file(dir.join("config.json")).unwrap();
+    let err = golden_tokens(&dir, 1, &prompt, 5).unwrap_err();
+    assert!(
+        matches!(&err, Error::NoConfig { dir: d } if *d == dir),
+        "{err}"
+    );
+    assert!(err.to_string().contains("config.json"), "{err}");
+    std::fs::remove_file(dir.join("model.safetensors")).unwrap();
+    let err = version_weights(&dir, 1).unwrap_err();
+    assert!(
+        matches!(&err, Error::Checkpoint { dir: d, .. } if *d == dir),
+        "{err}"
+    );
+    assert!(err.to_string().contains(&*dir.to_string_lossy()), "{err}");
+    std::fs::remove_dir(&dir).unwrap();
+}

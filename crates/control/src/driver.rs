@@ -1,0 +1,671 @@
+//! The refit driver: sequences one refit's phases and engine calls, journaling each step before
+//! it acts (see [`crate::refit`] for the lifecycle). One driver task runs per open refit; a
+//! restarted control plane starts one for the refit its journal left open, and that driver first
+//! settles every call whose result was never journaled, then finishes (after the COMMIT
+//! decision) or rolls back (before it) — it never assumes what a call did.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use mx_adapters::dynamo::{DynamoWorkerClient, PauseMode as DynPause};
+use mx_adapters::sglang::SglangClient;
+use mx_layout::Digest;
+
+use crate::refit::{
+    model_path, now_ms, Action, CallResult, EngineApi, EngineEndpoint, Outcome, PauseMode, Phase,
+    Refit,
+};
+use crate::server::Shared;
+use crate::state::Record;
+use crate::types::WorkerState;
+use crate::Error;
+
+/// How long a rollback keeps retrying a worker before it is fenced, at least.
+const MIN_ROLLBACK_DEADLINE: Duration = Duration::from_secs(30);
+
+/// Crash failpoint for tests of recovery: `MX_CONTROL_CRASH_AT=<point>` SIGKILLs this process
+/// (a real `kill -9`) when the driver reaches `<point>`: a phase name right after the phase is
+/// journaled (`stage`, `prepare`, `apply`, `verify`, `resume`, `check`, `commit`), or
+/// `apply:<n>` after `n` apply calls finished (so `apply:1` is between the APPLY of the first
+/// and the second worker), or `apply-sent:<n>` right after the intent of apply call `n` is
+/// journaled but before it is sent.
+fn failpoint(point: &str) {
+    if std::env::var("MX_CONTROL_CRASH_AT").is_ok_and(|p| p == point) {
+        tracing::warn!(point, "failpoint: control plane SIGKILLs itself");
+        let pid = std::process::id().to_string();
+        // A real SIGKILL, delivered by the kernel like any other: no destructor or flush runs.
+        let _ = std::process::Command::new("kill")
+            .args(["-9", &pid])
+            .status();
+        std::thread::sleep(Duration::from_secs(3600));
+    }
+}
+
+/// One worker's engine, spoken to through its contract.
+enum Engine {
+    Dynamo(DynamoWorkerClient),
+    Sglang(SglangClient, String),
+}
+
+impl Engine {
+    fn new(ep: &EngineEndpoint, timeout: Duration) -> Engine {
+        match ep.api {
+            EngineApi::Dynamo => Engine::Dynamo(DynamoWorkerClient::new(&ep.system_url, timeout)),
+            EngineApi::Sglang => Engine::Sglang(
+                SglangClient::new(&ep.system_url, timeout),
+                ep.system_url.clone(),
+            ),
+        }
+    }
+
+    fn system_url(&self) -> String {
+        match self {
+            Engine::Dynamo(c) => c.system_url().to_string(),
+            Engine::Sglang(_, url) => url.clone(),
+        }
+    }
+}
+
+fn failed(e: impl std::fmt::Display) -> CallResult {
+    CallResult {
+        ok: false,
+        error: e.to_string(),
+        ..CallResult::default()
+    }
+}
+
+/// Performs one engine call and judges its answer (status AND body, then the values).
+async fn perform(
+    engine: &Engine,
+    action: &Action,
+    refit: &Refit,
+    timeout: Duration,
+    http: &reqwest::Client,
+) -> CallResult {
+    let mut r = match (engine, action) {
+        (Engine::Dynamo(c), Action::Pause) => match c
+            .pause(
+                match refit.spec.pause_mode {
+                    PauseMode::Keep => DynPause::Keep,
+                    PauseMode::Wait => DynPause::Wait,
+                    PauseMode::Abort => DynPause::Abort,
+                },
+                false,
+            )
+            .await
+        {
+            Ok(a) => CallResult {
+                ok: true,
+                message: a.message,
+                version: a.version,
+                ..CallResult::default()
+            },
+            Err(e) => failed(e),
+        },
+        (Engine::Sglang(c, _), Action::Pause) => match c.pause_generation().await {
+            Ok(()) => CallResult {
+                ok: true,
+                ..CallResult::default()
+            },
+            Err(mx_adapters::Error::RouteNotAllowlisted { .. }) => CallResult {
+                ok: true,
+                message: "pause_generation is not allowlisted: the framework must gate generation itself".into(),
+                ..CallResult::default()
+            },
+            Err(e) => failed(e),
+        },
+        (Engine::Dynamo(c), Action::Apply { version }) => {
+            match version_digest(version) {
+                None => failed(format!("{version} is not an mx version id")),
+                Some(d) => match c.update_weights_from_disk(&model_path(&d), version).await {
+                    Ok(a) => CallResult {
+                        ok: true,
+                        message: a.message,
+                        version: a.version,
+                        cache_tiers_cleared: a.cache_tiers_cleared,
+                        ..CallResult::default()
+                    },
+                    Err(e) => failed(e),
+                },
+            }
+        }
+        (Engine::Sglang(c, _), Action::Apply { version }) => match version_digest(version) {
+            None => failed(format!("{version} is not an mx version id")),
+            Some(d) => match c
+                .update_weights_from_disk(&model_path(&d), version, true, true)
+                .await
+            {
+                Ok(a) => CallResult {
+                    ok: true,
+                    message: a.message,
+                    cache_tiers_cleared: a.cache_tiers_cleared,
+                    paused_requests: a.num_paused_requests,
+                    ..CallResult::default()
+                },
+                Err(e) => failed(e),
+            },
+        },
+        (Engine::Dynamo(c), Action::ReadVersion) => match c.get_weight_version().await {
+            Ok(v) => CallResult {
+                ok: true,
+                version: Some(v),
+                ..CallResult::default()
+            },
+            Err(e) => failed(e),
+        },
+        (Engine::Sglang(..), Action::ReadVersion) => CallResult {
+            ok: true,
+            message: "SGLang has no version read-back: the control plane keeps the version and relies on the post-update generation".into(),
+            ..CallResult::default()
+        },
+        (Engine::Dynamo(c), Action::Resume) => match c.resume().await {
+            Ok(a) => CallResult {
+                ok: true,
+                message: a.message,
+                ..CallResult::default()
+            },
+            Err(e) => failed(e),
+        },
+        (Engine::Sglang(c, _), Action::Resume) => match c.continue_generation(false).await {
+            Ok(()) => CallResult {
+                ok: true,
+                ..CallResult::default()
+            },
+            Err(mx_adapters::Error::RouteNotAllowlisted { .. }) => CallResult {
+                ok: true,
+                message: "continue_generation is not allowlisted: the framework must gate generation itself".into(),
+                ..CallResult::default()
+            },
+            Err(e) => failed(e),
+        },
+        (_, Action::Generate) => match &refit.spec.check {
+            None => CallResult {
+                ok: true,
+                message: "no check requested".into(),
+                ..CallResult::default()
+            },
+            Some(check) => match mx_adapters::generate::generate(
+                http,
+                &engine.system_url(),
+                &check.prompt_tokens,
+                check.max_new_tokens,
+                timeout,
+            )
+            .await
+            {
+                Ok(g) => CallResult {
+                    ok: true,
+                    tokens: g.output_ids,
+                    version: g.weight_version,
+                    ..CallResult::default()
+                },
+                Err(e) => failed(e),
+            },
+        },
+    };
+    // Judge the values, not only the transport.
+    if r.ok {
+        let problem = match action {
+            Action::Apply { version } => match &r.version {
+                Some(v) if v != version => Some(format!(
+                    "engine reports version {v} after applying {version}"
+                )),
+                _ if r.cache_tiers_cleared.is_empty() => {
+                    Some("engine reported no cache tier cleared after apply".to_string())
+                }
+                _ => None,
+            },
+            Action::Generate => refit.spec.check.as_ref().and_then(|c| {
+                if !c.expected_tokens.is_empty() && r.tokens != c.expected_tokens {
+                    Some(format!(
+                        "post-update generation gave tokens {:?}, golden tokens of {} are {:?}",
+                        r.tokens, refit.spec.label, c.expected_tokens
+                    ))
+                } else if c.expected_tokens.is_empty() && r.tokens.is_empty() {
+                    Some("post-update generation gave no tokens".to_string())
+                } else {
+                    None
+                }
+            }),
+            _ => None,
+        };
+        if let Some(p) = problem {
+            r.ok = false;
+            r.error = p;
+        }
+    }
+    r
+}
+
+/// The digest inside an `mx:<hex>` version id.
+fn version_digest(version: &str) -> Option<Digest> {
+    version.strip_prefix("mx:").and_then(|h| h.parse().ok())
+}
+
+/// Drives refit `id` to its end. Errors are journaling failures (the driver stops; a restart
+/// recovers from the journal).
+pub(crate) async fn drive(shared: Arc<Shared>, id: u64, recovering: bool) {
+    if let Err(e) = drive_inner(&shared, id, recovering).await {
+        tracing::error!(refit = id, "refit driver stopped: {e}");
+    }
+}
+
+struct Ctx<'a> {
+    shared: &'a Arc<Shared>,
+    id: u64,
+    http: reqwest::Client,
+    /// This driver recovers the refit after a restart.
+    recovering: bool,
+}
+
+impl Ctx<'_> {
+    fn refit(&self) -> Result<Refit, Error> {
+        self.shared
+            .read(|s| s.refit(self.id).cloned())
+            .ok_or_else(|| Error::Refit {
+                id: self.id,
+                reason: "vanished".into(),
+            })
+    }
+
+    async fn phase(&self, phase: Phase, reason: String, recovered: bool) -> Result<(), Error> {
+        tracing::info!(refit = self.id, %phase, reason, "refit phase");
+        self.shared
+            .mutate(Record::RefitPhase {
+                id: self.id,
+                phase,
+                at_ms: now_ms(),
+                reason,
+                recovered,
+            })
+            .await?;
+        failpoint(&phase.to_string().to_lowercase());
+        Ok(())
+    }
+
+    /// Journals the intent, calls, journals the result.
+    async fn call(&self, worker_id: &str, action: Action) -> Result<CallResult, Error> {
+        let refit = self.refit()?;
+        let endpoint = self
+            .shared
+            .read(|s| s.worker_engine(worker_id))
+            .and_then(|(e, _)| e);
+        self.shared
+            .mutate(Record::WorkerCall {
+                id: self.id,
+                worker_id: worker_id.to_string(),
+                action: action.clone(),
+            })
+            .await?;
+        if let Action::Apply { .. } = action {
+            let sent = refit
+                .workers
+                .values()
+                .flat_map(|w| &w.calls)
+                .filter(|c| matches!(c.action, Action::Apply { .. }))
+                .count();
+            failpoint(&format!("apply-sent:{sent}"));
+        }
+        let timeout = Duration::from_millis(refit.spec.call_timeout_ms);
+        let t0 = Instant::now();
+        let mut result = match &endpoint {
+            None => failed(format!("worker {worker_id} has no engine endpoint")),
+            Some(ep) => {
+                perform(
+                    &Engine::new(ep, timeout),
+                    &action,
+                    &refit,
+                    timeout,
+                    &self.http,
+                )
+                .await
+            }
+        };
+        result.seconds = t0.elapsed().as_secs_f64();
+        if !result.ok {
+            result.error = format!("worker {worker_id}: {action}: {}", result.error);
+            tracing::warn!(refit = self.id, worker = worker_id, "{}", result.error);
+        }
+        self.shared
+            .mutate(Record::WorkerDone {
+                id: self.id,
+                worker_id: worker_id.to_string(),
+                result: result.clone(),
+            })
+            .await?;
+        Ok(result)
+    }
+
+    /// Runs `action` on every worker in `ids` concurrently; the first failure, if any.
+    async fn call_all(&self, ids: &[String], action: Action) -> Result<Option<String>, Error> {
+        let calls = ids.iter().map(|w| self.call(w, action.clone()));
+        let results = futures_util::future::join_all(calls).await;
+        let mut first = None;
+        for r in results {
+            let r = r?;
+            if !r.ok && first.is_none() {
+                first = Some(r.error);
+            }
+        }
+        Ok(first)
+    }
+
+    async fn end(&self, outcome: Outcome, reason: String) -> Result<(), Error> {
+        tracing::info!(refit = self.id, %outcome, reason, "refit ended");
+        self.shared
+            .mutate(Record::RefitEnd {
+                id: self.id,
+                outcome,
+                reason,
+                at_ms: now_ms(),
+                recovered: self.recovering,
+            })
+            .await
+    }
+}
+
+async fn drive_inner(shared: &Arc<Shared>, id: u64, recovering: bool) -> Result<(), Error> {
+    let ctx = Ctx {
+        shared,
+        id,
+        http: reqwest::Client::new(),
+        recovering,
+    };
+    if recovering {
+        return recover(&ctx).await;
+    }
+    let refit = ctx.refit()?;
+    let ids: Vec<String> = refit.spec.worker_ids.clone();
+
+    // STAGE (the BEGIN record put the refit in STAGE).
+    failpoint("stage");
+    if let Some(reason) = stage(&ctx, &refit).await? {
+        return abort(&ctx, reason, false).await;
+    }
+    // PREPARE: the safe point.
+    ctx.phase(Phase::Prepare, String::new(), false).await?;
+    if let Some(reason) = ctx.call_all(&ids, Action::Pause).await? {
+        return abort(&ctx, reason, false).await;
+    }
+    // APPLY, one worker after the other (the first intent is the point of no return).
+    ctx.phase(Phase::Apply, String::new(), false).await?;
+    let mut applied = 0usize;
+    for w in &ids {
+        failpoint(&format!("apply:{applied}"));
+        let r = ctx
+            .call(
+                w,
+                Action::Apply {
+                    version: refit.target.clone(),
+                },
+            )
+            .await?;
+        applied += 1;
+        if !r.ok {
+            return rollback(&ctx, r.error, false).await;
+        }
+    }
+    failpoint(&format!("apply:{applied}"));
+    // VERIFY: read the resident version back.
+    ctx.phase(Phase::Verify, String::new(), false).await?;
+    for w in &ids {
+        let r = ctx.call(w, Action::ReadVersion).await?;
+        let wrong = match &r.version {
+            Some(v) if v != &refit.target => Some(format!(
+                "worker {w}: resident version {v} is not {} ({})",
+                refit.target, refit.spec.label
+            )),
+            _ => None,
+        };
+        if let Some(reason) = (!r.ok).then(|| r.error.clone()).or(wrong) {
+            return rollback(&ctx, reason, false).await;
+        }
+    }
+    // RESUME the engines (rollouts stay gated by the control plane until COMMIT).
+    ctx.phase(Phase::Resume, String::new(), false).await?;
+    if let Some(reason) = ctx.call_all(&ids, Action::Resume).await? {
+        return rollback(&ctx, reason, false).await;
+    }
+    // CHECK: one post-update generation per worker against the golden tokens.
+    if refit.spec.check.is_some() {
+        ctx.phase(Phase::Check, String::new(), false).await?;
+        if let Some(reason) = ctx.call_all(&ids, Action::Generate).await? {
+            return rollback(&ctx, reason, false).await;
+        }
+    }
+    ctx.phase(Phase::Commit, String::new(), false).await?;
+    failpoint("end");
+    ctx.end(Outcome::Committed, String::new()).await
+}
+
+/// STAGE: every worker not already running the target pulls and verifies it. `Some(reason)` when
+/// the stage failed.
+async fn stage(ctx: &Ctx<'_>, refit: &Refit) -> Result<Option<String>, Error> {
+    if !refit.dropped.is_empty() && !refit.spec.allow_partial {
+        let (w, why) = &refit.dropped[0];
+        return Ok(Some(format!("worker {w} is missing: {why}")));
+    }
+    let need: Vec<String> = refit
+        .workers
+        .iter()
+        .filter(|(_, w)| w.previous.as_deref() != Some(refit.target.as_str()))
+        .map(|(id, _)| id.clone())
+        .collect();
+    if need.is_empty() {
+        return Ok(None);
+    }
+    if let Some(w) = need.iter().find(|w| !ctx.shared.connected(w)) {
+        return Ok(Some(format!(
+            "worker {w} is not connected to the control plane (missing)"
+        )));
+    }
+    ctx.shared
+        .mutate(Record::Stage {
+            label: refit.spec.label.clone(),
+            worker_ids: need.clone(),
+        })
+        .await?;
+    let deadline = tokio::time::Instant::now() + Duration::from_millis(refit.spec.stage_timeout_ms);
+    let mut changes = ctx.shared.subscribe();
+    loop {
+        changes.borrow_and_update();
+        let mut all = true;
+        for w in &need {
+            match ctx.shared.read(|s| s.worker_brief(w)) {
+                Some((WorkerState::Staged, Some(l), _)) if l == refit.spec.label => {}
+                Some((WorkerState::Failed, _, err)) => {
+                    return Ok(Some(format!(
+                        "worker {w} failed to stage {}: {}",
+                        refit.spec.label,
+                        err.unwrap_or_default()
+                    )))
+                }
+                None => return Ok(Some(format!("worker {w} is no longer registered"))),
+                _ => {
+                    all = false;
+                    if !ctx.shared.connected(w) {
+                        return Ok(Some(format!(
+                            "worker {w} disconnected while staging {}",
+                            refit.spec.label
+                        )));
+                    }
+                }
+            }
+        }
+        if all {
+            return Ok(None);
+        }
+        tokio::select! {
+            _ = tokio::time::sleep_until(deadline) => {
+                return Ok(Some(format!(
+                    "stage of {} did not finish within {} ms",
+                    refit.spec.label, refit.spec.stage_timeout_ms
+                )));
+            }
+            // Connection changes bump the same channel; a short tick covers the rest.
+            _ = changes.changed() => {}
+            _ = tokio::time::sleep(Duration::from_millis(200)) => {}
+        }
+    }
+}
+
+/// ABORT: nobody applied. Engines paused by this refit are resumed.
+async fn abort(ctx: &Ctx<'_>, reason: String, recovered: bool) -> Result<(), Error> {
+    if ctx.refit()?.phase != Phase::Abort {
+        ctx.phase(Phase::Abort, reason.clone(), recovered).await?;
+    }
+    let refit = ctx.refit()?;
+    let paused: Vec<String> = refit
+        .workers
+        .iter()
+        .filter(|(_, w)| w.calls.iter().any(|c| c.action == Action::Pause))
+        .map(|(id, _)| id.clone())
+        .collect();
+    let fenced = settle_each(ctx, &paused, None).await?;
+    if fenced.is_empty() {
+        ctx.end(Outcome::Aborted, reason).await
+    } else {
+        ctx.end(
+            Outcome::Fenced,
+            format!("{reason}; could not resume: {}", fenced.join("; ")),
+        )
+        .await
+    }
+}
+
+/// ROLLBACK: every worker of the set goes back to the version it had (pinned), is verified and
+/// resumed; one that cannot be brought back before the deadline is fenced (stays gated).
+async fn rollback(ctx: &Ctx<'_>, reason: String, recovered: bool) -> Result<(), Error> {
+    if ctx.refit()?.phase != Phase::Rollback {
+        ctx.phase(Phase::Rollback, reason.clone(), recovered)
+            .await?;
+    }
+    let refit = ctx.refit()?;
+    let ids: Vec<String> = refit.workers.keys().cloned().collect();
+    let fenced = settle_each(ctx, &ids, Some(())).await?;
+    if fenced.is_empty() {
+        ctx.end(Outcome::RolledBack, reason).await
+    } else {
+        ctx.end(
+            Outcome::Fenced,
+            format!("{reason}; not rolled back: {}", fenced.join("; ")),
+        )
+        .await
+    }
+}
+
+/// Brings each worker back to its previous version (when `restore`) and resumes it, retrying
+/// until the rollback deadline; returns the workers that could not be settled, with why.
+async fn settle_each(
+    ctx: &Ctx<'_>,
+    ids: &[String],
+    restore: Option<()>,
+) -> Result<Vec<String>, Error> {
+    let refit = ctx.refit()?;
+    let deadline = Instant::now()
+        + MIN_ROLLBACK_DEADLINE.max(Duration::from_millis(
+            refit.spec.call_timeout_ms.saturating_mul(4),
+        ));
+    let mut fenced = Vec::new();
+    for w in ids {
+        let previous = refit.workers.get(w).and_then(|x| x.previous.clone());
+        let mut last = String::new();
+        let mut done = false;
+        while Instant::now() < deadline {
+            match settle_one(ctx, w, restore.and(previous.clone()), restore.is_some()).await? {
+                None => {
+                    done = true;
+                    break;
+                }
+                Some(e) => {
+                    last = e;
+                    tokio::time::sleep(Duration::from_millis(250)).await;
+                }
+            }
+        }
+        if !done {
+            fenced.push(format!("worker {w}: {last}"));
+        }
+    }
+    Ok(fenced)
+}
+
+/// One attempt: pause, apply `previous` (when given), read back, resume. `None` on success.
+async fn settle_one(
+    ctx: &Ctx<'_>,
+    w: &str,
+    previous: Option<String>,
+    restore: bool,
+) -> Result<Option<String>, Error> {
+    if restore {
+        let Some(prev) = previous else {
+            let r = ctx.refit()?;
+            let resident = r.workers.get(w).and_then(|x| x.resident.clone());
+            if r.workers.get(w).is_some_and(|x| !x.apply_issued()) {
+                // Never touched beyond a pause: resuming is enough.
+                let res = ctx.call(w, Action::Resume).await?;
+                return Ok((!res.ok).then_some(res.error));
+            }
+            return Ok(Some(format!(
+                "had no version before the refit (resident now {}): nothing to roll back to",
+                resident.unwrap_or_else(|| "unknown".into())
+            )));
+        };
+        let r = ctx.call(w, Action::Pause).await?;
+        if !r.ok {
+            return Ok(Some(r.error));
+        }
+        let r = ctx
+            .call(
+                w,
+                Action::Apply {
+                    version: prev.clone(),
+                },
+            )
+            .await?;
+        if !r.ok {
+            return Ok(Some(r.error));
+        }
+        let r = ctx.call(w, Action::ReadVersion).await?;
+        if !r.ok {
+            return Ok(Some(r.error));
+        }
+        if let Some(v) = &r.version {
+            if v != &prev {
+                return Ok(Some(format!("resident {v} after rollback to {prev}")));
+            }
+        }
+    }
+    let r = ctx.call(w, Action::Resume).await?;
+    Ok((!r.ok).then_some(r.error))
+}
+
+/// After a restart: settle calls left without a result, then finish or roll back.
+async fn recover(ctx: &Ctx<'_>) -> Result<(), Error> {
+    let refit = ctx.refit()?;
+    tracing::warn!(refit = refit.id, phase = %refit.phase, "recovering an open refit after restart");
+    for (w, rw) in &refit.workers {
+        if rw.calls.last().is_some_and(|c| c.result.is_none()) {
+            ctx.shared
+                .mutate(Record::WorkerDone {
+                    id: refit.id,
+                    worker_id: w.clone(),
+                    result: CallResult {
+                        ok: false,
+                        error: "the control plane died during this call; its effect is unknown and is read back".into(),
+                        ..CallResult::default()
+                    },
+                })
+                .await?;
+        }
+    }
+    let refit = ctx.refit()?;
+    let why = format!("control plane restarted in phase {}", refit.phase);
+    match refit.phase {
+        Phase::Commit => ctx.end(Outcome::Committed, String::new()).await,
+        Phase::Abort => abort(ctx, refit.reason.clone(), true).await,
+        Phase::Rollback => rollback(ctx, refit.reason.clone(), true).await,
+        _ if refit.past_no_return() => rollback(ctx, why, true).await,
+        _ => abort(ctx, why, true).await,
+    }
+}

@@ -1,0 +1,393 @@
+//! The fleet refit lifecycle, as data: what a refit asks for, its phases, the calls made to each
+//! worker's engine and their results, and how it ended.
+//!
+//! One refit moves a target worker set to one policy version:
+//!
+//! ```text
+//! STAGE -> PREPARE -> APPLY -> VERIFY -> RESUME -> CHECK -> COMMIT      (outcome COMMITTED)
+//!   |         |          |        |         |        |
+//!   +---------+----------+--------+---------+--------+--> ABORT         (nobody applied: V-1)
+//!                        +--------+---------+--------+--> ROLLBACK      (applied ones back to V-1)
+//! ```
+//!
+//! The first APPLY call journaled is the point of no return: before it any failure aborts
+//! (paused engines are resumed, the staged version is left unused); after it any failure rolls
+//! every worker of the set back to the version it had when the refit began (each worker keeps it
+//! pinned). Rollouts are gated from BEGIN until END: a worker is admitted again only when its
+//! resident version is the one the fleet settled on.
+//!
+//! Every step is journaled by the control plane before it acts ([`crate::state::Record`]'s
+//! `Refit*` and `Worker*` records), and every worker call's intent ([`WorkerCall`]) comes before
+//! its result ([`CallResult`]), so a restarted control plane knows exactly which calls may have
+//! happened and asks the workers instead of guessing.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use mx_layout::{Digest, LayoutSpec};
+use serde::{Deserialize, Serialize};
+
+/// Which engine contract the control plane speaks to a worker (DESIGN.md "Engine contracts").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EngineApi {
+    /// Dynamo vLLM RL routes `POST {system_url}/engine/{route}` (pause_generation,
+    /// update_weights_from_disk, get_weight_version, resume_generation).
+    Dynamo,
+    /// SGLang `POST {system_url}/engine/control/{route}` (update_weights_from_disk; pause and
+    /// continue only where allowlisted; no version read-back).
+    Sglang,
+}
+
+impl fmt::Display for EngineApi {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            EngineApi::Dynamo => "dynamo",
+            EngineApi::Sglang => "sglang",
+        })
+    }
+}
+
+impl std::str::FromStr for EngineApi {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "dynamo" => Ok(EngineApi::Dynamo),
+            "sglang" => Ok(EngineApi::Sglang),
+            other => Err(format!("unknown engine api {other:?} (dynamo|sglang)")),
+        }
+    }
+}
+
+/// Where a worker's engine routes live.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EngineEndpoint {
+    /// The contract to speak.
+    pub api: EngineApi,
+    /// Base URL of the worker's system server, e.g. `http://127.0.0.1:8081`.
+    pub system_url: String,
+}
+
+/// What a worker says about itself when it (re-)registers.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Registration {
+    /// Worker id, unique in the fleet.
+    pub worker_id: String,
+    /// Inference instance name.
+    pub instance: String,
+    /// Ranks of `layout` it holds.
+    pub ranks: Vec<u32>,
+    /// Its inference layout.
+    pub layout: LayoutSpec,
+    /// Its engine routes; `None` for a worker that only stages (it cannot be refitted).
+    pub engine: Option<EngineEndpoint>,
+    /// The version id resident in its live weights (see [`version_id`]), `None` when it has none.
+    pub resident_version: Option<String>,
+}
+
+/// The version id of an mx policy version as engines report it: `mx:<64 hex digits>` (the blake3
+/// version digest). Weights loaded any other way have some other id and never match.
+pub fn version_id(d: &Digest) -> String {
+    format!("mx:{d}")
+}
+
+/// The `model_path` that asks an mx worker to apply a staged (or pinned) version: `mx://<hex>`.
+pub fn model_path(d: &Digest) -> String {
+    format!("mx://{d}")
+}
+
+/// `pause_generation` modes (Dynamo's spelling): what happens to in-flight requests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PauseMode {
+    /// Hold them in place and continue them after resume.
+    Keep,
+    /// Wait until they finish before the pause returns.
+    #[default]
+    Wait,
+    /// Abort them.
+    Abort,
+}
+
+impl PauseMode {
+    /// The contract's spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PauseMode::Keep => "keep",
+            PauseMode::Wait => "wait",
+            PauseMode::Abort => "abort",
+        }
+    }
+}
+
+impl std::str::FromStr for PauseMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "keep" => Ok(PauseMode::Keep),
+            "wait" => Ok(PauseMode::Wait),
+            "abort" => Ok(PauseMode::Abort),
+            other => Err(format!("unknown pause mode {other:?} (keep|wait|abort)")),
+        }
+    }
+}
+
+/// The post-update generation: greedy decoding of `prompt_tokens` on every worker after apply.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct GenerationCheck {
+    /// Prompt token ids.
+    pub prompt_tokens: Vec<u32>,
+    /// Tokens to generate (>= 1).
+    pub max_new_tokens: u32,
+    /// Golden tokens for the target version, computed outside the workers' path; empty = only
+    /// require that generation succeeds and returns `max_new_tokens` tokens.
+    pub expected_tokens: Vec<u32>,
+}
+
+/// What the orchestrator asks for.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RefitSpec {
+    /// Version label (must be READY or already committed once).
+    pub label: String,
+    /// Target worker set.
+    pub worker_ids: Vec<String>,
+    /// How in-flight requests are handled at PREPARE.
+    pub pause_mode: PauseMode,
+    /// Proceed without workers that are not connected (else a missing worker aborts the refit).
+    pub allow_partial: bool,
+    /// The post-update generation.
+    pub check: Option<GenerationCheck>,
+    /// The trainer's step, for the journal (0 = unknown).
+    pub framework_step: u64,
+    /// Deadline for the whole STAGE phase, milliseconds.
+    pub stage_timeout_ms: u64,
+    /// Deadline of each engine call, milliseconds (a hung worker fails after it).
+    pub call_timeout_ms: u64,
+}
+
+/// Default STAGE deadline (ms).
+pub const DEFAULT_STAGE_TIMEOUT_MS: u64 = 300_000;
+/// Default engine call deadline (ms).
+pub const DEFAULT_CALL_TIMEOUT_MS: u64 = 60_000;
+
+/// A refit's phase.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Phase {
+    /// Workers pull and verify the version into staging.
+    Stage,
+    /// Generation is paused on every worker (the safe point).
+    Prepare,
+    /// Workers install the staged version and clear every cache tier.
+    Apply,
+    /// The resident version is read back from every worker.
+    Verify,
+    /// Engines resume (rollouts still gated by the control plane).
+    Resume,
+    /// The post-update generation runs on every worker.
+    Check,
+    /// The decision: the version is live everywhere in the set; rollouts admitted.
+    Commit,
+    /// Before the point of no return: nobody applies.
+    Abort,
+    /// After it: every worker goes back to the version it had.
+    Rollback,
+}
+
+impl fmt::Display for Phase {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Phase::Stage => "STAGE",
+            Phase::Prepare => "PREPARE",
+            Phase::Apply => "APPLY",
+            Phase::Verify => "VERIFY",
+            Phase::Resume => "RESUME",
+            Phase::Check => "CHECK",
+            Phase::Commit => "COMMIT",
+            Phase::Abort => "ABORT",
+            Phase::Rollback => "ROLLBACK",
+        })
+    }
+}
+
+/// One engine call to one worker.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "call", rename_all = "snake_case")]
+pub enum Action {
+    /// pause_generation.
+    Pause,
+    /// update_weights_from_disk with `model_path` = `mx://<hex>` of `version`'s digest.
+    Apply {
+        /// The version id to install.
+        version: String,
+    },
+    /// get_weight_version.
+    ReadVersion,
+    /// resume_generation / continue_generation.
+    Resume,
+    /// The post-update generation.
+    Generate,
+}
+
+impl fmt::Display for Action {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Action::Pause => f.write_str("pause"),
+            Action::Apply { version } => write!(f, "apply {version}"),
+            Action::ReadVersion => f.write_str("read_version"),
+            Action::Resume => f.write_str("resume"),
+            Action::Generate => f.write_str("generate"),
+        }
+    }
+}
+
+/// The result of one engine call.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct CallResult {
+    /// HTTP status and body both said success (and, for checks, the values matched).
+    pub ok: bool,
+    /// Why not, naming the worker, route and what differed.
+    pub error: String,
+    /// Wall seconds of the call.
+    pub seconds: f64,
+    /// The version the engine reports resident (apply, read_version), when it reports one.
+    pub version: Option<String>,
+    /// Cache tiers the engine says it cleared (apply).
+    pub cache_tiers_cleared: Vec<String>,
+    /// Generated tokens (generate).
+    pub tokens: Vec<u32>,
+    /// Requests paused by the update (SGLang's `num_paused_requests`).
+    pub paused_requests: u64,
+    /// The engine's message.
+    pub message: String,
+}
+
+/// How a refit ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Outcome {
+    /// Every worker of the set runs the version; rollouts admitted.
+    Committed,
+    /// Failed before any apply: every worker kept its version.
+    Aborted,
+    /// Failed after some applies: every worker is back on its previous version.
+    RolledBack,
+    /// A worker could not be brought back in time: it stays gated (not admitted) until it is
+    /// refitted again; the others are consistent.
+    Fenced,
+}
+
+impl fmt::Display for Outcome {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Outcome::Committed => "COMMITTED",
+            Outcome::Aborted => "ABORTED",
+            Outcome::RolledBack => "ROLLED_BACK",
+            Outcome::Fenced => "FENCED",
+        })
+    }
+}
+
+/// One call as journaled: the intent, then (when it finished) the result.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WorkerCall {
+    /// The call.
+    pub action: Action,
+    /// Phase it belongs to.
+    pub phase: Phase,
+    /// Its result; `None` while in flight (or when the control plane died during it).
+    pub result: Option<CallResult>,
+}
+
+/// One worker in a refit.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RefitWorker {
+    /// Resident version when the refit began (the rollback target).
+    pub previous: Option<String>,
+    /// Resident version now, as last learned from the worker (apply answers and read-backs).
+    pub resident: Option<String>,
+    /// STAGE seconds as the worker reported them, and useful bytes pulled.
+    pub stage_seconds: f64,
+    /// Useful bytes pulled.
+    pub stage_bytes: u64,
+    /// Engine calls in order.
+    pub calls: Vec<WorkerCall>,
+}
+
+impl RefitWorker {
+    /// True when an apply was issued to this worker (its weights may have changed).
+    pub fn apply_issued(&self) -> bool {
+        self.calls
+            .iter()
+            .any(|c| matches!(c.action, Action::Apply { .. }))
+    }
+}
+
+/// A refit as the control plane knows it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Refit {
+    /// Refit id (ascending from 1).
+    pub id: u64,
+    /// What was asked (its `worker_ids` is the final set).
+    pub spec: RefitSpec,
+    /// The target version's digest.
+    pub digest: Digest,
+    /// The target version id ([`version_id`]).
+    pub target: String,
+    /// Workers left out (not connected) with the reason, when `allow_partial`.
+    pub dropped: Vec<(String, String)>,
+    /// Current phase; phases passed, with the unix millisecond each began.
+    pub phase: Phase,
+    /// Phases in order with their start time (unix ms).
+    pub phases: Vec<(Phase, u64)>,
+    /// Per worker.
+    pub workers: BTreeMap<String, RefitWorker>,
+    /// The outcome, once ended.
+    pub outcome: Option<Outcome>,
+    /// Why it did not commit (empty when it did).
+    pub reason: String,
+    /// Unix ms of BEGIN.
+    pub started_ms: u64,
+    /// Unix ms of END.
+    pub ended_ms: Option<u64>,
+    /// True when a control plane recovered this refit after a restart.
+    pub recovered: bool,
+}
+
+impl Refit {
+    /// True once an apply was issued to any worker (the point of no return is passed).
+    pub fn past_no_return(&self) -> bool {
+        self.workers.values().any(RefitWorker::apply_issued)
+    }
+
+    /// What is missing for this refit's journal to be complete: BEGIN and END recorded, every
+    /// call intent followed by its result, every worker's resulting version known. Empty when
+    /// complete.
+    pub fn journal_gaps(&self) -> Vec<String> {
+        let mut gaps = Vec::new();
+        if self.outcome.is_none() {
+            gaps.push(format!("refit {} has no END", self.id));
+        }
+        for (id, w) in &self.workers {
+            for c in &w.calls {
+                if c.result.is_none() {
+                    gaps.push(format!(
+                        "worker {id}: {} ({}) has no result",
+                        c.action, c.phase
+                    ));
+                }
+            }
+            if self.outcome.is_some() && w.resident.is_none() && w.previous.is_some() {
+                gaps.push(format!("worker {id}: resulting version unknown"));
+            }
+        }
+        gaps
+    }
+}
+
+/// Unix time in milliseconds (0 if the clock is before 1970).
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}

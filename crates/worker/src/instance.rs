@@ -1,0 +1,821 @@
+//! The inference instance: version store (live, pinned previous, staged), the engine built from
+//! the live weights, generation behind the pause gate, and the failpoints.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
+
+use mx_checkpoint::Checkpoint;
+use mx_engine::LlamaEngine;
+use mx_layout::model::Family;
+use mx_layout::{
+    rank_layout, DType, Digest, LayoutSpec, ModelInfo, RankDigests, RankLayout, SourceManifest,
+};
+use mx_nixl::Agent;
+
+use crate::failpoints::{FailpointValues, Failpoints};
+use crate::gate::{Gate, PauseMode, PauseOutcome, Step};
+use crate::staging::{StageOutcome, Staging};
+use crate::store::{live_digests, load_disk, Weights};
+use crate::{mx_version_id, Error};
+
+/// The cache tiers an apply clears: the engine's decode KV cache and its prefix cache.
+pub const CACHE_TIERS: [&str; 2] = ["kv_cache", "prefix_cache"];
+
+/// What an inference instance serves.
+#[derive(Debug, Clone)]
+pub struct InstanceConfig {
+    /// Model directory: its config.json and safetensors headers give the tensor list and the
+    /// engine's architecture (weights are read only by a disk apply).
+    pub model_dir: PathBuf,
+    /// Inference layout.
+    pub layout: LayoutSpec,
+    /// Ranks of `layout` this instance holds (generation needs all of them).
+    pub ranks: Vec<u32>,
+    /// Serve `/mx/failpoints` (fault injection for tests); otherwise that route is 404.
+    pub failpoints: bool,
+    /// Worker id, for discovery (`instance_id` is derived from it) and logs.
+    pub worker_id: String,
+}
+
+/// Where an apply takes the new live weights from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ApplySource {
+    /// A policy version by digest: the staged one (copied out of staging), the pinned one
+    /// (rollback: live and pinned swap) or the live one (no-op).
+    Version(Digest),
+    /// A safetensors checkpoint directory, sliced into this instance's ranks and resident as
+    /// `version`.
+    Disk {
+        /// Checkpoint directory.
+        path: PathBuf,
+        /// Version id it becomes resident as.
+        version: String,
+    },
+}
+
+impl ApplySource {
+    /// From an engine contract's `update_weights_from_disk` fields: `mx://<64 hex>` names a
+    /// policy version; anything else is a checkpoint directory, resident as `weight_version`
+    /// when non-empty and `disk:<model_path>` otherwise.
+    ///
+    /// # Errors
+    /// [`Error::BadRequest`] naming `model_path` when it is empty or `mx://` is not followed by a
+    /// 64-hex digest.
+    pub fn from_model_path(model_path: &str, weight_version: &str) -> Result<ApplySource, Error> {
+        if model_path.is_empty() {
+            return Err(Error::BadRequest {
+                field: "model_path".into(),
+                reason: "is empty".into(),
+            });
+        }
+        if let Some(hex) = model_path.strip_prefix("mx://") {
+            let d = hex.parse::<Digest>().map_err(|e| Error::BadRequest {
+                field: "model_path".into(),
+                reason: format!("{model_path:?} is not mx://<64 hex digest>: {e}"),
+            })?;
+            return Ok(ApplySource::Version(d));
+        }
+        let version = if weight_version.is_empty() {
+            format!("disk:{model_path}")
+        } else {
+            weight_version.to_string()
+        };
+        Ok(ApplySource::Disk {
+            path: PathBuf::from(model_path),
+            version,
+        })
+    }
+}
+
+/// How an apply installed its version.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ApplyKind {
+    /// Copied out of staging; the old live version became the pinned one.
+    Staged,
+    /// Swapped with the pinned version (a rollback, no copy).
+    Swapped,
+    /// The version was live already: nothing installed (caches still cleared).
+    AlreadyLive,
+    /// Loaded from a checkpoint directory; the old live version became the pinned one.
+    Disk,
+}
+
+/// What an apply did.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ApplyOutcome {
+    /// The version now resident.
+    pub version: String,
+    /// How it got there.
+    pub kind: ApplyKind,
+    /// The pinned (previous) version now, if any.
+    pub pinned: Option<String>,
+    /// Cache tiers reported cleared (empty when this instance runs no engine).
+    pub cache_tiers_cleared: Vec<String>,
+    /// Wall seconds of the apply, engine rebuild included.
+    pub seconds: f64,
+}
+
+/// The version ids the store holds right now.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Versions {
+    /// Resident version.
+    pub live: Option<String>,
+    /// Previous live version, kept so a rollback is a swap.
+    pub pinned: Option<String>,
+    /// Staged version (pulled, or a resident copy named by a Stage command).
+    pub staged: Option<String>,
+}
+
+impl Versions {
+    fn describe(v: &Option<String>) -> String {
+        v.clone().unwrap_or_else(|| "nothing".into())
+    }
+}
+
+/// One generation request (greedy).
+///
+/// Unlike SGLang, the model's end-of-sequence token is not a stop by default: the engine decodes
+/// exactly `max_new_tokens` tokens unless one of `stop_token_ids` comes first, so a post-update
+/// generation compares token for token with golden tokens.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct GenerateRequest {
+    /// Prompt token ids.
+    pub input_ids: Vec<u32>,
+    /// Most new tokens to generate.
+    pub max_new_tokens: usize,
+    /// Generation stops after the first of these tokens (it is included in the output).
+    pub stop_token_ids: Vec<u32>,
+}
+
+/// Why a generation stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// `max_new_tokens` tokens were generated.
+    Length(usize),
+    /// One of the request's `stop_token_ids` was generated.
+    Stop(u32),
+}
+
+/// A finished generation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GenerateOutput {
+    /// Generated token ids.
+    pub output_ids: Vec<u32>,
+    /// The version whose weights generated the last token.
+    pub weight_version: String,
+    /// Prompt length.
+    pub prompt_tokens: usize,
+    /// Generated tokens.
+    pub completion_tokens: usize,
+    /// Prompt tokens whose KV entries came from the prefix cache.
+    pub cached_tokens: usize,
+    /// Why it stopped.
+    pub finish_reason: FinishReason,
+}
+
+/// What the store holds, behind one lock (stage and apply hold it for their whole run).
+#[derive(Debug)]
+struct State {
+    live: Option<Weights>,
+    pinned: Option<Weights>,
+    staging: Staging,
+    /// A Stage command named a version already live or pinned: that copy is the staged one
+    /// (the pulled arenas are released).
+    staged_resident: Option<Digest>,
+}
+
+impl State {
+    fn versions(&self) -> Versions {
+        let staged = match self.staged_resident {
+            Some(d) => Some(format!("{} (resident copy)", mx_version_id(&d))),
+            None => self.staging.pulled().map(|p| mx_version_id(&p.digest)),
+        };
+        Versions {
+            live: self.live.as_ref().map(|w| w.id.clone()),
+            pinned: self.pinned.as_ref().map(|w| w.id.clone()),
+            staged,
+        }
+    }
+}
+
+/// The engine and what it last did.
+#[derive(Debug, Default)]
+struct EngineSlot {
+    engine: Option<LlamaEngine>,
+    /// The version whose weights the engine holds.
+    version: String,
+    /// The prompt the engine's prefix cache holds (mirrors the engine's one-entry prefix
+    /// cache, to report `cached_tokens`); empty when cleared.
+    prefix: Vec<u32>,
+}
+
+impl EngineSlot {
+    fn clear_caches(&mut self) {
+        if let Some(e) = self.engine.as_mut() {
+            e.clear_cache();
+        }
+        self.prefix.clear();
+    }
+}
+
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub(crate) cfg: InstanceConfig,
+    config: serde_json::Value,
+    pub(crate) model: ModelInfo,
+    pub(crate) dest: Vec<RankLayout>,
+    /// Why generation is impossible here, or `Ok` when this instance can run the engine.
+    generation: Result<(), String>,
+    max_positions: Option<u64>,
+    state: Mutex<State>,
+    engine: Mutex<EngineSlot>,
+    /// Snapshot of the store's version ids, readable while a stage or apply runs.
+    versions: Mutex<Versions>,
+    pub(crate) gate: Gate,
+    pub(crate) failpoints: Failpoints,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, Error> + Send + 'static,
+) -> Result<T, Error> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| Error::Task(e.to_string()))?
+}
+
+/// An inference instance (cheap to clone; clones share everything).
+#[derive(Debug, Clone)]
+pub struct Instance {
+    pub(crate) shared: Arc<Shared>,
+}
+
+impl Instance {
+    /// Reads the model's config.json and headers and computes the layout of the held ranks.
+    /// No weights are resident until an apply (or [`Instance::apply`] of a disk checkpoint).
+    /// `agent` is the NIXL agent staging pulls through; without one, staging fails with
+    /// [`Error::NoDataPlane`] (disk loads and generation still work).
+    ///
+    /// # Errors
+    /// [`Error::Checkpoint`], [`Error::NoConfig`], [`Error::Layout`] when the layout cannot
+    /// place the model or a rank is outside it.
+    pub fn open(cfg: InstanceConfig, agent: Option<Agent>) -> Result<Instance, Error> {
+        let ckpt = Checkpoint::open(&cfg.model_dir)?;
+        let config = ckpt
+            .config()
+            .ok_or_else(|| Error::NoConfig {
+                dir: cfg.model_dir.clone(),
+            })?
+            .clone();
+        let model = ModelInfo::from_hf_config(&config, ckpt.specs())?;
+        let dest = cfg
+            .ranks
+            .iter()
+            .map(|&r| rank_layout(&model, cfg.layout, r))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut sorted = cfg.ranks.clone();
+        sorted.sort_unstable();
+        let all: Vec<u32> = (0..cfg.layout.world_size).collect();
+        let generation = if sorted != all {
+            Err(format!(
+                "this worker holds ranks {:?} of layout {}; generation needs every rank 0..{}",
+                cfg.ranks, cfg.layout, cfg.layout.world_size
+            ))
+        } else if model.family != Family::Llama {
+            Err(format!(
+                "model family {:?} cannot generate: the reference engine runs the llama family",
+                model.family
+            ))
+        } else {
+            Ok(())
+        };
+        Ok(Instance {
+            shared: Arc::new(Shared {
+                max_positions: config
+                    .get("max_position_embeddings")
+                    .and_then(serde_json::Value::as_u64),
+                config,
+                model,
+                dest,
+                generation,
+                state: Mutex::new(State {
+                    live: None,
+                    pinned: None,
+                    staging: Staging::new(agent),
+                    staged_resident: None,
+                }),
+                engine: Mutex::new(EngineSlot::default()),
+                versions: Mutex::new(Versions::default()),
+                gate: Gate::default(),
+                failpoints: Failpoints::default(),
+                cfg,
+            }),
+        })
+    }
+
+    /// The configuration it was opened with.
+    pub fn config(&self) -> &InstanceConfig {
+        &self.shared.cfg
+    }
+
+    /// The layout of each held rank, in `ranks` order.
+    pub fn rank_layouts(&self) -> &[RankLayout] {
+        &self.shared.dest
+    }
+
+    /// The version ids held now (live, pinned, staged).
+    pub fn versions(&self) -> Versions {
+        lock(&self.shared.versions).clone()
+    }
+
+    /// The resident version id, `None` before the first apply.
+    pub fn resident_version(&self) -> Option<String> {
+        self.versions().live
+    }
+
+    /// `Ok` when this instance can generate (it holds every rank of a llama-family model),
+    /// else why not.
+    pub fn generation_support(&self) -> Result<(), String> {
+        self.shared.generation.clone()
+    }
+
+    /// Positions the engine's KV cache holds (0 once cleared); `None` without an engine.
+    pub fn cached_positions(&self) -> Option<usize> {
+        lock(&self.shared.engine)
+            .engine
+            .as_ref()
+            .map(LlamaEngine::cached_positions)
+    }
+
+    /// The failpoints set now.
+    pub fn failpoints(&self) -> FailpointValues {
+        self.shared.failpoints.get()
+    }
+
+    /// The resident version id and blake3 of every live parameter per rank (`None` before the
+    /// first apply).
+    pub async fn live_digests(&self) -> Result<Option<(String, Vec<RankDigests>)>, Error> {
+        let sh = Arc::clone(&self.shared);
+        blocking(move || {
+            let st = lock(&sh.state);
+            Ok(st
+                .live
+                .as_ref()
+                .map(|w| (w.id.clone(), live_digests(&sh.dest, &w.buffers))))
+        })
+        .await
+    }
+
+    /// Installs new live weights from `source` (see [`ApplySource`]), rebuilds the engine from
+    /// them and clears every cache tier. All or nothing: on error live, pinned and the engine
+    /// stay as they were.
+    ///
+    /// # Errors
+    /// [`Error::UnknownVersion`] naming the version and what is live, pinned and staged;
+    /// [`Error::Checkpoint`] / [`Error::DiskMismatch`] for a disk load; [`Error::Engine`] when
+    /// the engine refuses the weights.
+    pub async fn apply(&self, source: ApplySource) -> Result<ApplyOutcome, Error> {
+        self.apply_with(source, true, false)
+            .await
+            .map(|(out, _)| out)
+    }
+
+    /// [`Instance::apply`], clearing the caches only when `clear_cache` (SGLang's
+    /// `flush_cache`), and with digests of the live bytes read back when `digests`.
+    pub(crate) async fn apply_with(
+        &self,
+        source: ApplySource,
+        clear_cache: bool,
+        digests: bool,
+    ) -> Result<(ApplyOutcome, Option<Vec<RankDigests>>), Error> {
+        if self.shared.gate.paused().is_none() {
+            tracing::warn!(
+                worker = self.shared.cfg.worker_id,
+                ?source,
+                "apply while generation is not paused (the orchestrator gates generation)"
+            );
+        }
+        let sh = Arc::clone(&self.shared);
+        blocking(move || apply_blocking(&sh, source, clear_cache, digests)).await
+    }
+
+    /// Clears every cache tier of the engine (no-op without one); returns the tiers cleared.
+    pub async fn clear_caches(&self) -> Result<Vec<String>, Error> {
+        let sh = Arc::clone(&self.shared);
+        blocking(move || {
+            let mut slot = lock(&sh.engine);
+            if slot.engine.is_none() {
+                return Ok(Vec::new());
+            }
+            slot.clear_caches();
+            Ok(CACHE_TIERS.iter().map(|s| s.to_string()).collect())
+        })
+        .await
+    }
+
+    /// When `digest` is the live or pinned version, makes that copy the staged one (releasing
+    /// pulled staging) and returns digests of its bytes; `None` otherwise (a pull is needed).
+    pub(crate) async fn stage_resident(
+        &self,
+        digest: Digest,
+    ) -> Result<Option<Vec<RankDigests>>, Error> {
+        let sh = Arc::clone(&self.shared);
+        blocking(move || {
+            let mut st = lock(&sh.state);
+            let id = mx_version_id(&digest);
+            let found = [st.live.as_ref(), st.pinned.as_ref()]
+                .into_iter()
+                .flatten()
+                .find(|w| w.id == id)
+                .map(|w| live_digests(&sh.dest, &w.buffers));
+            if found.is_some() {
+                st.staging.release();
+                st.staged_resident = Some(digest);
+                *lock(&sh.versions) = st.versions();
+            }
+            Ok(found)
+        })
+        .await
+    }
+
+    /// Plans, pulls and verifies version `label` (`digest`) from `manifests` into staging.
+    /// Live weights are not touched.
+    ///
+    /// # Errors
+    /// [`Error::NoDataPlane`] without a NIXL agent; planning, NIXL and verification errors (a
+    /// failed stage leaves nothing staged).
+    pub async fn stage(
+        &self,
+        label: &str,
+        digest: Digest,
+        manifests: Vec<SourceManifest>,
+    ) -> Result<StageOutcome, Error> {
+        let sh = Arc::clone(&self.shared);
+        let label = label.to_string();
+        let sleep = self.shared.failpoints.get().stage_sleep_between_sources;
+        blocking(move || {
+            let mut st = lock(&sh.state);
+            st.staged_resident = None;
+            let res = st
+                .staging
+                .stage(&sh.dest, &label, digest, &manifests, sleep);
+            *lock(&sh.versions) = st.versions();
+            res
+        })
+        .await
+    }
+
+    /// Pauses generation (see [`PauseMode`]) and returns once no request is running; clears
+    /// every cache tier when `clear_cache`.
+    ///
+    /// # Errors
+    /// [`Error::Task`] when clearing the caches failed to run.
+    pub async fn pause(&self, mode: PauseMode, clear_cache: bool) -> Result<PauseOutcome, Error> {
+        let out = self.shared.gate.pause(mode).await;
+        if clear_cache {
+            self.clear_caches().await?;
+        }
+        tracing::info!(
+            worker = self.shared.cfg.worker_id,
+            mode = mode.as_str(),
+            in_flight = out.in_flight,
+            held = out.held,
+            "generation paused"
+        );
+        Ok(out)
+    }
+
+    /// Resumes generation: waiting and held requests continue.
+    pub fn resume(&self) {
+        self.shared.gate.resume();
+        tracing::info!(worker = self.shared.cfg.worker_id, "generation resumed");
+    }
+
+    /// Generation requests admitted and not yet finished (held ones included).
+    pub fn requests_in_flight(&self) -> u64 {
+        self.shared.gate.in_flight()
+    }
+
+    /// The pause mode now, `None` while generating.
+    pub fn paused(&self) -> Option<PauseMode> {
+        self.shared.gate.paused()
+    }
+
+    /// Greedy generation with the live weights, between tokens following the pause gate.
+    ///
+    /// # Errors
+    /// [`Error::FailpointGenerate`]; [`Error::GenerationUnavailable`] when this instance does not
+    /// hold every rank (or the model is not llama-family); [`Error::BadRequest`] naming
+    /// `input_ids` or `sampling_params.max_new_tokens`; [`Error::NoWeights`] before the first
+    /// apply; [`Error::Paused`] / [`Error::Aborted`] under pause mode abort; [`Error::Engine`].
+    pub async fn generate(&self, req: GenerateRequest) -> Result<GenerateOutput, Error> {
+        let sh = &self.shared;
+        if sh.failpoints.get().generate_fail {
+            return Err(Error::FailpointGenerate);
+        }
+        sh.generation
+            .clone()
+            .map_err(|reason| Error::GenerationUnavailable { reason })?;
+        if req.input_ids.is_empty() {
+            return Err(Error::BadRequest {
+                field: "input_ids".into(),
+                reason: "is empty".into(),
+            });
+        }
+        if let Some(max) = sh.max_positions {
+            let need = req.input_ids.len() as u64 + req.max_new_tokens as u64;
+            if need > max {
+                return Err(Error::BadRequest {
+                    field: "sampling_params.max_new_tokens".into(),
+                    reason: format!(
+                        "{} prompt tokens + {} new exceed max_position_embeddings {max}",
+                        req.input_ids.len(),
+                        req.max_new_tokens
+                    ),
+                });
+            }
+        }
+        if lock(&sh.versions).live.is_none() {
+            return Err(Error::NoWeights);
+        }
+        let admission = sh.gate.admit().await?;
+        let prompt = Arc::new(req.input_ids);
+        let stop = Arc::new(req.stop_token_ids);
+        let mut progress = Progress::default();
+        loop {
+            let (sh2, p, st, cancel) = (
+                Arc::clone(sh),
+                Arc::clone(&prompt),
+                Arc::clone(&stop),
+                Arc::clone(&admission.cancelled),
+            );
+            let max = req.max_new_tokens;
+            let (done, end) = blocking(move || {
+                let mut progress = progress;
+                let end = decode(&sh2, &p, max, &st, &cancel, &mut progress)?;
+                Ok((progress, end))
+            })
+            .await?;
+            progress = done;
+            match end {
+                ChunkEnd::Done(finish_reason) => {
+                    return Ok(GenerateOutput {
+                        prompt_tokens: prompt.len(),
+                        completion_tokens: progress.out.len(),
+                        output_ids: progress.out,
+                        weight_version: progress.version,
+                        cached_tokens: progress.cached.unwrap_or(0),
+                        finish_reason,
+                    })
+                }
+                ChunkEnd::Abort => return Err(Error::Aborted),
+                ChunkEnd::Hold => sh.gate.hold(&admission).await?,
+            }
+        }
+    }
+}
+
+/// A request's progress across decode calls (a held request resumes from here).
+#[derive(Debug, Default)]
+struct Progress {
+    /// Tokens generated so far.
+    out: Vec<u32>,
+    /// Prompt tokens the first decode call found in the prefix cache.
+    cached: Option<usize>,
+    /// The version whose weights generated the last token.
+    version: String,
+}
+
+/// How a decode call ended.
+enum ChunkEnd {
+    Done(FinishReason),
+    Hold,
+    Abort,
+}
+
+/// Decodes until done or the gate says stop. The engine lock is held for one decode call, which
+/// asks the gate before every token (pause abort/keep stop it there). The engine decodes to the
+/// end of a call; tokens after a stop token are dropped.
+fn decode(
+    sh: &Shared,
+    prompt: &[u32],
+    max_new: usize,
+    stop: &[u32],
+    cancelled: &AtomicBool,
+    c: &mut Progress,
+) -> Result<ChunkEnd, Error> {
+    loop {
+        if c.out.len() >= max_new {
+            return Ok(ChunkEnd::Done(FinishReason::Length(c.out.len())));
+        }
+        if cancelled.load(Ordering::SeqCst) {
+            // The client went away; nobody reads the result.
+            return Ok(ChunkEnd::Abort);
+        }
+        match sh.gate.step() {
+            Step::Go => {}
+            Step::Hold => return Ok(ChunkEnd::Hold),
+            Step::Abort => return Ok(ChunkEnd::Abort),
+        }
+        let mut ctx = Vec::with_capacity(prompt.len() + c.out.len());
+        ctx.extend_from_slice(prompt);
+        ctx.extend_from_slice(&c.out);
+        let mut slot = lock(&sh.engine);
+        let slot = &mut *slot;
+        let engine = slot.engine.as_mut().ok_or(Error::NoWeights)?;
+        if c.cached.is_none() {
+            let hit = !slot.prefix.is_empty() && ctx.starts_with(&slot.prefix);
+            c.cached = Some(if hit { slot.prefix.len() } else { 0 });
+        }
+        let mut keep_going =
+            |_: usize| sh.gate.step() == Step::Go && !cancelled.load(Ordering::SeqCst);
+        let tokens = engine.generate_greedy_while(&ctx, max_new - c.out.len(), &mut keep_going)?;
+        // Stopped before the first token, the engine left its caches untouched; otherwise its
+        // prefix cache now holds `ctx`.
+        if !tokens.is_empty() {
+            slot.prefix = ctx;
+        }
+        c.version.clone_from(&slot.version);
+        for tok in tokens {
+            c.out.push(tok);
+            if stop.contains(&tok) {
+                return Ok(ChunkEnd::Done(FinishReason::Stop(tok)));
+            }
+        }
+    }
+}
+
+/// HF-named tensors as the engine takes them: (dtype, shape, row-major bytes).
+type EngineTensors = BTreeMap<String, (DType, Vec<u64>, Vec<u8>)>;
+
+/// HF tensors for the engine, reassembled from rank buffers.
+fn engine_tensors(
+    model: &ModelInfo,
+    dest: &[RankLayout],
+    buffers: &[Vec<u8>],
+) -> Result<EngineTensors, Error> {
+    let live: Vec<&[u8]> = buffers.iter().map(Vec::as_slice).collect();
+    let full = mx_engine::reassemble(model, dest, &live)?;
+    full.into_iter()
+        .map(|(name, bytes)| {
+            let spec = model.tensor(&name).ok_or_else(|| {
+                Error::Task(format!("reassembly returned tensor {name} the model lacks"))
+            })?;
+            Ok((name, (spec.dtype, spec.shape.clone(), bytes)))
+        })
+        .collect()
+}
+
+/// Which weights an apply installs.
+enum Install {
+    AlreadyLive,
+    Pinned,
+    New(Weights, ApplyKind),
+}
+
+fn apply_blocking(
+    sh: &Shared,
+    source: ApplySource,
+    clear_cache: bool,
+    digests: bool,
+) -> Result<(ApplyOutcome, Option<Vec<RankDigests>>), Error> {
+    let t0 = Instant::now();
+    let fp = sh.failpoints.get();
+    let mut st = lock(&sh.state);
+    let install = match &source {
+        ApplySource::Version(d) => {
+            let id = mx_version_id(d);
+            if st.live.as_ref().is_some_and(|w| w.id == id) {
+                Install::AlreadyLive
+            } else if st.pinned.as_ref().is_some_and(|w| w.id == id) {
+                Install::Pinned
+            } else if st.staging.pulled().is_some_and(|p| p.digest == *d) {
+                let buffers = st
+                    .staging
+                    .copy_out(&sh.dest)
+                    .ok_or_else(|| Error::Task("staging lost".into()))?;
+                Install::New(Weights { id, buffers }, ApplyKind::Staged)
+            } else {
+                let v = st.versions();
+                return Err(Error::UnknownVersion {
+                    version: id,
+                    staged: Versions::describe(&v.staged),
+                    pinned: Versions::describe(&v.pinned),
+                    live: Versions::describe(&v.live),
+                });
+            }
+        }
+        ApplySource::Disk { path, version } => {
+            let t = Instant::now();
+            let buffers = load_disk(path, &sh.model, &sh.dest)?;
+            tracing::info!(
+                path = %path.display(),
+                version,
+                load_s = t.elapsed().as_secs_f64(),
+                "loaded weights from disk"
+            );
+            Install::New(
+                Weights {
+                    id: version.clone(),
+                    buffers,
+                },
+                ApplyKind::Disk,
+            )
+        }
+    };
+    if let Some(d) = sh.failpoints.take_apply_sleep() {
+        tracing::warn!(
+            ms = d.as_millis(),
+            "failpoint apply.sleep_ms: sleeping before installing (the failpoint is now cleared)"
+        );
+        std::thread::sleep(d);
+    }
+    let incoming: Option<&Weights> = match &install {
+        Install::AlreadyLive => None,
+        Install::Pinned => st.pinned.as_ref(),
+        Install::New(w, _) => Some(w),
+    };
+    // Everything fallible happens before the store changes.
+    let tiers = {
+        let tensors = match (incoming, &sh.generation) {
+            (Some(w), Ok(())) => Some((
+                w.id.clone(),
+                engine_tensors(&sh.model, &sh.dest, &w.buffers)?,
+            )),
+            _ => None,
+        };
+        let mut slot = lock(&sh.engine);
+        if let Some((id, tensors)) = tensors {
+            let t = Instant::now();
+            match slot.engine.as_mut() {
+                Some(e) => e.install_weights(&tensors)?,
+                None => slot.engine = Some(LlamaEngine::new(&sh.config, &tensors)?),
+            }
+            slot.version = id;
+            tracing::info!(
+                build_s = t.elapsed().as_secs_f64(),
+                "engine weights installed"
+            );
+        }
+        if slot.engine.is_none() || !clear_cache {
+            Vec::new()
+        } else {
+            if fp.apply_skip_cache_clear {
+                tracing::warn!(
+                    "failpoint apply.skip_cache_clear: caches NOT cleared (reported cleared)"
+                );
+            } else {
+                slot.clear_caches();
+            }
+            CACHE_TIERS.iter().map(|s| s.to_string()).collect()
+        }
+    };
+    let kind = match install {
+        Install::AlreadyLive => ApplyKind::AlreadyLive,
+        Install::Pinned => {
+            let st = &mut *st;
+            std::mem::swap(&mut st.live, &mut st.pinned);
+            ApplyKind::Swapped
+        }
+        Install::New(w, kind) => {
+            st.pinned = st.live.take();
+            st.live = Some(w);
+            kind
+        }
+    };
+    let versions = st.versions();
+    *lock(&sh.versions) = versions.clone();
+    let read_back = match (&st.live, digests) {
+        (Some(w), true) => Some(live_digests(&sh.dest, &w.buffers)),
+        _ => None,
+    };
+    let out = ApplyOutcome {
+        version: versions.live.clone().unwrap_or_default(),
+        kind,
+        pinned: versions.pinned,
+        cache_tiers_cleared: tiers,
+        seconds: t0.elapsed().as_secs_f64(),
+    };
+    tracing::info!(
+        worker = sh.cfg.worker_id,
+        version = out.version,
+        kind = ?out.kind,
+        pinned = ?out.pinned,
+        apply_s = out.seconds,
+        "applied"
+    );
+    Ok((out, read_back))
+}
+
+/// Directory name of the model, for discovery's `model` field.
+pub(crate) fn model_name(dir: &Path) -> String {
+    dir.file_name()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| dir.display().to_string())
+}

@@ -1,0 +1,390 @@
+//! Staging over NIXL: plan, pull into registered arenas (one per source), verify every pulled
+//! region against its source's digest, and later copy the staged bytes out into new live
+//! buffers.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use mx_layout::plan::{plan, CostModel, Plan};
+use mx_layout::{Digest, RankDigests, RankLayout, SourceManifest};
+use mx_nixl::{Agent, Arena, ReadOp, ReadOptions};
+use rayon::prelude::*;
+
+use crate::Error;
+
+/// Timings and counts of one stage.
+#[derive(Debug, Clone, Default)]
+pub struct StageStats {
+    /// Seconds planning.
+    pub plan_s: f64,
+    /// Seconds in NIXL reads.
+    pub pull_s: f64,
+    /// Seconds verifying digests (the tail not overlapped with pulls).
+    pub verify_s: f64,
+    /// Read descriptors.
+    pub descriptors: u64,
+    /// Wire bytes.
+    pub wire_bytes: u64,
+    /// Useful destination bytes.
+    pub useful_bytes: u64,
+}
+
+/// What a stage returns: timings, strategy counts, and per rank the digest of what was pulled for
+/// each checkpoint tensor (blake3 over the verified region digests, in region order).
+pub type StageOutcome = (StageStats, BTreeMap<String, u64>, Vec<RankDigests>);
+
+/// A version pulled and verified into the staging arenas.
+#[derive(Debug)]
+pub(crate) struct Pulled {
+    /// Version label.
+    pub(crate) label: String,
+    /// Version digest.
+    pub(crate) digest: Digest,
+    /// The plan that pulled it (its copies say where each staged byte goes live).
+    pub(crate) plan: Plan,
+}
+
+/// The staging side of a worker: its NIXL agent, the arenas (kept across versions) and what
+/// they hold.
+pub(crate) struct Staging {
+    agent: Option<Agent>,
+    /// One registered arena per source: (source index, first staging offset, arena), so
+    /// verification of one source's bytes runs while the next source is pulled.
+    arenas: Vec<(usize, u64, Arena)>,
+    /// The version the arenas hold, once verified.
+    pulled: Option<Pulled>,
+    cost: Option<CostModel>,
+}
+
+impl std::fmt::Debug for Staging {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Staging")
+            .field("has_agent", &self.agent.is_some())
+            .field("arenas", &self.arenas.len())
+            .field("pulled", &self.pulled.as_ref().map(|p| &p.label))
+            .finish_non_exhaustive()
+    }
+}
+
+impl Staging {
+    /// Staging through `agent`; without one every stage fails with [`Error::NoDataPlane`].
+    pub(crate) fn new(agent: Option<Agent>) -> Staging {
+        Staging {
+            agent,
+            arenas: Vec::new(),
+            pulled: None,
+            cost: None,
+        }
+    }
+
+    /// The version held in the arenas, if one was pulled and verified.
+    pub(crate) fn pulled(&self) -> Option<&Pulled> {
+        self.pulled.as_ref()
+    }
+
+    /// Forgets the pulled version (its arenas stay allocated for reuse).
+    pub(crate) fn release(&mut self) {
+        self.pulled = None;
+    }
+
+    /// Plans, pulls and verifies version `label` (`digest`) from `manifests` for the ranks
+    /// `dest`. Sleeps `sleep_between_sources` after each source's bytes are in (failpoint).
+    ///
+    /// # Errors
+    /// [`Error::NoDataPlane`], planning ([`Error::Layout`]), NIXL ([`Error::Nixl`],
+    /// [`Error::Pull`]) and verification ([`Error::Verify`]) errors. Whatever was pulled before
+    /// is released first, so a failed stage leaves nothing staged.
+    pub(crate) fn stage(
+        &mut self,
+        dest: &[RankLayout],
+        label: &str,
+        digest: Digest,
+        manifests: &[SourceManifest],
+        sleep_between_sources: Option<Duration>,
+    ) -> Result<StageOutcome, Error> {
+        // The arenas are about to be overwritten.
+        self.pulled = None;
+        let Some(agent) = self.agent.as_ref() else {
+            return Err(Error::NoDataPlane);
+        };
+        let mut stats = StageStats::default();
+        let t = Instant::now();
+        // Load every source's agent metadata (idempotent per agent name).
+        let mut remotes = Vec::with_capacity(manifests.len());
+        for m in manifests {
+            remotes.push(agent.load_remote(&m.agent_metadata)?);
+        }
+        if self.cost.is_none() {
+            self.cost = Some(measure_costs(agent, manifests, &remotes));
+        }
+        let cost = self.cost.unwrap_or_default();
+        let load_s = t.elapsed().as_secs_f64();
+        let p = plan(dest, manifests, &cost)?;
+        tracing::info!(load_s, "loaded remote metadata");
+        stats.plan_s = t.elapsed().as_secs_f64();
+        // Each source's reads occupy one contiguous range of staging (reads are ordered by
+        // source).
+        let mut ranges: Vec<(usize, u64, u64)> = Vec::new();
+        for r in &p.reads {
+            match ranges.last_mut() {
+                Some(last) if last.0 == r.source => last.2 = last.2.max(r.staging_offset + r.len),
+                _ => ranges.push((r.source, r.staging_offset, r.staging_offset + r.len)),
+            }
+        }
+        let fits = self.arenas.len() == ranges.len()
+            && self
+                .arenas
+                .iter()
+                .zip(&ranges)
+                .all(|((_, _, a), (_, lo, hi))| a.len() >= hi - lo);
+        if !fits {
+            self.arenas.clear();
+            for &(s, lo, hi) in &ranges {
+                self.arenas
+                    .push((s, lo, Arena::new(agent, (hi - lo).max(1))?));
+            }
+        }
+        for (slot, &(s, lo, _)) in self.arenas.iter_mut().zip(&ranges) {
+            slot.0 = s;
+            slot.1 = lo;
+        }
+        let mut items: Vec<Vec<&mx_layout::plan::VerifyItem>> = vec![Vec::new(); ranges.len()];
+        for v in &p.verify {
+            if let Some(k) = ranges.iter().position(|r| r.0 == v.source) {
+                items[k].push(v);
+            }
+        }
+        let t = Instant::now();
+        let opts = ReadOptions::default();
+        let arenas = &mut self.arenas;
+        // Pull source by source; a verifier thread checks each source's regions as soon as its
+        // bytes are in, while the next source is pulled.
+        let (descriptors, pull_s, verify_tail_s, bad) = std::thread::scope(
+            |sc| -> Result<_, Error> {
+                let (tx, rx) = std::sync::mpsc::channel::<(usize, &Arena)>();
+                let items = &items;
+                let ranges_ref = &ranges;
+                let verifier = sc.spawn(move || {
+                    for (k, arena) in rx {
+                        let lo = ranges_ref[k].1;
+                        let buf = arena.as_slice();
+                        let bad = items[k].par_iter().find_any(|v| {
+                            let segs = v
+                                .segments
+                                .iter()
+                                .map(|&(o, l)| &buf[(o - lo) as usize..(o - lo + l) as usize]);
+                            mx_layout::digest_segments(segs) != v.digest
+                        });
+                        if let Some(v) = bad {
+                            return Some(*v);
+                        }
+                    }
+                    None
+                });
+                let mut descriptors = 0;
+                for (k, (s, lo, arena)) in arenas.iter_mut().enumerate() {
+                    let ops: Vec<ReadOp> = p
+                        .reads
+                        .iter()
+                        .filter(|r| r.source == *s)
+                        .map(|r| ReadOp {
+                            remote_addr: r.src_addr,
+                            len: r.len,
+                            local_offset: r.staging_offset - *lo,
+                        })
+                        .collect();
+                    let st = agent
+                        .read(&remotes[*s], &ops, arena, &opts)
+                        .map_err(|source| Error::Pull {
+                            slot: manifests[*s].slot,
+                            agent: remotes[*s].clone(),
+                            source,
+                        })?;
+                    descriptors += st.descriptors;
+                    if let Some(d) = sleep_between_sources {
+                        tracing::warn!(
+                            slot = manifests[*s].slot,
+                            ms = d.as_millis(),
+                            "failpoint stage.sleep_between_sources_ms: sleeping after this source's bytes"
+                        );
+                        std::thread::sleep(d);
+                    }
+                    let shared: &Arena = arena;
+                    if tx.send((k, shared)).is_err() {
+                        break; // the verifier already found a bad region
+                    }
+                }
+                let pull_s = t.elapsed().as_secs_f64();
+                drop(tx);
+                let t_tail = Instant::now();
+                let bad = verifier
+                    .join()
+                    .map_err(|_| Error::Task("verifier thread panicked".into()))?;
+                Ok((descriptors, pull_s, t_tail.elapsed().as_secs_f64(), bad))
+            },
+        )?;
+        stats.descriptors = descriptors;
+        stats.pull_s = pull_s;
+        stats.verify_s = verify_tail_s;
+        if let Some(v) = bad {
+            return Err(Error::Verify {
+                tensor: v.tensor.clone(),
+                region: v.region.to_string(),
+                rank: v.dest_rank,
+                slot: manifests.get(v.source).map(|m| m.slot).unwrap_or(u32::MAX),
+            });
+        }
+        stats.wire_bytes = p.wire_bytes;
+        stats.useful_bytes = p.useful_bytes;
+        let strategies = p.strategy_counts();
+        let pulled = pulled_digests(dest, &p);
+        self.pulled = Some(Pulled {
+            label: label.to_string(),
+            digest,
+            plan: p,
+        });
+        Ok((stats, strategies, pulled))
+    }
+
+    /// New live buffers for `dest` holding the pulled version: every apply copy of its plan
+    /// from staging, vocab padding zero-filled. The planner proved every live byte is written
+    /// exactly once. `None` when nothing is pulled.
+    pub(crate) fn copy_out(&self, dest: &[RankLayout]) -> Option<Vec<Vec<u8>>> {
+        let p = &self.pulled.as_ref()?.plan;
+        let staging = &self.arenas;
+        // Staged bytes at `off..off + len`, possibly across two sources' arenas.
+        let copy_out = |mut off: u64, out: &mut [u8]| {
+            let mut done = 0usize;
+            while done < out.len() {
+                let k = staging
+                    .partition_point(|(_, lo, _)| *lo <= off)
+                    .saturating_sub(1);
+                let (_, lo, arena) = &staging[k];
+                let buf = arena.as_slice();
+                let from = (off - lo) as usize;
+                // A reused arena may be longer than its source's range: stop at the next range.
+                let range_end = staging.get(k + 1).map_or(u64::MAX, |next| next.1);
+                let n = (out.len() - done)
+                    .min(buf.len() - from)
+                    .min(usize::try_from(range_end - off).unwrap_or(usize::MAX));
+                out[done..done + n].copy_from_slice(&buf[from..from + n]);
+                done += n;
+                off += n as u64;
+            }
+        };
+        let mut live: Vec<Vec<u8>> = dest
+            .iter()
+            .map(|d| vec![0u8; d.total_bytes as usize])
+            .collect();
+        // Copies per rank in parallel.
+        live.par_iter_mut().enumerate().for_each(|(ri, live)| {
+            for cp in p.copies.iter().filter(|cp| cp.rank_index == ri) {
+                copy_out(
+                    cp.staging_offset,
+                    &mut live[cp.live_offset as usize..(cp.live_offset + cp.len) as usize],
+                );
+            }
+            for z in p.zero_fills.iter().filter(|z| z.rank_index == ri) {
+                live[z.live_offset as usize..(z.live_offset + z.len) as usize].fill(0);
+            }
+        });
+        Some(live)
+    }
+}
+
+/// Per rank, per checkpoint tensor: blake3 over the digests of the regions pulled and verified for
+/// it, in (tensor, region) order.
+fn pulled_digests(dest: &[RankLayout], p: &Plan) -> Vec<RankDigests> {
+    dest.iter()
+        .map(|rl| {
+            let mut items: Vec<(&str, &mx_layout::TensorBox, Digest)> = p
+                .verify
+                .iter()
+                .filter(|v| v.dest_rank == rl.rank || v.shared_with.contains(&rl.rank))
+                .map(|v| (v.tensor.as_str(), &v.region, v.digest))
+                .collect();
+            items.sort();
+            let mut tensors: BTreeMap<String, blake3::Hasher> = BTreeMap::new();
+            for (t, _, d) in items {
+                tensors
+                    .entry(t.to_string())
+                    .or_default()
+                    .update(d.as_bytes());
+            }
+            RankDigests {
+                rank: rl.rank,
+                tensors: tensors
+                    .into_iter()
+                    .map(|(k, h)| (k, h.finalize().into()))
+                    .collect(),
+            }
+        })
+        .collect()
+}
+
+/// Measures the cost model against the first source's largest shard; falls back to the
+/// reference numbers when the probe cannot run (tiny models).
+fn measure_costs(agent: &Agent, manifests: &[SourceManifest], remotes: &[String]) -> CostModel {
+    let Some((si, shard)) = manifests
+        .iter()
+        .enumerate()
+        .flat_map(|(i, m)| m.shards.iter().map(move |s| (i, s)))
+        .max_by_key(|(_, s)| s.len)
+    else {
+        return CostModel::default();
+    };
+    let scratch_len = shard.len.min(64 << 20);
+    let Ok(mut scratch) = Arena::new(agent, scratch_len.max(1)) else {
+        return CostModel::default();
+    };
+    match mx_nixl::probe_costs(agent, &remotes[si], shard.addr, shard.len, &mut scratch) {
+        Ok(m) => {
+            tracing::info!(
+                per_descriptor_us = m.per_descriptor_s * 1e6,
+                wire_gbps = m.wire_gbps,
+                "measured data-plane costs"
+            );
+            CostModel {
+                per_descriptor_s: m.per_descriptor_s,
+                wire_gbps: m.wire_gbps,
+                per_segment_s: measure_segment_cost(),
+            }
+        }
+        Err(e) => {
+            tracing::warn!("cost probe failed ({e}); using reference costs");
+            CostModel::default()
+        }
+    }
+}
+
+/// Local cost of one staged segment (seconds): verifying and applying 4096 segments of 384 bytes
+/// against one contiguous 1.5 MiB piece, the difference per segment (median of 5, >= 0).
+fn measure_segment_cost() -> f64 {
+    const N: usize = 4096;
+    const SEG: usize = 384;
+    let src: Vec<u8> = (0..N * SEG).map(|i| (i * 31 % 251) as u8).collect();
+    let mut dst = vec![0u8; N * SEG];
+    let mut diffs = Vec::new();
+    for _ in 0..5 {
+        let t = Instant::now();
+        let d1 = mx_layout::digest_segments(src.chunks(SEG));
+        for (o, i) in dst.chunks_mut(SEG).zip(src.chunks(SEG)) {
+            o.copy_from_slice(i);
+        }
+        let strided = t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        let d2 = Digest::of(&src);
+        dst.copy_from_slice(&src);
+        let whole = t.elapsed().as_secs_f64();
+        if d1 == d2 {
+            diffs.push(((strided - whole) / N as f64).max(0.0));
+        }
+    }
+    diffs.sort_by(f64::total_cmp);
+    let per = diffs.get(diffs.len() / 2).copied().unwrap_or(5e-8);
+    tracing::info!(
+        per_segment_ns = per * 1e9,
+        "measured local per-segment cost"
+    );
+    per
+}

@@ -1,0 +1,497 @@
+//! The worker's HTTP engine routes on loopback with the real SmolLM2-135M: disk loads, greedy
+//! generation with the live weights, cache clearing, failpoints, pause modes, and the Dynamo and
+//! SGLang contracts as mx-adapters' clients speak them. No NIXL needed. Each test passes with a
+//! message when `.mx/models/smollm2-135m` is missing.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "tests: panics are failures"
+)]
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{generate, get, ids, model_dir, post, serve, PARIS, PROMPT};
+use mx_adapters::dynamo::{DynamoClient, DynamoWorkerClient, PauseMode as DynPause};
+use mx_adapters::sglang::SglangClient;
+use serde_json::json;
+
+const T: Duration = Duration::from_secs(120);
+
+/// Waits until `n` generation requests are in flight on `inst`.
+async fn until_in_flight(inst: &mx_worker::Instance, n: u64) {
+    let t = Instant::now();
+    while inst.requests_in_flight() != n {
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "{n} requests never in flight"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disk_load_generates_paris_on_tp3_and_every_apply_clears_the_caches() {
+    let Some(dir) = model_dir("disk_load_generates_paris") else {
+        return;
+    };
+    let (inst, http) = serve(&dir, &[0, 1, 2], false).await;
+    let base = http.url();
+    let dynamo = DynamoWorkerClient::new(&base, T);
+
+    // No weights yet: generation is 503, the resident version is "".
+    let (status, body) = generate(&base, &PROMPT, 2).await;
+    assert_eq!(status, 503, "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("no weights"),
+        "{body}"
+    );
+    assert_eq!(dynamo.get_weight_version().await.unwrap(), "");
+
+    // Discovery lists this worker with every route the refit needs.
+    let d = DynamoClient::new(&base, T).discover().await.unwrap();
+    assert_eq!(d.namespace, "mx");
+    assert_eq!(d.workers.len(), 1);
+    let w = &d.workers[0];
+    assert_eq!(w.system_url.as_deref(), Some(base.as_str()));
+    assert_eq!(
+        (
+            w.component.as_str(),
+            w.endpoint.as_str(),
+            w.transport.as_str()
+        ),
+        ("worker", "generate", "http")
+    );
+    assert_eq!(w.world_size, Some(3));
+    assert_eq!(w.model.as_deref(), Some("smollm2-135m"));
+    let (_, raw) = get(&format!("{base}/v1/rl/workers")).await;
+    assert_eq!(raw["protocol_version"], 1);
+    assert!(raw["workers"][0]["instance_id"].is_u64(), "{raw}");
+    assert_eq!(
+        raw["workers"][0]["routes"],
+        json!([
+            "pause_generation",
+            "update_weights_from_disk",
+            "get_weight_version",
+            "resume_generation"
+        ])
+    );
+
+    // Disk load through the Dynamo contract.
+    let path = dir.to_str().unwrap();
+    let r = dynamo.update_weights_from_disk(path, "v1").await.unwrap();
+    assert_eq!(r.version.as_deref(), Some("v1"));
+    assert_eq!(r.cache_tiers_cleared, ["kv_cache", "prefix_cache"]);
+    assert_eq!(dynamo.get_weight_version().await.unwrap(), "v1");
+    assert_eq!(inst.cached_positions(), Some(0));
+
+    let (status, body) = generate(&base, &PROMPT, 2).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(ids(&body), PARIS, "{body}");
+    let meta = &body["meta_info"];
+    assert_eq!(meta["weight_version"], "v1");
+    assert_eq!(meta["prompt_tokens"], 5);
+    assert_eq!(meta["completion_tokens"], 2);
+    assert_eq!(meta["cached_tokens"], 0);
+    assert_eq!(
+        meta["finish_reason"],
+        json!({"type": "length", "length": 2})
+    );
+    assert!(
+        inst.cached_positions().unwrap() > 0,
+        "the decode filled the KV cache"
+    );
+
+    // The same prompt again is served from the prefix cache.
+    let (_, body) = generate(&base, &PROMPT, 2).await;
+    assert_eq!(ids(&body), PARIS);
+    assert_eq!(body["meta_info"]["cached_tokens"], 5, "{body}");
+
+    // A second disk load (no weight_version: the id is disk:<path>) clears every tier; the old
+    // live version is pinned.
+    let (status, raw) = post(
+        &format!("{base}/engine/update_weights_from_disk"),
+        json!({"model_path": path, "weight_version": ""}),
+    )
+    .await;
+    assert_eq!(status, 200, "{raw}");
+    assert_eq!(raw["status"], "ok");
+    assert_eq!(raw["version"], format!("disk:{path}"));
+    assert_eq!(
+        raw["cache_tiers_cleared"],
+        json!(["kv_cache", "prefix_cache"])
+    );
+    assert!(raw["apply_seconds"].as_f64().unwrap() > 0.0, "{raw}");
+    assert_eq!(
+        inst.cached_positions(),
+        Some(0),
+        "apply must clear the KV cache"
+    );
+    assert_eq!(inst.versions().pinned.as_deref(), Some("v1"));
+    let (_, body) = generate(&base, &PROMPT, 2).await;
+    assert_eq!(ids(&body), PARIS);
+    assert_eq!(
+        body["meta_info"]["cached_tokens"], 0,
+        "the prefix cache was cleared: {body}"
+    );
+
+    // Requests are checked field by field; no failpoints route without --failpoints.
+    let (status, raw) = post(
+        &format!("{base}/generate"),
+        json!({"input_ids": PROMPT, "sampling_params": {"temperature": 0.8}}),
+    )
+    .await;
+    assert_eq!(status, 400);
+    assert!(raw["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("sampling_params.temperature"));
+    let (status, _) = generate(&base, &[49152], 1).await;
+    assert_eq!(
+        status, 400,
+        "a token outside the vocabulary is a bad request"
+    );
+    let (status, _) = get(&format!("{base}/mx/failpoints")).await;
+    assert_eq!(status, 404);
+    http.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failpoints_lie_about_the_cache_fail_generation_and_hang_apply() {
+    let Some(dir) = model_dir("failpoints") else {
+        return;
+    };
+    let (inst, http) = serve(&dir, &[0, 1, 2], true).await;
+    let base = http.url();
+    let fp = format!("{base}/mx/failpoints");
+    let path = dir.to_str().unwrap();
+    let dynamo = DynamoWorkerClient::new(&base, T);
+    dynamo.update_weights_from_disk(path, "v1").await.unwrap();
+    let (_, body) = generate(&base, &PROMPT, 2).await;
+    assert_eq!(ids(&body), PARIS);
+    let cached = inst.cached_positions().unwrap();
+    assert!(cached > 0);
+
+    // apply.skip_cache_clear: weights installed, caches kept, tiers still reported cleared.
+    let (status, raw) = post(&fp, json!({"apply.skip_cache_clear": true})).await;
+    assert_eq!(status, 200, "{raw}");
+    assert_eq!(get(&fp).await.1["apply.skip_cache_clear"], true);
+    let r = dynamo.update_weights_from_disk(path, "v2").await.unwrap();
+    assert_eq!(r.version.as_deref(), Some("v2"));
+    assert_eq!(
+        r.cache_tiers_cleared,
+        ["kv_cache", "prefix_cache"],
+        "the lie"
+    );
+    assert_eq!(
+        inst.cached_positions(),
+        Some(cached),
+        "the caches survived the apply"
+    );
+    let (_, body) = generate(&base, &PROMPT, 2).await;
+    assert_eq!(
+        body["meta_info"]["cached_tokens"], 5,
+        "stale prefix reused: {body}"
+    );
+
+    // generate.fail: HTTP 500.
+    post(
+        &fp,
+        json!({"apply.skip_cache_clear": null, "generate.fail": true}),
+    )
+    .await;
+    let (status, body) = generate(&base, &PROMPT, 2).await;
+    assert_eq!(status, 500, "{body}");
+    assert!(body["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("generate.fail"));
+
+    // apply.sleep_ms: the next apply takes at least that long (the failpoint then clears itself;
+    // a client with a shorter deadline sees a hung worker).
+    post(&fp, json!({"generate.fail": null, "apply.sleep_ms": 400})).await;
+    assert_eq!(get(&fp).await.1["apply.sleep_ms"], 400);
+    let short = DynamoWorkerClient::new(&base, Duration::from_millis(100));
+    let e = short
+        .update_weights_from_disk(path, "v3")
+        .await
+        .unwrap_err();
+    assert!(matches!(e, mx_adapters::Error::Timeout { .. }), "{e}");
+    // The hung apply still completes; the next one does not sleep.
+    let t = Instant::now();
+    while inst.resident_version().as_deref() != Some("v3") {
+        assert!(t.elapsed() < T, "the hung apply never completed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(t.elapsed() >= Duration::from_millis(250));
+    let listed = get(&fp).await.1;
+    assert_eq!(listed["apply.sleep_ms"], serde_json::Value::Null);
+    assert_eq!(listed["generate.fail"], serde_json::Value::Null);
+    dynamo.update_weights_from_disk(path, "v4").await.unwrap();
+    assert_eq!(inst.cached_positions(), Some(0), "caches cleared again");
+
+    // Unknown names and wrong types are refused, naming them; nothing changes.
+    post(&fp, json!({"stage.sleep_between_sources_ms": 300})).await;
+    let (status, raw) = post(
+        &fp,
+        json!({"stage.sleep_between_sources_ms": null, "no.such": true}),
+    )
+    .await;
+    assert_eq!(status, 400);
+    assert!(
+        raw["message"].as_str().unwrap().contains("no.such"),
+        "{raw}"
+    );
+    assert_eq!(get(&fp).await.1["stage.sleep_between_sources_ms"], 300);
+    http.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn pause_modes_abort_hold_and_wait_for_requests() {
+    let Some(dir) = model_dir("pause_modes") else {
+        return;
+    };
+    let (inst, http) = serve(&dir, &[0, 1, 2], false).await;
+    let base = http.url();
+    let dynamo = DynamoWorkerClient::new(&base, T);
+    dynamo
+        .update_weights_from_disk(dir.to_str().unwrap(), "v1")
+        .await
+        .unwrap();
+    const N: usize = 64;
+    let (_, body) = generate(&base, &PROMPT, N).await;
+    let full = ids(&body);
+    assert_eq!(
+        full.len(),
+        N,
+        "the end-of-sequence token is not a default stop"
+    );
+    assert_eq!(full[..2], PARIS);
+    // SmolLM2 ends its answer with its end-of-sequence token (id 2): with it as a stop token the
+    // output ends there.
+    let eos = full
+        .iter()
+        .position(|&t| t == 2)
+        .expect("an end-of-sequence token")
+        + 1;
+    let (_, stopped) = post(
+        &format!("{base}/generate"),
+        json!({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": N, "stop_token_ids": [2]}}),
+    )
+    .await;
+    assert_eq!(ids(&stopped), full[..eos], "{stopped}");
+    assert_eq!(
+        stopped["meta_info"]["finish_reason"],
+        json!({"type": "stop", "matched": 2})
+    );
+
+    // abort: new requests are refused with 503 "generation paused".
+    dynamo.pause(DynPause::Abort, false).await.unwrap();
+    let (status, body) = generate(&base, &PROMPT, 2).await;
+    assert_eq!(status, 503);
+    assert!(body["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("generation paused"));
+    dynamo.resume().await.unwrap();
+
+    // keep with a request in flight: it holds between tokens (the pause returns once it does)
+    // and continues after resume with the same tokens.
+    let b = base.clone();
+    let inflight = tokio::spawn(async move { generate(&b, &PROMPT, N).await });
+    until_in_flight(&inst, 1).await;
+    // Let it decode a few tokens first (the whole answer takes well over a second here).
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let r = dynamo.pause(DynPause::Keep, false).await.unwrap();
+    assert!(
+        r.message
+            .contains("(mode keep): 1 request(s) were in flight, 1 held"),
+        "{}",
+        r.message
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !inflight.is_finished(),
+        "a held request finished while paused"
+    );
+    dynamo.resume().await.unwrap();
+    let (status, body) = inflight.await.unwrap();
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(
+        ids(&body),
+        full,
+        "the held request continued where it stopped"
+    );
+
+    // keep: a new request waits while paused and runs after resume.
+    let r = dynamo.pause(DynPause::Keep, false).await.unwrap();
+    assert!(r.message.contains("keep"), "{}", r.message);
+    let b = base.clone();
+    let waiting = tokio::spawn(async move { generate(&b, &PROMPT, N).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !waiting.is_finished(),
+        "a request ran while paused with keep"
+    );
+    dynamo.resume().await.unwrap();
+    let (status, body) = waiting.await.unwrap();
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(ids(&body), full);
+
+    // wait: the pause returns only after the request in flight finished.
+    let b = base.clone();
+    let running = tokio::spawn(async move { generate(&b, &[1, 2, 3, 4, 5, 6, 7], N).await });
+    until_in_flight(&inst, 1).await;
+    let r = dynamo.pause(DynPause::Wait, true).await.unwrap();
+    // The pause saw the request in flight and returned only once nothing ran (it was not held).
+    assert!(
+        r.message
+            .contains("(mode wait): 1 request(s) were in flight, 0 held"),
+        "{}",
+        r.message
+    );
+    assert_eq!(
+        running.await.unwrap().0,
+        200,
+        "the request finished, not aborted"
+    );
+    assert_eq!(
+        inst.cached_positions(),
+        Some(0),
+        "pause with clear_cache clears the caches"
+    );
+    dynamo.resume().await.unwrap();
+    assert!(inst.paused().is_none());
+
+    // abort with a request in flight: it stops between tokens with 503.
+    let b = base.clone();
+    let inflight = tokio::spawn(async move { generate(&b, &[9, 8, 7, 6, 5], N).await });
+    until_in_flight(&inst, 1).await;
+    let r = dynamo.pause(DynPause::Abort, false).await.unwrap();
+    assert!(
+        r.message
+            .contains("(mode abort): 1 request(s) were in flight, 0 held"),
+        "{}",
+        r.message
+    );
+    let (status, body) = inflight.await.unwrap();
+    assert_eq!(status, 503, "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("aborted by pause_generation"),
+        "{body}"
+    );
+    dynamo.resume().await.unwrap();
+    http.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_contract_updates_pauses_and_continues() {
+    let Some(dir) = model_dir("sglang_contract") else {
+        return;
+    };
+    let (inst, http) = serve(&dir, &[0, 1, 2], false).await;
+    let base = http.url();
+    let sg = SglangClient::new(&base, T);
+    let path = dir.to_str().unwrap();
+
+    // update_weights_from_disk: success, no paused requests, not left paused.
+    let u = sg
+        .update_weights_from_disk(path, "s1", true, false)
+        .await
+        .unwrap();
+    assert_eq!(u.num_paused_requests, 0);
+    assert!(
+        inst.paused().is_none(),
+        "keep_pause false leaves generation running"
+    );
+    let (status, body) = generate(&base, &PROMPT, 2).await;
+    assert_eq!((status, ids(&body)), (200, PARIS.to_vec()));
+    assert_eq!(body["meta_info"]["weight_version"], "s1");
+
+    // The raw answer carries cache_tiers_cleared; flush_cache false clears nothing.
+    let (status, raw) = post(
+        &format!("{base}/engine/control/update_weights_from_disk"),
+        json!({"model_path": path, "weight_version": "s2", "flush_cache": false, "keep_pause": true}),
+    )
+    .await;
+    assert_eq!(status, 200, "{raw}");
+    assert_eq!(raw["success"], true);
+    assert_eq!(raw["cache_tiers_cleared"], json!([]));
+    assert_eq!(raw["num_paused_requests"], 0);
+    assert!(
+        inst.paused().is_some(),
+        "keep_pause true keeps generation paused"
+    );
+    sg.continue_generation(true).await.unwrap();
+    assert!(inst.paused().is_none());
+
+    // pause_generation (default mode abort) refuses new requests until continue_generation.
+    sg.pause_generation().await.unwrap();
+    let (status, _) = generate(&base, &PROMPT, 2).await;
+    assert_eq!(status, 503);
+    sg.continue_generation(false).await.unwrap();
+    let (status, _) = generate(&base, &PROMPT, 2).await;
+    assert_eq!(status, 200);
+
+    // Failures: HTTP 4xx and success false, naming what is wrong; nothing changes.
+    let e = sg
+        .update_weights_from_disk("/no/such/checkpoint", "x", true, false)
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("/no/such/checkpoint"), "{e}");
+    let (status, raw) = post(
+        &format!("{base}/engine/control/update_weights_from_disk"),
+        json!({"model_path": format!("mx://{}", "0".repeat(64))}),
+    )
+    .await;
+    assert_eq!(status, 404, "{raw}");
+    assert_eq!(raw["success"], false);
+    let msg = raw["message"].as_str().unwrap();
+    assert!(
+        msg.contains(&format!("mx:{}", "0".repeat(64))) && msg.contains("live: s2"),
+        "{msg}"
+    );
+    assert_eq!(inst.resident_version().as_deref(), Some("s2"));
+    http.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_without_every_rank_loads_but_refuses_generation_with_409() {
+    let Some(dir) = model_dir("partial_ranks") else {
+        return;
+    };
+    let (inst, http) = serve(&dir, &[1], false).await;
+    let base = http.url();
+    let dynamo = DynamoWorkerClient::new(&base, T);
+    let r = dynamo
+        .update_weights_from_disk(dir.to_str().unwrap(), "v1")
+        .await
+        .unwrap();
+    assert!(r.cache_tiers_cleared.is_empty(), "no engine, no caches");
+    assert_eq!(inst.resident_version().as_deref(), Some("v1"));
+    let (status, body) = generate(&base, &PROMPT, 2).await;
+    assert_eq!(status, 409, "{body}");
+    let msg = body["error"]["message"].as_str().unwrap();
+    assert!(msg.contains("[1]") && msg.contains("tp:3"), "{msg}");
+
+    // Byte-exact: the rank's live bytes equal a full-rank instance's rank 1 loaded from disk.
+    let (full, full_http) = serve(&dir, &[0, 1, 2], false).await;
+    full.apply(mx_worker::ApplySource::Disk {
+        path: dir.clone(),
+        version: "v1".into(),
+    })
+    .await
+    .unwrap();
+    let (_, one) = inst.live_digests().await.unwrap().unwrap();
+    let (_, all) = full.live_digests().await.unwrap().unwrap();
+    assert_eq!(one[0], all[1]);
+    http.shutdown().await;
+    full_http.shutdown().await;
+}

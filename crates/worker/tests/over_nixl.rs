@@ -1,0 +1,335 @@
+//! The worker against a real control plane (in process, on loopback) and real publishers
+//! pulling over NIXL: the version store's stage / apply / rollback / idempotent / unknown-version
+//! semantics checked byte for byte, and reconnection when the control plane restarts. Each test
+//! passes with a message when NIXL or `.mx/models/smollm2-135m` is missing (`MX_REQUIRE_NIXL=1`
+//! turns a missing NIXL into a failure).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "tests: panics are failures"
+)]
+
+mod common;
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{generate, ids, model_dir, post, tp3, PARIS, PROMPT};
+use mx_control::client::ControlClient;
+use mx_control::{ControlPlaneConfig, EngineApi, VersionState, WorkerState};
+use mx_layout::{Digest, LayoutSpec, RankDigests};
+use mx_publisher::{Publisher, PublisherConfig};
+use mx_worker::{
+    mx_version_id, ApplySource, Error, Instance, InstanceConfig, Worker, WorkerConfig,
+};
+use serde_json::json;
+
+const WAIT: Duration = Duration::from_secs(180);
+
+fn worker_config(control: &str, dir: &Path, id: &str) -> WorkerConfig {
+    WorkerConfig {
+        control: control.to_string(),
+        model_dir: dir.to_path_buf(),
+        layout: tp3(),
+        ranks: vec![0, 1, 2],
+        worker_id: id.to_string(),
+        instance: id.to_string(),
+        http: "127.0.0.1:0".parse().unwrap(),
+        engine_api: EngineApi::Dynamo,
+        failpoints: false,
+        reconnect_timeout: Duration::from_secs(30),
+        load: None,
+        load_version: None,
+    }
+}
+
+async fn control_plane(dir: &Path, listen: &str) -> (String, mx_control::ServerHandle) {
+    let (addr, handle) = mx_control::spawn(ControlPlaneConfig {
+        listen: listen.parse().unwrap(),
+        journal_path: dir.join("journal.jsonl"),
+    })
+    .await
+    .unwrap();
+    (format!("http://{addr}"), handle)
+}
+
+/// Declares, publishes (both fsdp:2 publishers), stages and commits `label` on worker `w`;
+/// returns the version digest.
+async fn refit(
+    client: &ControlClient,
+    pubs: &mut [Publisher],
+    specs: &[mx_layout::TensorSpec],
+    label: &str,
+) -> Digest {
+    let fsdp2: LayoutSpec = "fsdp:2".parse().unwrap();
+    client.declare_version(label, fsdp2, specs).await.unwrap();
+    for p in pubs.iter_mut() {
+        p.publish(label, WAIT).await.unwrap();
+    }
+    let v = client
+        .wait_version(label, VersionState::Ready, WAIT)
+        .await
+        .unwrap();
+    client.stage(label, &["w"]).await.unwrap();
+    let (reached, briefs) = client
+        .wait_workers(label, &["w"], WorkerState::Staged, WAIT)
+        .await
+        .unwrap();
+    assert!(reached, "{label} not staged: {briefs:?}");
+    client.commit(label, &["w"]).await.unwrap();
+    client
+        .wait_version(label, VersionState::Committed, WAIT)
+        .await
+        .unwrap();
+    v.version_digest.unwrap()
+}
+
+async fn digests(inst: &Instance) -> (String, Vec<RankDigests>) {
+    inst.live_digests().await.unwrap().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn staged_pinned_and_live_versions_apply_swap_and_refuse_byte_exactly() {
+    if !mx_nixl::nixl_or_skip("staged_pinned_and_live_versions_apply_swap_and_refuse") {
+        return;
+    }
+    let Some(dir) = model_dir("staged_pinned_and_live_versions") else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let (control, server) = control_plane(tmp.path(), "127.0.0.1:0").await;
+    let w = Arc::new(
+        Worker::start(worker_config(&control, &dir, "w"))
+            .await
+            .unwrap(),
+    );
+    let runner = tokio::spawn({
+        let w = Arc::clone(&w);
+        async move { w.run().await }
+    });
+    let inst = w.instance().clone();
+    let base = w.http_url();
+    let client = ControlClient::connect(&control).await.unwrap();
+    let mut pubs = Vec::new();
+    for rank in 0..2 {
+        pubs.push(
+            Publisher::start(PublisherConfig {
+                control: control.clone(),
+                model_dir: dir.clone(),
+                layout: "fsdp:2".parse().unwrap(),
+                rank,
+                pack: true,
+                fault_flip_byte: None,
+            })
+            .await
+            .unwrap(),
+        );
+    }
+    let specs = mx_checkpoint::Checkpoint::open(&dir).unwrap().specs();
+
+    // Reference: the same checkpoint sliced from disk by an independent instance.
+    let reference = Instance::open(
+        InstanceConfig {
+            model_dir: dir.clone(),
+            layout: tp3(),
+            ranks: vec![0, 1, 2],
+            failpoints: false,
+            worker_id: "reference".into(),
+        },
+        None,
+    )
+    .unwrap();
+    reference
+        .apply(ApplySource::Disk {
+            path: dir.clone(),
+            version: "disk".into(),
+        })
+        .await
+        .unwrap();
+    let (_, disk) = digests(&reference).await;
+    drop(reference);
+
+    // step-1 over NIXL, applied by the Apply command: byte-identical to the disk slicing.
+    let d1 = refit(&client, &mut pubs, &specs, "step-1").await;
+    let (id1, v1) = digests(&inst).await;
+    assert_eq!(id1, mx_version_id(&d1));
+    assert_eq!(
+        v1, disk,
+        "step-1 pulled over NIXL differs from the checkpoint"
+    );
+    assert_eq!(inst.cached_positions(), Some(0));
+    let (_, body) = generate(&base, &PROMPT, 2).await;
+    assert_eq!(ids(&body), PARIS, "{body}");
+    assert_eq!(body["meta_info"]["weight_version"], id1);
+
+    // step-2 (one training step later): step-1 becomes the pinned version.
+    for p in &mut pubs {
+        p.train_step(2);
+    }
+    let d2 = refit(&client, &mut pubs, &specs, "step-2").await;
+    let (id2, v2) = digests(&inst).await;
+    assert_eq!(id2, mx_version_id(&d2));
+    assert_ne!(v2, v1);
+    assert_eq!(inst.versions().pinned, Some(id1.clone()));
+    let (_, body) = generate(&base, &PROMPT, 4).await;
+    let out2 = ids(&body);
+    assert_eq!(body["meta_info"]["weight_version"], id2);
+
+    // Rollback over the Dynamo route: a swap with the pinned version, byte-exact.
+    let update = format!("{base}/engine/update_weights_from_disk");
+    let (status, r) = post(
+        &update,
+        json!({"model_path": format!("mx://{d1}"), "weight_version": "step-1"}),
+    )
+    .await;
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(r["version"], id1);
+    assert_eq!(
+        r["cache_tiers_cleared"],
+        json!(["kv_cache", "prefix_cache"])
+    );
+    assert_eq!(digests(&inst).await, (id1.clone(), v1.clone()));
+    assert_eq!(inst.versions().pinned, Some(id2.clone()));
+    assert_eq!(inst.cached_positions(), Some(0));
+    let (_, body) = generate(&base, &PROMPT, 2).await;
+    assert_eq!(ids(&body), PARIS);
+
+    // Applying the live version again is a no-op success.
+    let (status, r) = post(&update, json!({"model_path": format!("mx://{d1}")})).await;
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(r["version"], id1);
+    assert_eq!(digests(&inst).await, (id1.clone(), v1.clone()));
+    assert_eq!(inst.versions().pinned, Some(id2.clone()));
+
+    // And forward again.
+    let (status, r) = post(&update, json!({"model_path": format!("mx://{d2}")})).await;
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(digests(&inst).await, (id2.clone(), v2.clone()));
+    let (_, body) = generate(&base, &PROMPT, 4).await;
+    assert_eq!(ids(&body), out2, "step-2 generates as before the rollback");
+
+    // An unknown version is refused, naming what is staged, pinned and live; nothing changes.
+    let unknown = Digest([7u8; 32]);
+    let (status, r) = post(&update, json!({"model_path": format!("mx://{unknown}")})).await;
+    assert_eq!(status, 404, "{r}");
+    assert_eq!(r["status"], "error");
+    assert_eq!(r["version"], id2);
+    let msg = r["message"].as_str().unwrap();
+    for needle in [
+        mx_version_id(&unknown),
+        format!("staged: {id2}"),
+        format!("pinned: {id1}"),
+        format!("live: {id2}"),
+    ] {
+        assert!(msg.contains(&needle), "{needle:?} not in {msg}");
+    }
+    assert_eq!(digests(&inst).await, (id2.clone(), v2.clone()));
+    assert_eq!(inst.versions().pinned, Some(id1.clone()));
+
+    // Staging a version that is already pinned reports at once, without pulling, and the
+    // Apply command then swaps it in.
+    let t = Instant::now();
+    let (stats, _, ranks) = w.stage("step-1", d1).await.unwrap();
+    assert_eq!((stats.descriptors, stats.useful_bytes), (0, 0));
+    assert!(t.elapsed() < Duration::from_secs(5));
+    assert_eq!(
+        ranks, v1,
+        "the staged copy's digests are step-1's live digests"
+    );
+    assert_eq!(
+        inst.versions().staged,
+        Some(format!("{id1} (resident copy)"))
+    );
+    let read_back = w.apply("step-1", d1).await.unwrap();
+    assert_eq!(read_back, v1);
+    assert_eq!(digests(&inst).await, (id1.clone(), v1.clone()));
+
+    runner.abort();
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_worker_reconnects_when_the_control_plane_restarts_and_gives_up_after_its_timeout() {
+    if !mx_nixl::nixl_or_skip("a_worker_reconnects_when_the_control_plane_restarts") {
+        return;
+    }
+    let Some(dir) = model_dir("a_worker_reconnects") else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let (control, server) = control_plane(tmp.path(), "127.0.0.1:0").await;
+    let listen = control.trim_start_matches("http://").to_string();
+    let mut cfg = worker_config(&control, &dir, "w");
+    cfg.ranks = vec![1];
+    cfg.load = Some(dir.clone());
+    cfg.load_version = Some("boot".into());
+    cfg.reconnect_timeout = Duration::from_secs(3);
+    let w = Arc::new(Worker::start(cfg).await.unwrap());
+    let runner = tokio::spawn({
+        let w = Arc::clone(&w);
+        async move { w.run().await }
+    });
+    let registered = |control: String| async move {
+        let c = ControlClient::connect(&control).await.ok()?;
+        let s = c.get_status().await.ok()?;
+        s.workers.into_iter().find(|w| w.worker_id == "w")
+    };
+    let ws = registered(control.clone()).await.unwrap();
+    assert_eq!(ws.resident_id.as_deref(), Some("boot"));
+    assert_eq!(
+        ws.engine.as_ref().map(|e| e.system_url.clone()),
+        Some(w.http_url())
+    );
+
+    // The control plane stops and comes back on the same address with a fresh journal: the
+    // worker re-registers there with its resident version.
+    server.shutdown().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !runner.is_finished(),
+        "the worker exited instead of reconnecting"
+    );
+    let fresh = tmp.path().join("fresh");
+    std::fs::create_dir_all(&fresh).unwrap();
+    let (control2, server2) = control_plane(&fresh, &listen).await;
+    assert_eq!(control2, control);
+    let t = Instant::now();
+    let ws = loop {
+        if let Some(ws) = registered(control.clone()).await {
+            break ws;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "worker did not re-register"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(ws.resident_id.as_deref(), Some("boot"));
+
+    // A second process taking the id over ends the first one's stream: it exits with
+    // StreamClosed instead of re-registering.
+    let mut cfg2 = worker_config(&control, &dir, "w");
+    cfg2.ranks = vec![1];
+    cfg2.reconnect_timeout = Duration::from_secs(3);
+    let w2 = Worker::start(cfg2).await.unwrap();
+    let runner2 = tokio::spawn(async move { w2.run().await });
+    let res = tokio::time::timeout(Duration::from_secs(10), runner)
+        .await
+        .expect("the replaced worker did not exit")
+        .unwrap();
+    assert!(matches!(res, Err(Error::StreamClosed { .. })), "{res:?}");
+
+    // Gone for good: the remaining worker gives up after its reconnect timeout, naming the
+    // control plane.
+    server2.shutdown().await.unwrap();
+    let t = Instant::now();
+    let res = tokio::time::timeout(Duration::from_secs(20), runner2)
+        .await
+        .expect("the worker kept trying past its timeout")
+        .unwrap();
+    let e = res.unwrap_err();
+    assert!(matches!(e, Error::ReconnectTimeout { .. }), "{e}");
+    assert!(e.to_string().contains(&control), "{e}");
+    assert!(t.elapsed() >= Duration::from_secs(2), "gave up too early");
+}

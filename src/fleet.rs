@@ -1,0 +1,168 @@
+//! Child processes of a local fleet (control plane, publishers, workers) for `mx demo` and
+//! `mx validate`: spawned from this binary with their logs in a work directory, killed when
+//! dropped.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+
+/// The demo's work directory, removed when dropped unless `--keep` (on failures too: the error
+/// names the logs only with `--keep`).
+pub(crate) struct WorkDir {
+    pub(crate) path: PathBuf,
+    pub(crate) keep: bool,
+}
+
+impl Drop for WorkDir {
+    fn drop(&mut self) {
+        if !self.keep {
+            let _ = std::fs::remove_dir_all(&self.path);
+        }
+    }
+}
+
+/// Children killed when dropped.
+pub(crate) struct Procs(pub(crate) Vec<(String, Child)>);
+
+impl Drop for Procs {
+    fn drop(&mut self) {
+        for (_, c) in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Procs {
+    pub(crate) fn spawn(&mut self, name: &str, work: &Path, args: &[String]) -> anyhow::Result<()> {
+        let exe = std::env::current_exe()?;
+        let log = std::fs::File::create(work.join(format!("{name}.log")))?;
+        let child = Command::new(exe)
+            .args(args)
+            .env(
+                "MX_LOG",
+                std::env::var("MX_LOG").unwrap_or_else(|_| "info".into()),
+            )
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .with_context(|| format!("spawning {name}"))?;
+        self.0.push((name.to_string(), child));
+        Ok(())
+    }
+
+    /// Fails naming the first child that exited with an error.
+    pub(crate) fn check(&mut self, work: &Path) -> anyhow::Result<()> {
+        for (name, c) in &mut self.0 {
+            if let Some(st) = c.try_wait()? {
+                if !st.success() {
+                    let log = std::fs::read_to_string(work.join(format!("{name}.log")))
+                        .unwrap_or_default();
+                    let tail: Vec<&str> = log.lines().rev().take(8).collect();
+                    bail!(
+                        "{name} exited with {st}; last log lines:\n{}",
+                        tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Procs {
+    /// Spawns `name` with extra environment variables.
+    pub(crate) fn spawn_env(
+        &mut self,
+        name: &str,
+        work: &Path,
+        args: &[String],
+        env: &[(&str, &str)],
+    ) -> anyhow::Result<()> {
+        let exe = std::env::current_exe()?;
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(work.join(format!("{name}.log")))?;
+        let mut cmd = Command::new(exe);
+        cmd.args(args)
+            .env(
+                "MX_LOG",
+                std::env::var("MX_LOG").unwrap_or_else(|_| "info".into()),
+            )
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log);
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let child = cmd.spawn().with_context(|| format!("spawning {name}"))?;
+        self.0.push((name.to_string(), child));
+        Ok(())
+    }
+
+    /// The OS pid of `name`.
+    pub(crate) fn pid(&self, name: &str) -> Option<u32> {
+        self.0.iter().find(|(n, _)| n == name).map(|(_, c)| c.id())
+    }
+
+    /// SIGKILLs `name` and reaps it (it leaves the list).
+    pub(crate) fn kill(&mut self, name: &str) -> anyhow::Result<()> {
+        let i = self
+            .0
+            .iter()
+            .position(|(n, _)| n == name)
+            .with_context(|| format!("no process {name}"))?;
+        let (_, mut c) = self.0.remove(i);
+        c.kill().with_context(|| format!("killing {name}"))?;
+        c.wait()?;
+        Ok(())
+    }
+
+    /// Waits until `name` exits by itself (e.g. a failpoint killed it); it leaves the list.
+    pub(crate) fn wait_exit(&mut self, name: &str, timeout: Duration) -> anyhow::Result<()> {
+        let t = Instant::now();
+        loop {
+            let i = self
+                .0
+                .iter()
+                .position(|(n, _)| n == name)
+                .with_context(|| format!("no process {name}"))?;
+            if self.0[i].1.try_wait()?.is_some() {
+                self.0.remove(i);
+                return Ok(());
+            }
+            if t.elapsed() > timeout {
+                bail!("{name} did not exit within {timeout:?}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+/// Polls `f` until it says done, failing when a child died or `timeout` passed.
+pub(crate) async fn wait_until<F, Fut>(
+    procs: &mut Procs,
+    work: &Path,
+    timeout: Duration,
+    mut f: F,
+) -> anyhow::Result<()>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<bool>>,
+{
+    let t = Instant::now();
+    loop {
+        if f().await? {
+            return Ok(());
+        }
+        procs.check(work)?;
+        if t.elapsed() > timeout {
+            bail!("timed out after {timeout:?} (logs in {})", work.display());
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}

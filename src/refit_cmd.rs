@@ -1,0 +1,267 @@
+//! `mx refit`: the orchestrator's command. Asks the control plane to move a worker set to a
+//! version (STAGE, PREPARE, APPLY, VERIFY, RESUME, CHECK, COMMIT, or ABORT / ROLLBACK), waits
+//! for the end and prints what happened on each worker. Exit status 0 only when COMMITTED.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use mx_control::client::ControlClient;
+use mx_control::{GenerationCheck, Outcome, PauseMode, Refit, RefitSpec};
+
+/// Flags of `mx refit`.
+#[derive(clap::Args, Debug, Clone)]
+pub(crate) struct RefitArgs {
+    /// Control plane address.
+    #[arg(long, default_value = "http://127.0.0.1:7700")]
+    pub(crate) control: String,
+    /// Version label to move to (READY, or committed before).
+    #[arg(long)]
+    pub(crate) label: String,
+    /// Target workers (comma-separated ids); default: every registered worker with engine
+    /// routes.
+    #[arg(long, value_delimiter = ',')]
+    pub(crate) workers: Vec<String>,
+    /// Dynamo discovery URL (`GET {url}/v1/rl/workers`): the target set is every discovered
+    /// worker, matched to registered workers by system_url.
+    #[arg(long, conflicts_with = "workers")]
+    pub(crate) discovery: Option<String>,
+    /// In-flight requests at PREPARE: keep, wait or abort.
+    #[arg(long, default_value = "wait")]
+    pub(crate) pause_mode: PauseMode,
+    /// Proceed without workers that are not connected (default: a missing worker aborts).
+    #[arg(long)]
+    pub(crate) allow_partial: bool,
+    /// Post-update generation prompt (token ids, comma-separated); default: the SmolLM2 check
+    /// prompt "The capital of France is".
+    #[arg(long, value_delimiter = ',')]
+    pub(crate) prompt_tokens: Vec<u32>,
+    /// Tokens the post-update generation decodes (0 = no post-update generation).
+    #[arg(long, default_value_t = 4)]
+    pub(crate) check_tokens: u32,
+    /// Compute the golden tokens from this checkpoint (plus `--golden-version - 1` known
+    /// training steps), outside the workers' path.
+    #[arg(long)]
+    pub(crate) golden_model: Option<PathBuf>,
+    /// Which demo version the golden tokens are for (1 = the checkpoint itself).
+    #[arg(long)]
+    pub(crate) golden_version: Option<u32>,
+    /// Trainer step journaled with the refit.
+    #[arg(long, default_value_t = 0)]
+    pub(crate) framework_step: u64,
+    /// STAGE deadline, seconds.
+    #[arg(long, default_value_t = 300.0)]
+    pub(crate) stage_timeout_s: f64,
+    /// Deadline of each engine call, seconds (a hung worker fails after it).
+    #[arg(long, default_value_t = 60.0)]
+    pub(crate) call_timeout_s: f64,
+    /// Write the refit record as JSON here.
+    #[arg(long)]
+    pub(crate) json: Option<PathBuf>,
+}
+
+fn ms(s: f64, flag: &str) -> anyhow::Result<u64> {
+    if !(s.is_finite() && s > 0.0 && s < 1e9) {
+        bail!("--{flag} must be a positive number of seconds, got {s}");
+    }
+    Ok((s * 1000.0).round() as u64)
+}
+
+/// Golden tokens of demo version `version` for `prompt`: a forward pass over the checkpoint plus
+/// the known training steps, never over pulled bytes.
+pub(crate) fn golden(
+    model: &std::path::Path,
+    version: u32,
+    prompt: &[u32],
+    n: u32,
+) -> anyhow::Result<Vec<u32>> {
+    mx_engine::golden::golden_tokens(model, version, prompt, n as usize).with_context(|| {
+        format!(
+            "golden tokens of version {version} from {}",
+            model.display()
+        )
+    })
+}
+
+pub(crate) async fn run(a: RefitArgs) -> anyhow::Result<()> {
+    let client = ControlClient::connect(&a.control).await?;
+    let status = client.get_status().await?;
+    let workers = if let Some(url) = &a.discovery {
+        let d = mx_adapters::dynamo::DynamoClient::new(url, Duration::from_secs(10))
+            .discover()
+            .await?;
+        let mut ids = Vec::new();
+        for w in &d.workers {
+            let url = w.system_url.clone().unwrap_or_default();
+            let id = status
+                .workers
+                .iter()
+                .find(|s| {
+                    s.engine.as_ref().is_some_and(|e| {
+                        e.system_url.trim_end_matches('/') == url.trim_end_matches('/')
+                    })
+                })
+                .map(|s| s.worker_id.clone())
+                .with_context(|| {
+                    format!(
+                        "discovered worker {} ({url}) is not registered with the control plane",
+                        w.instance_id
+                    )
+                })?;
+            ids.push(id);
+        }
+        ids
+    } else if a.workers.is_empty() {
+        status
+            .workers
+            .iter()
+            .filter(|w| w.engine.is_some())
+            .map(|w| w.worker_id.clone())
+            .collect()
+    } else {
+        a.workers.clone()
+    };
+    if workers.is_empty() {
+        bail!("no target workers: none registered with engine routes (start `mx worker`)");
+    }
+    let check = if a.check_tokens == 0 {
+        None
+    } else {
+        let prompt = if a.prompt_tokens.is_empty() {
+            mx_engine::golden::CHECK_PROMPT.to_vec()
+        } else {
+            a.prompt_tokens.clone()
+        };
+        let expected = match (&a.golden_model, a.golden_version) {
+            (Some(m), Some(v)) => golden(m, v, &prompt, a.check_tokens)?,
+            (None, None) => Vec::new(),
+            _ => bail!("--golden-model and --golden-version go together"),
+        };
+        Some(GenerationCheck {
+            prompt_tokens: prompt,
+            max_new_tokens: a.check_tokens,
+            expected_tokens: expected,
+        })
+    };
+    let spec = RefitSpec {
+        label: a.label.clone(),
+        worker_ids: workers,
+        pause_mode: a.pause_mode,
+        allow_partial: a.allow_partial,
+        check,
+        framework_step: a.framework_step,
+        stage_timeout_ms: ms(a.stage_timeout_s, "stage-timeout-s")?,
+        call_timeout_ms: ms(a.call_timeout_s, "call-timeout-s")?,
+    };
+    let id = client.refit(&spec).await?;
+    eprintln!("refit {id}: {} on {:?}", spec.label, spec.worker_ids);
+    let refit = wait_end(&client, id, Duration::from_secs(3600)).await?;
+    print_refit(&refit);
+    if let Some(p) = &a.json {
+        std::fs::write(p, serde_json::to_vec_pretty(&refit)?)
+            .with_context(|| format!("writing {}", p.display()))?;
+    }
+    if refit.outcome != Some(Outcome::Committed) {
+        bail!(
+            "refit {id} to {} ended {}: {}",
+            refit.spec.label,
+            refit.outcome.map(|o| o.to_string()).unwrap_or_default(),
+            refit.reason
+        );
+    }
+    Ok(())
+}
+
+/// Long-polls refit `id` until it ended (reconnecting while the control plane restarts).
+pub(crate) async fn wait_end(
+    client: &ControlClient,
+    id: u64,
+    timeout: Duration,
+) -> anyhow::Result<Refit> {
+    let t = std::time::Instant::now();
+    loop {
+        match client.wait_refit(id, Duration::from_secs(2)).await {
+            Ok((true, Some(r))) => return Ok(r),
+            Ok((_, None)) => bail!("refit {id} is unknown to the control plane"),
+            Ok(_) => {}
+            Err(e) => {
+                tracing::debug!("waiting for refit {id}: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+        if t.elapsed() > timeout {
+            bail!("refit {id} did not end within {timeout:?}");
+        }
+    }
+}
+
+/// Prints a refit: outcome, phases, and per worker previous -> resulting version with its calls.
+pub(crate) fn print_refit(r: &Refit) {
+    let short = |v: &Option<String>| match v {
+        Some(v) if v.len() > 15 => format!("{}…", &v[..15]),
+        Some(v) => v.clone(),
+        None => "(none)".into(),
+    };
+    println!(
+        "refit {} -> {} ({}): {}{}{}",
+        r.id,
+        r.spec.label,
+        &r.target[..r.target.len().min(15)],
+        r.outcome
+            .map(|o| o.to_string())
+            .unwrap_or_else(|| "OPEN".into()),
+        if r.reason.is_empty() {
+            String::new()
+        } else {
+            format!(" — {}", r.reason)
+        },
+        if r.recovered {
+            " (recovered after a control-plane restart)"
+        } else {
+            ""
+        },
+    );
+    let phases: Vec<String> = r.phases.iter().map(|(p, _)| p.to_string()).collect();
+    println!("  phases: {}", phases.join(" -> "));
+    println!(
+        "  {:<10} {:<17} {:<17} {:>8} {:>8} {:>8}  tiers cleared / tokens",
+        "worker", "previous", "resulting", "apply s", "verify s", "check s"
+    );
+    for (id, w) in &r.workers {
+        let secs = |f: &dyn Fn(&mx_control::Action) -> bool| -> f64 {
+            w.calls
+                .iter()
+                .filter(|c| f(&c.action))
+                .filter_map(|c| c.result.as_ref().map(|x| x.seconds))
+                .sum()
+        };
+        let apply = secs(&|a| matches!(a, mx_control::Action::Apply { .. }));
+        let verify = secs(&|a| matches!(a, mx_control::Action::ReadVersion));
+        let check = secs(&|a| matches!(a, mx_control::Action::Generate));
+        let tiers = w
+            .calls
+            .iter()
+            .filter_map(|c| c.result.as_ref())
+            .rev()
+            .find(|x| !x.cache_tiers_cleared.is_empty())
+            .map(|x| x.cache_tiers_cleared.join(","))
+            .unwrap_or_default();
+        let tokens = w
+            .calls
+            .iter()
+            .filter(|c| c.action == mx_control::Action::Generate)
+            .filter_map(|c| c.result.as_ref())
+            .next_back()
+            .map(|x| format!(" {:?}", x.tokens))
+            .unwrap_or_default();
+        println!(
+            "  {:<10} {:<17} {:<17} {:>8.3} {:>8.3} {:>8.3}  {tiers}{tokens}",
+            id,
+            short(&w.previous),
+            short(&w.resident),
+            apply,
+            verify,
+            check
+        );
+    }
+}
