@@ -1,6 +1,9 @@
 //! `mx demo`: control plane, trainer publishers and inference workers as separate OS processes on
-//! loopback; refits versions step-1..step-N, commits each, and checks every worker's live bytes
-//! against slices computed independently from the checkpoint file.
+//! loopback. For each version step-1..step-N it measures the pull (`--runs` stages), commits the
+//! version with a refit (the control plane's one commit path: STAGE, PREPARE, APPLY, VERIFY,
+//! RESUME, CHECK against golden tokens where the workers can generate, COMMIT), and checks every
+//! worker's live bytes (read from its `GET /mx/live_digests`) against slices computed
+//! independently from the checkpoint file.
 
 use std::path::{Path, PathBuf};
 
@@ -10,7 +13,8 @@ use anyhow::{bail, Context};
 use indicatif::{ProgressBar, ProgressStyle};
 use mx_checkpoint::Checkpoint;
 use mx_control::client::ControlClient;
-use mx_control::{VersionState, WorkerState};
+use mx_control::{GenerationCheck, Outcome, PauseMode, RefitSpec, VersionState, WorkerState};
+use mx_layout::model::Family;
 use mx_layout::{rank_layout, LayoutSpec, ModelInfo};
 use serde::Serialize;
 
@@ -76,6 +80,11 @@ struct WorkerReport {
 struct VersionReport {
     label: String,
     version_digest: String,
+    /// The refit that committed it.
+    refit_id: u64,
+    /// Golden tokens every worker generated after the apply (`None`: no post-update generation,
+    /// the workers cannot generate).
+    golden_tokens: Option<Vec<u32>>,
     stage_seconds_runs: Vec<f64>,
     stage_seconds_median: f64,
     pack_seconds: f64,
@@ -116,6 +125,63 @@ fn median(v: &[f64]) -> f64 {
 
 /// Most OS processes the demo starts (publishers + workers) on one machine.
 const MAX_PROCESSES: u32 = 64;
+
+/// Tokens of the post-update generation.
+const CHECK_TOKENS: u32 = 4;
+
+/// What a worker's `GET /mx/live_digests` answers.
+#[derive(serde::Deserialize)]
+struct LiveDigests {
+    version: String,
+    ranks: Vec<LiveRank>,
+}
+
+#[derive(serde::Deserialize)]
+struct LiveRank {
+    rank: u32,
+    tensors: std::collections::BTreeMap<String, String>,
+}
+
+/// The live bytes' digests, read from the worker's own route (not from anything it reported).
+async fn live_digests(http: &reqwest::Client, system_url: &str) -> anyhow::Result<LiveDigests> {
+    let url = format!("{}/mx/live_digests", system_url.trim_end_matches('/'));
+    let r = http
+        .get(&url)
+        .send()
+        .await
+        .with_context(|| format!("GET {url}"))?;
+    let status = r.status();
+    let body = r.text().await.with_context(|| format!("GET {url}"))?;
+    if !status.is_success() {
+        bail!("GET {url}: {status}: {body}");
+    }
+    serde_json::from_str(&body).with_context(|| format!("GET {url}: unexpected answer"))
+}
+
+/// The post-update generation of demo version `k`, when the workers can generate: every worker
+/// holds every rank of its layout and the model is llama-family. Golden tokens come from the
+/// checkpoint plus the known training steps, never from pulled bytes.
+async fn check_for(
+    model_dir: &Path,
+    family: Family,
+    whole_instances: bool,
+    k: u32,
+) -> anyhow::Result<Option<GenerationCheck>> {
+    if !whole_instances || family != Family::Llama {
+        return Ok(None);
+    }
+    let dir = model_dir.to_path_buf();
+    let prompt = mx_engine::golden::CHECK_PROMPT.to_vec();
+    let expected = tokio::task::spawn_blocking(move || {
+        crate::refit_cmd::golden(&dir, k, &prompt, CHECK_TOKENS)
+    })
+    .await??;
+    Ok(Some(GenerationCheck {
+        prompt_tokens: mx_engine::golden::CHECK_PROMPT.to_vec(),
+        max_new_tokens: CHECK_TOKENS,
+        expected_tokens: expected,
+    }))
+}
 
 pub(crate) fn run(args: DemoArgs) -> anyhow::Result<()> {
     let per_instance = if args.process_per_rank {
@@ -208,6 +274,9 @@ async fn run_async(args: DemoArgs) -> anyhow::Result<()> {
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
     let client = ControlClient::connect(&addr).await?;
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(120))
+        .build()?;
 
     pb.set_message(format!(
         "starting {} inference instances ({})",
@@ -350,11 +419,33 @@ async fn run_async(args: DemoArgs) -> anyhow::Result<()> {
             .await?;
             walls.push(t0.elapsed().as_secs_f64());
         }
-        pb.set_message(format!("{label}: commit"));
-        client.commit(&label, &worker_ids).await?;
-        client
-            .wait_version(&label, VersionState::Committed, Duration::from_secs(300))
+        let check = check_for(&model_dir, model.family, !args.process_per_rank, k).await?;
+        pb.set_message(format!(
+            "{label}: refit (stage, pause, apply, verify, resume,{} commit)",
+            if check.is_some() { " check," } else { "" }
+        ));
+        let golden_tokens = check.as_ref().map(|c| c.expected_tokens.clone());
+        let refit_id = client
+            .refit(&RefitSpec {
+                label: label.clone(),
+                worker_ids: worker_ids.clone(),
+                pause_mode: PauseMode::Wait,
+                allow_partial: false,
+                check,
+                framework_step: u64::from(k),
+                stage_timeout_ms: mx_control::refit::DEFAULT_STAGE_TIMEOUT_MS,
+                call_timeout_ms: mx_control::refit::DEFAULT_CALL_TIMEOUT_MS,
+            })
             .await?;
+        let refit = crate::refit_cmd::wait_end(&client, refit_id, Duration::from_secs(900)).await?;
+        if refit.outcome != Some(Outcome::Committed) {
+            procs.check(&work)?;
+            bail!(
+                "refit {refit_id} of {label} ended {}: {}",
+                refit.outcome.map(|o| o.to_string()).unwrap_or_default(),
+                refit.reason
+            );
+        }
 
         pb.set_message(format!(
             "{label}: checking live bytes against the checkpoint"
@@ -367,6 +458,7 @@ async fn run_async(args: DemoArgs) -> anyhow::Result<()> {
         }
         let mut workers = Vec::new();
         let mut useful = 0u64;
+        let target = mx_control::version_id(&digest);
         for id in &worker_ids {
             let w = status
                 .workers
@@ -374,22 +466,26 @@ async fn run_async(args: DemoArgs) -> anyhow::Result<()> {
                 .find(|w| &w.worker_id == id)
                 .context("worker vanished")?;
             let staged = w.last_staged.clone().unwrap_or_default();
-            let applied = w.last_applied.clone().unwrap_or_default();
+            let url = &w
+                .engine
+                .as_ref()
+                .with_context(|| format!("worker {id} registered no engine routes"))?
+                .system_url;
+            let live = live_digests(&http, url)
+                .await
+                .with_context(|| format!("reading worker {id}'s live digests"))?;
             let mut mismatches = Vec::new();
-            if applied.resident_version != Some(digest) {
-                mismatches.push(format!(
-                    "resident version {:?} != {digest}",
-                    applied.resident_version
-                ));
+            if live.version != target {
+                mismatches.push(format!("resident version {} != {target}", live.version));
             }
             for &r in &w.ranks {
-                let got = applied.ranks.iter().find(|x| x.rank == r);
+                let got = live.ranks.iter().find(|x| x.rank == r);
                 let want = &expected[&r];
                 match got {
                     None => mismatches.push(format!("rank {r}: no live digests reported")),
                     Some(g) => {
                         for (name, d) in want {
-                            if g.tensors.get(name) != Some(d) {
+                            if g.tensors.get(name) != Some(&d.to_string()) {
                                 mismatches.push(format!("rank {r} {name}"));
                             }
                         }
@@ -407,16 +503,12 @@ async fn run_async(args: DemoArgs) -> anyhow::Result<()> {
             workers.push(WorkerReport {
                 worker_id: id.clone(),
                 instance: w.instance.clone(),
-                ranks: applied
+                ranks: live
                     .ranks
                     .iter()
                     .map(|r| RankReport {
                         rank: r.rank,
-                        tensors: r
-                            .tensors
-                            .iter()
-                            .map(|(k, v)| (k.clone(), v.to_string()))
-                            .collect(),
+                        tensors: r.tensors.clone(),
                     })
                     .collect(),
                 verified: mismatches.is_empty(),
@@ -433,6 +525,8 @@ async fn run_async(args: DemoArgs) -> anyhow::Result<()> {
         versions.push(VersionReport {
             label: label.clone(),
             version_digest: digest.to_string(),
+            refit_id,
+            golden_tokens,
             stage_seconds_runs: walls,
             stage_seconds_median: stage_median,
             pack_seconds,
@@ -558,6 +652,14 @@ fn print_tables(
             v.stage_seconds_median,
             v.pack_seconds,
             v.pull_gbps
+        );
+        println!(
+            "committed by refit {}; post-update generation: {}",
+            v.refit_id,
+            match &v.golden_tokens {
+                Some(t) => format!("golden tokens {t:?} on every worker"),
+                None => "none (the workers cannot generate: a rank per process, or not a llama-family model)".into(),
+            }
         );
     }
     println!(

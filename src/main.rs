@@ -148,7 +148,9 @@ enum Cmd {
         #[arg(long, default_value_t = 300)]
         wait_s: u64,
     },
-    /// Commit a version on workers that all STAGED it; waits until COMMITTED.
+    /// Commit a version on workers that all STAGED it, with a refit (the control plane stages
+    /// it again, pauses, applies, verifies, resumes and commits; no post-update generation: see
+    /// `mx refit`); waits until the refit ended. Exit status 0 only when COMMITTED.
     Commit {
         /// Control plane address.
         #[arg(long, default_value = "http://127.0.0.1:7700")]
@@ -159,7 +161,7 @@ enum Cmd {
         /// Worker ids, comma separated.
         #[arg(long, value_delimiter = ',', required = true)]
         workers: Vec<String>,
-        /// Seconds to wait.
+        /// Seconds the refit's STAGE may take.
         #[arg(long, default_value_t = 300)]
         wait_s: u64,
     },
@@ -386,18 +388,52 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             wait_s,
         } => runtime()?.block_on(async move {
             let c = mx_control::client::ControlClient::connect(&control).await?;
-            c.commit(&label, &workers).await?;
-            let v = c
-                .wait_version(
-                    &label,
-                    mx_control::VersionState::Committed,
-                    Duration::from_secs(wait_s),
-                )
-                .await?;
+            // `mx commit` commits what `mx stage` staged: every worker must be STAGED for it.
+            let status = c.get_status().await?;
+            for w in &workers {
+                let s = status
+                    .workers
+                    .iter()
+                    .find(|s| &s.worker_id == w)
+                    .with_context(|| format!("worker {w:?} is not registered"))?;
+                if s.state != mx_control::WorkerState::Staged
+                    || s.label.as_deref() != Some(label.as_str())
+                {
+                    anyhow::bail!(
+                        "worker {w:?} is {} (version {:?}): commit of {label:?} needs every worker STAGED for it (run `mx stage` first){}",
+                        s.state,
+                        s.label.clone().unwrap_or_default(),
+                        s.last_error
+                            .as_ref()
+                            .map(|e| format!("; last error: {e}"))
+                            .unwrap_or_default()
+                    );
+                }
+            }
+            let spec = mx_control::RefitSpec {
+                label: label.clone(),
+                worker_ids: workers.clone(),
+                pause_mode: mx_control::PauseMode::Wait,
+                allow_partial: false,
+                check: None,
+                framework_step: 0,
+                stage_timeout_ms: wait_s.saturating_mul(1000).max(1),
+                call_timeout_ms: mx_control::refit::DEFAULT_CALL_TIMEOUT_MS,
+            };
+            let id = c.refit(&spec).await?;
+            let r = refit_cmd::wait_end(&c, id, Duration::from_secs(wait_s.saturating_add(900))).await?;
+            refit_cmd::print_refit(&r);
+            if r.outcome != Some(mx_control::Outcome::Committed) {
+                anyhow::bail!(
+                    "refit {id} of {label} ended {}: {}",
+                    r.outcome.map(|o| o.to_string()).unwrap_or_default(),
+                    r.reason
+                );
+            }
             println!(
-                "{label} COMMITTED on {} workers: version {}",
-                workers.len(),
-                v.version_digest.map(|d| d.to_string()).unwrap_or_default()
+                "{label} COMMITTED on {} workers by refit {id}: version {}",
+                r.workers.len(),
+                r.digest
             );
             Ok(())
         }),
@@ -417,7 +453,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             }
             for w in &s.workers {
                 println!(
-                    "worker  {:<12} {:<9} ranks {:?} {:?} label {} resident {}",
+                    "worker  {:<12} {:<9} ranks {:?} {:?} label {} resident {} {}",
                     w.worker_id,
                     w.layout.to_string(),
                     w.ranks,
@@ -425,7 +461,13 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     w.label.clone().unwrap_or_default(),
                     w.resident_version
                         .map(|d| d.to_string())
-                        .unwrap_or_default()
+                        .or_else(|| w.resident_id.clone())
+                        .unwrap_or_default(),
+                    if w.admitted {
+                        "admitted".to_string()
+                    } else {
+                        format!("gated ({})", w.admission)
+                    }
                 );
             }
             Ok(())

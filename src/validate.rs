@@ -60,7 +60,7 @@ struct ScenarioReport {
 const WORKERS: [&str; 2] = ["w0", "w1"];
 const CHECK_TOKENS: u32 = 4;
 /// Engine call deadline in the matrix (the hung worker sleeps past it).
-const CALL_TIMEOUT_MS: u64 = 4_000;
+const CALL_TIMEOUT_MS: u64 = 10_000;
 
 /// Crash points of the control plane, in lifecycle order, with the outcome a restart must reach.
 const CRASH_POINTS: [(&str, Outcome); 9] = [

@@ -99,3 +99,43 @@ fn plan_reports_impossible_layouts_by_tensor() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("q_proj") && err.contains("tp=4"), "{err}");
 }
+
+#[test]
+fn a_journal_of_the_retired_commit_path_is_refused_naming_the_line() {
+    // Before refits were the only commit path, `mx commit` journaled `commit` and workers'
+    // reports `applied`; such a journal cannot be replayed. Both `mx journal` and `mx control`
+    // refuse it, naming the line, instead of rebuilding a state without those commits.
+    let tmp = tempfile::tempdir().unwrap();
+    let journal = tmp.path().join("j.jsonl");
+    std::fs::write(
+        &journal,
+        concat!(
+            r#"{"seq":1,"unix_ms":1,"record":{"op":"stage","label":"v","worker_ids":["w"]}}"#,
+            "\n",
+            r#"{"seq":2,"unix_ms":2,"record":{"op":"commit","label":"v","worker_ids":["w"]}}"#,
+            "\n"
+        ),
+    )
+    .unwrap();
+    for args in [
+        vec!["journal", journal.to_str().unwrap()],
+        vec![
+            "control",
+            "--listen",
+            "127.0.0.1:0",
+            "--journal",
+            journal.to_str().unwrap(),
+        ],
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_mx"))
+            .args(&args)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?}: {err}");
+        assert!(
+            err.contains("line 2") && err.contains("`commit`") && err.contains("retired Commit"),
+            "{args:?}: {err}"
+        );
+    }
+}

@@ -327,7 +327,7 @@ fn a_flipped_byte_in_a_source_fails_the_stage_and_the_worker_is_not_admitted() {
             && out.contains("slot 1"),
         "{out}"
     );
-    // Not admitted: commit is refused and nothing is resident.
+    // Not admitted: commit is refused naming the worker, and nothing is resident.
     let (ok, out) = mx(&[
         "commit",
         "--control",
@@ -337,9 +337,17 @@ fn a_flipped_byte_in_a_source_fails_the_stage_and_the_worker_is_not_admitted() {
         "--workers",
         "w",
     ]);
-    assert!(!ok && out.contains("\"w\""), "{out}");
+    assert!(
+        !ok && out.contains("\"w\"")
+            && out.contains("FAILED")
+            && out.contains("verification failed"),
+        "{out}"
+    );
     let (_, s) = mx(&["status", "--control", &a]);
-    assert!(s.contains("Failed") && !s.contains("Applied"), "{s}");
+    assert!(
+        s.contains("Failed") && s.contains("gated (no weights resident)"),
+        "{s}"
+    );
 }
 
 #[test]
@@ -466,10 +474,17 @@ fn individual_commands_complete_a_refit_by_hand() {
         "w1",
     ]);
     assert!(ok && out.contains("COMMITTED"), "{out}");
+    // The commit was a refit: the rank-1 worker cannot generate, so no CHECK phase.
+    assert!(
+        out.contains("phases: STAGE -> PREPARE -> APPLY -> VERIFY -> RESUME -> COMMIT"),
+        "{out}"
+    );
     let digest = out.split_whitespace().last().unwrap().to_string();
     let (_, s) = mx(&["status", "--control", &a]);
-    assert!(s.contains(&format!("resident {digest}")), "{s}");
-    // The journal has every mutating call: register, declare, 2 publishes, stage, staged, commit, applied.
+    assert!(s.contains(&format!("resident {digest} admitted")), "{s}");
+    // The journal has every mutating call: declare, 2 publishes, stage, staged, then the refit
+    // (its own stage, and each engine call's intent and result), and no record of the retired
+    // Commit / ReportApplied path.
     let (ok, j) = mx(&["journal", journal.to_str().unwrap()]);
     assert!(ok);
     let ops: Vec<String> = j
@@ -487,8 +502,29 @@ fn individual_commands_complete_a_refit_by_hand() {
         .filter(|o| *o != "register")
         .collect();
     assert_eq!(
-        ops,
-        ["declare", "publish", "publish", "stage", "staged", "commit", "applied"],
+        ops[..8],
+        [
+            "declare",
+            "publish",
+            "publish",
+            "stage",
+            "staged",
+            "refit_begin",
+            "stage",
+            "staged"
+        ],
+        "{j}"
+    );
+    assert_eq!(ops.last(), Some(&"refit_end"), "{j}");
+    let calls = ops.iter().filter(|o| **o == "worker_call").count();
+    let done = ops.iter().filter(|o| **o == "worker_done").count();
+    assert_eq!(
+        (calls, done),
+        (4, 4),
+        "pause, apply, read_version, resume: {j}"
+    );
+    assert!(
+        !ops.iter().any(|o| *o == "commit" || *o == "applied"),
         "{j}"
     );
 }

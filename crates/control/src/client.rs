@@ -12,8 +12,7 @@ use crate::pb::control_plane_client::ControlPlaneClient;
 use crate::refit::{Refit, RefitSpec, Registration};
 use crate::server::MAX_MESSAGE_BYTES;
 use crate::types::{
-    AppliedReport, Command, FleetStatus, StagedReport, VersionInfo, VersionState, WorkerBrief,
-    WorkerState,
+    Command, FleetStatus, StagedReport, VersionInfo, VersionState, WorkerBrief, WorkerState,
 };
 use crate::Error;
 
@@ -256,11 +255,12 @@ impl ControlClient {
         Ok(CommandStream { inner })
     }
 
-    /// Asks workers to stage a READY version.
+    /// Asks workers to stage a READY version (pull and verify it beside their live weights).
+    /// Committing it is a [`refit`](Self::refit).
     ///
     /// # Errors
     /// [`Error::Rpc`] with `FailedPrecondition` unless the version is READY and every worker is
-    /// registered and not applying (the message names the worker).
+    /// registered and in no open refit (the message names the worker).
     pub async fn stage(&self, label: &str, worker_ids: &[impl AsRef<str>]) -> Result<(), Error> {
         self.rpc()
             .stage(pb::StageRequest {
@@ -281,34 +281,6 @@ impl ControlClient {
             .report_staged(convert::staged_pb(report))
             .await
             .map_err(|s| Error::rpc("ReportStaged", s))?;
-        Ok(())
-    }
-
-    /// Commits a READY version on a worker set (every worker STAGED for it). Idempotent for the
-    /// same set.
-    ///
-    /// # Errors
-    /// [`Error::Rpc`] with `FailedPrecondition` naming the first worker not STAGED and its state.
-    pub async fn commit(&self, label: &str, worker_ids: &[impl AsRef<str>]) -> Result<(), Error> {
-        self.rpc()
-            .commit(pb::CommitRequest {
-                label: label.to_string(),
-                worker_ids: ids(worker_ids),
-            })
-            .await
-            .map_err(|s| Error::rpc("Commit", s))?;
-        Ok(())
-    }
-
-    /// Reports an apply result.
-    ///
-    /// # Errors
-    /// [`Error::Rpc`] with `FailedPrecondition` unless the worker is applying that version.
-    pub async fn report_applied(&self, report: &AppliedReport) -> Result<(), Error> {
-        self.rpc()
-            .report_applied(convert::applied_pb(report))
-            .await
-            .map_err(|s| Error::rpc("ReportApplied", s))?;
         Ok(())
     }
 
@@ -382,7 +354,7 @@ impl ControlClient {
     /// one, and returns it. An undeclared label is waited for too.
     ///
     /// # Errors
-    /// [`Error::WaitNotReached`] when `timeout` passes first or the version FAILED;
+    /// [`Error::WaitNotReached`] when `timeout` passes first (or the server shuts down);
     /// [`Error::Rpc`] when the call fails.
     pub async fn wait_version(
         &self,
@@ -410,7 +382,6 @@ impl ControlClient {
                     label: label.to_string(),
                     wanted: state,
                     current: crate::error::OptionalState(current),
-                    timed_out: current != Some(VersionState::Failed),
                 })
             }
         }

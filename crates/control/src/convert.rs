@@ -10,8 +10,8 @@ use mx_layout::{
 use crate::pb;
 use crate::refit::{EngineApi, EngineEndpoint, GenerationCheck, PauseMode, Refit, RefitSpec};
 use crate::types::{
-    AppliedReport, Command, CoverageGap, FleetStatus, StagedReport, VersionInfo, VersionState,
-    VersionSummary, WorkerState, WorkerStatus,
+    Command, CoverageGap, FleetStatus, StagedReport, VersionInfo, VersionState, VersionSummary,
+    WorkerState, WorkerStatus,
 };
 use crate::Error;
 
@@ -323,30 +323,6 @@ pub(crate) fn staged_pb(r: &StagedReport) -> pb::StagedReport {
     }
 }
 
-/// Decodes an applied report.
-pub(crate) fn applied(p: &pb::AppliedReport, field: &str) -> Result<AppliedReport, Error> {
-    Ok(AppliedReport {
-        worker_id: non_empty(&p.worker_id, &format!("{field}worker_id"))?,
-        label: non_empty(&p.label, &format!("{field}label"))?,
-        ok: p.ok,
-        error: p.error.clone(),
-        resident_version: opt_digest(&p.resident_version, &format!("{field}resident_version"))?,
-        ranks: rank_digests(&p.ranks, &format!("{field}ranks"))?,
-    })
-}
-
-/// Encodes an applied report.
-pub(crate) fn applied_pb(r: &AppliedReport) -> pb::AppliedReport {
-    pb::AppliedReport {
-        worker_id: r.worker_id.clone(),
-        label: r.label.clone(),
-        ok: r.ok,
-        error: r.error.clone(),
-        resident_version: digest_pb(r.resident_version),
-        ranks: rank_digests_pb(&r.ranks),
-    }
-}
-
 /// Decodes a version state.
 pub(crate) fn version_state(v: i32, field: &str) -> Result<VersionState, Error> {
     Ok(match pb::VersionState::try_from(v) {
@@ -355,7 +331,6 @@ pub(crate) fn version_state(v: i32, field: &str) -> Result<VersionState, Error> 
         Ok(pb::VersionState::Ready) => VersionState::Ready,
         Ok(pb::VersionState::Committing) => VersionState::Committing,
         Ok(pb::VersionState::Committed) => VersionState::Committed,
-        Ok(pb::VersionState::Failed) => VersionState::Failed,
         Ok(pb::VersionState::Unspecified) | Err(_) => {
             return Err(invalid(field, format!("unknown version state {v}")))
         }
@@ -370,7 +345,6 @@ pub(crate) fn version_state_pb(s: VersionState) -> i32 {
         VersionState::Ready => pb::VersionState::Ready,
         VersionState::Committing => pb::VersionState::Committing,
         VersionState::Committed => pb::VersionState::Committed,
-        VersionState::Failed => pb::VersionState::Failed,
     }) as i32
 }
 
@@ -379,8 +353,6 @@ pub(crate) fn worker_state(v: i32, field: &str) -> Result<WorkerState, Error> {
         Ok(pb::WorkerState::Idle) => WorkerState::Idle,
         Ok(pb::WorkerState::Staging) => WorkerState::Staging,
         Ok(pb::WorkerState::Staged) => WorkerState::Staged,
-        Ok(pb::WorkerState::Applying) => WorkerState::Applying,
-        Ok(pb::WorkerState::Applied) => WorkerState::Applied,
         Ok(pb::WorkerState::Failed) => WorkerState::Failed,
         Ok(pb::WorkerState::Unspecified) | Err(_) => {
             return Err(invalid(field, format!("unknown worker state {v}")))
@@ -393,8 +365,6 @@ pub(crate) fn worker_state_pb(s: WorkerState) -> i32 {
         WorkerState::Idle => pb::WorkerState::Idle,
         WorkerState::Staging => pb::WorkerState::Staging,
         WorkerState::Staged => pb::WorkerState::Staged,
-        WorkerState::Applying => pb::WorkerState::Applying,
-        WorkerState::Applied => pb::WorkerState::Applied,
         WorkerState::Failed => pb::WorkerState::Failed,
     }) as i32
 }
@@ -481,7 +451,6 @@ pub(crate) fn fleet_pb(f: &FleetStatus) -> pb::FleetStatus {
                 resident_version: digest_pb(w.resident_version),
                 last_error: w.last_error.clone().unwrap_or_default(),
                 last_staged: w.last_staged.as_ref().map(staged_pb),
-                last_applied: w.last_applied.as_ref().map(applied_pb),
                 engine: w.engine.as_ref().map(engine_pb),
                 resident_id: w.resident_id.clone().unwrap_or_default(),
                 admitted: w.admitted,
@@ -685,11 +654,6 @@ pub(crate) fn fleet(p: &pb::FleetStatus) -> Result<FleetStatus, Error> {
                         .as_ref()
                         .map(|r| staged(r, &f("last_staged.")))
                         .transpose()?,
-                    last_applied: w
-                        .last_applied
-                        .as_ref()
-                        .map(|r| applied(r, &f("last_applied.")))
-                        .transpose()?,
                     engine: w
                         .engine
                         .as_ref()
@@ -719,13 +683,6 @@ pub(crate) fn command_pb(c: &Command) -> pb::WorkerCommand {
             label: label.clone(),
             version_digest: version_digest.0.to_vec(),
         }),
-        Command::Apply {
-            label,
-            version_digest,
-        } => C::Apply(pb::ApplyCommand {
-            label: label.clone(),
-            version_digest: version_digest.0.to_vec(),
-        }),
     };
     pb::WorkerCommand {
         command: Some(command),
@@ -739,10 +696,6 @@ pub(crate) fn command(p: &pb::WorkerCommand) -> Result<Command, Error> {
         C::Stage(s) => Ok(Command::Stage {
             label: s.label.clone(),
             version_digest: digest(&s.version_digest, "command.stage.version_digest")?,
-        }),
-        C::Apply(a) => Ok(Command::Apply {
-            label: a.label.clone(),
-            version_digest: digest(&a.version_digest, "command.apply.version_digest")?,
         }),
     }
 }

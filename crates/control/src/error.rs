@@ -103,7 +103,7 @@ pub enum Error {
         worker_id: String,
         /// Its current state.
         state: WorkerState,
-        /// The label it is staging/staged/applying (empty when none).
+        /// The label it is staging or staged (empty when none).
         label: String,
         /// What the call needed.
         reason: String,
@@ -157,15 +157,16 @@ pub enum Error {
     /// A call to the control plane returned an error status.
     #[error("{rpc}: {code:?}: {message}")]
     Rpc {
-        /// RPC name, e.g. `Commit`.
+        /// RPC name, e.g. `Refit`.
         rpc: &'static str,
         /// The gRPC status code.
         code: tonic::Code,
         /// The server's message.
         message: String,
     },
-    /// `wait_version` ended without the version reaching the state.
-    #[error("version {label:?} did not reach {wanted} (now {current}){}", if *.timed_out { " before the timeout" } else { "" })]
+    /// `wait_version` ended (its timeout passed, or the server shut down) without the version
+    /// reaching the state.
+    #[error("version {label:?} did not reach {wanted} (now {current}) before the wait ended")]
     WaitNotReached {
         /// Version label.
         label: String,
@@ -173,8 +174,6 @@ pub enum Error {
         wanted: VersionState,
         /// The state when the wait ended (`None` when never declared).
         current: OptionalState,
-        /// True when the wait timed out, false when the version failed.
-        timed_out: bool,
     },
     /// A server task ended abnormally (panicked or was cancelled).
     #[error("server task: {reason}")]
@@ -208,7 +207,7 @@ impl Error {
             | Error::BadManifest { .. } => Code::InvalidArgument,
             Error::UnknownVersion { .. } => Code::NotFound,
             Error::VersionExists { .. } => Code::AlreadyExists,
-            // A worker must register before it is staged, committed, watched or reports.
+            // A worker must register before it is staged, refitted, watched or reports.
             Error::UnknownWorker { .. }
             | Error::VersionState { .. }
             | Error::Refit { .. }

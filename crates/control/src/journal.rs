@@ -3,7 +3,10 @@
 //!
 //! A crash can leave a torn last line (bytes with no terminating newline): it was never
 //! acknowledged nor applied, so readers ignore it with a warning and [`Journal::open`] cuts it
-//! off before appending. Any other line that does not parse is an error naming its line number.
+//! off before appending. Any other line that does not parse is an error naming its line number;
+//! so is a `commit` or `applied` record, written by the retired Commit / ReportApplied RPCs
+//! before refits became the only commit path (such a journal cannot be replayed: the versions
+//! it committed were never refits).
 
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Write};
@@ -63,7 +66,15 @@ fn parse(path: &Path, bytes: &[u8]) -> Result<Parsed, Error> {
             line: line_no,
             reason,
         };
-        let entry: Entry = serde_json::from_slice(line).map_err(|e| corrupt(e.to_string()))?;
+        let entry: Entry = serde_json::from_slice(line).map_err(|e| {
+            corrupt(match retired_op(line) {
+                Some(op) => format!(
+                    "record `{op}` of the retired {} RPC: versions are committed only by refits now, so a journal from before cannot be replayed (start the control plane on a new journal)",
+                    if op == "commit" { "Commit" } else { "ReportApplied" }
+                ),
+                None => e.to_string(),
+            })
+        })?;
         let want = entries.len() as u64 + 1;
         if entry.seq != want {
             return Err(corrupt(format!(
@@ -78,6 +89,16 @@ fn parse(path: &Path, bytes: &[u8]) -> Result<Parsed, Error> {
         entries,
         good_len: pos as u64,
     })
+}
+
+/// The `op` of a line's record when it is one of the retired commit path (`commit`, `applied`).
+fn retired_op(line: &[u8]) -> Option<&'static str> {
+    let v: serde_json::Value = serde_json::from_slice(line).ok()?;
+    match v.get("record")?.get("op")?.as_str()? {
+        "commit" => Some("commit"),
+        "applied" => Some("applied"),
+        _ => None,
+    }
 }
 
 /// Reads every entry of the journal at `path` (for `mx journal` and for replay). A missing file
@@ -297,6 +318,31 @@ mod tests {
         assert!(
             matches!(err, Error::JournalCorrupt { line: 2, .. }),
             "{err}"
+        );
+        assert!(Journal::open(&path).is_err());
+    }
+
+    #[test]
+    fn records_of_the_retired_commit_path_are_refused_naming_the_line() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("j.jsonl");
+        let (mut j, _) = Journal::open(&path).unwrap();
+        j.append(&reg("a")).unwrap();
+        drop(j);
+        let mut f = OpenOptions::new().append(true).open(&path).unwrap();
+        f.write_all(
+            b"{\"seq\":2,\"unix_ms\":1,\"record\":{\"op\":\"commit\",\"label\":\"v\",\"worker_ids\":[\"a\"]}}\n",
+        )
+        .unwrap();
+        drop(f);
+        let err = read_records(&path).unwrap_err();
+        let msg = err.to_string();
+        assert!(
+            matches!(err, Error::JournalCorrupt { line: 2, .. })
+                && msg.contains("`commit`")
+                && msg.contains("retired Commit RPC")
+                && msg.contains("new journal"),
+            "{msg}"
         );
         assert!(Journal::open(&path).is_err());
     }

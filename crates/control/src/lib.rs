@@ -5,11 +5,15 @@
 //! slots `0..world_size` of the trainer layout and the tensor list); each source publishes its
 //! slot's typed manifest; the version is READY when every slot published and every declared
 //! tensor is covered by the union of the shards, and its identity is then fixed as
-//! [`mx_layout::version_digest`] of all shards. Workers register their layouts and open a command
-//! stream; the orchestrator stages a READY version on a worker set (STAGE commands), workers
-//! report STAGED with digests, the orchestrator commits (only when all are STAGED; APPLY
-//! commands), workers report APPLIED with the resident digest, and the version is COMMITTED when
-//! the whole set applied it.
+//! [`mx_layout::version_digest`] of all shards. Workers register their layouts and engine routes
+//! and open a command stream. A version is committed in exactly one way: a refit
+//! ([`client::ControlClient::refit`], see [`refit`] for the lifecycle), which the control plane
+//! drives and journals: STAGE (Stage commands on the workers' streams; workers pull, verify and
+//! report STAGED with digests), then PREPARE, APPLY, VERIFY, RESUME and CHECK over each worker's
+//! engine routes, then COMMIT (the version is COMMITTED and the workers are admitted to
+//! rollouts), or ABORT / ROLLBACK. [`client::ControlClient::stage`] stages without committing
+//! (e.g. to measure a pull; a refit stages what it applies itself); nothing but a refit changes
+//! live weights.
 //!
 //! Main types: [`state::State`] (pure state machine over [`state::Record`]s),
 //! [`journal::Journal`] (JSON lines, fsync before acting), [`serve`]/[`spawn`] (the tonic
@@ -17,9 +21,9 @@
 //! place). Proto messages are converted into mx-layout types at the RPC edge (`convert`), so wire
 //! types never reach the state or the journal.
 //!
-//! Left out (issue 3): PREPARE/pause gating, rollback to a pinned previous version, deadlines for
-//! hung workers, and driving the fleet to consistency after a restart in the middle of a commit
-//! (a restarted server rebuilds the exact state and re-sends outstanding commands).
+//! Journals written before refits were the only commit path (with `commit` / `applied` records of
+//! the retired `Commit` / `ReportApplied` RPCs) are refused on replay, naming the line: start such
+//! a control plane on a new journal.
 #![forbid(unsafe_code)]
 
 pub mod client;
@@ -46,6 +50,6 @@ pub use refit::{
 };
 pub use server::{serve, spawn, ControlPlaneConfig, ServerHandle};
 pub use types::{
-    AppliedReport, Command, CoverageGap, FleetStatus, StagedReport, VersionInfo, VersionState,
-    VersionSummary, WorkerBrief, WorkerState, WorkerStatus,
+    Command, CoverageGap, FleetStatus, StagedReport, VersionInfo, VersionState, VersionSummary,
+    WorkerBrief, WorkerState, WorkerStatus,
 };

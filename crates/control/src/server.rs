@@ -315,6 +315,22 @@ impl ControlPlane for Service {
         req: Request<pb::StageRequest>,
     ) -> Result<Response<pb::StageResponse>, Status> {
         let r = req.into_inner();
+        // A worker in an open refit is staged by that refit's driver (which journals its own
+        // Stage); a stage from outside would replace what the refit is about to apply.
+        let busy = self.shared.read(|s| {
+            r.worker_ids
+                .iter()
+                .find_map(|w| s.open_refit_of_worker(w).map(|r| (w.clone(), r)))
+        });
+        if let Some((w, (id, label))) = busy {
+            return Err(Error::Refit {
+                id,
+                reason: format!(
+                    "worker {w} is in this open refit to {label}: the refit stages it (stage again after it ended)"
+                ),
+            }
+            .into());
+        }
         self.shared
             .mutate(Record::Stage {
                 label: r.label,
@@ -331,29 +347,6 @@ impl ControlPlane for Service {
         let report = convert::staged(&req.into_inner(), "")?;
         self.shared.mutate(Record::Staged { report }).await?;
         Ok(Response::new(pb::ReportStagedResponse {}))
-    }
-
-    async fn commit(
-        &self,
-        req: Request<pb::CommitRequest>,
-    ) -> Result<Response<pb::CommitResponse>, Status> {
-        let r = req.into_inner();
-        self.shared
-            .mutate(Record::Commit {
-                label: r.label,
-                worker_ids: r.worker_ids,
-            })
-            .await?;
-        Ok(Response::new(pb::CommitResponse {}))
-    }
-
-    async fn report_applied(
-        &self,
-        req: Request<pb::AppliedReport>,
-    ) -> Result<Response<pb::ReportAppliedResponse>, Status> {
-        let report = convert::applied(&req.into_inner(), "")?;
-        self.shared.mutate(Record::Applied { report }).await?;
-        Ok(Response::new(pb::ReportAppliedResponse {}))
     }
 
     async fn get_version(
@@ -500,7 +493,7 @@ impl ControlPlane for Service {
         loop {
             changes.borrow_and_update();
             let state = self.shared.read(|s| s.version_state(&r.label));
-            let done = wait_reached(state, wanted) || state == Some(VersionState::Failed);
+            let done = wait_reached(state, wanted);
             let timed_out = tokio::time::Instant::now() >= deadline;
             if done || timed_out || *closing.borrow_and_update() {
                 let info = self.shared.read(|s| s.version_info(&r.label));

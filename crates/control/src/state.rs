@@ -13,12 +13,16 @@ use serde::{Deserialize, Serialize};
 
 use crate::refit::{Action, CallResult, EngineEndpoint, Outcome, Phase, Refit, WorkerCall};
 use crate::types::{
-    AppliedReport, Command, CoverageGap, FleetStatus, StagedReport, VersionInfo, VersionState,
-    VersionSummary, WorkerState, WorkerStatus,
+    Command, CoverageGap, FleetStatus, StagedReport, VersionInfo, VersionState, VersionSummary,
+    WorkerState, WorkerStatus,
 };
 use crate::Error;
 
 /// One mutating call, as journaled (one JSON object per journal line, tagged by `op`).
+///
+/// A version is committed only by a refit (`Refit*` and `Worker*` records). The `commit` and
+/// `applied` records of the retired Commit / ReportApplied path are not records any more: a journal
+/// holding them is refused on replay, naming the line ([`crate::journal`]).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
 pub enum Record {
@@ -67,18 +71,6 @@ pub enum Record {
     Staged {
         /// The report.
         report: StagedReport,
-    },
-    /// The orchestrator commits a version on a worker set (all STAGED).
-    Commit {
-        /// Version label.
-        label: String,
-        /// Target workers.
-        worker_ids: Vec<String>,
-    },
-    /// A worker reports an apply result.
-    Applied {
-        /// The report.
-        report: AppliedReport,
     },
     /// A refit begins (phase STAGE): the whole plan, every worker's previous version.
     RefitBegin {
@@ -138,7 +130,8 @@ pub enum Record {
 /// What [`State::check`] decided about a valid record.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Check {
-    /// The record changes nothing (an identical re-declare, a repeated commit): do not journal.
+    /// The record changes nothing (an identical re-declare, a stale staged report): do not
+    /// journal.
     Noop,
     /// The record changes the state: journal it, then apply it.
     Apply,
@@ -174,10 +167,8 @@ struct Worker {
     state: WorkerState,
     label: Option<String>,
     digest: Option<Digest>,
-    resident: Option<Digest>,
     last_error: Option<String>,
     last_staged: Option<StagedReport>,
-    last_applied: Option<AppliedReport>,
     engine: Option<EngineEndpoint>,
     /// Version id resident in its live weights, as last learned.
     resident_id: Option<String>,
@@ -263,8 +254,6 @@ impl State {
             } => check_register(worker_id, ranks, layout),
             Record::Stage { label, worker_ids } => self.check_stage(label, worker_ids),
             Record::Staged { report } => self.check_staged(report),
-            Record::Commit { label, worker_ids } => self.check_commit(label, worker_ids),
-            Record::Applied { report } => self.check_applied(report),
             Record::RefitBegin { refit } => self.check_refit_begin(refit),
             Record::RefitPhase { id, phase, .. } => {
                 let r = self.open_refit(*id)?;
@@ -387,10 +376,8 @@ impl State {
                         state: WorkerState::Idle,
                         label: None,
                         digest: None,
-                        resident: None,
                         last_error: None,
                         last_staged: None,
-                        last_applied: None,
                         engine,
                         resident_id: resident_version,
                         admitted,
@@ -432,58 +419,6 @@ impl State {
                     }
                     w.last_staged = Some(report);
                 }
-                Effects::default()
-            }
-            Record::Commit { label, worker_ids } => {
-                let set = worker_set(&worker_ids)?;
-                for id in &set {
-                    if let Some(w) = self.workers.get_mut(id) {
-                        w.state = WorkerState::Applying;
-                        w.command_seq += 1;
-                    }
-                }
-                if let Some(v) = self.versions.get_mut(&label) {
-                    v.state = VersionState::Committing;
-                    v.commit_set = set.clone();
-                }
-                Effects { workers: set }
-            }
-            Record::Applied { report } => {
-                let label = report.label.clone();
-                let digest = self.versions.get(&label).and_then(|v| v.digest);
-                if let Some(w) = self.workers.get_mut(&report.worker_id) {
-                    w.resident = report.resident_version;
-                    let failure = if !report.ok {
-                        Some(if report.error.is_empty() {
-                            "apply failed (no error given)".to_string()
-                        } else {
-                            report.error.clone()
-                        })
-                    } else if report.resident_version.is_none() || report.resident_version != digest
-                    {
-                        Some(format!(
-                            "resident version {} is not the version digest {}",
-                            report
-                                .resident_version
-                                .map_or_else(|| "(none)".to_string(), |d| d.to_string()),
-                            digest.map_or_else(|| "(none)".to_string(), |d| d.to_string()),
-                        ))
-                    } else {
-                        None
-                    };
-                    match failure {
-                        Some(e) => {
-                            w.state = WorkerState::Failed;
-                            w.last_error = Some(e);
-                        }
-                        None => {
-                            w.state = WorkerState::Applied;
-                            w.last_error = None;
-                        }
-                    }
-                    w.last_applied = Some(report);
-                }
-                self.settle_commit(&label);
                 Effects::default()
             }
             Record::RefitBegin { refit } => {
@@ -736,42 +671,6 @@ impl State {
             .map(|w| (w.engine.clone(), w.resident_id.clone()))
     }
 
-    /// Moves a COMMITTING version to COMMITTED when its whole set applied, or to FAILED when one
-    /// of them failed applying it.
-    fn settle_commit(&mut self, label: &str) {
-        let Some(v) = self.versions.get(label) else {
-            return;
-        };
-        if v.state != VersionState::Committing {
-            return;
-        }
-        let mut all_applied = true;
-        let mut any_failed = false;
-        for id in &v.commit_set {
-            match self.workers.get(id) {
-                Some(w) if w.label.as_deref() == Some(label) => match w.state {
-                    WorkerState::Applied => {}
-                    WorkerState::Failed => {
-                        any_failed = true;
-                        all_applied = false;
-                    }
-                    _ => all_applied = false,
-                },
-                _ => all_applied = false,
-            }
-        }
-        let next = if any_failed {
-            VersionState::Failed
-        } else if all_applied {
-            VersionState::Committed
-        } else {
-            return;
-        };
-        if let Some(v) = self.versions.get_mut(label) {
-            v.state = next;
-        }
-    }
-
     fn version(&self, label: &str) -> Result<&Version, Error> {
         self.versions
             .get(label)
@@ -851,13 +750,6 @@ impl State {
             tensor: tensor.to_string(),
             reason,
         };
-        if v.state == VersionState::Failed {
-            return Err(Error::VersionState {
-                label: label.to_string(),
-                state: v.state,
-                reason: "a failed version takes no more publishes".to_string(),
-            });
-        }
         if slot >= v.trainer_layout.world_size {
             return Err(bad(
                 "",
@@ -1003,10 +895,7 @@ impl State {
         }
         worker_set(worker_ids)?;
         for id in worker_ids {
-            let w = self.worker(id)?;
-            if w.state == WorkerState::Applying {
-                return Err(w.state_error(id, "cannot stage while applying"));
-            }
+            self.worker(id)?;
         }
         Ok(Check::Apply)
     }
@@ -1037,78 +926,24 @@ impl State {
         Ok(Check::Apply)
     }
 
-    fn check_commit(&self, label: &str, worker_ids: &[String]) -> Result<Check, Error> {
-        let v = self.version(label)?;
-        let set = worker_set(worker_ids)?;
-        match v.state {
-            VersionState::Committing | VersionState::Committed if v.commit_set == set => {
-                return Ok(Check::Noop)
-            }
-            VersionState::Ready => {}
-            VersionState::Committing | VersionState::Committed => {
-                return Err(Error::VersionState {
-                    label: label.to_string(),
-                    state: v.state,
-                    reason: format!(
-                        "already committed on workers {:?}, not {:?}",
-                        v.commit_set, set
-                    ),
-                })
-            }
-            _ => {
-                return Err(Error::VersionState {
-                    label: label.to_string(),
-                    state: v.state,
-                    reason: "commit needs a READY version".to_string(),
-                })
-            }
-        }
-        for id in worker_ids {
-            let w = self.worker(id)?;
-            if w.state != WorkerState::Staged || w.label.as_deref() != Some(label) {
-                return Err(w.state_error(
-                    id,
-                    &format!("commit of {label:?} needs every worker STAGED for it"),
-                ));
-            }
-        }
-        Ok(Check::Apply)
-    }
-
-    fn check_applied(&self, r: &AppliedReport) -> Result<Check, Error> {
-        let w = self.worker(&r.worker_id)?;
-        let ok_state = matches!(w.state, WorkerState::Applying | WorkerState::Applied);
-        if !ok_state || w.label.as_deref() != Some(r.label.as_str()) {
-            return Err(w.state_error(
-                &r.worker_id,
-                &format!(
-                    "an applied report for {:?} needs the worker APPLYING it",
-                    r.label
-                ),
-            ));
-        }
-        self.version(&r.label)?;
-        Ok(Check::Apply)
-    }
-
     /// The command outstanding for a worker, with its sequence number: `Stage` while STAGING,
-    /// `Apply` while APPLYING, none otherwise (or when unknown).
+    /// none otherwise (or when unknown).
     pub fn pending_command(&self, worker_id: &str) -> Option<(u64, Command)> {
         let w = self.workers.get(worker_id)?;
-        let label = w.label.clone()?;
-        let version_digest = w.digest?;
-        let cmd = match w.state {
-            WorkerState::Staging => Command::Stage {
-                label,
-                version_digest,
-            },
-            WorkerState::Applying => Command::Apply {
-                label,
-                version_digest,
-            },
-            _ => return None,
+        if w.state != WorkerState::Staging {
+            return None;
+        }
+        let cmd = Command::Stage {
+            label: w.label.clone()?,
+            version_digest: w.digest?,
         };
         Some((w.command_seq, cmd))
+    }
+
+    /// The open refit whose worker set holds `worker_id`, if any: `(refit id, label)`.
+    pub fn open_refit_of_worker(&self, worker_id: &str) -> Option<(u64, String)> {
+        self.open_refit_of(worker_id)
+            .map(|r| (r.id, r.spec.label.clone()))
     }
 
     /// True when `worker_id` is registered.
@@ -1184,10 +1019,13 @@ impl State {
                     state: w.state,
                     label: w.label.clone(),
                     version_digest: w.digest,
-                    resident_version: w.resident,
+                    resident_version: w
+                        .resident_id
+                        .as_deref()
+                        .and_then(|v| v.strip_prefix("mx:"))
+                        .and_then(|h| h.parse().ok()),
                     last_error: w.last_error.clone(),
                     last_staged: w.last_staged.clone(),
-                    last_applied: w.last_applied.clone(),
                     engine: w.engine.clone(),
                     resident_id: w.resident_id.clone(),
                     admitted: w.admitted,
@@ -1454,7 +1292,7 @@ mod tests {
     };
 
     #[test]
-    fn publish_then_ready_then_commit() {
+    fn publish_then_ready_then_stage() {
         let mut st = State::new();
         let declare = Record::Declare {
             label: "v1".into(),
@@ -1505,14 +1343,7 @@ mod tests {
             resident_version: None,
         })
         .unwrap();
-        let commit = Record::Commit {
-            label: "v1".into(),
-            worker_ids: vec!["a".into()],
-        };
-        let err = st.check(&commit).unwrap_err();
-        assert!(
-            matches!(&err, Error::WorkerState { worker_id, state: WorkerState::Idle, .. } if worker_id == "a")
-        );
+        assert_eq!(st.pending_command("a"), None);
         st.apply(Record::Stage {
             label: "v1".into(),
             worker_ids: vec!["a".into()],
@@ -1530,33 +1361,19 @@ mod tests {
             },
         })
         .unwrap();
-        st.apply(commit.clone()).unwrap();
-        assert_eq!(st.check(&commit).unwrap(), Check::Noop);
+        // STAGED is as far as a worker goes by itself: no command is outstanding, and the
+        // version stays READY (only a refit commits it).
+        assert_eq!(st.pending_command("a"), None);
+        assert_eq!(st.version_state("v1"), Some(VersionState::Ready));
+        let (state, label, _) = st.worker_brief("a").unwrap();
+        assert_eq!((state, label.as_deref()), (WorkerState::Staged, Some("v1")));
+        // A stage again is a new command.
+        st.apply(Record::Stage {
+            label: "v1".into(),
+            worker_ids: vec!["a".into()],
+        })
+        .unwrap();
         assert_eq!(st.pending_command("a").unwrap().0, 2);
-        // Wrong resident digest: worker FAILED, version FAILED.
-        let mut st2 = st.clone();
-        st2.apply(Record::Applied {
-            report: AppliedReport {
-                worker_id: "a".into(),
-                label: "v1".into(),
-                ok: true,
-                resident_version: Some(Digest::of(b"old")),
-                ..Default::default()
-            },
-        })
-        .unwrap();
-        assert_eq!(st2.version_state("v1"), Some(VersionState::Failed));
-        st.apply(Record::Applied {
-            report: AppliedReport {
-                worker_id: "a".into(),
-                label: "v1".into(),
-                ok: true,
-                resident_version: info.version_digest,
-                ..Default::default()
-            },
-        })
-        .unwrap();
-        assert_eq!(st.version_state("v1"), Some(VersionState::Committed));
     }
 
     #[test]
@@ -1677,6 +1494,8 @@ mod tests {
         assert!(ws
             .iter()
             .all(|w| !w.admitted && w.admission.contains("stale")));
+        // A disk version id holds no mx digest.
+        assert!(ws.iter().all(|w| w.resident_version.is_none()));
         st.apply(begin(&st, d)).unwrap();
         assert_eq!(st.open_refit_id(), Some(1));
         assert_eq!(st.version_state("v1"), Some(VersionState::Committing));
@@ -1738,6 +1557,8 @@ mod tests {
             .workers
             .iter()
             .all(|w| w.admitted && w.resident_id.as_deref() == Some(target.as_str())));
+        // The resident digest is the one inside the resident mx version id.
+        assert!(f.workers.iter().all(|w| w.resident_version == Some(d)));
         assert_eq!(st.version_state("v1"), Some(VersionState::Committed));
         assert!(st.refit(1).unwrap().journal_gaps().is_empty());
         // A worker rejoining with other weights is not admitted.

@@ -1,5 +1,5 @@
-//! The typed forms of what the control plane stores and answers: states, commands, reports and
-//! status views. Proto messages are converted into and out of these in [`crate::convert`].
+//! The typed forms of what the control plane stores and answers: states, the stage command, the
+//! staged report and status views. Proto messages are converted into and out of these in [`crate::convert`].
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -9,8 +9,9 @@ use serde::{Deserialize, Serialize};
 
 /// Lifecycle of a policy version.
 ///
-/// `Declared -> Publishing -> Ready -> Committing -> Committed`, or `Failed` when a worker of
-/// the commit set fails to apply it.
+/// `Declared -> Publishing -> Ready -> Committing -> Committed`: COMMITTING while a refit to it
+/// is open, COMMITTED once a refit to it committed. A refit that ends otherwise puts the version
+/// back in the state it had before (see [`crate::refit`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub enum VersionState {
     /// Declared by the orchestrator; no source published yet.
@@ -19,23 +20,17 @@ pub enum VersionState {
     Publishing,
     /// Every slot published and every declared tensor covered; the version digest is fixed.
     Ready,
-    /// Apply commands sent to the commit set; waiting for every APPLIED report.
+    /// A refit to it is open.
     Committing,
-    /// Every worker of the commit set applied it with the right resident digest.
+    /// A refit to it committed (every worker of that refit's set runs it).
     Committed,
-    /// A worker of the commit set failed to apply it.
-    Failed,
 }
 
 impl VersionState {
     /// True when a wait for `wanted` is satisfied by `self` (states are ordered along the happy
-    /// path; `Failed` satisfies only a wait for `Failed`).
+    /// path).
     pub fn reaches(self, wanted: VersionState) -> bool {
-        match (self, wanted) {
-            (VersionState::Failed, w) => w == VersionState::Failed,
-            (_, VersionState::Failed) => false,
-            (s, w) => s >= w,
-        }
+        self >= wanted
     }
 }
 
@@ -47,12 +42,13 @@ impl fmt::Display for VersionState {
             VersionState::Ready => "READY",
             VersionState::Committing => "COMMITTING",
             VersionState::Committed => "COMMITTED",
-            VersionState::Failed => "FAILED",
         })
     }
 }
 
-/// Lifecycle of a worker for the version it was last asked to stage.
+/// Lifecycle of a worker for the version it was last asked to stage. (Applies are not worker
+/// states: a refit applies through the worker's engine routes and journals each call, see
+/// [`crate::refit`].)
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum WorkerState {
     /// Registered, nothing asked.
@@ -61,10 +57,6 @@ pub enum WorkerState {
     Staging,
     /// Reported the version staged and verified.
     Staged,
-    /// Asked to apply the staged version.
-    Applying,
-    /// Reported the version applied, with the right resident digest.
-    Applied,
     /// Reported a failure (see `last_error`).
     Failed,
 }
@@ -75,28 +67,21 @@ impl fmt::Display for WorkerState {
             WorkerState::Idle => "IDLE",
             WorkerState::Staging => "STAGING",
             WorkerState::Staged => "STAGED",
-            WorkerState::Applying => "APPLYING",
-            WorkerState::Applied => "APPLIED",
             WorkerState::Failed => "FAILED",
         })
     }
 }
 
-/// A command the control plane sends to one worker over its `WatchCommands` stream.
+/// A command the control plane sends to one worker over its `WatchCommands` stream. Staging is
+/// the only one: installing a version is an engine call of a refit
+/// (`update_weights_from_disk` with `mx://<digest>`), never a command.
 ///
 /// Delivery is at least once: a worker that reconnects while a command is outstanding gets it
-/// again, so workers treat a repeated command for the same digest as a request to report again.
+/// again (and stages and reports again).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Command {
     /// Pull and verify the version into staging; then `report_staged`.
     Stage {
-        /// Version label.
-        label: String,
-        /// Version identity.
-        version_digest: Digest,
-    },
-    /// Install the staged version into the live weights; then `report_applied`.
-    Apply {
         /// Version label.
         label: String,
         /// Version identity.
@@ -125,23 +110,6 @@ pub struct StagedReport {
     pub seconds: f64,
     /// Strategy name -> number of pieces pulled with it.
     pub strategies: BTreeMap<String, u64>,
-}
-
-/// A worker's result for an Apply command.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
-pub struct AppliedReport {
-    /// Reporting worker.
-    pub worker_id: String,
-    /// Version label it applied.
-    pub label: String,
-    /// True when applied.
-    pub ok: bool,
-    /// Failure description when `!ok` (empty otherwise).
-    pub error: String,
-    /// Digest of the version now resident in the live weights, read back by the worker.
-    pub resident_version: Option<Digest>,
-    /// Digests of the live bytes per rank.
-    pub ranks: Vec<RankDigests>,
 }
 
 /// A region of a declared tensor that no published shard covers.
@@ -204,18 +172,16 @@ pub struct WorkerStatus {
     pub layout: LayoutSpec,
     /// State for `label`.
     pub state: WorkerState,
-    /// Label of the version being (or last) staged/applied.
+    /// Label of the version being (or last) staged.
     pub label: Option<String>,
     /// Digest of that version.
     pub version_digest: Option<Digest>,
-    /// Digest it last reported resident in its live weights.
+    /// The digest inside `resident_id` when that is an mx version (`mx:<hex>`).
     pub resident_version: Option<Digest>,
     /// Last failure it reported.
     pub last_error: Option<String>,
     /// Its last Stage result.
     pub last_staged: Option<StagedReport>,
-    /// Its last Apply result.
-    pub last_applied: Option<AppliedReport>,
     /// Its engine routes.
     pub engine: Option<crate::refit::EngineEndpoint>,
     /// Version id resident in its live weights, as last learned (`mx:<hex>` for mx versions).

@@ -1,14 +1,16 @@
-//! Control plane over real loopback gRPC: an ephemeral port, a real journal in a temp dir.
+//! Control plane over real loopback gRPC: an ephemeral port, a real journal in a temp dir. A
+//! refit runs against a fake engine on loopback that answers the Dynamo routes.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // reason: tests fail loudly on purpose
 
 use std::io::Write;
 use std::path::Path;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use mx_control::client::{CommandStream, ControlClient};
 use mx_control::{
-    spawn, AppliedReport, Command, ControlPlaneConfig, Error, ServerHandle, StagedReport,
-    VersionState, WorkerState,
+    spawn, Action, Command, ControlPlaneConfig, EngineApi, EngineEndpoint, Error, Outcome,
+    PauseMode, RefitSpec, Registration, ServerHandle, StagedReport, VersionState, WorkerState,
 };
 use mx_layout::{
     version_digest, DType, DestPiece, Digest, LayoutSpec, MemDevice, RankDigests, Scheme,
@@ -135,18 +137,56 @@ fn staged(worker: &str, label: &str, rank: u32) -> StagedReport {
     }
 }
 
-fn applied(worker: &str, label: &str, resident: Option<Digest>) -> AppliedReport {
-    AppliedReport {
-        worker_id: worker.into(),
-        label: label.into(),
-        ok: true,
-        error: String::new(),
-        resident_version: resident,
-        ranks: vec![RankDigests {
-            rank: 0,
-            tensors: [("norm.weight".to_string(), Digest::of(b"live"))].into(),
-        }],
+/// A fake engine answering the Dynamo routes like the contract says: it records every call,
+/// installs whatever `update_weights_from_disk` names, and holds `pause_generation` while
+/// `hold_pause` is set.
+#[derive(Default)]
+struct FakeEngine {
+    version: String,
+    calls: Vec<(String, serde_json::Value)>,
+    hold_pause: bool,
+}
+
+type Fake = Arc<Mutex<FakeEngine>>;
+
+async fn fake_route(
+    axum::extract::State(f): axum::extract::State<Fake>,
+    axum::extract::Path(route): axum::extract::Path<String>,
+    body: axum::body::Bytes,
+) -> axum::Json<serde_json::Value> {
+    let body: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+    f.lock().unwrap().calls.push((route.clone(), body.clone()));
+    if route == "pause_generation" {
+        while f.lock().unwrap().hold_pause {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
     }
+    let mut e = f.lock().unwrap();
+    let mut reply = serde_json::json!({"status": "ok", "message": route});
+    if route == "update_weights_from_disk" {
+        e.version = body["weight_version"].as_str().unwrap().to_string();
+        reply["cache_tiers_cleared"] = serde_json::json!(["kv_cache"]);
+    }
+    reply["version"] = serde_json::Value::String(e.version.clone());
+    axum::Json(reply)
+}
+
+/// Serves a fake engine on loopback; returns it and its system URL.
+async fn fake_engine(version: &str) -> (Fake, String) {
+    let fake: Fake = Arc::new(Mutex::new(FakeEngine {
+        version: version.into(),
+        ..FakeEngine::default()
+    }));
+    let app = axum::Router::new()
+        .route(
+            "/engine/{route}",
+            axum::routing::post(fake_route).get(fake_route),
+        )
+        .with_state(Arc::clone(&fake));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (fake, url)
 }
 
 #[tokio::test]
@@ -181,7 +221,7 @@ async fn ready_only_when_every_slot_published_and_every_tensor_covered() {
         .await
         .unwrap_err();
     assert!(
-        matches!(e, Error::WaitNotReached { timed_out: true, current, .. } if current.0 == Some(VersionState::Publishing)),
+        matches!(e, Error::WaitNotReached { current, .. } if current.0 == Some(VersionState::Publishing)),
         "{e}"
     );
 
@@ -349,7 +389,7 @@ async fn bad_manifests_and_declarations_are_refused_naming_the_tensor() {
 }
 
 #[tokio::test]
-async fn commit_needs_every_worker_staged_and_happy_path_commits() {
+async fn stage_commands_reports_and_the_long_poll() {
     let dir = tempfile::tempdir().unwrap();
     let (c, h) = start(&dir.path().join("journal.jsonl")).await;
     c.declare_version("step-7", FSDP2, &tensors())
@@ -376,9 +416,6 @@ async fn commit_needs_every_worker_staged_and_happy_path_commits() {
     let (code, msg) = rpc_err(c.stage("step-7", &["w0", "ghost"]).await.unwrap_err());
     assert_eq!(code, tonic::Code::FailedPrecondition);
     assert!(msg.contains("ghost"), "{msg}");
-    let (code, msg) = rpc_err(c.commit("step-7", &["w0", "w1"]).await.unwrap_err());
-    assert_eq!(code, tonic::Code::FailedPrecondition);
-    assert!(msg.contains("\"w0\"") && msg.contains("IDLE"), "{msg}");
 
     c.stage("step-7", &["w0", "w1"]).await.unwrap();
     let stage = Command::Stage {
@@ -391,15 +428,9 @@ async fn commit_needs_every_worker_staged_and_happy_path_commits() {
     assert_eq!(next_cmd(&mut s1).await, stage);
 
     c.report_staged(&staged("w0", "step-7", 0)).await.unwrap();
-    let (code, msg) = rpc_err(c.commit("step-7", &["w0", "w1"]).await.unwrap_err());
-    assert_eq!(code, tonic::Code::FailedPrecondition);
-    assert!(msg.contains("\"w1\"") && msg.contains("STAGING"), "{msg}");
     // A report for a version the worker is not staging (e.g. superseded by a newer Stage) is
     // dropped: it changes nothing, and the worker stays STAGING step-7.
     c.report_staged(&staged("w1", "step-8", 0)).await.unwrap();
-    let (code, msg) = rpc_err(c.commit("step-7", &["w0", "w1"]).await.unwrap_err());
-    assert_eq!(code, tonic::Code::FailedPrecondition);
-    assert!(msg.contains("\"w1\"") && msg.contains("STAGING"), "{msg}");
     // The long poll does not report STAGED while w1 is still staging...
     let (reached, briefs) = c
         .wait_workers(
@@ -447,59 +478,46 @@ async fn commit_needs_every_worker_staged_and_happy_path_commits() {
     assert!(!reached);
     assert_eq!(briefs[0].state, WorkerState::Failed);
 
-    c.commit("step-7", &["w0", "w1"]).await.unwrap();
-    let apply = Command::Apply {
-        label: "step-7".into(),
-        version_digest: digest,
-    };
-    assert_eq!(next_cmd(&mut s0).await, apply);
-    assert_eq!(next_cmd(&mut s1).await, apply);
+    // Staging commits nothing: the version stays READY, nothing is resident, no command is
+    // outstanding.
     assert_eq!(
         c.get_version("step-7").await.unwrap().state,
-        VersionState::Committing
+        VersionState::Ready
     );
-    // Same set again: idempotent. Another set: refused.
-    c.commit("step-7", &["w1", "w0"]).await.unwrap();
-    let (code, _) = rpc_err(c.commit("step-7", &["w0"]).await.unwrap_err());
-    assert_eq!(code, tonic::Code::FailedPrecondition);
-
-    c.report_applied(&applied("w0", "step-7", Some(digest)))
-        .await
-        .unwrap();
-    assert_eq!(
-        c.get_version("step-7").await.unwrap().state,
-        VersionState::Committing
-    );
-    c.report_applied(&applied("w1", "step-7", Some(digest)))
-        .await
-        .unwrap();
-    let info = c
-        .wait_version("step-7", VersionState::Committed, T)
-        .await
-        .unwrap();
-    assert_eq!(info.state, VersionState::Committed);
-    assert_eq!(info.version_digest, Some(digest));
-    assert_eq!(
-        info.commit_workers,
-        vec!["w0".to_string(), "w1".to_string()]
-    );
-    c.commit("step-7", &["w0", "w1"]).await.unwrap();
-
     let status = c.get_status().await.unwrap();
     assert_eq!(status.workers.len(), 2);
     let w1 = &status.workers[1];
     assert_eq!(w1.worker_id, "w1");
     assert_eq!(w1.instance, "inst-1");
     assert_eq!(w1.layout, REP1);
-    assert_eq!(w1.state, WorkerState::Applied);
+    assert_eq!(w1.state, WorkerState::Staged);
     assert_eq!(w1.label.as_deref(), Some("step-7"));
-    assert_eq!(w1.resident_version, Some(digest));
+    assert_eq!(w1.version_digest, Some(digest));
+    assert_eq!(w1.resident_version, None);
     assert_eq!(w1.last_staged.as_ref(), Some(&staged("w1", "step-7", 1)));
-    assert_eq!(
-        w1.last_applied.as_ref(),
-        Some(&applied("w1", "step-7", Some(digest)))
-    );
+    assert!(w1.connected);
     assert_eq!(status.workers[0].ranks, vec![0, 1]);
+    assert!(
+        tokio::time::timeout(Duration::from_millis(200), s1.next())
+            .await
+            .is_err(),
+        "no command after STAGED"
+    );
+
+    // A failed stage is FAILED with the worker's error, and ends the long poll at once.
+    c.stage("step-7", &["w1"]).await.unwrap();
+    assert_eq!(next_cmd(&mut s1).await, stage);
+    let mut bad = staged("w1", "step-7", 0);
+    bad.ok = false;
+    bad.error = "verification failed: tensor embed.weight".into();
+    c.report_staged(&bad).await.unwrap();
+    let (reached, briefs) = c
+        .wait_workers("step-7", &["w1"], WorkerState::Staged, T)
+        .await
+        .unwrap();
+    assert!(!reached);
+    assert_eq!(briefs[0].state, WorkerState::Failed);
+    assert!(briefs[0].error.as_deref().unwrap().contains("embed.weight"));
 
     // A new stream for w0 replaces the old one, which ends.
     let _s0b = c.watch_commands("w0").await.unwrap();
@@ -509,42 +527,174 @@ async fn commit_needs_every_worker_staged_and_happy_path_commits() {
 }
 
 #[tokio::test]
-async fn wrong_resident_digest_fails_the_version() {
+async fn a_refit_is_the_only_commit_and_a_stage_waits_for_it_to_end() {
     let dir = tempfile::tempdir().unwrap();
-    let (c, h) = start(&dir.path().join("journal.jsonl")).await;
-    c.declare_version("v", FSDP2, &tensors()).await.unwrap();
-    c.publish("v", &manifest(0)).await.unwrap();
-    c.publish("v", &manifest(1)).await.unwrap();
-    c.register_worker("w", "i", &[0], REP1).await.unwrap();
-    c.stage("v", &["w"]).await.unwrap();
-    c.report_staged(&staged("w", "v", 0)).await.unwrap();
-    c.commit("v", &["w"]).await.unwrap();
-    c.report_applied(&applied("w", "v", Some(Digest::of(b"v0"))))
+    let path = dir.path().join("journal.jsonl");
+    let (c, h) = start(&path).await;
+    c.declare_version("step-7", FSDP2, &tensors())
         .await
         .unwrap();
-    let e = c
-        .wait_version("v", VersionState::Committed, T)
+    c.publish("step-7", &manifest(0)).await.unwrap();
+    let digest = c
+        .publish("step-7", &manifest(1))
         .await
-        .unwrap_err();
-    assert!(
-        matches!(
-            e,
-            Error::WaitNotReached {
-                timed_out: false,
-                ..
-            }
-        ),
-        "{e}"
-    );
-    let status = c.get_status().await.unwrap();
-    assert_eq!(status.versions[0].state, VersionState::Failed);
-    assert_eq!(status.workers[0].state, WorkerState::Failed);
-    assert!(status.workers[0]
-        .last_error
-        .as_deref()
         .unwrap()
-        .contains("resident version"));
+        .version_digest
+        .unwrap();
+    let target = mx_control::version_id(&digest);
+    let (fake, url) = fake_engine("disk:/ckpt").await;
+    fake.lock().unwrap().hold_pause = true;
+    c.register(&Registration {
+        worker_id: "w".into(),
+        instance: "w".into(),
+        ranks: vec![0],
+        layout: REP1,
+        engine: Some(EngineEndpoint {
+            api: EngineApi::Dynamo,
+            system_url: url.clone(),
+        }),
+        resident_version: Some("disk:/ckpt".into()),
+    })
+    .await
+    .unwrap();
+    let mut s = c.watch_commands("w").await.unwrap();
+
+    let spec = RefitSpec {
+        label: "step-7".into(),
+        worker_ids: vec!["w".into()],
+        pause_mode: PauseMode::Wait,
+        allow_partial: false,
+        check: None,
+        framework_step: 7,
+        stage_timeout_ms: 10_000,
+        call_timeout_ms: 10_000,
+    };
+    let id = c.refit(&spec).await.unwrap();
+    // STAGE goes over the command stream, like any stage.
+    assert_eq!(
+        next_cmd(&mut s).await,
+        Command::Stage {
+            label: "step-7".into(),
+            version_digest: digest,
+        }
+    );
+    c.report_staged(&staged("w", "step-7", 0)).await.unwrap();
+    // PREPARE: the engine holds the pause; the refit is open.
+    let t = std::time::Instant::now();
+    while fake.lock().unwrap().calls.is_empty() {
+        assert!(t.elapsed() < T, "the refit never paused the engine");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        c.get_version("step-7").await.unwrap().state,
+        VersionState::Committing
+    );
+    // Staging a worker of an open refit from outside is refused, naming the refit.
+    let (code, msg) = rpc_err(c.stage("step-7", &["w"]).await.unwrap_err());
+    assert_eq!(code, tonic::Code::FailedPrecondition);
+    assert!(
+        msg.contains(&format!("refit {id}")) && msg.contains("worker w"),
+        "{msg}"
+    );
+    let (ended, r) = c.wait_refit(id, Duration::from_millis(50)).await.unwrap();
+    assert!(!ended && r.unwrap().outcome.is_none());
+
+    fake.lock().unwrap().hold_pause = false;
+    let (ended, r) = c.wait_refit(id, T).await.unwrap();
+    let r = r.unwrap();
+    assert!(ended, "{r:?}");
+    assert_eq!(r.outcome, Some(Outcome::Committed), "{}", r.reason);
+    let actions: Vec<Action> = r.workers["w"]
+        .calls
+        .iter()
+        .map(|c| c.action.clone())
+        .collect();
+    assert_eq!(
+        actions,
+        [
+            Action::Pause,
+            Action::Apply {
+                version: target.clone()
+            },
+            Action::ReadVersion,
+            Action::Resume
+        ]
+    );
+    let calls = fake.lock().unwrap().calls.clone();
+    assert_eq!(calls[1].0, "update_weights_from_disk");
+    assert_eq!(calls[1].1["model_path"], format!("mx://{digest}"));
+
+    // The version is COMMITTED, the worker runs it and is admitted.
+    let info = c.get_version("step-7").await.unwrap();
+    assert_eq!(info.state, VersionState::Committed);
+    assert_eq!(info.commit_workers, vec!["w".to_string()]);
+    let status = c.get_status().await.unwrap();
+    assert_eq!(
+        status.fleet_version,
+        Some(("step-7".to_string(), target.clone()))
+    );
+    let w = &status.workers[0];
+    assert_eq!(w.resident_id.as_deref(), Some(target.as_str()));
+    assert_eq!(w.resident_version, Some(digest));
+    assert!(w.admitted, "{}", w.admission);
+    // Once the refit ended, staging is accepted again.
+    c.stage("step-7", &["w"]).await.unwrap();
     h.shutdown().await.unwrap();
+
+    // The journal holds only the refit's records for the commit, and replays to the same state.
+    let ops: Vec<String> = mx_control::journal::read_records(&path)
+        .unwrap()
+        .iter()
+        .map(|e| {
+            serde_json::to_value(&e.record).unwrap()["op"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
+        .collect();
+    assert!(
+        !ops.iter().any(|o| o == "commit" || o == "applied"),
+        "{ops:?}"
+    );
+    assert!(ops.iter().any(|o| o == "refit_end"), "{ops:?}");
+    let (c, h) = start(&path).await;
+    let again = c.get_status().await.unwrap();
+    assert_eq!(again.fleet_version, status.fleet_version);
+    assert_eq!(again.workers[0].resident_version, Some(digest));
+    assert_eq!(
+        c.get_version("step-7").await.unwrap().state,
+        VersionState::Committed
+    );
+    h.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_journal_of_the_retired_commit_path_is_refused_naming_the_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("journal.jsonl");
+    std::fs::write(
+        &path,
+        concat!(
+            r#"{"seq":1,"unix_ms":1,"record":{"op":"applied","report":{"worker_id":"w","label":"v","ok":true,"error":"","resident_version":null,"ranks":[]}}}"#,
+            "\n"
+        ),
+    )
+    .unwrap();
+    let err = spawn(ControlPlaneConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        journal_path: path.clone(),
+    })
+    .await
+    .unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        matches!(err, Error::JournalCorrupt { line: 1, .. })
+            && msg.contains("`applied`")
+            && msg.contains("ReportApplied"),
+        "{msg}"
+    );
+    // Nothing was cut or appended.
+    assert_eq!(std::fs::read_to_string(&path).unwrap().lines().count(), 1);
 }
 
 #[tokio::test]
@@ -568,55 +718,48 @@ async fn restart_replays_the_journal_to_the_same_state() {
     c.register_worker("w1", "inst-1", &[0], REP1).await.unwrap();
     c.stage("a", &["w0", "w1"]).await.unwrap();
     c.report_staged(&staged("w0", "a", 0)).await.unwrap();
-    c.report_staged(&staged("w1", "a", 1)).await.unwrap();
-    c.commit("a", &["w0", "w1"]).await.unwrap();
-    c.commit("a", &["w0", "w1"]).await.unwrap(); // a no-op: not journaled
-    c.report_applied(&applied("w0", "a", Some(digest)))
-        .await
-        .unwrap();
     let status = c.get_status().await.unwrap();
     let va = c.get_version("a").await.unwrap();
     let vb = c.get_version("b").await.unwrap();
     h.shutdown().await.unwrap();
-    assert_eq!(mx_control::journal::read_records(&path).unwrap().len(), 12);
+    assert_eq!(mx_control::journal::read_records(&path).unwrap().len(), 9);
 
     // A crash mid-write leaves a torn last line: tolerated.
     std::fs::OpenOptions::new()
         .append(true)
         .open(&path)
         .unwrap()
-        .write_all(b"{\"seq\":13,\"unix_ms\":17,\"record\":{\"op\":\"reg")
+        .write_all(b"{\"seq\":10,\"unix_ms\":17,\"record\":{\"op\":\"reg")
         .unwrap();
 
     let (c, h) = start(&path).await;
     assert_eq!(c.get_status().await.unwrap(), status);
     assert_eq!(c.get_version("a").await.unwrap(), va);
     assert_eq!(c.get_version("b").await.unwrap(), vb);
-    assert_eq!(va.state, VersionState::Committing);
-    assert_eq!(status.workers[0].state, WorkerState::Applied);
-    assert_eq!(status.workers[1].state, WorkerState::Applying);
+    assert_eq!(va.state, VersionState::Ready);
+    assert_eq!(status.workers[0].state, WorkerState::Staged);
+    assert_eq!(status.workers[1].state, WorkerState::Staging);
 
-    // The outstanding command is re-sent to the reconnecting worker; the commit completes.
+    // The outstanding command is re-sent to the reconnecting worker; its stage completes.
     let mut s1 = c.watch_commands("w1").await.unwrap();
     assert_eq!(
         next_cmd(&mut s1).await,
-        Command::Apply {
+        Command::Stage {
             label: "a".into(),
             version_digest: digest
         }
     );
-    c.report_applied(&applied("w1", "a", Some(digest)))
+    c.report_staged(&staged("w1", "a", 1)).await.unwrap();
+    let (reached, _) = c
+        .wait_workers("a", &["w0", "w1"], WorkerState::Staged, T)
         .await
         .unwrap();
-    assert_eq!(
-        c.get_version("a").await.unwrap().state,
-        VersionState::Committed
-    );
+    assert!(reached);
     h.shutdown().await.unwrap();
     // The torn line was cut off; the new record follows the last good one.
     let records = mx_control::journal::read_records(&path).unwrap();
-    assert_eq!(records.len(), 13);
-    assert_eq!(records[12].seq, 13);
+    assert_eq!(records.len(), 10);
+    assert_eq!(records[9].seq, 10);
 
     // A garbled line that is not the last one is an error naming it.
     let text = std::fs::read_to_string(&path).unwrap();

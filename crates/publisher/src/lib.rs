@@ -371,8 +371,7 @@ impl Publisher {
         for k in 1..=steps {
             if k > 1 {
                 let prev = format!("{prefix}{}", k - 1);
-                self.client
-                    .wait_version(&prev, VersionState::Committed, wait)
+                self.wait_across_restarts(&prev, VersionState::Committed, wait)
                     .await?;
                 self.train_step(k);
             }
@@ -382,10 +381,50 @@ impl Publisher {
             }
         }
         let last = format!("{prefix}{steps}");
-        self.client
-            .wait_version(&last, VersionState::Committed, wait)
+        self.wait_across_restarts(&last, VersionState::Committed, wait)
             .await?;
         Ok(())
+    }
+
+    /// Waits until `label` reaches `state`, riding out control-plane restarts: a failed long
+    /// poll (the server went away) is retried until `wait` has passed, so a publisher keeps
+    /// serving its bytes while the control plane recovers from its journal.
+    ///
+    /// # Errors
+    /// The last error once `wait` has passed.
+    async fn wait_across_restarts(
+        &self,
+        label: &str,
+        state: VersionState,
+        wait: Duration,
+    ) -> Result<(), Error> {
+        let deadline = std::time::Instant::now() + wait;
+        loop {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            match self.client.wait_version(label, state, left).await {
+                Ok(_) => return Ok(()),
+                Err(mx_control::Error::Rpc { code, message, .. })
+                    if !left.is_zero()
+                        && matches!(
+                            code,
+                            tonic::Code::Unavailable
+                                | tonic::Code::Unknown
+                                | tonic::Code::Cancelled
+                        ) =>
+                {
+                    tracing::warn!(
+                        label,
+                        "control plane unreachable ({message}); waiting for it"
+                    );
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+                Err(mx_control::Error::WaitNotReached { .. }) if !left.is_zero() => {
+                    // The server shut down mid-poll (a restart): poll again.
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
     }
 
     /// Destination layouts this publisher cuts and packs for.

@@ -1,6 +1,14 @@
 //! The HTTP server: both engine weight-update contracts (Dynamo vLLM RL and SGLang), SGLang-style
-//! `/generate`, and the failpoints. Field names follow the contracts exactly; every body is
-//! parsed by hand so a bad field is answered with a JSON error naming it.
+//! `/generate`, the read-only `GET /mx/live_digests`, and the failpoints. Field names follow the
+//! contracts exactly; every body is parsed by hand so a bad field is answered with a JSON error
+//! naming it.
+//!
+//! `GET /mx/live_digests` (mx's own, not an engine contract) answers what is live, hashed from
+//! the live bytes at the time of the request: `{"version": "<resident version id>", "ranks":
+//! [{"rank": r, "tensors": {"<parameter>": "<blake3 hex of its live bytes>"}}]}` in the order of
+//! the ranks held, or 503 `{"status": "error", "message": ...}` while no weights are live.
+//! Orchestrators check live bytes with it (`mx demo` compares them with slices of the
+//! checkpoint); it changes nothing, and holds the version store while it hashes (an apply waits).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -105,7 +113,8 @@ pub async fn serve(inst: Instance, addr: SocketAddr) -> Result<HttpServer, Error
         )
         .route("/engine/control/pause_generation", post(sglang_pause))
         .route("/engine/control/continue_generation", post(sglang_continue))
-        .route("/generate", post(generate));
+        .route("/generate", post(generate))
+        .route("/mx/live_digests", get(live_digests));
     if failpoints {
         router = router.route("/mx/failpoints", get(failpoints_get).post(failpoints_set));
     }
@@ -358,11 +367,11 @@ async fn sglang_update(State(ctx): State<Ctx>, body: Bytes) -> Response {
             };
             ctx.inst.pause(mode, false).await?.held
         };
-        let res = ctx.inst.apply_with(source, flush, false).await;
+        let res = ctx.inst.apply_with(source, flush).await;
         if !was_paused && !keep_pause {
             ctx.inst.resume();
         }
-        let (out, _) = res?;
+        let out = res?;
         let mut reply = ok_message(format!(
             "weights updated to {} ({:?})",
             out.version, out.kind
@@ -538,6 +547,37 @@ async fn generate(State(ctx): State<Ctx>, body: Bytes) -> Response {
     }
 }
 
+// ---- live digests -------------------------------------------------------------------------
+
+async fn live_digests(State(ctx): State<Ctx>) -> Response {
+    match ctx.inst.live_digests().await {
+        Ok(Some((version, ranks))) => {
+            let ranks: Vec<Value> = ranks
+                .iter()
+                .map(|r| {
+                    let tensors: Map<String, Value> = r
+                        .tensors
+                        .iter()
+                        .map(|(k, d)| (k.clone(), Value::String(d.to_string())))
+                        .collect();
+                    json!({"rank": r.rank, "tensors": tensors})
+                })
+                .collect();
+            Json(json!({"version": version, "ranks": ranks})).into_response()
+        }
+        Ok(None) => error_reply(&Error::NoWeights),
+        Err(e) => error_reply(&e),
+    }
+}
+
+fn error_reply(e: &Error) -> Response {
+    (
+        status_of(e),
+        Json(json!({"status": "error", "message": e.to_string()})),
+    )
+        .into_response()
+}
+
 // ---- failpoints ---------------------------------------------------------------------------
 
 async fn failpoints_get(State(ctx): State<Ctx>) -> Response {
@@ -550,11 +590,7 @@ async fn failpoints_set(State(ctx): State<Ctx>, body: Bytes) -> Response {
             tracing::warn!(failpoints = %v.to_json(), "failpoints set");
             Json(json!({"status": "ok", "failpoints": v.to_json()})).into_response()
         }
-        Err(e) => (
-            status_of(&e),
-            Json(json!({"status": "error", "message": e.to_string()})),
-        )
-            .into_response(),
+        Err(e) => error_reply(&e),
     }
 }
 

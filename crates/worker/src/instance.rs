@@ -112,7 +112,9 @@ pub struct ApplyOutcome {
     pub kind: ApplyKind,
     /// The pinned (previous) version now, if any.
     pub pinned: Option<String>,
-    /// Cache tiers reported cleared (empty when this instance runs no engine).
+    /// Cache tiers clear after the apply (empty when the caller asked not to clear them). An
+    /// instance that runs no engine (see [`Instance::generation_support`]) caches nothing, so
+    /// every tier is clear.
     pub cache_tiers_cleared: Vec<String>,
     /// Wall seconds of the apply, engine rebuild included.
     pub seconds: f64,
@@ -381,19 +383,16 @@ impl Instance {
     /// [`Error::Checkpoint`] / [`Error::DiskMismatch`] for a disk load; [`Error::Engine`] when
     /// the engine refuses the weights.
     pub async fn apply(&self, source: ApplySource) -> Result<ApplyOutcome, Error> {
-        self.apply_with(source, true, false)
-            .await
-            .map(|(out, _)| out)
+        self.apply_with(source, true).await
     }
 
     /// [`Instance::apply`], clearing the caches only when `clear_cache` (SGLang's
-    /// `flush_cache`), and with digests of the live bytes read back when `digests`.
+    /// `flush_cache`).
     pub(crate) async fn apply_with(
         &self,
         source: ApplySource,
         clear_cache: bool,
-        digests: bool,
-    ) -> Result<(ApplyOutcome, Option<Vec<RankDigests>>), Error> {
+    ) -> Result<ApplyOutcome, Error> {
         if self.shared.gate.paused().is_none() {
             tracing::warn!(
                 worker = self.shared.cfg.worker_id,
@@ -402,7 +401,7 @@ impl Instance {
             );
         }
         let sh = Arc::clone(&self.shared);
-        blocking(move || apply_blocking(&sh, source, clear_cache, digests)).await
+        blocking(move || apply_blocking(&sh, source, clear_cache)).await
     }
 
     /// Clears every cache tier of the engine (no-op without one); returns the tiers cleared.
@@ -683,8 +682,7 @@ fn apply_blocking(
     sh: &Shared,
     source: ApplySource,
     clear_cache: bool,
-    digests: bool,
-) -> Result<(ApplyOutcome, Option<Vec<RankDigests>>), Error> {
+) -> Result<ApplyOutcome, Error> {
     let t0 = Instant::now();
     let fp = sh.failpoints.get();
     let mut st = lock(&sh.state);
@@ -763,8 +761,13 @@ fn apply_blocking(
                 "engine weights installed"
             );
         }
-        if slot.engine.is_none() || !clear_cache {
+        if !clear_cache {
             Vec::new()
+        } else if slot.engine.is_none() {
+            // This instance runs no engine (it does not hold every rank, or the model cannot
+            // generate): no tier holds anything computed with the old weights, so every tier is
+            // clear after the apply.
+            CACHE_TIERS.iter().map(|s| s.to_string()).collect()
         } else {
             if fp.apply_skip_cache_clear {
                 tracing::warn!(
@@ -791,10 +794,6 @@ fn apply_blocking(
     };
     let versions = st.versions();
     *lock(&sh.versions) = versions.clone();
-    let read_back = match (&st.live, digests) {
-        (Some(w), true) => Some(live_digests(&sh.dest, &w.buffers)),
-        _ => None,
-    };
     let out = ApplyOutcome {
         version: versions.live.clone().unwrap_or_default(),
         kind,
@@ -810,7 +809,7 @@ fn apply_blocking(
         apply_s = out.seconds,
         "applied"
     );
-    Ok((out, read_back))
+    Ok(out)
 }
 
 /// Directory name of the model, for discovery's `model` field.

@@ -11,17 +11,21 @@
 //!   source published (no extra bytes on the wire) on a second thread while the next source is
 //!   pulled, report STAGED with per-rank digests of what was verified. Live weights are not
 //!   touched. A version that is already live or pinned is reported STAGED at once.
-//! - **Apply** (gRPC command, or `update_weights_from_disk` over HTTP with `model_path`
-//!   `mx://<digest hex>`): the version store ([`Instance`]) holds the *live* version, the *pinned*
-//!   previous one and the *staged* one. Applying the staged version copies it out of staging into
-//!   new live buffers (the old live becomes pinned); applying the pinned version swaps the two (a
-//!   rollback, no copy); applying the live one is a no-op. A `model_path` that is a directory
-//!   loads that safetensors checkpoint. After every apply the engine ([`mx_engine::LlamaEngine`])
-//!   is rebuilt from the live buffers ([`mx_engine::reassemble`]) and every cache tier is cleared
-//!   ([`CACHE_TIERS`]). On error nothing changes.
+//! - **Apply** (`update_weights_from_disk` over HTTP with `model_path` `mx://<digest hex>`, the
+//!   call a refit makes in its APPLY phase; there is no apply command): the version store
+//!   ([`Instance`]) holds the *live* version, the *pinned* previous one and the *staged* one.
+//!   Applying the staged version copies it out of staging into new live buffers (the old live
+//!   becomes pinned); applying the pinned version swaps the two (a rollback, no copy); applying
+//!   the live one is a no-op. A `model_path` that is a directory loads that safetensors
+//!   checkpoint. After every apply the engine ([`mx_engine::LlamaEngine`]) is rebuilt from the
+//!   live buffers ([`mx_engine::reassemble`]) and every cache tier is cleared ([`CACHE_TIERS`];
+//!   an instance that runs no engine caches nothing, so it reports every tier clear). On error
+//!   nothing changes.
 //! - **HTTP** ([`http::serve`]): Dynamo vLLM RL discovery and engine routes, SGLang's control
 //!   routes, SGLang-native `/generate` (greedy, with the live weights), pause/resume with modes
-//!   keep, wait and abort ([`PauseMode`]), and failpoints for fleet tests ([`failpoints`]).
+//!   keep, wait and abort ([`PauseMode`]), `GET /mx/live_digests` (blake3 of every live
+//!   parameter per rank, for orchestrators that check live bytes), and failpoints for fleet tests
+//!   ([`failpoints`]).
 //! - **Reconnect**: when the command stream ends because the control plane went away, the worker
 //!   reconnects, re-registers with its current resident version and watches again, with backoff,
 //!   until [`WorkerConfig::reconnect_timeout`].

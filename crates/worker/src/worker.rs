@@ -7,14 +7,14 @@ use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use mx_control::client::{CommandStream, ControlClient};
-use mx_control::{AppliedReport, Command, EngineApi, EngineEndpoint, Registration, StagedReport};
-use mx_layout::{Digest, LayoutSpec, RankDigests};
+use mx_control::{Command, EngineApi, EngineEndpoint, Registration, StagedReport};
+use mx_layout::{Digest, LayoutSpec};
 use mx_nixl::Agent;
 
 use crate::http::{self, HttpServer};
 use crate::instance::{ApplySource, Instance, InstanceConfig};
 use crate::staging::{StageOutcome, StageStats};
-use crate::{parse_mx_version_id, Error};
+use crate::Error;
 
 /// How long a worker keeps trying to reach a lost control plane, by default.
 pub const DEFAULT_RECONNECT_TIMEOUT: Duration = Duration::from_secs(60);
@@ -166,9 +166,10 @@ impl Worker {
     ///
     /// # Errors
     /// [`Error::StreamClosed`] when the stream ended because another process registered with the
-    /// same worker id (the control plane lists this id with another engine endpoint); [`Error::ReconnectTimeout`] when the control plane
-    /// stayed unreachable for [`WorkerConfig::reconnect_timeout`]. Stage/apply failures are
-    /// reported to the control plane, not returned.
+    /// same worker id (the control plane lists this id with another engine endpoint);
+    /// [`Error::ReconnectTimeout`] when the control plane stayed unreachable for
+    /// [`WorkerConfig::reconnect_timeout`]. Stage failures are reported to the control plane,
+    /// not returned. (Applies do not come over the stream: a refit calls the engine routes.)
     pub async fn run(&self) -> Result<(), Error> {
         let first = self.client().watch_commands(&self.cfg.worker_id).await;
         let mut stream = match first {
@@ -321,38 +322,6 @@ impl Worker {
                     tracing::warn!(worker = self.cfg.worker_id, "staged report refused: {e}");
                 }
             }
-            Command::Apply {
-                label,
-                version_digest,
-            } => {
-                let report = match self.apply(&label, version_digest).await {
-                    Ok(ranks) => AppliedReport {
-                        worker_id: self.cfg.worker_id.clone(),
-                        label: label.clone(),
-                        ok: true,
-                        error: String::new(),
-                        resident_version: Some(version_digest),
-                        ranks,
-                    },
-                    Err(e) => {
-                        tracing::error!(worker = self.cfg.worker_id, label, "apply failed: {e}");
-                        AppliedReport {
-                            worker_id: self.cfg.worker_id.clone(),
-                            label: label.clone(),
-                            ok: false,
-                            error: e.to_string(),
-                            resident_version: self
-                                .inst
-                                .resident_version()
-                                .and_then(|v| parse_mx_version_id(&v)),
-                            ranks: Vec::new(),
-                        }
-                    }
-                };
-                if let Err(e) = self.client().report_applied(&report).await {
-                    tracing::warn!(worker = self.cfg.worker_id, "applied report refused: {e}");
-                }
-            }
         }
     }
 
@@ -379,20 +348,6 @@ impl Worker {
             "fetched manifests"
         );
         self.inst.stage(label, digest, info.manifests).await
-    }
-
-    /// Applies version `digest` (staged, pinned or live; see [`ApplySource::Version`]), rebuilds
-    /// the engine and clears the caches; returns digests of the live bytes read back.
-    ///
-    /// # Errors
-    /// [`Error::UnknownVersion`] naming what is staged, pinned and live; [`Error::Engine`].
-    pub async fn apply(&self, label: &str, digest: Digest) -> Result<Vec<RankDigests>, Error> {
-        tracing::debug!(worker = self.cfg.worker_id, label, "apply command");
-        let (_, ranks) = self
-            .inst
-            .apply_with(ApplySource::Version(digest), true, true)
-            .await?;
-        Ok(ranks.unwrap_or_default())
     }
 }
 

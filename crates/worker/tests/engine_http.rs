@@ -51,6 +51,12 @@ async fn disk_load_generates_paris_on_tp3_and_every_apply_clears_the_caches() {
         "{body}"
     );
     assert_eq!(dynamo.get_weight_version().await.unwrap(), "");
+    let (status, body) = get(&format!("{base}/mx/live_digests")).await;
+    assert_eq!(status, 503, "{body}");
+    assert!(
+        body["message"].as_str().unwrap().contains("no weights"),
+        "{body}"
+    );
 
     // Discovery lists this worker with every route the refit needs.
     let d = DynamoClient::new(&base, T).discover().await.unwrap();
@@ -474,7 +480,11 @@ async fn a_worker_without_every_rank_loads_but_refuses_generation_with_409() {
         .update_weights_from_disk(dir.to_str().unwrap(), "v1")
         .await
         .unwrap();
-    assert!(r.cache_tiers_cleared.is_empty(), "no engine, no caches");
+    assert_eq!(
+        r.cache_tiers_cleared,
+        ["kv_cache", "prefix_cache"],
+        "no engine: nothing cached, every tier clear"
+    );
     assert_eq!(inst.resident_version().as_deref(), Some("v1"));
     let (status, body) = generate(&base, &PROMPT, 2).await;
     assert_eq!(status, 409, "{body}");
@@ -492,6 +502,17 @@ async fn a_worker_without_every_rank_loads_but_refuses_generation_with_409() {
     let (_, one) = inst.live_digests().await.unwrap().unwrap();
     let (_, all) = full.live_digests().await.unwrap().unwrap();
     assert_eq!(one[0], all[1]);
+    // GET /mx/live_digests reports the same, for the one rank held.
+    let (status, live) = get(&format!("{base}/mx/live_digests")).await;
+    assert_eq!(status, 200, "{live}");
+    assert_eq!(live["version"], "v1");
+    assert_eq!(live["ranks"].as_array().unwrap().len(), 1);
+    assert_eq!(live["ranks"][0]["rank"], 1);
+    let tensors = live["ranks"][0]["tensors"].as_object().unwrap();
+    assert_eq!(tensors.len(), all[1].tensors.len());
+    for (name, d) in &all[1].tensors {
+        assert_eq!(tensors[name], d.to_string(), "{name}");
+    }
     http.shutdown().await;
     full_http.shutdown().await;
 }

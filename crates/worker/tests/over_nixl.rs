@@ -17,7 +17,9 @@ use std::time::{Duration, Instant};
 
 use common::{generate, ids, model_dir, post, tp3, PARIS, PROMPT};
 use mx_control::client::ControlClient;
-use mx_control::{ControlPlaneConfig, EngineApi, VersionState, WorkerState};
+use mx_control::{
+    ControlPlaneConfig, EngineApi, GenerationCheck, Outcome, PauseMode, RefitSpec, VersionState,
+};
 use mx_layout::{Digest, LayoutSpec, RankDigests};
 use mx_publisher::{Publisher, PublisherConfig};
 use mx_worker::{
@@ -54,13 +56,16 @@ async fn control_plane(dir: &Path, listen: &str) -> (String, mx_control::ServerH
     (format!("http://{addr}"), handle)
 }
 
-/// Declares, publishes (both fsdp:2 publishers), stages and commits `label` on worker `w`;
-/// returns the version digest.
+/// Declares and publishes (both fsdp:2 publishers) `label`, then commits it on worker `w` with a
+/// refit (STAGE over NIXL, PREPARE, APPLY, VERIFY, RESUME and CHECK over the worker's Dynamo
+/// routes, COMMIT); the post-update generation of 2 tokens after [`PROMPT`] must give `golden`
+/// (any 2 tokens when empty). Returns the version digest.
 async fn refit(
     client: &ControlClient,
     pubs: &mut [Publisher],
     specs: &[mx_layout::TensorSpec],
     label: &str,
+    golden: &[u32],
 ) -> Digest {
     let fsdp2: LayoutSpec = "fsdp:2".parse().unwrap();
     client.declare_version(label, fsdp2, specs).await.unwrap();
@@ -71,17 +76,39 @@ async fn refit(
         .wait_version(label, VersionState::Ready, WAIT)
         .await
         .unwrap();
-    client.stage(label, &["w"]).await.unwrap();
-    let (reached, briefs) = client
-        .wait_workers(label, &["w"], WorkerState::Staged, WAIT)
+    let id = client
+        .refit(&RefitSpec {
+            label: label.into(),
+            worker_ids: vec!["w".into()],
+            pause_mode: PauseMode::Wait,
+            allow_partial: false,
+            check: Some(GenerationCheck {
+                prompt_tokens: PROMPT.to_vec(),
+                max_new_tokens: 2,
+                expected_tokens: golden.to_vec(),
+            }),
+            framework_step: 0,
+            stage_timeout_ms: 180_000,
+            call_timeout_ms: 60_000,
+        })
         .await
         .unwrap();
-    assert!(reached, "{label} not staged: {briefs:?}");
-    client.commit(label, &["w"]).await.unwrap();
-    client
-        .wait_version(label, VersionState::Committed, WAIT)
-        .await
-        .unwrap();
+    let (ended, r) = client.wait_refit(id, WAIT).await.unwrap();
+    let r = r.unwrap();
+    assert!(ended, "refit {id} to {label} did not end");
+    assert_eq!(r.outcome, Some(Outcome::Committed), "{}", r.reason);
+    let tokens = r.workers["w"]
+        .calls
+        .iter()
+        .filter(|c| c.action == mx_control::Action::Generate)
+        .filter_map(|c| c.result.as_ref())
+        .map(|x| x.tokens.clone())
+        .next_back();
+    assert_eq!(tokens.map(|t| t.len()), Some(2), "one CHECK generation");
+    assert_eq!(
+        client.get_version(label).await.unwrap().state,
+        VersionState::Committed
+    );
     v.version_digest.unwrap()
 }
 
@@ -150,15 +177,30 @@ async fn staged_pinned_and_live_versions_apply_swap_and_refuse_byte_exactly() {
     let (_, disk) = digests(&reference).await;
     drop(reference);
 
-    // step-1 over NIXL, applied by the Apply command: byte-identical to the disk slicing.
-    let d1 = refit(&client, &mut pubs, &specs, "step-1").await;
+    // step-1 over NIXL, applied by a refit: byte-identical to the disk slicing, and the same
+    // bytes the worker's GET /mx/live_digests reports.
+    let d1 = refit(&client, &mut pubs, &specs, "step-1", &PARIS).await;
     let (id1, v1) = digests(&inst).await;
     assert_eq!(id1, mx_version_id(&d1));
     assert_eq!(
         v1, disk,
         "step-1 pulled over NIXL differs from the checkpoint"
     );
-    assert_eq!(inst.cached_positions(), Some(0));
+    let (status, live) = common::get(&format!("{base}/mx/live_digests")).await;
+    assert_eq!(status, 200, "{live}");
+    assert_eq!(live["version"], id1);
+    let ranks = live["ranks"].as_array().unwrap();
+    assert_eq!(ranks.len(), 3);
+    for (got, want) in ranks.iter().zip(&v1) {
+        assert_eq!(got["rank"], want.rank);
+        let tensors = got["tensors"].as_object().unwrap();
+        assert_eq!(tensors.len(), want.tensors.len());
+        for (name, d) in &want.tensors {
+            assert_eq!(tensors[name], d.to_string(), "rank {} {name}", want.rank);
+        }
+    }
+    // The refit's CHECK generated " Paris." with the new weights (so its KV cache holds that).
+    assert!(inst.cached_positions().unwrap() > 0);
     let (_, body) = generate(&base, &PROMPT, 2).await;
     assert_eq!(ids(&body), PARIS, "{body}");
     assert_eq!(body["meta_info"]["weight_version"], id1);
@@ -167,7 +209,7 @@ async fn staged_pinned_and_live_versions_apply_swap_and_refuse_byte_exactly() {
     for p in &mut pubs {
         p.train_step(2);
     }
-    let d2 = refit(&client, &mut pubs, &specs, "step-2").await;
+    let d2 = refit(&client, &mut pubs, &specs, "step-2", &[]).await;
     let (id2, v2) = digests(&inst).await;
     assert_eq!(id2, mx_version_id(&d2));
     assert_ne!(v2, v1);
@@ -227,8 +269,8 @@ async fn staged_pinned_and_live_versions_apply_swap_and_refuse_byte_exactly() {
     assert_eq!(digests(&inst).await, (id2.clone(), v2.clone()));
     assert_eq!(inst.versions().pinned, Some(id1.clone()));
 
-    // Staging a version that is already pinned reports at once, without pulling, and the
-    // Apply command then swaps it in.
+    // Staging a version that is already pinned reports at once, without pulling, and applying
+    // it then swaps it in.
     let t = Instant::now();
     let (stats, _, ranks) = w.stage("step-1", d1).await.unwrap();
     assert_eq!((stats.descriptors, stats.useful_bytes), (0, 0));
@@ -241,8 +283,8 @@ async fn staged_pinned_and_live_versions_apply_swap_and_refuse_byte_exactly() {
         inst.versions().staged,
         Some(format!("{id1} (resident copy)"))
     );
-    let read_back = w.apply("step-1", d1).await.unwrap();
-    assert_eq!(read_back, v1);
+    let (status, r) = post(&update, json!({"model_path": format!("mx://{d1}")})).await;
+    assert_eq!(status, 200, "{r}");
     assert_eq!(digests(&inst).await, (id1.clone(), v1.clone()));
 
     runner.abort();
