@@ -181,6 +181,11 @@ enum Cmd {
         /// Journal file.
         #[arg(default_value = ".mx/control/journal.jsonl")]
         path: PathBuf,
+        /// Replay the journal and print every refit (phases, per worker previous -> resulting
+        /// version, timings, cache tiers, post-update tokens) and whether its record is complete,
+        /// instead of the raw records.
+        #[arg(long)]
+        refits: bool,
     },
 }
 
@@ -472,10 +477,28 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             }
             Ok(())
         }),
-        Cmd::Journal { path } => {
+        Cmd::Journal { path, refits } => {
             anyhow::ensure!(path.exists(), "no journal at {}", path.display());
-            for e in mx_control::journal::read_records(&path)? {
-                println!("{}", serde_json::to_string(&e)?);
+            let entries = mx_control::journal::read_records(&path)?;
+            if !refits {
+                for e in entries {
+                    println!("{}", serde_json::to_string(&e)?);
+                }
+                return Ok(());
+            }
+            let mut st = mx_control::state::State::new();
+            for (i, e) in entries.into_iter().enumerate() {
+                st.apply(e.record)
+                    .with_context(|| format!("replaying line {} of {}", i + 1, path.display()))?;
+            }
+            for r in st.refits() {
+                refit_cmd::print_refit(r);
+                let gaps = r.journal_gaps();
+                if gaps.is_empty() {
+                    println!("  journal: complete");
+                } else {
+                    println!("  journal: INCOMPLETE: {}", gaps.join("; "));
+                }
             }
             Ok(())
         }

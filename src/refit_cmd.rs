@@ -224,8 +224,8 @@ pub(crate) fn print_refit(r: &Refit) {
     let phases: Vec<String> = r.phases.iter().map(|(p, _)| p.to_string()).collect();
     println!("  phases: {}", phases.join(" -> "));
     println!(
-        "  {:<10} {:<17} {:<17} {:>8} {:>8} {:>8}  tiers cleared / tokens",
-        "worker", "previous", "resulting", "apply s", "verify s", "check s"
+        "  {:<10} {:<17} {:<17} {:>8} {:>8} {:>8} {:>8}  tiers cleared / tokens",
+        "worker", "previous", "resulting", "stage s", "apply s", "verify s", "check s"
     );
     for (id, w) in &r.workers {
         let secs = |f: &dyn Fn(&mx_control::Action) -> bool| -> f64 {
@@ -255,10 +255,11 @@ pub(crate) fn print_refit(r: &Refit) {
             .map(|x| format!(" {:?}", x.tokens))
             .unwrap_or_default();
         println!(
-            "  {:<10} {:<17} {:<17} {:>8.3} {:>8.3} {:>8.3}  {tiers}{tokens}",
+            "  {:<10} {:<17} {:<17} {:>8.3} {:>8.3} {:>8.3} {:>8.3}  {tiers}{tokens}",
             id,
             short(&w.previous),
             short(&w.resident),
+            w.stage_seconds,
             apply,
             verify,
             check

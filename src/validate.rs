@@ -445,7 +445,11 @@ async fn run_async(args: ValidateArgs) -> anyhow::Result<()> {
             .iter()
             .map(|(p, _)| format!("control_plane_killed_at_{p}")),
     );
-    names.extend([s("missing_worker"), s("stale_worker_rejoins")]);
+    names.extend([
+        s("missing_worker"),
+        s("missing_worker_allowed"),
+        s("stale_worker_rejoins"),
+    ]);
     let mut reports = Vec::new();
     for name in names {
         if !args.only.is_empty() && !args.only.contains(&name) {
@@ -776,6 +780,39 @@ async fn scenario(f: &mut Fleet, name: &str) -> anyhow::Result<(String, String, 
             Ok((
                 s("ABORTED (missing w1), w0 stays on step-1"),
                 outcome(&r),
+                ok,
+                r.reason.clone(),
+            ))
+        }
+        "missing_worker_allowed" => {
+            // The orchestrator explicitly accepts a smaller set: w1 is down (killed by
+            // missing_worker, or here).
+            if f.procs.pid("worker-w1").is_some() {
+                f.procs.kill("worker-w1")?;
+            }
+            let t = Instant::now();
+            while is_connected(f, "w1").await? {
+                if t.elapsed() > Duration::from_secs(30) {
+                    bail!("the control plane still sees w1 connected");
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            let mut spec = f.spec("step-2")?;
+            spec.allow_partial = true;
+            let id = f.client.refit(&spec).await?;
+            let r = wait_end(&f.client, id, Duration::from_secs(600)).await?;
+            print_refit(&r);
+            let ok = r.outcome == Some(Outcome::Committed)
+                && r.dropped.iter().any(|(w, _)| w == "w1")
+                && r.workers.keys().eq(["w0"].iter())
+                && on(&r, "step-2", f);
+            Ok((
+                s("COMMITTED on w0 only (w1 dropped), w0 on step-2"),
+                format!(
+                    "{}, dropped {:?}",
+                    outcome(&r),
+                    r.dropped.iter().map(|d| &d.0).collect::<Vec<_>>()
+                ),
                 ok,
                 r.reason.clone(),
             ))

@@ -162,11 +162,21 @@ fn control_plane_killed_at_every_transition_recovers() {
 
 #[test]
 fn missing_and_stale_workers_are_not_admitted() {
-    let names = ["missing_worker", "stale_worker_rejoins"];
+    let names = [
+        "missing_worker",
+        "missing_worker_allowed",
+        "stale_worker_rejoins",
+    ];
     let Some(j) = validate(&names) else { return };
     assert_eq!(row(&j, "missing_worker")["observed"], "ABORTED");
     // Only w0 is alive after w1 was killed, and it stayed on step-1.
     assert_eq!(after(&j, "missing_worker"), ["step-1"]);
+    // With a smaller set explicitly allowed, w0 alone commits step-2.
+    let o = row(&j, "missing_worker_allowed")["observed"]
+        .as_str()
+        .unwrap();
+    assert!(o.starts_with("COMMITTED") && o.contains("w1"), "{o}");
+    assert_eq!(after(&j, "missing_worker_allowed"), ["step-2"]);
     let o = row(&j, "stale_worker_rejoins")["observed"]
         .as_str()
         .unwrap();

@@ -207,12 +207,11 @@ async fn perform(
     if r.ok {
         let problem = match action {
             Action::Apply { version } => match &r.version {
+                // Which tiers were cleared is recorded, not trusted: an engine with caches that
+                // skipped clearing them is caught by the post-update generation.
                 Some(v) if v != version => Some(format!(
                     "engine reports version {v} after applying {version}"
                 )),
-                _ if r.cache_tiers_cleared.is_empty() => {
-                    Some("engine reported no cache tier cleared after apply".to_string())
-                }
                 _ => None,
             },
             Action::Generate => refit.spec.check.as_ref().and_then(|c| {
@@ -445,10 +444,18 @@ async fn stage(ctx: &Ctx<'_>, refit: &Refit) -> Result<Option<String>, Error> {
         let (w, why) = &refit.dropped[0];
         return Ok(Some(format!("worker {w} is missing: {why}")));
     }
+    // Workers already running the target, or already STAGED for it (e.g. `mx stage` before
+    // `mx commit`), do not pull again.
     let need: Vec<String> = refit
         .workers
         .iter()
         .filter(|(_, w)| w.previous.as_deref() != Some(refit.target.as_str()))
+        .filter(|(id, _)| {
+            !matches!(
+                ctx.shared.read(|s| s.worker_brief(id)),
+                Some((WorkerState::Staged, Some(l), _)) if l == refit.spec.label
+            )
+        })
         .map(|(id, _)| id.clone())
         .collect();
     if need.is_empty() {

@@ -417,6 +417,17 @@ impl State {
                             report.error.clone()
                         });
                     }
+                    // The open refit staging this worker records the transfer too.
+                    if let Some(r) = self.refits.values_mut().find(|r| {
+                        r.outcome.is_none()
+                            && r.phase == Phase::Stage
+                            && r.spec.label == report.label
+                    }) {
+                        if let Some(rw) = r.workers.get_mut(&report.worker_id) {
+                            rw.stage_seconds = report.seconds;
+                            rw.stage_bytes = report.bytes;
+                        }
+                    }
                     w.last_staged = Some(report);
                 }
                 Effects::default()

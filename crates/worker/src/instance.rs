@@ -765,9 +765,8 @@ fn apply_blocking(
             Vec::new()
         } else if slot.engine.is_none() {
             // This instance runs no engine (it does not hold every rank, or the model cannot
-            // generate): no tier holds anything computed with the old weights, so every tier is
-            // clear after the apply.
-            CACHE_TIERS.iter().map(|s| s.to_string()).collect()
+            // generate): it has no cache tier, so it reports none.
+            Vec::new()
         } else {
             if fp.apply_skip_cache_clear {
                 tracing::warn!(
