@@ -480,10 +480,10 @@ async fn a_worker_without_every_rank_loads_but_refuses_generation_with_409() {
         .update_weights_from_disk(dir.to_str().unwrap(), "v1")
         .await
         .unwrap();
-    assert_eq!(
-        r.cache_tiers_cleared,
-        ["kv_cache", "prefix_cache"],
-        "no engine: nothing cached, every tier clear"
+    assert!(
+        r.cache_tiers_cleared.is_empty(),
+        "no engine: no cache tier to clear, none reported: {:?}",
+        r.cache_tiers_cleared
     );
     assert_eq!(inst.resident_version().as_deref(), Some("v1"));
     let (status, body) = generate(&base, &PROMPT, 2).await;
