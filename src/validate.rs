@@ -406,28 +406,14 @@ async fn run_async(args: ValidateArgs) -> anyhow::Result<()> {
         let a = f.publisher_args(r);
         f.procs.spawn(&format!("publisher-{r}"), &work, &a)?;
     }
-    wait_ready(&mut f, "step-1").await?;
-    let d1 = f
-        .client
-        .get_version("step-1")
-        .await?
-        .version_digest
-        .context("digest")?;
-    f.versions.get_mut("step-1").context("step-1")?.0 = mx_control::version_id(&d1);
+    learn_version(&mut f, "step-1").await?;
     eprintln!("bootstrap: refit step-1");
     let r = f.refit("step-1").await?;
     print_refit(&r);
     if r.outcome != Some(Outcome::Committed) {
         bail!("bootstrap refit to step-1 failed: {}", r.reason);
     }
-    wait_ready(&mut f, "step-2").await?;
-    let d2 = f
-        .client
-        .get_version("step-2")
-        .await?
-        .version_digest
-        .context("digest")?;
-    f.versions.get_mut("step-2").context("step-2")?.0 = mx_control::version_id(&d2);
+    learn_version(&mut f, "step-2").await?;
 
     // Scenarios that need a real pull come first: once a worker held step-2 it keeps it pinned
     // and stages it again without pulling.
@@ -556,6 +542,22 @@ async fn next_refit_id(f: &Fleet) -> anyhow::Result<u64> {
         }
     }
     Ok(last + 1)
+}
+
+/// Waits until `label` is READY and records its version id.
+async fn learn_version(f: &mut Fleet, label: &str) -> anyhow::Result<()> {
+    wait_ready(f, label).await?;
+    let d = f
+        .client
+        .get_version(label)
+        .await?
+        .version_digest
+        .with_context(|| format!("{label} READY without a digest"))?;
+    f.versions
+        .get_mut(label)
+        .with_context(|| label.to_string())?
+        .0 = mx_control::version_id(&d);
+    Ok(())
 }
 
 async fn wait_ready(f: &mut Fleet, label: &str) -> anyhow::Result<()> {
@@ -761,13 +763,7 @@ async fn scenario(f: &mut Fleet, name: &str) -> anyhow::Result<(String, String, 
         "missing_worker" => {
             f.ensure("step-1").await?;
             f.procs.kill("worker-w1")?;
-            let t = Instant::now();
-            while is_connected(f, "w1").await? {
-                if t.elapsed() > Duration::from_secs(30) {
-                    bail!("the control plane still sees w1 connected");
-                }
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
+            wait_disconnected(f, "w1").await?;
             let r = f.refit("step-2").await?;
             print_refit(&r);
             let ok = r.outcome == Some(Outcome::Aborted)
@@ -790,13 +786,7 @@ async fn scenario(f: &mut Fleet, name: &str) -> anyhow::Result<(String, String, 
             if f.procs.pid("worker-w1").is_some() {
                 f.procs.kill("worker-w1")?;
             }
-            let t = Instant::now();
-            while is_connected(f, "w1").await? {
-                if t.elapsed() > Duration::from_secs(30) {
-                    bail!("the control plane still sees w1 connected");
-                }
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
+            wait_disconnected(f, "w1").await?;
             let mut spec = f.spec("step-2")?;
             spec.allow_partial = true;
             let id = f.client.refit(&spec).await?;
@@ -863,6 +853,17 @@ async fn agent_of(f: &Fleet, slot: u32) -> anyhow::Result<String> {
 async fn is_connected(f: &Fleet, id: &str) -> anyhow::Result<bool> {
     let st = f.status().await?;
     Ok(st.workers.iter().any(|w| w.worker_id == id && w.connected))
+}
+
+async fn wait_disconnected(f: &Fleet, id: &str) -> anyhow::Result<()> {
+    let t = Instant::now();
+    while is_connected(f, id).await? {
+        if t.elapsed() > Duration::from_secs(30) {
+            bail!("the control plane still sees {id} connected");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Ok(())
 }
 
 async fn wait_connected(f: &Fleet, id: &str) -> anyhow::Result<()> {

@@ -2,34 +2,14 @@
 //! NIXL READs over UCX shared memory) on real checkpoints, with the live bytes checked here too.
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)] // tests: panics are failures
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
+mod common;
+
+use common::{model, repo};
 use mx_checkpoint::Checkpoint;
 use mx_layout::Digest;
-
-fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-/// The model dir, or None (with a message) when setup has not run and NIXL is not required.
-fn model(name: &str) -> Option<PathBuf> {
-    let dir = repo().join(".mx/models").join(name);
-    if dir.join("config.json").exists() && mx_nixl::nixl_available().is_ok() {
-        return Some(dir);
-    }
-    if std::env::var("MX_REQUIRE_NIXL").as_deref() == Ok("1") {
-        panic!(
-            "{} or NIXL missing and MX_REQUIRE_NIXL=1: run scripts/setup.sh",
-            dir.display()
-        );
-    }
-    eprintln!(
-        "skipping: {} or NIXL missing (run scripts/setup.sh)",
-        dir.display()
-    );
-    None
-}
 
 fn demo(args: &[&str], report: &Path) -> (bool, String, serde_json::Value) {
     let out = Command::new(env!("CARGO_BIN_EXE_mx"))

@@ -5,35 +5,18 @@
 //! report is checked again, scenario by scenario.
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)] // tests: panics are failures
 
-use std::path::PathBuf;
+mod common;
+
 use std::process::Command;
 use std::sync::Mutex;
 
 /// One fleet at a time: four fleets at once would fight over two cores and miss deadlines.
 static FLEET: Mutex<()> = Mutex::new(());
 
-fn model() -> Option<PathBuf> {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".mx/models/smollm2-135m");
-    if dir.join("config.json").exists() && mx_nixl::nixl_available().is_ok() {
-        return Some(dir);
-    }
-    if std::env::var("MX_REQUIRE_NIXL").as_deref() == Ok("1") {
-        panic!(
-            "{} or NIXL missing and MX_REQUIRE_NIXL=1: run scripts/setup.sh",
-            dir.display()
-        );
-    }
-    eprintln!(
-        "skipping: {} or NIXL missing (run scripts/setup.sh)",
-        dir.display()
-    );
-    None
-}
-
 /// Runs `mx validate --only <scenarios>` and checks every requested scenario ran, passed, left
 /// the fleet consistent and the journal complete; returns the report.
 fn validate(scenarios: &[&str]) -> Option<serde_json::Value> {
-    let model = model()?;
+    let model = common::model("smollm2-135m")?;
     let _one = FLEET
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);

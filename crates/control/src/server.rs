@@ -152,6 +152,38 @@ impl Shared {
         Ok(())
     }
 
+    /// A long poll: evaluates `probe` on the state now and after every change until it says done,
+    /// `timeout_ms` (capped at a day) passes or the server shuts down; answers its last value.
+    ///
+    /// # Errors
+    /// `UNAVAILABLE` when the change channel closes (the server is going away).
+    async fn long_poll<T>(
+        &self,
+        timeout_ms: u64,
+        mut probe: impl FnMut(&State) -> (bool, T),
+    ) -> Result<T, Status> {
+        let deadline =
+            tokio::time::Instant::now() + Duration::from_millis(timeout_ms.min(MAX_WAIT_MS));
+        let mut changes = self.changes.subscribe();
+        let mut closing = self.closing.subscribe();
+        loop {
+            changes.borrow_and_update();
+            let (done, value) = self.read(&mut probe);
+            if done || tokio::time::Instant::now() >= deadline || *closing.borrow_and_update() {
+                return Ok(value);
+            }
+            tokio::select! {
+                _ = tokio::time::sleep_until(deadline) => {}
+                r = changes.changed() => {
+                    if r.is_err() {
+                        return Err(Status::unavailable("control plane shutting down"));
+                    }
+                }
+                _ = closing.changed() => {}
+            }
+        }
+    }
+
     pub(crate) fn read<R>(&self, f: impl FnOnce(&State) -> R) -> R {
         f(&lock(&self.core).state)
     }
@@ -377,15 +409,13 @@ impl ControlPlane for Service {
         req: Request<pb::WaitWorkersRequest>,
     ) -> Result<Response<pb::WaitWorkersResponse>, Status> {
         let r = req.into_inner();
-        let wanted = convert::worker_state(r.state, "state")?;
-        let wait = Duration::from_millis(r.timeout_ms.min(MAX_WAIT_MS));
-        let deadline = tokio::time::Instant::now() + wait;
-        let mut changes = self.shared.changes.subscribe();
-        let mut closing = self.shared.closing.subscribe();
-        loop {
-            changes.borrow_and_update();
-            let briefs: Vec<pb::WorkerBrief> = self.shared.read(|s| {
-                r.worker_ids
+        let want = convert::worker_state_pb(convert::worker_state(r.state, "state")?);
+        let failed = convert::worker_state_pb(WorkerState::Failed);
+        let (reached, workers) = self
+            .shared
+            .long_poll(r.timeout_ms, |s| {
+                let briefs: Vec<pb::WorkerBrief> = r
+                    .worker_ids
                     .iter()
                     .map(|id| {
                         let (state, label, error) = s.worker_brief(id).unwrap_or((
@@ -400,32 +430,13 @@ impl ControlPlane for Service {
                             error: error.unwrap_or_default(),
                         }
                     })
-                    .collect()
-            });
-            let want = convert::worker_state_pb(wanted);
-            let failed = convert::worker_state_pb(WorkerState::Failed);
-            let reached = briefs.iter().all(|b| b.state == want && b.label == r.label);
-            let any_failed = briefs.iter().any(|b| b.state == failed);
-            if reached
-                || any_failed
-                || tokio::time::Instant::now() >= deadline
-                || *closing.borrow_and_update()
-            {
-                return Ok(Response::new(pb::WaitWorkersResponse {
-                    reached,
-                    workers: briefs,
-                }));
-            }
-            tokio::select! {
-                _ = tokio::time::sleep_until(deadline) => {}
-                r = changes.changed() => {
-                    if r.is_err() {
-                        return Err(Status::unavailable("control plane shutting down"));
-                    }
-                }
-                _ = closing.changed() => {}
-            }
-        }
+                    .collect();
+                let reached = briefs.iter().all(|b| b.state == want && b.label == r.label);
+                let any_failed = briefs.iter().any(|b| b.state == failed);
+                (reached || any_failed, (reached, briefs))
+            })
+            .await?;
+        Ok(Response::new(pb::WaitWorkersResponse { reached, workers }))
     }
 
     async fn refit(
@@ -442,41 +453,23 @@ impl ControlPlane for Service {
         req: Request<pb::WaitRefitRequest>,
     ) -> Result<Response<pb::WaitRefitResponse>, Status> {
         let r = req.into_inner();
-        let wait = Duration::from_millis(r.timeout_ms.min(MAX_WAIT_MS));
-        let deadline = tokio::time::Instant::now() + wait;
-        let mut changes = self.shared.changes.subscribe();
-        let mut closing = self.shared.closing.subscribe();
-        loop {
-            changes.borrow_and_update();
-            let refit = self.shared.read(|s| {
+        let refit = self
+            .shared
+            .long_poll(r.timeout_ms, |s| {
                 let id = if r.refit_id == 0 {
                     s.next_refit_id().saturating_sub(1)
                 } else {
                     r.refit_id
                 };
-                s.refit(id).cloned()
-            });
-            let ended = refit.as_ref().is_some_and(|x| x.outcome.is_some());
-            if ended
-                || refit.is_none()
-                || tokio::time::Instant::now() >= deadline
-                || *closing.borrow_and_update()
-            {
-                return Ok(Response::new(pb::WaitRefitResponse {
-                    ended,
-                    refit: refit.as_ref().map(convert::refit_pb),
-                }));
-            }
-            tokio::select! {
-                _ = tokio::time::sleep_until(deadline) => {}
-                r = changes.changed() => {
-                    if r.is_err() {
-                        return Err(Status::unavailable("control plane shutting down"));
-                    }
-                }
-                _ = closing.changed() => {}
-            }
-        }
+                let refit = s.refit(id).cloned();
+                let done = refit.as_ref().is_none_or(|x| x.outcome.is_some());
+                (done, refit)
+            })
+            .await?;
+        Ok(Response::new(pb::WaitRefitResponse {
+            ended: refit.as_ref().is_some_and(|x| x.outcome.is_some()),
+            refit: refit.as_ref().map(convert::refit_pb),
+        }))
     }
 
     async fn wait_version(
@@ -485,33 +478,19 @@ impl ControlPlane for Service {
     ) -> Result<Response<pb::WaitVersionResponse>, Status> {
         let r = req.into_inner();
         let wanted = convert::version_state(r.state, "state")?;
-        // Capped at a day so the deadline arithmetic cannot overflow.
-        let wait = Duration::from_millis(r.timeout_ms.min(MAX_WAIT_MS));
-        let deadline = tokio::time::Instant::now() + wait;
-        let mut changes = self.shared.changes.subscribe();
-        let mut closing = self.shared.closing.subscribe();
-        loop {
-            changes.borrow_and_update();
-            let state = self.shared.read(|s| s.version_state(&r.label));
-            let done = wait_reached(state, wanted);
-            let timed_out = tokio::time::Instant::now() >= deadline;
-            if done || timed_out || *closing.borrow_and_update() {
-                let info = self.shared.read(|s| s.version_info(&r.label));
-                return Ok(Response::new(pb::WaitVersionResponse {
-                    reached: wait_reached(state, wanted),
-                    version: info.as_ref().map(convert::version_info_pb),
-                }));
-            }
-            tokio::select! {
-                _ = tokio::time::sleep_until(deadline) => {}
-                r = changes.changed() => {
-                    if r.is_err() {
-                        return Err(Status::unavailable("control plane shutting down"));
-                    }
-                }
-                _ = closing.changed() => {}
-            }
-        }
+        let reached = self
+            .shared
+            .long_poll(r.timeout_ms, |s| {
+                let reached = wait_reached(s.version_state(&r.label), wanted);
+                (reached, reached)
+            })
+            .await?;
+        // The full record (manifests) only once, at the end.
+        let info = self.shared.read(|s| s.version_info(&r.label));
+        Ok(Response::new(pb::WaitVersionResponse {
+            reached,
+            version: info.as_ref().map(convert::version_info_pb),
+        }))
     }
 }
 
