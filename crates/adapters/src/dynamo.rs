@@ -52,15 +52,33 @@ pub struct Discovery {
     pub workers: Vec<DynamoWorker>,
 }
 
-/// `pause_generation` modes: what happens to in-flight requests.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// `pause_generation` modes: what happens to in-flight requests (Dynamo's spelling; the one
+/// type mx uses for it, in the control plane, the journal and the reference worker).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum PauseMode {
     /// Keep them paused in place and resume them after.
     Keep,
     /// Wait for them to finish.
+    #[default]
     Wait,
     /// Abort them.
     Abort,
+}
+
+impl std::str::FromStr for PauseMode {
+    type Err = String;
+
+    /// Dynamo's `keep`, `wait`, `abort`, and SGLang's `in_place` / `retract` (both hold the
+    /// request: `keep`).
+    fn from_str(s: &str) -> Result<PauseMode, String> {
+        match s {
+            "keep" | "in_place" | "retract" => Ok(PauseMode::Keep),
+            "wait" => Ok(PauseMode::Wait),
+            "abort" => Ok(PauseMode::Abort),
+            other => Err(format!("{other:?} is not one of keep, wait, abort")),
+        }
+    }
 }
 
 impl PauseMode {

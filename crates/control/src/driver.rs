@@ -7,13 +7,12 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use mx_adapters::dynamo::{DynamoWorkerClient, PauseMode as DynPause};
+use mx_adapters::dynamo::DynamoWorkerClient;
 use mx_adapters::sglang::SglangClient;
 use mx_layout::Digest;
 
 use crate::refit::{
-    model_path, now_ms, Action, CallResult, EngineApi, EngineEndpoint, Outcome, PauseMode, Phase,
-    Refit,
+    model_path, now_ms, Action, CallResult, EngineApi, EngineEndpoint, Outcome, Phase, Refit,
 };
 use crate::server::Shared;
 use crate::state::Record;
@@ -84,14 +83,7 @@ async fn perform(
 ) -> CallResult {
     let mut r = match (engine, action) {
         (Engine::Dynamo(c), Action::Pause) => match c
-            .pause(
-                match refit.spec.pause_mode {
-                    PauseMode::Keep => DynPause::Keep,
-                    PauseMode::Wait => DynPause::Wait,
-                    PauseMode::Abort => DynPause::Abort,
-                },
-                false,
-            )
+            .pause(refit.spec.pause_mode, false)
             .await
         {
             Ok(a) => CallResult {

@@ -96,41 +96,7 @@ pub fn model_path(d: &Digest) -> String {
     format!("mx://{d}")
 }
 
-/// `pause_generation` modes (Dynamo's spelling): what happens to in-flight requests.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum PauseMode {
-    /// Hold them in place and continue them after resume.
-    Keep,
-    /// Wait until they finish before the pause returns.
-    #[default]
-    Wait,
-    /// Abort them.
-    Abort,
-}
-
-impl PauseMode {
-    /// The contract's spelling.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            PauseMode::Keep => "keep",
-            PauseMode::Wait => "wait",
-            PauseMode::Abort => "abort",
-        }
-    }
-}
-
-impl std::str::FromStr for PauseMode {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "keep" => Ok(PauseMode::Keep),
-            "wait" => Ok(PauseMode::Wait),
-            "abort" => Ok(PauseMode::Abort),
-            other => Err(format!("unknown pause mode {other:?} (keep|wait|abort)")),
-        }
-    }
-}
+pub use mx_adapters::dynamo::PauseMode;
 
 /// The post-update generation: greedy decoding of `prompt_tokens` on every worker after apply.
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]

@@ -14,43 +14,20 @@ use tokio::sync::watch;
 
 use crate::Error;
 
-/// What `pause_generation` does with requests in flight.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum PauseMode {
-    /// Hold them between tokens and continue them after resume.
-    Keep,
-    /// Let them finish; the pause returns when they have.
-    Wait,
-    /// Stop them between tokens; they answer HTTP 503.
-    Abort,
-}
+/// What `pause_generation` does with requests in flight: hold them between tokens and continue
+/// after resume (`Keep`), let them finish before the pause returns (`Wait`), or stop them between
+/// tokens with HTTP 503 (`Abort`).
+pub use mx_control::PauseMode;
 
-impl PauseMode {
-    /// Parses the contracts' spellings: Dynamo's `keep`, `wait`, `abort` and SGLang's
-    /// `in_place` / `retract` (both hold the request: `keep`).
-    ///
-    /// # Errors
-    /// [`Error::BadRequest`] naming field `mode` for anything else.
-    pub fn parse(s: &str) -> Result<PauseMode, Error> {
-        match s {
-            "keep" | "in_place" | "retract" => Ok(PauseMode::Keep),
-            "wait" => Ok(PauseMode::Wait),
-            "abort" => Ok(PauseMode::Abort),
-            other => Err(Error::BadRequest {
-                field: "mode".into(),
-                reason: format!("{other:?} is not one of keep, wait, abort"),
-            }),
-        }
-    }
-
-    /// The Dynamo contract's spelling.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            PauseMode::Keep => "keep",
-            PauseMode::Wait => "wait",
-            PauseMode::Abort => "abort",
-        }
-    }
+/// Parses a request's `mode` (see [`PauseMode`]'s `FromStr`).
+///
+/// # Errors
+/// [`Error::BadRequest`] naming field `mode`.
+pub(crate) fn parse_mode(s: &str) -> Result<PauseMode, Error> {
+    s.parse().map_err(|reason| Error::BadRequest {
+        field: "mode".into(),
+        reason,
+    })
 }
 
 #[derive(Debug, Clone, Copy, Default)]

@@ -267,7 +267,7 @@ async fn dynamo_pause(State(ctx): State<Ctx>, body: Bytes) -> Response {
     let res = async {
         let m = object(&body)?;
         let mode = match opt_str(&m, "mode")? {
-            Some(s) => PauseMode::parse(&s)?,
+            Some(s) => crate::gate::parse_mode(&s)?,
             None => PauseMode::Abort,
         };
         let clear = opt_bool(&m, "clear_cache")?.unwrap_or(true);
@@ -388,7 +388,7 @@ async fn sglang_pause(State(ctx): State<Ctx>, body: Bytes) -> Response {
     let res = async {
         let m = object(&body)?;
         let mode = match opt_str(&m, "mode")? {
-            Some(s) => PauseMode::parse(&s)?,
+            Some(s) => crate::gate::parse_mode(&s)?,
             None => PauseMode::Abort,
         };
         let out = ctx.inst.pause(mode, false).await?;
