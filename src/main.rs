@@ -148,9 +148,10 @@ enum Cmd {
         #[arg(long, default_value_t = 300)]
         wait_s: u64,
     },
-    /// Commit a version on workers that all STAGED it, with a refit (the control plane stages
-    /// it again, pauses, applies, verifies, resumes and commits; no post-update generation: see
-    /// `mx refit`); waits until the refit ended. Exit status 0 only when COMMITTED.
+    /// Commit a version on workers that all STAGED it, with a refit (the control plane pauses,
+    /// applies, verifies, resumes and commits — workers already STAGED for it do not pull again;
+    /// no post-update generation: see `mx refit`); waits until the refit ended. Exit status 0
+    /// only when COMMITTED.
     Commit {
         /// Control plane address.
         #[arg(long, default_value = "http://127.0.0.1:7700")]
