@@ -18,7 +18,7 @@ use mx_layout::model::Family;
 use mx_layout::{rank_layout, LayoutSpec, ModelInfo};
 use serde::Serialize;
 
-use crate::fleet::{wait_until, Procs, WorkDir};
+use crate::fleet::{default_model, median, wait_until, Procs, WorkDir};
 use crate::slice::Reference;
 
 /// Flags of `mx demo`.
@@ -109,20 +109,6 @@ struct Report {
     workers: Vec<WorkerReport>,
 }
 
-fn default_model() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join(".mx/models/smollm2-135m")
-}
-
-fn median(v: &[f64]) -> f64 {
-    let mut s = v.to_vec();
-    s.sort_by(f64::total_cmp);
-    if s.is_empty() {
-        0.0
-    } else {
-        s[s.len() / 2]
-    }
-}
-
 /// Most OS processes the demo starts (publishers + workers) on one machine.
 const MAX_PROCESSES: u32 = 64;
 
@@ -130,20 +116,24 @@ const MAX_PROCESSES: u32 = 64;
 const CHECK_TOKENS: u32 = 4;
 
 /// What a worker's `GET /mx/live_digests` answers.
-#[derive(serde::Deserialize)]
-struct LiveDigests {
-    version: String,
-    ranks: Vec<LiveRank>,
+#[derive(serde::Deserialize, PartialEq, Debug)]
+pub(crate) struct LiveDigests {
+    pub(crate) version: String,
+    pub(crate) ranks: Vec<LiveRank>,
 }
 
-#[derive(serde::Deserialize)]
-struct LiveRank {
-    rank: u32,
-    tensors: std::collections::BTreeMap<String, String>,
+/// One rank's live parameter digests.
+#[derive(serde::Deserialize, PartialEq, Debug)]
+pub(crate) struct LiveRank {
+    pub(crate) rank: u32,
+    pub(crate) tensors: std::collections::BTreeMap<String, String>,
 }
 
 /// The live bytes' digests, read from the worker's own route (not from anything it reported).
-async fn live_digests(http: &reqwest::Client, system_url: &str) -> anyhow::Result<LiveDigests> {
+pub(crate) async fn live_digests(
+    http: &reqwest::Client,
+    system_url: &str,
+) -> anyhow::Result<LiveDigests> {
     let url = format!("{}/mx/live_digests", system_url.trim_end_matches('/'));
     let r = http
         .get(&url)
@@ -435,6 +425,7 @@ async fn run_async(args: DemoArgs) -> anyhow::Result<()> {
                 framework_step: u64::from(k),
                 stage_timeout_ms: mx_control::refit::DEFAULT_STAGE_TIMEOUT_MS,
                 call_timeout_ms: mx_control::refit::DEFAULT_CALL_TIMEOUT_MS,
+                apply_parallelism: 0,
             })
             .await?;
         let refit = crate::refit_cmd::wait_end(&client, refit_id, Duration::from_secs(900)).await?;

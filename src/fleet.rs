@@ -7,6 +7,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
+use mx_control::client::ControlClient;
 
 /// The demo's work directory, removed when dropped unless `--keep` (on failures too: the error
 /// names the logs only with `--keep`).
@@ -165,4 +166,61 @@ where
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
+}
+
+/// Connects to the control plane at `addr`, retrying until it answers or `timeout` passes.
+pub(crate) async fn connect(addr: &str, timeout: Duration) -> anyhow::Result<ControlClient> {
+    let t = Instant::now();
+    loop {
+        if let Ok(c) = ControlClient::connect(addr).await {
+            if c.get_status().await.is_ok() {
+                return Ok(c);
+            }
+        }
+        if t.elapsed() > timeout {
+            bail!("control plane at {addr} did not come up within {timeout:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The SmolLM2 checkpoint `scripts/setup.sh` prepares.
+pub(crate) fn default_model() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join(".mx/models/smollm2-135m")
+}
+
+/// Median of `v` (0 when empty; the mean of the middle two for an even count).
+pub(crate) fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    match s.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => s[n / 2],
+        n => (s[n / 2 - 1] + s[n / 2]) / 2.0,
+    }
+}
+
+/// Starts `mx control` in `work` on a free port and connects to it; returns its address.
+pub(crate) async fn start_control(
+    procs: &mut Procs,
+    work: &Path,
+) -> anyhow::Result<(String, ControlClient)> {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
+    let listen = format!("127.0.0.1:{port}");
+    procs.spawn(
+        "control",
+        work,
+        &[
+            "control".into(),
+            "--listen".into(),
+            listen.clone(),
+            "--journal".into(),
+            work.join("journal.jsonl").display().to_string(),
+        ],
+    )?;
+    let addr = format!("http://{listen}");
+    let client = connect(&addr, Duration::from_secs(30)).await?;
+    Ok((addr, client))
 }

@@ -1,6 +1,7 @@
 //! `mx`: live policy-weight refit for RL. The binary is thin: each subcommand parses its flags
 //! and calls into the crates (see README.md for the architecture).
 
+mod bench;
 mod demo;
 mod fleet;
 mod plan_cmd;
@@ -177,6 +178,10 @@ enum Cmd {
     Refit(refit_cmd::RefitArgs),
     /// Run the refit fault matrix against an embedded fleet and print the table.
     Validate(validate::ValidateArgs),
+    /// Benchmarks: pull vs memcpy, refit vs the disk path, the planner and the control plane at
+    /// fleet scale (see BENCHMARKS.md).
+    #[command(subcommand)]
+    Bench(bench::BenchCmd),
     /// Print the control plane's journal.
     Journal {
         /// Journal file.
@@ -332,6 +337,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Cmd::Plan(args) => plan_cmd::run(args),
         Cmd::Refit(args) => runtime()?.block_on(refit_cmd::run(args)),
         Cmd::Validate(args) => validate::run(args),
+        Cmd::Bench(cmd) => bench::run(cmd),
         Cmd::Declare {
             control,
             model,
@@ -425,6 +431,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 framework_step: 0,
                 stage_timeout_ms: wait_s.saturating_mul(1000).max(1),
                 call_timeout_ms: mx_control::refit::DEFAULT_CALL_TIMEOUT_MS,
+                apply_parallelism: 0,
             };
             let id = c.refit(&spec).await?;
             let r = refit_cmd::wait_end(&c, id, Duration::from_secs(wait_s.saturating_add(900))).await?;

@@ -55,6 +55,9 @@ pub(crate) struct RefitArgs {
     /// Deadline of each engine call, seconds (a hung worker fails after it).
     #[arg(long, default_value_t = 60.0)]
     pub(crate) call_timeout_s: f64,
+    /// Workers applying at once (0 = all of them, 1 = one after the other).
+    #[arg(long, default_value_t = 0)]
+    pub(crate) apply_parallelism: u32,
     /// Write the refit record as JSON here.
     #[arg(long)]
     pub(crate) json: Option<PathBuf>,
@@ -152,6 +155,7 @@ pub(crate) async fn run(a: RefitArgs) -> anyhow::Result<()> {
         framework_step: a.framework_step,
         stage_timeout_ms: ms(a.stage_timeout_s, "stage-timeout-s")?,
         call_timeout_ms: ms(a.call_timeout_s, "call-timeout-s")?,
+        apply_parallelism: a.apply_parallelism,
     };
     let id = client.refit(&spec).await?;
     eprintln!("refit {id}: {} on {:?}", spec.label, spec.worker_ids);

@@ -22,7 +22,7 @@ use mx_control::{GenerationCheck, Outcome, PauseMode, Refit, RefitSpec, VersionS
 use serde::Serialize;
 use serde_json::json;
 
-use crate::fleet::{Procs, WorkDir};
+use crate::fleet::{connect, default_model, Procs, WorkDir};
 use crate::refit_cmd::{golden, print_refit, wait_end};
 
 /// Flags of `mx validate`.
@@ -254,6 +254,8 @@ impl Fleet {
             framework_step: label.trim_start_matches("step-").parse().unwrap_or(0),
             stage_timeout_ms: 120_000,
             call_timeout_ms: CALL_TIMEOUT_MS,
+            // One after the other, so the crash point `apply:1` lies between w0's and w1's apply.
+            apply_parallelism: 1,
         })
     }
 
@@ -333,10 +335,6 @@ fn flip_byte(pid: u32, addr: u64) -> anyhow::Result<u8> {
     f.write_all_at(&[b[0] ^ 0xFF], addr)
         .with_context(|| format!("writing {path} at {addr:#x}"))?;
     Ok(b[0])
-}
-
-fn default_model() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join(".mx/models/smollm2-135m")
 }
 
 pub(crate) fn run(args: ValidateArgs) -> anyhow::Result<()> {
@@ -516,21 +514,6 @@ async fn run_async(args: ValidateArgs) -> anyhow::Result<()> {
         bail!("no scenario matched --only {:?}", args.only);
     }
     Ok(())
-}
-
-async fn connect(addr: &str, timeout: Duration) -> anyhow::Result<ControlClient> {
-    let t = Instant::now();
-    loop {
-        if let Ok(c) = ControlClient::connect(addr).await {
-            if c.get_status().await.is_ok() {
-                return Ok(c);
-            }
-        }
-        if t.elapsed() > timeout {
-            bail!("control plane at {addr} did not come up within {timeout:?}");
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
 
 async fn next_refit_id(f: &Fleet) -> anyhow::Result<u64> {

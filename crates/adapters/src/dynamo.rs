@@ -269,8 +269,19 @@ pub struct DynamoWorkerClient {
 impl DynamoWorkerClient {
     /// A client for the worker whose system server is at `system_url`.
     pub fn new(system_url: &str, timeout: Duration) -> DynamoWorkerClient {
+        DynamoWorkerClient::with_client(reqwest::Client::new(), system_url, timeout)
+    }
+
+    /// As [`DynamoWorkerClient::new`], sharing `http` (and its pool of kept-alive connections)
+    /// with other clients: a control plane calling a thousand workers opens connections once,
+    /// not once per call.
+    pub fn with_client(
+        http: reqwest::Client,
+        system_url: &str,
+        timeout: Duration,
+    ) -> DynamoWorkerClient {
         DynamoWorkerClient {
-            http: reqwest::Client::new(),
+            http,
             system_url: system_url.trim_end_matches('/').to_string(),
             timeout,
         }

@@ -28,8 +28,14 @@ pub struct SglangClient {
 impl SglangClient {
     /// A client for the server at `system_url`; every call has `timeout` as its deadline.
     pub fn new(system_url: &str, timeout: Duration) -> SglangClient {
+        SglangClient::with_client(reqwest::Client::new(), system_url, timeout)
+    }
+
+    /// As [`SglangClient::new`], sharing `http` (and its kept-alive connections) with other
+    /// clients.
+    pub fn with_client(http: reqwest::Client, system_url: &str, timeout: Duration) -> SglangClient {
         SglangClient {
-            http: reqwest::Client::new(),
+            http,
             system_url: system_url.trim_end_matches('/').to_string(),
             timeout,
         }

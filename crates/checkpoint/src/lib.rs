@@ -30,4 +30,4 @@ mod write;
 
 pub use checkpoint::{Checkpoint, TensorView, CONFIG_FILE, INDEX_FILE, SINGLE_FILE};
 pub use error::Error;
-pub use write::write_safetensors;
+pub use write::{write_safetensors, write_safetensors_with_sync};

@@ -24,6 +24,20 @@ pub fn write_safetensors(
     path: &Path,
     tensors: &[(String, DType, Vec<u64>, Vec<u8>)],
 ) -> Result<(), Error> {
+    write_safetensors_with_sync(path, tensors, true)
+}
+
+/// As [`write_safetensors`]; with `sync: false` the file is left in the page cache without
+/// `fsync`, as `safetensors.torch.save_file` and HF `save_pretrained` leave it (for measuring
+/// the disk path frameworks use).
+///
+/// # Errors
+/// As [`write_safetensors`].
+pub fn write_safetensors_with_sync(
+    path: &Path,
+    tensors: &[(String, DType, Vec<u64>, Vec<u8>)],
+    sync: bool,
+) -> Result<(), Error> {
     let mut order: Vec<&(String, DType, Vec<u64>, Vec<u8>)> = tensors.iter().collect();
     order.sort_by(|a, b| a.0.cmp(&b.0));
     let mut seen = BTreeSet::new();
@@ -74,6 +88,8 @@ pub fn write_safetensors(
         out.write_all(&t.3).map_err(io)?;
     }
     let file = out.into_inner().map_err(|e| io(e.into_error()))?;
-    file.sync_all().map_err(io)?;
+    if sync {
+        file.sync_all().map_err(io)?;
+    }
     Ok(())
 }

@@ -572,6 +572,7 @@ pub(crate) fn refit_spec(p: &pb::RefitRequest) -> Result<RefitSpec, Error> {
         } else {
             p.call_timeout_ms
         },
+        apply_parallelism: p.apply_parallelism,
     })
 }
 
@@ -590,6 +591,7 @@ pub(crate) fn refit_request_pb(s: &RefitSpec) -> pb::RefitRequest {
         framework_step: s.framework_step,
         stage_timeout_ms: s.stage_timeout_ms,
         call_timeout_ms: s.call_timeout_ms,
+        apply_parallelism: s.apply_parallelism,
     }
 }
 

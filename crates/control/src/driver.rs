@@ -4,6 +4,7 @@
 //! settles every call whose result was never journaled, then finishes (after the COMMIT
 //! decision) or rolls back (before it) — it never assumes what a call did.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -13,6 +14,7 @@ use mx_layout::Digest;
 
 use crate::refit::{
     model_path, now_ms, Action, CallResult, EngineApi, EngineEndpoint, Outcome, Phase, Refit,
+    RefitSpec,
 };
 use crate::server::Shared;
 use crate::state::Record;
@@ -47,11 +49,17 @@ enum Engine {
 }
 
 impl Engine {
-    fn new(ep: &EngineEndpoint, timeout: Duration) -> Engine {
+    /// The engine at `ep`, spoken to over `http` (shared: connections are kept alive across
+    /// calls and workers).
+    fn new(http: &reqwest::Client, ep: &EngineEndpoint, timeout: Duration) -> Engine {
         match ep.api {
-            EngineApi::Dynamo => Engine::Dynamo(DynamoWorkerClient::new(&ep.system_url, timeout)),
+            EngineApi::Dynamo => Engine::Dynamo(DynamoWorkerClient::with_client(
+                http.clone(),
+                &ep.system_url,
+                timeout,
+            )),
             EngineApi::Sglang => Engine::Sglang(
-                SglangClient::new(&ep.system_url, timeout),
+                SglangClient::with_client(http.clone(), &ep.system_url, timeout),
                 ep.system_url.clone(),
             ),
         }
@@ -77,13 +85,13 @@ fn failed(e: impl std::fmt::Display) -> CallResult {
 async fn perform(
     engine: &Engine,
     action: &Action,
-    refit: &Refit,
+    spec: &RefitSpec,
     timeout: Duration,
     http: &reqwest::Client,
 ) -> CallResult {
     let mut r = match (engine, action) {
         (Engine::Dynamo(c), Action::Pause) => match c
-            .pause(refit.spec.pause_mode, false)
+            .pause(spec.pause_mode, false)
             .await
         {
             Ok(a) => CallResult {
@@ -170,7 +178,7 @@ async fn perform(
             },
             Err(e) => failed(e),
         },
-        (_, Action::Generate) => match &refit.spec.check {
+        (_, Action::Generate) => match &spec.check {
             None => CallResult {
                 ok: true,
                 message: "no check requested".into(),
@@ -206,11 +214,11 @@ async fn perform(
                 )),
                 _ => None,
             },
-            Action::Generate => refit.spec.check.as_ref().and_then(|c| {
+            Action::Generate => spec.check.as_ref().and_then(|c| {
                 if !c.expected_tokens.is_empty() && r.tokens != c.expected_tokens {
                     Some(format!(
                         "post-update generation gave tokens {:?}, golden tokens of {} are {:?}",
-                        r.tokens, refit.spec.label, c.expected_tokens
+                        r.tokens, spec.label, c.expected_tokens
                     ))
                 } else if c.expected_tokens.is_empty() && r.tokens.is_empty() {
                     Some("post-update generation gave no tokens".to_string())
@@ -244,9 +252,15 @@ pub(crate) async fn drive(shared: Arc<Shared>, id: u64, recovering: bool) {
 struct Ctx<'a> {
     shared: &'a Arc<Shared>,
     id: u64,
+    /// The refit's spec (fixed at BEGIN), read once: a call must not copy the whole refit
+    /// record, which grows with every call of a thousand workers.
+    spec: RefitSpec,
+    /// One HTTP client (one pool of kept-alive connections) for every engine call.
     http: reqwest::Client,
     /// This driver recovers the refit after a restart.
     recovering: bool,
+    /// APPLY calls whose intent was journaled (for the `apply-sent:<n>` failpoint).
+    applies_sent: AtomicUsize,
 }
 
 impl Ctx<'_> {
@@ -276,7 +290,6 @@ impl Ctx<'_> {
 
     /// Journals the intent, calls, journals the result.
     async fn call(&self, worker_id: &str, action: Action) -> Result<CallResult, Error> {
-        let refit = self.refit()?;
         let endpoint = self
             .shared
             .read(|s| s.worker_engine(worker_id))
@@ -289,23 +302,18 @@ impl Ctx<'_> {
             })
             .await?;
         if let Action::Apply { .. } = action {
-            let sent = refit
-                .workers
-                .values()
-                .flat_map(|w| &w.calls)
-                .filter(|c| matches!(c.action, Action::Apply { .. }))
-                .count();
+            let sent = self.applies_sent.fetch_add(1, Ordering::SeqCst);
             failpoint(&format!("apply-sent:{sent}"));
         }
-        let timeout = Duration::from_millis(refit.spec.call_timeout_ms);
+        let timeout = Duration::from_millis(self.spec.call_timeout_ms);
         let t0 = Instant::now();
         let mut result = match &endpoint {
             None => failed(format!("worker {worker_id} has no engine endpoint")),
             Some(ep) => {
                 perform(
-                    &Engine::new(ep, timeout),
+                    &Engine::new(&self.http, ep, timeout),
                     &action,
-                    &refit,
+                    &self.spec,
                     timeout,
                     &self.http,
                 )
@@ -356,16 +364,29 @@ impl Ctx<'_> {
 }
 
 async fn drive_inner(shared: &Arc<Shared>, id: u64, recovering: bool) -> Result<(), Error> {
+    let refit = shared
+        .read(|s| s.refit(id).cloned())
+        .ok_or_else(|| Error::Refit {
+            id,
+            reason: "vanished".into(),
+        })?;
+    let applies_sent = refit
+        .workers
+        .values()
+        .flat_map(|w| &w.calls)
+        .filter(|c| matches!(c.action, Action::Apply { .. }))
+        .count();
     let ctx = Ctx {
         shared,
         id,
-        http: reqwest::Client::new(),
+        spec: refit.spec.clone(),
+        http: shared.http.clone(),
         recovering,
+        applies_sent: AtomicUsize::new(applies_sent),
     };
     if recovering {
         return recover(&ctx).await;
     }
-    let refit = ctx.refit()?;
     let ids: Vec<String> = refit.spec.worker_ids.clone();
 
     // STAGE (the BEGIN record put the refit in STAGE).
@@ -378,28 +399,17 @@ async fn drive_inner(shared: &Arc<Shared>, id: u64, recovering: bool) -> Result<
     if let Some(reason) = ctx.call_all(&ids, Action::Pause).await? {
         return abort(&ctx, reason, false).await;
     }
-    // APPLY, one worker after the other (the first intent is the point of no return).
+    // APPLY, `apply_parallelism` workers at a time (the first intent is the point of no
+    // return).
     ctx.phase(Phase::Apply, String::new(), false).await?;
-    let mut applied = 0usize;
-    for w in &ids {
-        failpoint(&format!("apply:{applied}"));
-        let r = ctx
-            .call(
-                w,
-                Action::Apply {
-                    version: refit.target.clone(),
-                },
-            )
-            .await?;
-        applied += 1;
-        if !r.ok {
-            return rollback(&ctx, r.error, false).await;
-        }
+    if let Some(reason) = apply_all(&ctx, &ids, &refit.target).await? {
+        return rollback(&ctx, reason, false).await;
     }
-    failpoint(&format!("apply:{applied}"));
-    // VERIFY: read the resident version back.
+    // VERIFY: read the resident version back from every worker.
     ctx.phase(Phase::Verify, String::new(), false).await?;
-    for w in &ids {
+    let (ctx_ref, refit_ref) = (&ctx, &refit);
+    let reads = ids.iter().map(|w| async move {
+        let (ctx, refit) = (ctx_ref, refit_ref);
         let r = ctx.call(w, Action::ReadVersion).await?;
         let wrong = match &r.version {
             Some(v) if v != &refit.target => Some(format!(
@@ -408,7 +418,10 @@ async fn drive_inner(shared: &Arc<Shared>, id: u64, recovering: bool) -> Result<
             )),
             _ => None,
         };
-        if let Some(reason) = (!r.ok).then(|| r.error.clone()).or(wrong) {
+        Ok::<_, Error>((!r.ok).then(|| r.error.clone()).or(wrong))
+    });
+    for r in futures_util::future::join_all(reads).await {
+        if let Some(reason) = r? {
             return rollback(&ctx, reason, false).await;
         }
     }
@@ -427,6 +440,44 @@ async fn drive_inner(shared: &Arc<Shared>, id: u64, recovering: bool) -> Result<
     ctx.phase(Phase::Commit, String::new(), false).await?;
     failpoint("end");
     ctx.end(Outcome::Committed, String::new()).await
+}
+
+/// APPLY on every worker of `ids`, at most `apply_parallelism` at once (0 = all). After the
+/// first failure no new apply starts; those in flight finish. `Some(reason)` on failure.
+/// Failpoints: `apply:<n>` when `n` applies have finished (`apply:0` before the first).
+async fn apply_all(ctx: &Ctx<'_>, ids: &[String], target: &str) -> Result<Option<String>, Error> {
+    use futures_util::stream::{FuturesUnordered, StreamExt};
+    let limit = match ctx.spec.apply_parallelism {
+        0 => ids.len(),
+        n => n as usize,
+    }
+    .max(1);
+    let mut pending = ids.iter();
+    let mut in_flight = FuturesUnordered::new();
+    let mut failure = None;
+    let mut finished = 0usize;
+    failpoint("apply:0");
+    loop {
+        while failure.is_none() && in_flight.len() < limit {
+            let Some(w) = pending.next() else { break };
+            in_flight.push(ctx.call(
+                w,
+                Action::Apply {
+                    version: target.to_string(),
+                },
+            ));
+        }
+        let Some(r) = in_flight.next().await else {
+            break;
+        };
+        let r = r?;
+        finished += 1;
+        failpoint(&format!("apply:{finished}"));
+        if !r.ok && failure.is_none() {
+            failure = Some(r.error);
+        }
+    }
+    Ok(failure)
 }
 
 /// STAGE: every worker not already running the target pulls and verifies it. `Some(reason)` when

@@ -178,6 +178,20 @@ impl Journal {
     /// # Errors
     /// [`Error::JournalIo`] when writing or syncing fails (the state must then not change).
     pub fn append(&mut self, record: &Record) -> Result<u64, Error> {
+        let mut buf = Vec::new();
+        let seq = self.encode(record, &mut buf)?;
+        self.write_synced(&buf)?;
+        Ok(seq)
+    }
+
+    /// Encodes `record` as the next line (taking the next sequence number) onto `buf`, without
+    /// writing it: a group commit encodes every record of a batch, then writes and syncs them
+    /// all at once with [`Journal::write_synced`]. Returns the record's sequence number.
+    ///
+    /// # Errors
+    /// [`Error::JournalIo`] (`encode`) when the record cannot be serialized; the sequence number
+    /// is not consumed then.
+    pub fn encode(&mut self, record: &Record, buf: &mut Vec<u8>) -> Result<u64, Error> {
         let unix_ms = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
@@ -187,25 +201,45 @@ impl Journal {
             unix_ms: u64,
             record: &'a Record,
         }
-        let mut line = serde_json::to_vec(&EntryRef {
-            seq: self.next_seq,
-            unix_ms,
-            record,
-        })
-        .map_err(|e| Error::JournalIo {
-            path: self.path.clone(),
-            what: "encode",
-            source: std::io::Error::other(e),
-        })?;
-        line.push(b'\n');
-        self.file
-            .write_all(&line)
-            .map_err(io_err(&self.path, "write"))?;
-        self.file.sync_data().map_err(io_err(&self.path, "fsync"))?;
+        let start = buf.len();
+        if let Err(e) = serde_json::to_writer(
+            &mut *buf,
+            &EntryRef {
+                seq: self.next_seq,
+                unix_ms,
+                record,
+            },
+        ) {
+            buf.truncate(start);
+            return Err(Error::JournalIo {
+                path: self.path.clone(),
+                what: "encode",
+                source: std::io::Error::other(e),
+            });
+        }
+        buf.push(b'\n');
         let seq = self.next_seq;
         self.next_seq += 1;
-        self.bytes += line.len() as u64;
         Ok(seq)
+    }
+
+    /// Writes lines made by [`Journal::encode`] and syncs them to disk (one `fdatasync` for the
+    /// whole batch) before returning.
+    ///
+    /// # Errors
+    /// [`Error::JournalIo`] when writing or syncing fails. The file may then hold part of the
+    /// batch (a torn last line is cut off at the next open); the caller must not act on any
+    /// record of the batch.
+    pub fn write_synced(&mut self, lines: &[u8]) -> Result<(), Error> {
+        if lines.is_empty() {
+            return Ok(());
+        }
+        self.file
+            .write_all(lines)
+            .map_err(io_err(&self.path, "write"))?;
+        self.file.sync_data().map_err(io_err(&self.path, "fsync"))?;
+        self.bytes += lines.len() as u64;
+        Ok(())
     }
 
     /// Path of the journal file.

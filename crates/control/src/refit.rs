@@ -129,6 +129,11 @@ pub struct RefitSpec {
     pub stage_timeout_ms: u64,
     /// Deadline of each engine call, milliseconds (a hung worker fails after it).
     pub call_timeout_ms: u64,
+    /// How many workers APPLY at once: 0 = the whole set concurrently (the default; each apply
+    /// is local to its worker), 1 = one after the other, N = at most N in flight. A failed apply
+    /// stops new ones from starting; those in flight finish before the rollback.
+    #[serde(default)]
+    pub apply_parallelism: u32,
 }
 
 /// Default STAGE deadline (ms).

@@ -21,7 +21,7 @@ use crate::convert;
 use crate::journal::Journal;
 use crate::pb;
 use crate::pb::control_plane_server::{ControlPlane, ControlPlaneServer};
-use crate::state::{Check, Record, State};
+use crate::state::{Check, Effects, Record, State};
 use crate::types::VersionState;
 use crate::Error;
 
@@ -40,9 +40,12 @@ pub struct ControlPlaneConfig {
     pub journal_path: PathBuf,
 }
 
+/// The state and how far it has been applied. The journal itself belongs to the journal thread
+/// ([`committer`]).
 struct Core {
     state: State,
-    journal: Journal,
+    /// Sequence number of the last record applied to `state` (durable or not yet).
+    applied_seq: u64,
 }
 
 /// Per-worker wake-up for its command stream.
@@ -68,14 +71,110 @@ impl Drop for StreamGuard {
     }
 }
 
+/// A record waiting for the group commit, and where its outcome goes.
+struct Pending {
+    rec: Record,
+    reply: oneshot::Sender<Result<Option<Effects>, Error>>,
+}
+
+/// Most records one group commit takes (one write + one `fdatasync`).
+const MAX_GROUP: usize = 8192;
+
 /// The state, journal and wake-ups shared by the RPC handlers and refit drivers.
 pub(crate) struct Shared {
-    core: Mutex<Core>,
+    core: Arc<Mutex<Core>>,
+    /// Sequence number of the last record known to be on disk (fsync'd).
+    durable: Arc<watch::Sender<u64>>,
+    /// Records to commit, in arrival order (see [`committer`]).
+    commits: Option<std::sync::mpsc::Sender<Pending>>,
+    committer: Option<std::thread::JoinHandle<()>>,
     /// Bumped after every state change (for `WaitVersion`).
     changes: watch::Sender<u64>,
     /// Set when the server shuts down, so streams and waits end.
     closing: watch::Sender<bool>,
     mail: Mutex<HashMap<String, Arc<Mailbox>>>,
+    /// The client of every engine call: one pool of kept-alive connections for the life of the
+    /// control plane, so a refit of a thousand workers does not open a thousand connections.
+    pub(crate) http: reqwest::Client,
+}
+
+/// The journal thread (group commit): takes every record waiting (up to [`MAX_GROUP`]); under the
+/// state lock checks each in arrival order, encodes it as the next journal line and applies it;
+/// releases the lock; writes and syncs the whole batch with one `fdatasync`; publishes the new
+/// durable sequence number; then answers every caller.
+///
+/// The lock is not held during the sync, so readers are never stalled by the disk; instead what
+/// leaves the process is held back until it is durable: callers of [`Shared::mutate`] are answered
+/// after the sync, and RPCs answer from [`Shared::read_durable`] / long polls, which wait for the
+/// durable sequence to reach what they read. Internal readers (refit drivers) may see a record
+/// before it is durable, but anything they do outside journals an intent first, which lands
+/// after it in the same file.
+///
+/// A failed write or sync leaves the state ahead of the disk: the process exits (status 74)
+/// rather than serve it, and a restart replays the journal, which holds exactly the records that
+/// were made durable (PostgreSQL treats a failed fsync the same way).
+fn committer(
+    core: &Mutex<Core>,
+    mut journal: Journal,
+    durable: &watch::Sender<u64>,
+    rx: &std::sync::mpsc::Receiver<Pending>,
+) {
+    while let Ok(first) = rx.recv() {
+        let mut batch = vec![first];
+        while batch.len() < MAX_GROUP {
+            match rx.try_recv() {
+                Ok(p) => batch.push(p),
+                Err(_) => break,
+            }
+        }
+        let mut answers = Vec::with_capacity(batch.len());
+        let mut lines = Vec::new();
+        let last = {
+            let mut core = lock(core);
+            for Pending { rec, reply } in batch {
+                let outcome = match core.state.check(&rec) {
+                    Err(e) => Err(e),
+                    Ok(Check::Noop) => Ok(None),
+                    Ok(Check::Apply) => match journal.encode(&rec, &mut lines) {
+                        Err(e) => Err(e),
+                        Ok(seq) => {
+                            core.applied_seq = seq;
+                            core.state.apply(rec).map(Some)
+                        }
+                    },
+                };
+                answers.push((reply, outcome));
+            }
+            core.applied_seq
+        };
+        if let Err(e) = journal.write_synced(&lines) {
+            tracing::error!(
+                "journal write failed, the control plane stops (a restart replays the journal): {e}"
+            );
+            eprintln!("mx control: {e}; exiting so that a restart replays the durable journal");
+            std::process::exit(74);
+        }
+        durable.send_if_modified(|d| {
+            let moved = *d != last;
+            *d = last;
+            moved
+        });
+        for (reply, outcome) in answers {
+            // A caller that went away (its RPC was cancelled) needs no answer.
+            let _ = reply.send(outcome);
+        }
+    }
+}
+
+impl Drop for Shared {
+    /// Stops the journal thread and waits for it, so the journal file (and its lock) is closed
+    /// when the last handle on the state goes.
+    fn drop(&mut self) {
+        self.commits.take();
+        if let Some(t) = self.committer.take() {
+            let _ = t.join();
+        }
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -101,11 +200,34 @@ impl Shared {
             bytes = journal.size_bytes(),
             "control plane state rebuilt from journal"
         );
+        let applied_seq = journal.len();
+        let core = Arc::new(Mutex::new(Core { state, applied_seq }));
+        let durable = Arc::new(watch::Sender::new(applied_seq));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let committer = {
+            let core = Arc::clone(&core);
+            let durable = Arc::clone(&durable);
+            std::thread::Builder::new()
+                .name("mx-journal".into())
+                .spawn(move || committer(&core, journal, &durable, &rx))
+                .map_err(|source| Error::JournalIo {
+                    path: journal_path.to_path_buf(),
+                    what: "start the journal thread",
+                    source,
+                })?
+        };
         Ok(Shared {
-            core: Mutex::new(Core { state, journal }),
+            core,
+            durable,
+            commits: Some(tx),
+            committer: Some(committer),
             changes: watch::Sender::new(0),
             closing: watch::Sender::new(false),
             mail: Mutex::new(HashMap::new()),
+            http: reqwest::Client::builder()
+                .tcp_nodelay(true)
+                .build()
+                .unwrap_or_default(),
         })
     }
 
@@ -126,23 +248,20 @@ impl Shared {
         self.changes.subscribe()
     }
 
-    /// Check, journal (fsync), apply; then wake whoever must hear about it.
+    /// Check, journal (fsync), apply; then wake whoever must hear about it. Records arriving
+    /// together share one write and one `fdatasync` (group commit, see [`committer`]); each
+    /// caller still returns only once its own record is durable and applied.
     pub(crate) async fn mutate(self: &Arc<Self>, rec: Record) -> Result<(), Error> {
-        let shared = Arc::clone(self);
-        let effects = tokio::task::spawn_blocking(move || {
-            let mut core = lock(&shared.core);
-            match core.state.check(&rec)? {
-                Check::Noop => Ok(None),
-                Check::Apply => {
-                    core.journal.append(&rec)?;
-                    core.state.apply(rec).map(Some)
-                }
-            }
-        })
-        .await
-        .map_err(|e| Error::Task {
-            reason: e.to_string(),
-        })??;
+        let (reply, answer) = oneshot::channel();
+        let gone = || Error::Task {
+            reason: "the journal thread has stopped".into(),
+        };
+        self.commits
+            .as_ref()
+            .ok_or_else(gone)?
+            .send(Pending { rec, reply })
+            .map_err(|_| gone())?;
+        let effects = answer.await.map_err(|_| gone())??;
         if let Some(effects) = effects {
             self.changes.send_modify(|n| *n = n.wrapping_add(1));
             for w in &effects.workers {
@@ -168,7 +287,7 @@ impl Shared {
         let mut closing = self.closing.subscribe();
         loop {
             changes.borrow_and_update();
-            let (done, value) = self.read(&mut probe);
+            let (done, value) = self.read_durable(&mut probe).await;
             if done || tokio::time::Instant::now() >= deadline || *closing.borrow_and_update() {
                 return Ok(value);
             }
@@ -184,8 +303,23 @@ impl Shared {
         }
     }
 
+    /// Reads the state as it is now, durable or not (for refit drivers, which journal before
+    /// they act; see [`committer`]).
     pub(crate) fn read<R>(&self, f: impl FnOnce(&State) -> R) -> R {
         f(&lock(&self.core).state)
+    }
+
+    /// Reads the state, then waits until everything that read saw is on disk: what an RPC tells
+    /// a client never depends on a record a crash could still lose.
+    pub(crate) async fn read_durable<R>(&self, f: impl FnOnce(&State) -> R) -> R {
+        let (value, seq) = {
+            let core = lock(&self.core);
+            (f(&core.state), core.applied_seq)
+        };
+        let mut durable = self.durable.subscribe();
+        // An error means the journal thread is gone (shutting down): nothing more will sync.
+        let _ = durable.wait_for(|d| *d >= seq).await;
+        value
     }
 }
 
@@ -221,7 +355,7 @@ async fn pump(
         if mailbox.stream_gen.load(Ordering::SeqCst) != gen || *closing.borrow_and_update() {
             break;
         }
-        let pending = shared.read(|s| s.pending_command(&worker_id));
+        let pending = shared.read_durable(|s| s.pending_command(&worker_id)).await;
         if let Some((seq, cmd)) = pending {
             if last_sent != Some(seq) {
                 tracing::debug!(worker = %worker_id, ?cmd, "sending command");
@@ -281,11 +415,14 @@ impl ControlPlane for Service {
                 manifest,
             })
             .await?;
-        let (state, digest) = self.shared.read(|s| {
-            s.version_info(&label)
-                .map(|v| (v.state, v.version_digest))
-                .ok_or(Error::UnknownVersion { label })
-        })?;
+        let (state, digest) = self
+            .shared
+            .read_durable(|s| {
+                s.version_info(&label)
+                    .map(|v| (v.state, v.version_digest))
+                    .ok_or(Error::UnknownVersion { label })
+            })
+            .await?;
         Ok(Response::new(pb::PublishResponse {
             state: convert::version_state_pb(state),
             version_digest: digest.map(|d| d.0.to_vec()).unwrap_or_default(),
@@ -317,7 +454,7 @@ impl ControlPlane for Service {
         &self,
         _req: Request<pb::ListLayoutsRequest>,
     ) -> Result<Response<pb::ListLayoutsResponse>, Status> {
-        let layouts = self.shared.read(State::layouts);
+        let layouts = self.shared.read_durable(State::layouts).await;
         Ok(Response::new(pb::ListLayoutsResponse {
             layouts: layouts.iter().map(convert::layout_pb).collect(),
         }))
@@ -388,7 +525,8 @@ impl ControlPlane for Service {
         let label = req.into_inner().label;
         let info = self
             .shared
-            .read(|s| s.version_info(&label))
+            .read_durable(|s| s.version_info(&label))
+            .await
             .ok_or(Error::UnknownVersion { label })?;
         Ok(Response::new(convert::version_info_pb(&info)))
     }
@@ -397,7 +535,7 @@ impl ControlPlane for Service {
         &self,
         _req: Request<pb::GetStatusRequest>,
     ) -> Result<Response<pb::FleetStatus>, Status> {
-        let mut status = self.shared.read(State::fleet_status);
+        let mut status = self.shared.read_durable(State::fleet_status).await;
         for w in &mut status.workers {
             w.connected = self.shared.connected(&w.worker_id);
         }
@@ -453,7 +591,9 @@ impl ControlPlane for Service {
         req: Request<pb::WaitRefitRequest>,
     ) -> Result<Response<pb::WaitRefitResponse>, Status> {
         let r = req.into_inner();
-        let refit = self
+        // The probe runs after every state change: it only looks; the record (which grows with
+        // every engine call of the refit) is copied once, at the end.
+        let id = self
             .shared
             .long_poll(r.timeout_ms, |s| {
                 let id = if r.refit_id == 0 {
@@ -461,11 +601,10 @@ impl ControlPlane for Service {
                 } else {
                     r.refit_id
                 };
-                let refit = s.refit(id).cloned();
-                let done = refit.as_ref().is_none_or(|x| x.outcome.is_some());
-                (done, refit)
+                (s.refit(id).is_none_or(|x| x.outcome.is_some()), id)
             })
             .await?;
+        let refit = self.shared.read_durable(|s| s.refit(id).cloned()).await;
         Ok(Response::new(pb::WaitRefitResponse {
             ended: refit.as_ref().is_some_and(|x| x.outcome.is_some()),
             refit: refit.as_ref().map(convert::refit_pb),
@@ -486,7 +625,7 @@ impl ControlPlane for Service {
             })
             .await?;
         // The full record (manifests) only once, at the end.
-        let info = self.shared.read(|s| s.version_info(&r.label));
+        let info = self.shared.read_durable(|s| s.version_info(&r.label)).await;
         Ok(Response::new(pb::WaitVersionResponse {
             reached,
             version: info.as_ref().map(convert::version_info_pb),
@@ -514,82 +653,85 @@ async fn start_refit(shared: &Arc<Shared>, mut spec: RefitSpec) -> Result<u64, E
         });
     }
     spec.worker_ids = seen.into_iter().collect();
-    let begin = shared.read(|s| -> Result<Result<Refit, u64>, Error> {
-        let info = s
-            .version_info(&spec.label)
-            .ok_or_else(|| Error::UnknownVersion {
+    let begin = shared
+        .read_durable(|s| -> Result<Result<Refit, u64>, Error> {
+            let info = s
+                .version_info(&spec.label)
+                .ok_or_else(|| Error::UnknownVersion {
+                    label: spec.label.clone(),
+                })?;
+            let digest = info.version_digest.ok_or_else(|| Error::VersionState {
                 label: spec.label.clone(),
+                state: info.state,
+                reason: "a refit needs a READY version".into(),
             })?;
-        let digest = info.version_digest.ok_or_else(|| Error::VersionState {
-            label: spec.label.clone(),
-            state: info.state,
-            reason: "a refit needs a READY version".into(),
-        })?;
-        let target = version_id(&digest);
-        let mut workers = BTreeMap::new();
-        let mut dropped = Vec::new();
-        for w in &spec.worker_ids {
-            let (engine, resident) = s.worker_engine(w).ok_or_else(|| Error::UnknownWorker {
-                worker_id: w.clone(),
-            })?;
-            if engine.is_none() {
-                return Err(Error::InvalidField {
-                    field: "worker_ids".into(),
-                    reason: format!(
-                        "worker {w} registered no engine routes: it cannot be refitted"
-                    ),
-                });
+            let target = version_id(&digest);
+            let mut workers = BTreeMap::new();
+            let mut dropped = Vec::new();
+            for w in &spec.worker_ids {
+                let (engine, resident) =
+                    s.worker_engine(w).ok_or_else(|| Error::UnknownWorker {
+                        worker_id: w.clone(),
+                    })?;
+                if engine.is_none() {
+                    return Err(Error::InvalidField {
+                        field: "worker_ids".into(),
+                        reason: format!(
+                            "worker {w} registered no engine routes: it cannot be refitted"
+                        ),
+                    });
+                }
+                if !shared.connected(w) {
+                    dropped.push((w.clone(), "not connected to the control plane".to_string()));
+                    if spec.allow_partial {
+                        continue;
+                    }
+                }
+                workers.insert(
+                    w.clone(),
+                    RefitWorker {
+                        previous: resident.clone(),
+                        resident,
+                        stage_seconds: 0.0,
+                        stage_bytes: 0,
+                        calls: Vec::new(),
+                    },
+                );
             }
-            if !shared.connected(w) {
-                dropped.push((w.clone(), "not connected to the control plane".to_string()));
-                if spec.allow_partial {
-                    continue;
+            // Idempotent: the same set already committed this version and nothing moved since.
+            if let Some(last) = s.refits().last() {
+                let same_set = last.spec.worker_ids == spec.worker_ids;
+                let all_there = workers
+                    .values()
+                    .all(|w| w.resident.as_deref() == Some(target.as_str()));
+                if last.outcome == Some(Outcome::Committed)
+                    && last.target == target
+                    && same_set
+                    && all_there
+                    && dropped.is_empty()
+                    && s.fleet_version().is_some_and(|(_, v)| *v == target)
+                {
+                    return Ok(Err(last.id));
                 }
             }
-            workers.insert(
-                w.clone(),
-                RefitWorker {
-                    previous: resident.clone(),
-                    resident,
-                    stage_seconds: 0.0,
-                    stage_bytes: 0,
-                    calls: Vec::new(),
-                },
-            );
-        }
-        // Idempotent: the same set already committed this version and nothing moved since.
-        if let Some(last) = s.refits().last() {
-            let same_set = last.spec.worker_ids == spec.worker_ids;
-            let all_there = workers
-                .values()
-                .all(|w| w.resident.as_deref() == Some(target.as_str()));
-            if last.outcome == Some(Outcome::Committed)
-                && last.target == target
-                && same_set
-                && all_there
-                && dropped.is_empty()
-                && s.fleet_version().is_some_and(|(_, v)| *v == target)
-            {
-                return Ok(Err(last.id));
-            }
-        }
-        spec.worker_ids = workers.keys().cloned().collect();
-        Ok(Ok(Refit {
-            id: s.next_refit_id(),
-            digest,
-            target,
-            dropped,
-            phase: Phase::Stage,
-            phases: vec![(Phase::Stage, now_ms())],
-            workers,
-            outcome: None,
-            reason: String::new(),
-            started_ms: now_ms(),
-            ended_ms: None,
-            recovered: false,
-            spec: spec.clone(),
-        }))
-    })?;
+            spec.worker_ids = workers.keys().cloned().collect();
+            Ok(Ok(Refit {
+                id: s.next_refit_id(),
+                digest,
+                target,
+                dropped,
+                phase: Phase::Stage,
+                phases: vec![(Phase::Stage, now_ms())],
+                workers,
+                outcome: None,
+                reason: String::new(),
+                started_ms: now_ms(),
+                ended_ms: None,
+                recovered: false,
+                spec: spec.clone(),
+            }))
+        })
+        .await?;
     let refit = match begin {
         Ok(r) => r,
         Err(done) => {

@@ -1471,6 +1471,7 @@ mod tests {
                     framework_step: 1,
                     stage_timeout_ms: 1000,
                     call_timeout_ms: 1000,
+                    apply_parallelism: 0,
                 },
                 digest: d,
                 target: crate::refit::version_id(&d),

@@ -568,6 +568,7 @@ async fn a_refit_is_the_only_commit_and_a_stage_waits_for_it_to_end() {
         framework_step: 7,
         stage_timeout_ms: 10_000,
         call_timeout_ms: 10_000,
+        apply_parallelism: 0,
     };
     let id = c.refit(&spec).await.unwrap();
     // STAGE goes over the command stream, like any stage.

@@ -11,9 +11,12 @@
 
 mod dtype;
 mod error;
+pub mod frontier;
 mod manifest;
 pub mod model;
 pub mod plan;
+#[cfg(test)]
+mod plan_reference;
 mod types;
 pub mod update;
 

@@ -18,6 +18,15 @@ pub(crate) fn check<T>(call: &'static str, result: Result<T, NixlError>) -> Resu
     })
 }
 
+/// How [`Agent::with_options`] configures the agent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct AgentOptions {
+    /// Run NIXL's own progress thread (mx polls instead; see [`Agent::with_progress_thread`]).
+    pub progress_thread: bool,
+    /// UCX workers of the backend (NIXL's `num_workers`; `None` = the plugin's default).
+    pub ucx_workers: Option<u32>,
+}
+
 /// One NIXL agent with the UCX backend and the progress thread off.
 ///
 /// Cloning is cheap and shares the agent (an `Arc` inside). The agent lives until the last clone
@@ -56,6 +65,31 @@ impl Agent {
     /// cannot create the agent or the UCX backend (e.g. the plugin directory lacks
     /// `libplugin_UCX.so`).
     pub fn new(name: &str) -> Result<Agent, Error> {
+        Agent::with_progress_thread(name, false)
+    }
+
+    /// As [`Agent::new`], choosing whether NIXL runs its own progress thread. mx keeps it off
+    /// (on a 2-core machine a spinning progress thread competes with the transfer; FACTS.md
+    /// measured 0.9-3.2 GB/s with it on against ~10 with polling); `true` exists to measure that.
+    ///
+    /// # Errors
+    /// As [`Agent::new`].
+    pub fn with_progress_thread(name: &str, progress_thread: bool) -> Result<Agent, Error> {
+        Agent::with_options(
+            name,
+            AgentOptions {
+                progress_thread,
+                ucx_workers: None,
+            },
+        )
+    }
+
+    /// As [`Agent::new`] with explicit [`AgentOptions`].
+    ///
+    /// # Errors
+    /// As [`Agent::new`]; [`Error::Nixl`] when the UCX backend refuses a parameter.
+    pub fn with_options(name: &str, opts: AgentOptions) -> Result<Agent, Error> {
+        let progress_thread = opts.progress_thread;
         if name.is_empty() {
             return Err(Error::BadAgentName {
                 name: name.to_string(),
@@ -70,7 +104,7 @@ impl Agent {
         }
         nixl_available()?;
         let config = AgentConfig {
-            enable_prog_thread: false,
+            enable_prog_thread: progress_thread,
             enable_listen_thread: false,
             thread_sync: ThreadSync::Rw,
             ..AgentConfig::default()
@@ -79,10 +113,16 @@ impl Agent {
             "nixl_capi_create_configured_agent",
             nixl_sys::Agent::new_configured(name, &config),
         )?;
-        let (_mems, params) = check(
+        let (_mems, mut params) = check(
             "nixl_capi_get_plugin_params(UCX)",
             nixl.get_plugin_params("UCX"),
         )?;
+        if let Some(n) = opts.ucx_workers {
+            check(
+                "nixl_capi_params_add(num_workers)",
+                params.set("num_workers", &n.max(1).to_string()),
+            )?;
+        }
         let backend = check(
             "nixl_capi_create_backend(UCX)",
             nixl.create_backend("UCX", &params),

@@ -28,6 +28,12 @@ unsafe impl Sync for HugeMap {}
 
 impl HugeMap {
     pub(crate) fn new(len: u64) -> Result<HugeMap, Error> {
+        HugeMap::with_pages(len, true)
+    }
+
+    /// As [`HugeMap::new`]; `huge: false` leaves the mapping on 4 KiB pages (`MADV_NOHUGEPAGE`),
+    /// for measuring what huge pages are worth.
+    pub(crate) fn with_pages(len: u64, huge_pages: bool) -> Result<HugeMap, Error> {
         if len == 0 {
             return Err(Error::BadLength {
                 len,
@@ -85,9 +91,13 @@ impl HugeMap {
                 source,
             });
         }
+        let advice = if huge_pages {
+            libc::MADV_HUGEPAGE
+        } else {
+            libc::MADV_NOHUGEPAGE
+        };
         // SAFETY: the range is our own mapping; madvise only changes how the kernel backs it.
-        let advised =
-            unsafe { libc::madvise(aligned as *mut libc::c_void, map_len, libc::MADV_HUGEPAGE) };
+        let advised = unsafe { libc::madvise(aligned as *mut libc::c_void, map_len, advice) };
         if advised != 0 {
             tracing::debug!(
                 error = %std::io::Error::last_os_error(),
@@ -220,7 +230,16 @@ impl Arena {
     /// [`Error::BadLength`] for 0 or an unmappable size, [`Error::Mmap`] when the kernel refuses,
     /// [`Error::Nixl`] when registration fails.
     pub fn new(agent: &Agent, len: u64) -> Result<Arena, Error> {
-        let map = HugeMap::new(len)?;
+        Arena::with_pages(agent, len, true)
+    }
+
+    /// As [`Arena::new`]; `huge: false` maps 4 KiB pages (`MADV_NOHUGEPAGE`) instead, to measure
+    /// what huge pages are worth (per-page pinning and TLB cost in UCX's CMA path).
+    ///
+    /// # Errors
+    /// As [`Arena::new`].
+    pub fn with_pages(agent: &Agent, len: u64, huge: bool) -> Result<Arena, Error> {
+        let map = HugeMap::with_pages(len, huge)?;
         let region = Region {
             addr: map.addr(),
             len: map.len(),

@@ -70,7 +70,7 @@ mod read;
 #[cfg(feature = "cuda")]
 pub mod vram;
 
-pub use agent::{Agent, ProgressThread};
+pub use agent::{Agent, AgentOptions, ProgressThread};
 pub use arena::Arena;
 pub use loader::{nixl_available, nixl_or_skip, NIXL_DIR_ENV, REQUIRE_NIXL_ENV};
 pub use probe::{memcpy_gbps, probe_costs, CostModel};

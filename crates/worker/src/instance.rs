@@ -187,6 +187,10 @@ struct State {
     /// A Stage command named a version already live or pinned: that copy is the staged one
     /// (the pulled arenas are released).
     staged_resident: Option<Digest>,
+    /// The buffers of the version an apply unpinned, kept to receive the next apply's copy:
+    /// reusing written pages avoids faulting in (and zeroing) a whole fresh copy of the model
+    /// on every apply.
+    spare: Option<Vec<Vec<u8>>>,
 }
 
 impl State {
@@ -311,6 +315,7 @@ impl Instance {
                     pinned: None,
                     staging: Staging::new(agent),
                     staged_resident: None,
+                    spare: None,
                 }),
                 engine: Mutex::new(EngineSlot::default()),
                 versions: Mutex::new(Versions::default()),
@@ -694,9 +699,10 @@ fn apply_blocking(
             } else if st.pinned.as_ref().is_some_and(|w| w.id == id) {
                 Install::Pinned
             } else if st.staging.pulled().is_some_and(|p| p.digest == *d) {
+                let spare = st.spare.take();
                 let buffers = st
                     .staging
-                    .copy_out(&sh.dest)
+                    .copy_out(&sh.dest, spare)
                     .ok_or_else(|| Error::Task("staging lost".into()))?;
                 Install::New(Weights { id, buffers }, ApplyKind::Staged)
             } else {
@@ -786,7 +792,9 @@ fn apply_blocking(
             ApplyKind::Swapped
         }
         Install::New(w, kind) => {
-            st.pinned = st.live.take();
+            let st = &mut *st;
+            let unpinned = std::mem::replace(&mut st.pinned, st.live.take());
+            st.spare = unpinned.map(|w| w.buffers);
             st.live = Some(w);
             kind
         }

@@ -248,8 +248,14 @@ impl Staging {
 
     /// New live buffers for `dest` holding the pulled version: every apply copy of its plan
     /// from staging, vocab padding zero-filled. The planner proved every live byte is written
-    /// exactly once. `None` when nothing is pulled.
-    pub(crate) fn copy_out(&self, dest: &[RankLayout]) -> Option<Vec<Vec<u8>>> {
+    /// exactly once, so `spare` buffers of the right sizes (a retired version's) are reused as
+    /// they are, without clearing; otherwise fresh ones are allocated. `None` when nothing is
+    /// pulled.
+    pub(crate) fn copy_out(
+        &self,
+        dest: &[RankLayout],
+        spare: Option<Vec<Vec<u8>>>,
+    ) -> Option<Vec<Vec<u8>>> {
         let p = &self.pulled.as_ref()?.plan;
         let staging = &self.arenas;
         // Staged bytes at `off..off + len`, possibly across two sources' arenas.
@@ -272,10 +278,19 @@ impl Staging {
                 off += n as u64;
             }
         };
-        let mut live: Vec<Vec<u8>> = dest
-            .iter()
-            .map(|d| vec![0u8; d.total_bytes as usize])
-            .collect();
+        let fits = spare.as_ref().is_some_and(|s| {
+            s.len() == dest.len()
+                && s.iter()
+                    .zip(dest)
+                    .all(|(b, d)| b.len() as u64 == d.total_bytes)
+        });
+        let mut live: Vec<Vec<u8>> = match spare {
+            Some(s) if fits => s,
+            _ => dest
+                .iter()
+                .map(|d| vec![0u8; d.total_bytes as usize])
+                .collect(),
+        };
         // Copies per rank in parallel.
         live.par_iter_mut().enumerate().for_each(|(ri, live)| {
             for cp in p.copies.iter().filter(|cp| cp.rank_index == ri) {

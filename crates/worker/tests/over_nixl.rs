@@ -90,6 +90,7 @@ async fn refit(
             framework_step: 0,
             stage_timeout_ms: 180_000,
             call_timeout_ms: 60_000,
+            apply_parallelism: 0,
         })
         .await
         .unwrap();

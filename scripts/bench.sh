@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Runs mx's benchmarks (see BENCHMARKS.md): installs what they need (scripts/setup.sh), builds the
+# release `mx` binary and runs `mx bench all`, which measures side by side in one run
+#   - NIXL pull of SmolLM2 (FSDP-4 -> TP-3, and the identity layout) vs memcpy of the same bytes,
+#   - refit vs the disk path (write a checkpoint, update_weights_from_disk), end to end,
+#   - the planner at Kimi-K2 / DeepSeek-V3 scale and a Kimi-K2 projection onto real hardware,
+#   - the control plane's stage/commit round with 1,000 simulated workers,
+# and writes one JSON report (keys pull_vs_memcpy, refit_vs_disk_speedup,
+# plan_ms_per_worker_kimi_k2, commit_ms_1000_workers, then every part's details).
+#
+#   scripts/bench.sh --report bench.json          quick mode (about 5 minutes on 2 cores)
+#   scripts/bench.sh --report bench.json --full   more repetitions, every variant, DeepSeek-V3
+#   scripts/bench.sh --criterion                  also the planner's criterion benches
+set -euo pipefail
+
+SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+REPO="$(cd "$SCRIPT_DIR/.." && pwd)"
+# Stay in the caller's directory, so relative paths such as `--report out.json` mean what they say.
+
+if ! command -v cargo >/dev/null 2>&1 && [[ -f "$HOME/.cargo/env" ]]; then
+    # shellcheck disable=SC1091
+    . "$HOME/.cargo/env"
+fi
+
+report="bench.json"
+args=()
+criterion=0
+while (($#)); do
+    case "$1" in
+        --report) report="$2"; shift 2 ;;
+        --report=*) report="${1#--report=}"; shift ;;
+        --criterion) criterion=1; shift ;;
+        *) args+=("$1"); shift ;;
+    esac
+done
+
+bash "$SCRIPT_DIR/setup.sh"
+
+printf 'bench: %s\n' "cargo build --release --bin mx" >&2
+cargo build --release --bin mx --manifest-path "$REPO/Cargo.toml"
+
+export UCX_MODULES="${UCX_MODULES:-^efa}"
+"$REPO/target/release/mx" bench all --report "$report" "${args[@]}"
+
+if ((criterion)); then
+    printf 'bench: %s\n' "cargo bench --bench planner" >&2
+    cargo bench --manifest-path "$REPO/Cargo.toml" --bench planner
+fi

@@ -1,0 +1,102 @@
+//! `mx bench` parts at small scale: each runs real processes and checks what it reports (the
+//! disk part also proves that the disk path and mx leave identical live bytes).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::process::Command;
+
+use serde_json::Value;
+
+/// Runs `mx bench <args> --json <tmp>` and returns the JSON it wrote.
+fn bench(args: &[&str]) -> Value {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("out.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_mx"))
+        .arg("bench")
+        .args(args)
+        .arg("--json")
+        .arg(&json)
+        .env("UCX_MODULES", "^efa")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "mx bench {args:?} failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap()
+}
+
+#[test]
+fn control_bench_commits_every_round_on_a_simulated_fleet() {
+    let r = bench(&[
+        "control",
+        "--workers",
+        "120",
+        "--procs",
+        "2",
+        "--rounds",
+        "3",
+    ]);
+    assert_eq!(r["workers"], 120);
+    let rounds = r["rounds"].as_array().unwrap();
+    // The first round is reported apart, as warm-up.
+    assert_eq!(rounds.len(), 2);
+    assert!(r["warmup"].is_object());
+    for x in rounds {
+        assert!(x["commit_ms"].as_f64().unwrap() > 0.0);
+        // Every worker's pause/apply/read-back/resume intent and result is journaled.
+        let per_worker = x["commit_journal_bytes"].as_f64().unwrap() / 120.0;
+        assert!(per_worker > 800.0, "{per_worker} journal bytes per worker");
+        let phases: Vec<&str> = x["phases_ms"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| p[0].as_str().unwrap())
+            .collect();
+        assert_eq!(
+            phases,
+            ["STAGE", "PREPARE", "APPLY", "VERIFY", "RESUME", "COMMIT"]
+        );
+    }
+    assert!(r["commit_cpu_us_per_worker"].as_f64().unwrap() > 0.0);
+}
+
+#[test]
+fn disk_bench_leaves_the_same_bytes_as_mx() {
+    if common::model("smollm2-135m").is_none() {
+        return;
+    }
+    let r = bench(&["disk", "--reps", "1"]);
+    let pairs = r["pairs"].as_array().unwrap();
+    assert_eq!(pairs.len(), 1);
+    assert_eq!(pairs[0]["same_bytes"], true);
+    assert_eq!(pairs[0]["version"], 2);
+    assert!(r["disk_s"].as_f64().unwrap() > 0.0 && r["mx_s"].as_f64().unwrap() > 0.0);
+    let want = r["disk_s"].as_f64().unwrap() / r["mx_s"].as_f64().unwrap();
+    assert!((r["refit_vs_disk_speedup"].as_f64().unwrap() - want).abs() < 1e-9);
+    // The whole SmolLM2 checkpoint (bf16) was written by the disk path.
+    assert!(r["checkpoint_bytes"].as_u64().unwrap() > 250_000_000);
+}
+
+#[test]
+fn pull_bench_reports_layout_and_identity_against_memcpy() {
+    if common::model("smollm2-135m").is_none() {
+        return;
+    }
+    let r = bench(&["pull", "--quick", "--reps", "1"]);
+    let rows = r["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 4);
+    assert_eq!(rows[0]["layout"], "fsdp:4 -> tp:3");
+    assert_eq!(rows[1]["layout"], "fsdp:4 -> fsdp:4");
+    for row in rows {
+        assert!(row["descriptors"].as_u64().unwrap() > 0);
+        assert!(row["pull_gbps"].as_f64().unwrap() > 0.0);
+        assert!(row["memcpy_gbps"].as_f64().unwrap() > 0.0);
+    }
+    // The identity layout moves exactly the checkpoint's bytes, no more.
+    assert_eq!(rows[1]["useful_bytes"], rows[1]["wire_bytes"]);
+    assert_eq!(r["pull_vs_memcpy"], rows[0]["ratio"]);
+}
