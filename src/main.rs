@@ -432,6 +432,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 stage_timeout_ms: wait_s.saturating_mul(1000).max(1),
                 call_timeout_ms: mx_control::refit::DEFAULT_CALL_TIMEOUT_MS,
                 apply_parallelism: 0,
+                orchestrator_gated: false,
             };
             let id = c.refit(&spec).await?;
             let r = refit_cmd::wait_end(&c, id, Duration::from_secs(wait_s.saturating_add(900))).await?;

@@ -58,6 +58,10 @@ pub(crate) struct RefitArgs {
     /// Workers applying at once (0 = all of them, 1 = one after the other).
     #[arg(long, default_value_t = 0)]
     pub(crate) apply_parallelism: u32,
+    /// The orchestrator holds the safe point (no generation in flight on these workers): no
+    /// pause/resume engine calls.
+    #[arg(long)]
+    pub(crate) orchestrator_gated: bool,
     /// Write the refit record as JSON here.
     #[arg(long)]
     pub(crate) json: Option<PathBuf>,
@@ -156,6 +160,7 @@ pub(crate) async fn run(a: RefitArgs) -> anyhow::Result<()> {
         stage_timeout_ms: ms(a.stage_timeout_s, "stage-timeout-s")?,
         call_timeout_ms: ms(a.call_timeout_s, "call-timeout-s")?,
         apply_parallelism: a.apply_parallelism,
+        orchestrator_gated: a.orchestrator_gated,
     };
     let id = client.refit(&spec).await?;
     eprintln!("refit {id}: {} on {:?}", spec.label, spec.worker_ids);

@@ -256,6 +256,7 @@ impl Fleet {
             call_timeout_ms: CALL_TIMEOUT_MS,
             // One after the other, so the crash point `apply:1` lies between w0's and w1's apply.
             apply_parallelism: 1,
+            orchestrator_gated: false,
         })
     }
 

@@ -100,3 +100,35 @@ fn pull_bench_reports_layout_and_identity_against_memcpy() {
     assert_eq!(rows[1]["useful_bytes"], rows[1]["wire_bytes"]);
     assert_eq!(r["pull_vs_memcpy"], rows[0]["ratio"]);
 }
+
+#[test]
+fn orchestrator_gated_commit_makes_no_pause_or_resume_calls() {
+    let r = bench(&[
+        "control",
+        "--workers",
+        "30",
+        "--procs",
+        "1",
+        "--rounds",
+        "2",
+        "--orchestrator-gated",
+        "--keep",
+    ]);
+    assert_eq!(r["orchestrator_gated"], true);
+    let journal = std::path::PathBuf::from(r["journal_path"].as_str().unwrap());
+    let records = mx_control::journal::read_records(&journal).unwrap();
+    std::fs::remove_dir_all(journal.parent().unwrap()).unwrap();
+    let mut calls = std::collections::BTreeMap::<String, usize>::new();
+    for e in &records {
+        let v = serde_json::to_value(&e.record).unwrap();
+        if v["op"] == "worker_call" {
+            *calls
+                .entry(v["action"]["call"].as_str().unwrap().to_string())
+                .or_default() += 1;
+        }
+    }
+    // Two refits of 30 workers: an apply and a read-back each, nothing else.
+    assert_eq!(calls.get("apply"), Some(&60), "{calls:?}");
+    assert_eq!(calls.get("read_version"), Some(&60), "{calls:?}");
+    assert_eq!(calls.len(), 2, "{calls:?}");
+}

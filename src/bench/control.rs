@@ -43,6 +43,9 @@ pub(crate) struct ControlArgs {
     /// side-by-side with the sequential apply of earlier versions).
     #[arg(long, default_value_t = 0)]
     pub(crate) apply_parallelism: u32,
+    /// The orchestrator holds the safe point: no pause/resume engine calls.
+    #[arg(long)]
+    pub(crate) orchestrator_gated: bool,
     /// Keep the work directory (journal, logs).
     #[arg(long)]
     pub(crate) keep: bool,
@@ -95,6 +98,7 @@ pub(crate) struct ControlReport {
     workers: u32,
     procs: u32,
     apply_parallelism: u32,
+    orchestrator_gated: bool,
     /// Rounds after the first, each a new version.
     rounds: Vec<Round>,
     warmup: Option<Round>,
@@ -277,6 +281,7 @@ pub(crate) async fn run(a: &ControlArgs) -> anyhow::Result<ControlReport> {
             stage_timeout_ms: 300_000,
             call_timeout_ms: 60_000,
             apply_parallelism: a.apply_parallelism,
+            orchestrator_gated: a.orchestrator_gated,
         };
         let t1 = Instant::now();
         let id = client.refit(&spec).await?;
@@ -321,6 +326,7 @@ pub(crate) async fn run(a: &ControlArgs) -> anyhow::Result<ControlReport> {
         workers: a.workers,
         procs: a.procs,
         apply_parallelism: a.apply_parallelism,
+        orchestrator_gated: a.orchestrator_gated,
         commit_ms: median(&all.iter().map(|r| r.commit_ms).collect::<Vec<_>>()),
         stage_ms: median(&all.iter().map(|r| r.stage_ms).collect::<Vec<_>>()),
         commit_cpu_us_per_worker: median(

@@ -90,8 +90,10 @@ struct AllReport {
     refit_vs_disk_speedup: f64,
     /// Kimi-K2: the slowest destination rank's plan, one core (ms).
     plan_ms_per_worker_kimi_k2: f64,
-    /// Commit round of 1,000 simulated workers (ms, median).
+    /// Commit round of 1,000 simulated workers (ms, median): pause, apply, read back, resume.
     commit_ms_1000_workers: f64,
+    /// The same with the orchestrator holding the safe point (apply and read back only).
+    commit_ms_1000_workers_orchestrator_gated: f64,
     quick: bool,
     seconds: f64,
     machine: Machine,
@@ -99,6 +101,7 @@ struct AllReport {
     disk: disk::DiskReport,
     plan: plan::PlanReport,
     control: control::ControlReport,
+    control_orchestrator_gated: control::ControlReport,
 }
 
 fn write_json(path: &Option<PathBuf>, value: &impl serde::Serialize) -> anyhow::Result<()> {
@@ -124,6 +127,17 @@ pub(crate) fn run(cmd: BenchCmd) -> anyhow::Result<()> {
                 procs: 2,
                 rounds: if quick { 4 } else { 8 },
                 apply_parallelism: 0,
+                orchestrator_gated: false,
+                keep: false,
+                json: None,
+            }))?;
+            eprintln!("[1/4] control plane, 1,000 simulated workers, orchestrator-gated");
+            let control_gated = rt.block_on(control::run(&control::ControlArgs {
+                workers: 1000,
+                procs: 2,
+                rounds: if quick { 4 } else { 8 },
+                apply_parallelism: 0,
+                orchestrator_gated: true,
                 keep: false,
                 json: None,
             }))?;
@@ -163,6 +177,7 @@ pub(crate) fn run(cmd: BenchCmd) -> anyhow::Result<()> {
                 refit_vs_disk_speedup: disk.refit_vs_disk_speedup,
                 plan_ms_per_worker_kimi_k2: plan.plan_ms_per_worker_kimi_k2,
                 commit_ms_1000_workers: control.commit_ms,
+                commit_ms_1000_workers_orchestrator_gated: control_gated.commit_ms,
                 quick,
                 seconds: t.elapsed().as_secs_f64(),
                 machine: machine(),
@@ -170,6 +185,7 @@ pub(crate) fn run(cmd: BenchCmd) -> anyhow::Result<()> {
                 disk,
                 plan,
                 control,
+                control_orchestrator_gated: control_gated,
             };
             println!(
                 "\nsummary: pull_vs_memcpy {:.2}, refit_vs_disk_speedup {:.2}, plan_ms_per_worker_kimi_k2 {:.1}, commit_ms_1000_workers {:.1} ({:.0} s)",

@@ -573,6 +573,7 @@ pub(crate) fn refit_spec(p: &pb::RefitRequest) -> Result<RefitSpec, Error> {
             p.call_timeout_ms
         },
         apply_parallelism: p.apply_parallelism,
+        orchestrator_gated: p.orchestrator_gated,
     })
 }
 
@@ -592,6 +593,7 @@ pub(crate) fn refit_request_pb(s: &RefitSpec) -> pb::RefitRequest {
         stage_timeout_ms: s.stage_timeout_ms,
         call_timeout_ms: s.call_timeout_ms,
         apply_parallelism: s.apply_parallelism,
+        orchestrator_gated: s.orchestrator_gated,
     }
 }
 

@@ -21,6 +21,9 @@ use crate::state::Record;
 use crate::types::WorkerState;
 use crate::Error;
 
+/// The reason PREPARE and RESUME record when the orchestrator holds the safe point.
+const GATED: &str = "orchestrator-gated: no engine pause/resume calls";
+
 /// How long a rollback keeps retrying a worker before it is fenced, at least.
 const MIN_ROLLBACK_DEADLINE: Duration = Duration::from_secs(30);
 
@@ -395,9 +398,13 @@ async fn drive_inner(shared: &Arc<Shared>, id: u64, recovering: bool) -> Result<
         return abort(&ctx, reason, false).await;
     }
     // PREPARE: the safe point.
-    ctx.phase(Phase::Prepare, String::new(), false).await?;
-    if let Some(reason) = ctx.call_all(&ids, Action::Pause).await? {
-        return abort(&ctx, reason, false).await;
+    if ctx.spec.orchestrator_gated {
+        ctx.phase(Phase::Prepare, GATED.into(), false).await?;
+    } else {
+        ctx.phase(Phase::Prepare, String::new(), false).await?;
+        if let Some(reason) = ctx.call_all(&ids, Action::Pause).await? {
+            return abort(&ctx, reason, false).await;
+        }
     }
     // APPLY, `apply_parallelism` workers at a time (the first intent is the point of no
     // return).
@@ -426,9 +433,13 @@ async fn drive_inner(shared: &Arc<Shared>, id: u64, recovering: bool) -> Result<
         }
     }
     // RESUME the engines (rollouts stay gated by the control plane until COMMIT).
-    ctx.phase(Phase::Resume, String::new(), false).await?;
-    if let Some(reason) = ctx.call_all(&ids, Action::Resume).await? {
-        return rollback(&ctx, reason, false).await;
+    if ctx.spec.orchestrator_gated {
+        ctx.phase(Phase::Resume, GATED.into(), false).await?;
+    } else {
+        ctx.phase(Phase::Resume, String::new(), false).await?;
+        if let Some(reason) = ctx.call_all(&ids, Action::Resume).await? {
+            return rollback(&ctx, reason, false).await;
+        }
     }
     // CHECK: one post-update generation per worker against the golden tokens.
     if refit.spec.check.is_some() {
@@ -653,6 +664,9 @@ async fn settle_one(
             let resident = r.workers.get(w).and_then(|x| x.resident.clone());
             if r.workers.get(w).is_some_and(|x| !x.apply_issued()) {
                 // Never touched beyond a pause: resuming is enough.
+                if ctx.spec.orchestrator_gated {
+                    return Ok(None);
+                }
                 let res = ctx.call(w, Action::Resume).await?;
                 return Ok((!res.ok).then_some(res.error));
             }
@@ -661,9 +675,11 @@ async fn settle_one(
                 resident.unwrap_or_else(|| "unknown".into())
             )));
         };
-        let r = ctx.call(w, Action::Pause).await?;
-        if !r.ok {
-            return Ok(Some(r.error));
+        if !ctx.spec.orchestrator_gated {
+            let r = ctx.call(w, Action::Pause).await?;
+            if !r.ok {
+                return Ok(Some(r.error));
+            }
         }
         let r = ctx
             .call(
@@ -685,6 +701,9 @@ async fn settle_one(
                 return Ok(Some(format!("resident {v} after rollback to {prev}")));
             }
         }
+    }
+    if ctx.spec.orchestrator_gated {
+        return Ok(None);
     }
     let r = ctx.call(w, Action::Resume).await?;
     Ok((!r.ok).then_some(r.error))

@@ -134,6 +134,12 @@ pub struct RefitSpec {
     /// stops new ones from starting; those in flight finish before the rollback.
     #[serde(default)]
     pub apply_parallelism: u32,
+    /// The orchestrator holds the safe point itself (no generation in flight on the set, as in
+    /// a synchronous RL loop between rollouts): PREPARE and RESUME make no engine calls, and a
+    /// rollback re-applies without pausing. Rollouts stay gated by the control plane from BEGIN
+    /// to END either way.
+    #[serde(default)]
+    pub orchestrator_gated: bool,
 }
 
 /// Default STAGE deadline (ms).

@@ -1472,6 +1472,7 @@ mod tests {
                     stage_timeout_ms: 1000,
                     call_timeout_ms: 1000,
                     apply_parallelism: 0,
+                    orchestrator_gated: false,
                 },
                 digest: d,
                 target: crate::refit::version_id(&d),

@@ -569,6 +569,7 @@ async fn a_refit_is_the_only_commit_and_a_stage_waits_for_it_to_end() {
         stage_timeout_ms: 10_000,
         call_timeout_ms: 10_000,
         apply_parallelism: 0,
+        orchestrator_gated: false,
     };
     let id = c.refit(&spec).await.unwrap();
     // STAGE goes over the command stream, like any stage.

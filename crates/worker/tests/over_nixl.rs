@@ -91,6 +91,7 @@ async fn refit(
             stage_timeout_ms: 180_000,
             call_timeout_ms: 60_000,
             apply_parallelism: 0,
+            orchestrator_gated: false,
         })
         .await
         .unwrap();
