@@ -1,15 +1,126 @@
 //! The planner and cutter as they were before [`crate::plan::SourceIndex`]: one pass over every
 //! shard of every source per call. Kept verbatim (test-only) as the reference the indexed versions
-//! must reproduce exactly.
+//! must reproduce exactly, with the plan types of then (one contiguous copy and one segment per
+//! row, owned names, candidate lists); [`expand`] turns a compact [`Plan`] into that form.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::{BTreeMap, HashMap};
 
 use crate::plan::{
-    decompose, prove_coverage, validate_manifest, Choice, Copy, CostModel, Cut, Plan, Read,
-    Strategy, VerifyItem, ZeroFill,
+    decompose, prove_coverage, validate_manifest, CostModel, Cut, Plan, Read, Strategy, ZeroFill,
 };
 use crate::{Digest, Error, RankLayout, SourceManifest, TensorBox};
+
+/// An apply copy as plans had them: one contiguous range.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Copy {
+    pub rank_index: usize,
+    pub staging_offset: u64,
+    pub live_offset: u64,
+    pub len: u64,
+}
+
+/// A digest check as plans had them: (staging offset, length) segments.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct VerifyItem {
+    pub source: usize,
+    pub tensor: String,
+    pub dest_rank: u32,
+    pub shared_with: Vec<u32>,
+    pub region: TensorBox,
+    pub digest: Digest,
+    pub segments: Vec<(u64, u64)>,
+}
+
+/// A strategy choice as plans had them.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Choice {
+    pub tensor: String,
+    pub source: usize,
+    pub strategy: Strategy,
+    pub descriptors: u64,
+    pub wire_bytes: u64,
+    pub candidates: Vec<(Strategy, f64)>,
+}
+
+/// A plan as plans were: every strided copy and segment one entry per row.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct RefPlan {
+    pub reads: Vec<Read>,
+    pub staging_bytes: u64,
+    pub copies: Vec<Copy>,
+    pub zero_fills: Vec<ZeroFill>,
+    pub verify: Vec<VerifyItem>,
+    pub choices: Vec<Choice>,
+    pub useful_bytes: u64,
+    pub wire_bytes: u64,
+    pub predicted_seconds: f64,
+}
+
+/// The compact plan `p` row by row: each strided copy as its rows, each segment as its runs.
+pub(crate) fn expand(p: &Plan) -> RefPlan {
+    let copies = p
+        .copies
+        .iter()
+        .flat_map(|c| {
+            assert!(c.count >= 1, "{c:?}");
+            if c.count == 1 {
+                assert_eq!((c.staging_stride, c.live_stride), (0, 0), "{c:?}");
+            }
+            assert_eq!(c.rows().count() as u64, c.count, "{c:?}");
+            c.rows().map(move |(s, l)| Copy {
+                rank_index: c.rank_index,
+                staging_offset: s,
+                live_offset: l,
+                len: c.len,
+            })
+        })
+        .collect();
+    let verify = p
+        .verify
+        .iter()
+        .map(|v| {
+            for g in &v.segments {
+                assert!(g.count >= 1, "{g:?}");
+                if g.count == 1 {
+                    assert_eq!(g.stride, 0, "{g:?}");
+                }
+            }
+            VerifyItem {
+                source: v.source,
+                tensor: v.tensor.to_string(),
+                dest_rank: v.dest_rank,
+                shared_with: v.shared_with.clone(),
+                region: v.region.clone(),
+                digest: v.digest,
+                segments: v.byte_ranges().collect(),
+            }
+        })
+        .collect();
+    let choices = p
+        .choices
+        .iter()
+        .map(|c| Choice {
+            tensor: c.tensor.to_string(),
+            source: c.source,
+            strategy: c.strategy,
+            descriptors: c.descriptors,
+            wire_bytes: c.wire_bytes,
+            candidates: c.candidates.as_slice().to_vec(),
+        })
+        .collect();
+    RefPlan {
+        reads: p.reads.clone(),
+        staging_bytes: p.staging_bytes,
+        copies,
+        zero_fills: p.zero_fills.clone(),
+        verify,
+        choices,
+        useful_bytes: p.useful_bytes,
+        wire_bytes: p.wire_bytes,
+        predicted_seconds: p.predicted_seconds,
+    }
+}
 
 /// (source, destination rank, tensor, region) of a published piece.
 type PieceKey<'a> = (usize, u32, &'a str, &'a TensorBox);
@@ -68,7 +179,7 @@ pub(crate) fn plan(
     dest: &[RankLayout],
     sources: &[SourceManifest],
     cost: &CostModel,
-) -> Result<Plan, Error> {
+) -> Result<RefPlan, Error> {
     for m in sources {
         validate_manifest(m)?;
     }
@@ -414,9 +525,13 @@ pub(crate) fn plan(
             }
         }
     }
-    prove_coverage(dest, &copies, &zero_fills)?;
+    let as_copies: Vec<crate::plan::Copy> = copies
+        .iter()
+        .map(|c| crate::plan::Copy::single(c.rank_index, c.staging_offset, c.live_offset, c.len))
+        .collect();
+    prove_coverage(dest, &as_copies, &zero_fills)?;
     let predicted_seconds = cost.seconds(reads.len() as u64, wire_bytes);
-    Ok(Plan {
+    Ok(RefPlan {
         reads,
         staging_bytes,
         copies,

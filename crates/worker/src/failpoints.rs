@@ -6,7 +6,7 @@
 //! | `apply.sleep_ms` | milliseconds | the next apply sleeps this long before installing (a worker that hangs once, past its caller's deadline, then completes); the failpoint clears itself when it fires |
 //! | `apply.skip_cache_clear` | `true` | apply installs the weights but leaves every cache tier, while still reporting the tiers as cleared (a lying worker) |
 //! | `generate.fail` | `true` | `/generate` answers HTTP 500 |
-//! | `stage.sleep_between_sources_ms` | milliseconds | stage sleeps this long after pulling each source's bytes |
+//! | `stage.sleep_between_sources_ms` | milliseconds | stage pulls one source at a time and sleeps this long after each source's bytes |
 
 use std::sync::Mutex;
 use std::time::Duration;
