@@ -94,7 +94,8 @@ struct Knobs {
     batch: usize,
     huge_pages: bool,
     progress_thread: bool,
-    /// Threads pulling sources concurrently.
+    /// Lanes (threads, each with its own NIXL agent unless `shared_agent`) pulling sources
+    /// concurrently, as `mx worker` stages.
     threads: usize,
     /// All threads share one agent (else each has its own).
     shared_agent: bool,
@@ -302,13 +303,13 @@ pub(crate) async fn run(a: &PullArgs) -> anyhow::Result<PullReport> {
         ..Knobs::default_named(name)
     };
     let mut variants: Vec<(LayoutSpec, Knobs)> = vec![
-        (a.inference_layout, parallel("as staged")),
-        (a.trainer_layout, parallel("identity, as staged")),
-        (a.inference_layout, Knobs::default_named("one thread")),
         (
-            a.trainer_layout,
-            Knobs::default_named("identity, one thread"),
+            a.inference_layout,
+            parallel("a lane per core (as mx worker)"),
         ),
+        (a.trainer_layout, parallel("identity, a lane per core")),
+        (a.inference_layout, Knobs::default_named("one lane")),
+        (a.trainer_layout, Knobs::default_named("identity, one lane")),
     ];
     if !a.quick {
         for max in [16 << 20, 1 << 20, 64 << 10, 4 << 10] {
@@ -333,7 +334,7 @@ pub(crate) async fn run(a: &PullArgs) -> anyhow::Result<PullReport> {
             a.inference_layout,
             Knobs {
                 shared_agent: true,
-                ..parallel("threads share one agent")
+                ..parallel("lanes share one agent")
             },
         ));
         variants.push((
@@ -341,7 +342,7 @@ pub(crate) async fn run(a: &PullArgs) -> anyhow::Result<PullReport> {
             Knobs {
                 shared_agent: true,
                 ucx_workers: Some(cores as u32),
-                ..parallel("one agent, a UCX worker per thread")
+                ..parallel("one agent, 2 UCX workers")
             },
         ));
         variants.push((
