@@ -329,19 +329,8 @@ async fn run_async(args: DemoArgs) -> anyhow::Result<()> {
         args.trainer_layout.world_size, args.trainer_layout
     ));
     for r in 0..args.trainer_layout.world_size {
-        let mut a = vec![
-            "publish".into(),
-            "--control".into(),
-            addr.clone(),
-            "--model".into(),
-            model_dir.display().to_string(),
-            "--layout".into(),
-            args.trainer_layout.to_string(),
-            "--rank".into(),
-            r.to_string(),
-            "--steps".into(),
-            args.steps.to_string(),
-        ];
+        let mut a =
+            crate::fleet::publish_args(&addr, &model_dir, args.trainer_layout, r, args.steps);
         if args.no_pack {
             a.push("--no-pack".into());
         }

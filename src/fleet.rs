@@ -224,3 +224,27 @@ pub(crate) async fn start_control(
     let client = connect(&addr, Duration::from_secs(30)).await?;
     Ok((addr, client))
 }
+
+/// The `mx publish` arguments of trainer rank `rank` of `layout`, publishing `steps` versions of
+/// the checkpoint in `model` to the control plane at `control`.
+pub(crate) fn publish_args(
+    control: &str,
+    model: &Path,
+    layout: mx_layout::LayoutSpec,
+    rank: u32,
+    steps: u32,
+) -> Vec<String> {
+    vec![
+        "publish".into(),
+        "--control".into(),
+        control.to_string(),
+        "--model".into(),
+        model.display().to_string(),
+        "--layout".into(),
+        layout.to_string(),
+        "--rank".into(),
+        rank.to_string(),
+        "--steps".into(),
+        steps.to_string(),
+    ]
+}

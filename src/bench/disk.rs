@@ -160,24 +160,9 @@ pub(crate) async fn run(a: &DiskArgs) -> anyhow::Result<DiskReport> {
     client.declare_version("step-1", trainer, &specs).await?;
     let steps = a.reps + 1;
     for r in 0..trainer.world_size {
-        procs.spawn(
-            &format!("publisher-{r}"),
-            &work,
-            &[
-                "publish".into(),
-                "--control".into(),
-                addr.clone(),
-                "--model".into(),
-                model_s.clone(),
-                "--layout".into(),
-                trainer.to_string(),
-                "--rank".into(),
-                r.to_string(),
-                "--steps".into(),
-                steps.to_string(),
-                "--stay".into(),
-            ],
-        )?;
+        let mut args = crate::fleet::publish_args(&addr, &model_dir, trainer, r, steps);
+        args.push("--stay".into());
+        procs.spawn(&format!("publisher-{r}"), &work, &args)?;
     }
     let http = reqwest::Client::builder()
         .timeout(Duration::from_secs(300))

@@ -261,25 +261,9 @@ pub(crate) async fn run(a: &PullArgs) -> anyhow::Result<PullReport> {
         .declare_version("step-1", a.trainer_layout, &ckpt.specs())
         .await?;
     for r in 0..a.trainer_layout.world_size {
-        procs.spawn(
-            &format!("publisher-{r}"),
-            &work,
-            &[
-                "publish".into(),
-                "--control".into(),
-                addr.clone(),
-                "--model".into(),
-                model_dir.display().to_string(),
-                "--layout".into(),
-                a.trainer_layout.to_string(),
-                "--rank".into(),
-                r.to_string(),
-                "--steps".into(),
-                "1".into(),
-                "--no-pack".into(),
-                "--stay".into(),
-            ],
-        )?;
+        let mut args = crate::fleet::publish_args(&addr, &model_dir, a.trainer_layout, r, 1);
+        args.extend(["--no-pack".into(), "--stay".into()]);
+        procs.spawn(&format!("publisher-{r}"), &work, &args)?;
     }
     wait_until(&mut procs, &work, Duration::from_secs(300), || async {
         Ok(client
