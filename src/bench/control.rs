@@ -128,11 +128,11 @@ fn cpu_seconds(pid: u32) -> anyhow::Result<f64> {
     let ticks = |i: usize| -> anyhow::Result<f64> {
         Ok(f.get(i).context("short /proc stat")?.parse::<f64>()?)
     };
-    // SAFETY-free: sysconf is called through libc only for the tick rate.
     let hz = clock_ticks();
     Ok((ticks(11)? + ticks(12)?) / hz)
 }
 
+/// Clock ticks per second (`sysconf(_SC_CLK_TCK)`, 100 when unknown), the unit of `/proc` CPU times.
 fn clock_ticks() -> f64 {
     // SAFETY: sysconf has no preconditions and only reads a configuration value.
     let t = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
