@@ -290,26 +290,9 @@ async fn run_async(args: DemoArgs) -> anyhow::Result<()> {
     }
     let worker_ids: Vec<String> = members.iter().map(|m| m.0.clone()).collect();
     for (id, inst, ranks) in &members {
-        let ranks: Vec<String> = ranks.iter().map(u32::to_string).collect();
-        procs.spawn(
-            id,
-            &work,
-            &[
-                "worker".into(),
-                "--control".into(),
-                addr.clone(),
-                "--model".into(),
-                model_dir.display().to_string(),
-                "--layout".into(),
-                args.inference_layout.to_string(),
-                "--ranks".into(),
-                ranks.join(","),
-                "--id".into(),
-                id.clone(),
-                "--instance".into(),
-                inst.clone(),
-            ],
-        )?;
+        let a =
+            crate::fleet::worker_args(&addr, &model_dir, args.inference_layout, ranks, id, inst);
+        procs.spawn(id, &work, &a)?;
     }
     wait_until(&mut procs, &work, Duration::from_secs(120), || async {
         let s = client.get_status().await?;

@@ -248,3 +248,31 @@ pub(crate) fn publish_args(
         steps.to_string(),
     ]
 }
+
+/// The `mx worker` arguments of worker `id` (instance `instance`) holding `ranks` of `layout`,
+/// registering with the control plane at `control`; its tensor list comes from `model`.
+pub(crate) fn worker_args(
+    control: &str,
+    model: &Path,
+    layout: mx_layout::LayoutSpec,
+    ranks: &[u32],
+    id: &str,
+    instance: &str,
+) -> Vec<String> {
+    let ranks: Vec<String> = ranks.iter().map(u32::to_string).collect();
+    vec![
+        "worker".into(),
+        "--control".into(),
+        control.to_string(),
+        "--model".into(),
+        model.display().to_string(),
+        "--layout".into(),
+        layout.to_string(),
+        "--ranks".into(),
+        ranks.join(","),
+        "--id".into(),
+        id.to_string(),
+        "--instance".into(),
+        instance.to_string(),
+    ]
+}

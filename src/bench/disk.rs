@@ -113,26 +113,10 @@ pub(crate) async fn run(a: &DiskArgs) -> anyhow::Result<DiskReport> {
     let mut procs = Procs(Vec::new());
     let (addr, client) = crate::fleet::start_control(&mut procs, &work).await?;
     let model_s = model_dir.display().to_string();
-    for (r, id) in WORKERS.iter().enumerate() {
-        procs.spawn(
-            id,
-            &work,
-            &[
-                "worker".into(),
-                "--control".into(),
-                addr.clone(),
-                "--model".into(),
-                model_s.clone(),
-                "--layout".into(),
-                "tp:3".into(),
-                "--ranks".into(),
-                r.to_string(),
-                "--id".into(),
-                id.to_string(),
-                "--instance".into(),
-                "disk-bench".into(),
-            ],
-        )?;
+    let tp3: mx_layout::LayoutSpec = "tp:3".parse()?;
+    for (r, id) in (0u32..).zip(WORKERS) {
+        let args = crate::fleet::worker_args(&addr, &model_dir, tp3, &[r], id, "disk-bench");
+        procs.spawn(id, &work, &args)?;
     }
     let ids: Vec<String> = WORKERS.iter().map(|s| s.to_string()).collect();
     wait_until(&mut procs, &work, Duration::from_secs(120), || async {

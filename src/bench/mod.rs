@@ -121,26 +121,25 @@ pub(crate) fn run(cmd: BenchCmd) -> anyhow::Result<()> {
         BenchCmd::All(a) => {
             let t = Instant::now();
             let quick = !a.full;
-            eprintln!("[1/4] control plane, 1,000 simulated workers");
-            let control = rt.block_on(control::run(&control::ControlArgs {
-                workers: 1000,
-                procs: 2,
-                rounds: if quick { 4 } else { 8 },
-                apply_parallelism: 0,
-                orchestrator_gated: false,
-                keep: false,
-                json: None,
-            }))?;
-            eprintln!("[1/4] control plane, 1,000 simulated workers, orchestrator-gated");
-            let control_gated = rt.block_on(control::run(&control::ControlArgs {
-                workers: 1000,
-                procs: 2,
-                rounds: if quick { 4 } else { 8 },
-                apply_parallelism: 0,
-                orchestrator_gated: true,
-                keep: false,
-                json: None,
-            }))?;
+            // The full lifecycle, then orchestrator-gated (no pause/resume calls).
+            let mut controls = Vec::new();
+            for gated in [false, true] {
+                eprintln!(
+                    "[1/4] control plane, 1,000 simulated workers, orchestrator-gated: {gated}"
+                );
+                controls.push(rt.block_on(control::run(&control::ControlArgs {
+                    workers: 1000,
+                    procs: 2,
+                    rounds: if quick { 4 } else { 8 },
+                    apply_parallelism: 0,
+                    orchestrator_gated: gated,
+                    keep: false,
+                    json: None,
+                }))?);
+            }
+            let (Some(control_gated), Some(control)) = (controls.pop(), controls.pop()) else {
+                anyhow::bail!("control plane benchmark produced no report");
+            };
             eprintln!("[2/4] planner at frontier scale and the hardware projection");
             let plan = plan::run(&plan::PlanArgs {
                 trainer_ranks: 256,
