@@ -399,6 +399,7 @@ async fn run_async(args: DemoArgs) -> anyhow::Result<()> {
                 call_timeout_ms: mx_control::refit::DEFAULT_CALL_TIMEOUT_MS,
                 apply_parallelism: 0,
                 orchestrator_gated: false,
+                verify_from_apply_answer: false,
             })
             .await?;
         let refit = crate::refit_cmd::wait_end(&client, refit_id, Duration::from_secs(900)).await?;

@@ -433,6 +433,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 call_timeout_ms: mx_control::refit::DEFAULT_CALL_TIMEOUT_MS,
                 apply_parallelism: 0,
                 orchestrator_gated: false,
+                verify_from_apply_answer: false,
             };
             let id = c.refit(&spec).await?;
             let r = refit_cmd::wait_end(&c, id, Duration::from_secs(wait_s.saturating_add(900))).await?;

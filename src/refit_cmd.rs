@@ -62,6 +62,10 @@ pub(crate) struct RefitArgs {
     /// pause/resume engine calls.
     #[arg(long)]
     pub(crate) orchestrator_gated: bool,
+    /// VERIFY takes each worker's resident version from its APPLY answer where the engine
+    /// reported one (Dynamo), instead of a second get_weight_version call.
+    #[arg(long)]
+    pub(crate) verify_from_apply_answer: bool,
     /// Write the refit record as JSON here.
     #[arg(long)]
     pub(crate) json: Option<PathBuf>,
@@ -161,6 +165,7 @@ pub(crate) async fn run(a: RefitArgs) -> anyhow::Result<()> {
         call_timeout_ms: ms(a.call_timeout_s, "call-timeout-s")?,
         apply_parallelism: a.apply_parallelism,
         orchestrator_gated: a.orchestrator_gated,
+        verify_from_apply_answer: a.verify_from_apply_answer,
     };
     let id = client.refit(&spec).await?;
     eprintln!("refit {id}: {} on {:?}", spec.label, spec.worker_ids);

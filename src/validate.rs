@@ -257,6 +257,7 @@ impl Fleet {
             // One after the other, so the crash point `apply:1` lies between w0's and w1's apply.
             apply_parallelism: 1,
             orchestrator_gated: false,
+            verify_from_apply_answer: false,
         })
     }
 

@@ -101,9 +101,10 @@ fn pull_bench_reports_layout_and_identity_against_memcpy() {
     assert_eq!(r["pull_vs_memcpy"], rows[0]["ratio"]);
 }
 
-#[test]
-fn orchestrator_gated_commit_makes_no_pause_or_resume_calls() {
-    let r = bench(&[
+/// Runs `mx bench control` on 30 workers for two rounds with `flags`; the engine calls its
+/// journal holds, by action.
+fn journaled_calls(flags: &[&str]) -> std::collections::BTreeMap<String, usize> {
+    let mut args = vec![
         "control",
         "--workers",
         "30",
@@ -111,9 +112,10 @@ fn orchestrator_gated_commit_makes_no_pause_or_resume_calls() {
         "1",
         "--rounds",
         "2",
-        "--orchestrator-gated",
         "--keep",
-    ]);
+    ];
+    args.extend_from_slice(flags);
+    let r = bench(&args);
     assert_eq!(r["orchestrator_gated"], true);
     let journal = std::path::PathBuf::from(r["journal_path"].as_str().unwrap());
     let records = mx_control::journal::read_records(&journal).unwrap();
@@ -127,8 +129,18 @@ fn orchestrator_gated_commit_makes_no_pause_or_resume_calls() {
                 .or_default() += 1;
         }
     }
+    calls
+}
+
+#[test]
+fn orchestrator_gated_commit_makes_no_pause_or_resume_calls() {
+    let calls = journaled_calls(&["--orchestrator-gated"]);
     // Two refits of 30 workers: an apply and a read-back each, nothing else.
     assert_eq!(calls.get("apply"), Some(&60), "{calls:?}");
     assert_eq!(calls.get("read_version"), Some(&60), "{calls:?}");
     assert_eq!(calls.len(), 2, "{calls:?}");
+    // With the versions taken from the APPLY answers, the applies are the only calls.
+    let calls = journaled_calls(&["--orchestrator-gated", "--verify-from-apply-answer"]);
+    assert_eq!(calls.get("apply"), Some(&60), "{calls:?}");
+    assert_eq!(calls.len(), 1, "{calls:?}");
 }

@@ -46,6 +46,9 @@ pub(crate) struct ControlArgs {
     /// The orchestrator holds the safe point: no pause/resume engine calls.
     #[arg(long)]
     pub(crate) orchestrator_gated: bool,
+    /// VERIFY takes the resident version from each APPLY answer (no get_weight_version calls).
+    #[arg(long)]
+    pub(crate) verify_from_apply_answer: bool,
     /// Keep the work directory (journal, logs).
     #[arg(long)]
     pub(crate) keep: bool,
@@ -99,6 +102,7 @@ pub(crate) struct ControlReport {
     procs: u32,
     apply_parallelism: u32,
     orchestrator_gated: bool,
+    verify_from_apply_answer: bool,
     /// Rounds after the first, each a new version.
     rounds: Vec<Round>,
     warmup: Option<Round>,
@@ -282,6 +286,7 @@ pub(crate) async fn run(a: &ControlArgs) -> anyhow::Result<ControlReport> {
             call_timeout_ms: 60_000,
             apply_parallelism: a.apply_parallelism,
             orchestrator_gated: a.orchestrator_gated,
+            verify_from_apply_answer: a.verify_from_apply_answer,
         };
         let t1 = Instant::now();
         let id = client.refit(&spec).await?;
@@ -327,6 +332,7 @@ pub(crate) async fn run(a: &ControlArgs) -> anyhow::Result<ControlReport> {
         procs: a.procs,
         apply_parallelism: a.apply_parallelism,
         orchestrator_gated: a.orchestrator_gated,
+        verify_from_apply_answer: a.verify_from_apply_answer,
         commit_ms: median(&all.iter().map(|r| r.commit_ms).collect::<Vec<_>>()),
         stage_ms: median(&all.iter().map(|r| r.stage_ms).collect::<Vec<_>>()),
         commit_cpu_us_per_worker: median(

@@ -289,6 +289,7 @@ async fn mx_refit(
             call_timeout_ms: 300_000,
             apply_parallelism: 0,
             orchestrator_gated: false,
+            verify_from_apply_answer: false,
         })
         .await?;
     let refit = crate::refit_cmd::wait_end(client, id, Duration::from_secs(600)).await?;

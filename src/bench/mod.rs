@@ -94,6 +94,10 @@ struct AllReport {
     commit_ms_1000_workers: f64,
     /// The same with the orchestrator holding the safe point (apply and read back only).
     commit_ms_1000_workers_orchestrator_gated: f64,
+    /// The round as issue 4 defines it: from the refit request until every worker acknowledged
+    /// APPLIED and the COMMIT decision is durable (orchestrator-gated, each APPLY answer naming
+    /// the resident version, so no separate read-back).
+    commit_ms_1000_workers_apply_acks: f64,
     quick: bool,
     seconds: f64,
     machine: Machine,
@@ -102,6 +106,7 @@ struct AllReport {
     plan: plan::PlanReport,
     control: control::ControlReport,
     control_orchestrator_gated: control::ControlReport,
+    control_apply_acks: control::ControlReport,
 }
 
 fn write_json(path: &Option<PathBuf>, value: &impl serde::Serialize) -> anyhow::Result<()> {
@@ -121,11 +126,12 @@ pub(crate) fn run(cmd: BenchCmd) -> anyhow::Result<()> {
         BenchCmd::All(a) => {
             let t = Instant::now();
             let quick = !a.full;
-            // The full lifecycle, then orchestrator-gated (no pause/resume calls).
+            // The full lifecycle; orchestrator-gated (no pause/resume calls); and gated with the
+            // resident versions taken from the APPLY answers (the round as issue 4 defines it).
             let mut controls = Vec::new();
-            for gated in [false, true] {
+            for (gated, from_apply) in [(false, false), (true, false), (true, true)] {
                 eprintln!(
-                    "[1/4] control plane, 1,000 simulated workers, orchestrator-gated: {gated}"
+                    "[1/4] control plane, 1,000 simulated workers, orchestrator-gated: {gated}, versions from APPLY answers: {from_apply}"
                 );
                 controls.push(rt.block_on(control::run(&control::ControlArgs {
                     workers: 1000,
@@ -133,11 +139,14 @@ pub(crate) fn run(cmd: BenchCmd) -> anyhow::Result<()> {
                     rounds: if quick { 4 } else { 8 },
                     apply_parallelism: 0,
                     orchestrator_gated: gated,
+                    verify_from_apply_answer: from_apply,
                     keep: false,
                     json: None,
                 }))?);
             }
-            let (Some(control_gated), Some(control)) = (controls.pop(), controls.pop()) else {
+            let (Some(control_lean), Some(control_gated), Some(control)) =
+                (controls.pop(), controls.pop(), controls.pop())
+            else {
                 anyhow::bail!("control plane benchmark produced no report");
             };
             eprintln!("[2/4] planner at frontier scale and the hardware projection");
@@ -177,6 +186,7 @@ pub(crate) fn run(cmd: BenchCmd) -> anyhow::Result<()> {
                 plan_ms_per_worker_kimi_k2: plan.plan_ms_per_worker_kimi_k2,
                 commit_ms_1000_workers: control.commit_ms,
                 commit_ms_1000_workers_orchestrator_gated: control_gated.commit_ms,
+                commit_ms_1000_workers_apply_acks: control_lean.commit_ms,
                 quick,
                 seconds: t.elapsed().as_secs_f64(),
                 machine: machine(),
@@ -185,13 +195,16 @@ pub(crate) fn run(cmd: BenchCmd) -> anyhow::Result<()> {
                 plan,
                 control,
                 control_orchestrator_gated: control_gated,
+                control_apply_acks: control_lean,
             };
             println!(
-                "\nsummary: pull_vs_memcpy {:.2}, refit_vs_disk_speedup {:.2}, plan_ms_per_worker_kimi_k2 {:.1}, commit_ms_1000_workers {:.1} ({:.0} s)",
+                "\nsummary: pull_vs_memcpy {:.2}, refit_vs_disk_speedup {:.2}, plan_ms_per_worker_kimi_k2 {:.1}, commit_ms_1000_workers {:.1} (gated {:.1}, APPLY acks {:.1}) ({:.0} s)",
                 report.pull_vs_memcpy,
                 report.refit_vs_disk_speedup,
                 report.plan_ms_per_worker_kimi_k2,
                 report.commit_ms_1000_workers,
+                report.commit_ms_1000_workers_orchestrator_gated,
+                report.commit_ms_1000_workers_apply_acks,
                 report.seconds
             );
             write_json(&Some(a.report), &report)

@@ -574,6 +574,7 @@ pub(crate) fn refit_spec(p: &pb::RefitRequest) -> Result<RefitSpec, Error> {
         },
         apply_parallelism: p.apply_parallelism,
         orchestrator_gated: p.orchestrator_gated,
+        verify_from_apply_answer: p.verify_from_apply_answer,
     })
 }
 
@@ -594,6 +595,7 @@ pub(crate) fn refit_request_pb(s: &RefitSpec) -> pb::RefitRequest {
         call_timeout_ms: s.call_timeout_ms,
         apply_parallelism: s.apply_parallelism,
         orchestrator_gated: s.orchestrator_gated,
+        verify_from_apply_answer: s.verify_from_apply_answer,
     }
 }
 

@@ -291,64 +291,123 @@ impl Ctx<'_> {
         Ok(())
     }
 
-    /// Journals the intent, calls, journals the result.
-    async fn call(&self, worker_id: &str, action: Action) -> Result<CallResult, Error> {
-        let endpoint = self
-            .shared
-            .read(|s| s.worker_engine(worker_id))
-            .and_then(|(e, _)| e);
-        self.shared
-            .mutate(Record::WorkerCall {
-                id: self.id,
-                worker_id: worker_id.to_string(),
-                action: action.clone(),
-            })
-            .await?;
-        if let Action::Apply { .. } = action {
-            let sent = self.applies_sent.fetch_add(1, Ordering::SeqCst);
-            failpoint(&format!("apply-sent:{sent}"));
+    /// Performs `calls` (worker, action), at most `limit` at once (0 = all at once), journaling
+    /// in batches: the intents of the calls started together are journaled in one group commit
+    /// before any of them is sent, and the results that arrived together are journaled together
+    /// once they are in (the journal holds the same records, one per intent and one per result,
+    /// as calls made one by one). `on_result(worker, result)` sees each result after it is
+    /// durable, in order of arrival; returning `false` starts no more calls (those in flight
+    /// finish).
+    ///
+    /// # Errors
+    /// Journaling failures only; an engine's failure is a result with `ok == false`.
+    async fn call_many(
+        &self,
+        calls: Vec<(String, Action)>,
+        limit: u32,
+        mut on_result: impl FnMut(&str, &CallResult) -> bool,
+    ) -> Result<(), Error> {
+        use futures_util::stream::{FuturesUnordered, StreamExt};
+        use futures_util::FutureExt;
+        let limit = match limit {
+            0 => calls.len(),
+            n => n as usize,
         }
+        .max(1);
         let timeout = Duration::from_millis(self.spec.call_timeout_ms);
-        let t0 = Instant::now();
-        let mut result = match &endpoint {
-            None => failed(format!("worker {worker_id} has no engine endpoint")),
-            Some(ep) => {
-                perform(
-                    &Engine::new(&self.http, ep, timeout),
-                    &action,
-                    &self.spec,
-                    timeout,
-                    &self.http,
-                )
-                .await
+        let mut queue = calls.into_iter();
+        let mut in_flight = FuturesUnordered::new();
+        let mut more = true;
+        loop {
+            let room = if more { limit - in_flight.len() } else { 0 };
+            let start: Vec<(String, Action)> = queue.by_ref().take(room).collect();
+            if !start.is_empty() {
+                let endpoints: Vec<Option<EngineEndpoint>> = self.shared.read(|s| {
+                    start
+                        .iter()
+                        .map(|(w, _)| s.worker_engine(w).and_then(|(e, _)| e))
+                        .collect()
+                });
+                let intents = start
+                    .iter()
+                    .map(|(w, action)| Record::WorkerCall {
+                        id: self.id,
+                        worker_id: w.clone(),
+                        action: action.clone(),
+                    })
+                    .collect();
+                self.shared.mutate_all(intents).await?;
+                for ((w, action), endpoint) in start.into_iter().zip(endpoints) {
+                    if let Action::Apply { .. } = action {
+                        let sent = self.applies_sent.fetch_add(1, Ordering::SeqCst);
+                        failpoint(&format!("apply-sent:{sent}"));
+                    }
+                    in_flight.push(async move {
+                        let t0 = Instant::now();
+                        let mut result = match &endpoint {
+                            None => failed(format!("worker {w} has no engine endpoint")),
+                            Some(ep) => {
+                                let engine = Engine::new(&self.http, ep, timeout);
+                                perform(&engine, &action, &self.spec, timeout, &self.http).await
+                            }
+                        };
+                        result.seconds = t0.elapsed().as_secs_f64();
+                        if !result.ok {
+                            result.error = format!("worker {w}: {action}: {}", result.error);
+                            tracing::warn!(refit = self.id, worker = w, "{}", result.error);
+                        }
+                        (w, result)
+                    });
+                }
             }
-        };
-        result.seconds = t0.elapsed().as_secs_f64();
-        if !result.ok {
-            result.error = format!("worker {worker_id}: {action}: {}", result.error);
-            tracing::warn!(refit = self.id, worker = worker_id, "{}", result.error);
+            let Some(first) = in_flight.next().await else {
+                break;
+            };
+            // Whatever else has already arrived is journaled with it.
+            let mut done = vec![first];
+            while let Some(Some(r)) = in_flight.next().now_or_never() {
+                done.push(r);
+            }
+            let records = done
+                .iter()
+                .map(|(w, result)| Record::WorkerDone {
+                    id: self.id,
+                    worker_id: w.clone(),
+                    result: result.clone(),
+                })
+                .collect();
+            self.shared.mutate_all(records).await?;
+            for (w, result) in &done {
+                more &= on_result(w, result);
+            }
         }
-        self.shared
-            .mutate(Record::WorkerDone {
-                id: self.id,
-                worker_id: worker_id.to_string(),
-                result: result.clone(),
-            })
-            .await?;
-        Ok(result)
+        Ok(())
+    }
+
+    /// One call: journals the intent, calls, journals the result.
+    async fn call(&self, worker_id: &str, action: Action) -> Result<CallResult, Error> {
+        let mut out = None;
+        self.call_many(vec![(worker_id.to_string(), action)], 1, |_, r| {
+            out = Some(r.clone());
+            true
+        })
+        .await?;
+        out.ok_or_else(|| Error::Task {
+            reason: format!("the call to worker {worker_id} gave no result"),
+        })
     }
 
     /// Runs `action` on every worker in `ids` concurrently; the first failure, if any.
     async fn call_all(&self, ids: &[String], action: Action) -> Result<Option<String>, Error> {
-        let calls = ids.iter().map(|w| self.call(w, action.clone()));
-        let results = futures_util::future::join_all(calls).await;
+        let calls = ids.iter().map(|w| (w.clone(), action.clone())).collect();
         let mut first = None;
-        for r in results {
-            let r = r?;
+        self.call_many(calls, 0, |_, r| {
             if !r.ok && first.is_none() {
-                first = Some(r.error);
+                first = Some(r.error.clone());
             }
-        }
+            true
+        })
+        .await?;
         Ok(first)
     }
 
@@ -412,12 +471,47 @@ async fn drive_inner(shared: &Arc<Shared>, id: u64, recovering: bool) -> Result<
     if let Some(reason) = apply_all(&ctx, &ids, &refit.target).await? {
         return rollback(&ctx, reason, false).await;
     }
-    // VERIFY: read the resident version back from every worker.
-    ctx.phase(Phase::Verify, String::new(), false).await?;
-    let (ctx_ref, refit_ref) = (&ctx, &refit);
-    let reads = ids.iter().map(|w| async move {
-        let (ctx, refit) = (ctx_ref, refit_ref);
-        let r = ctx.call(w, Action::ReadVersion).await?;
+    // VERIFY: read the resident version back from every worker (or take it from its APPLY
+    // answer, when the spec allows and the engine reported one).
+    let answered: std::collections::HashSet<String> = if ctx.spec.verify_from_apply_answer {
+        ctx.shared.read(|s| {
+            s.refit(ctx.id)
+                .map(|r| {
+                    r.workers
+                        .iter()
+                        .filter(|(_, w)| {
+                            w.calls.last().is_some_and(|c| {
+                                matches!(c.action, Action::Apply { .. })
+                                    && c.result.as_ref().is_some_and(|r| {
+                                        r.ok && r.version.as_deref() == Some(&refit.target)
+                                    })
+                            })
+                        })
+                        .map(|(id, _)| id.clone())
+                        .collect()
+                })
+                .unwrap_or_default()
+        })
+    } else {
+        std::collections::HashSet::new()
+    };
+    let reason = if answered.is_empty() {
+        String::new()
+    } else {
+        format!(
+            "{} of {} resident versions taken from the APPLY answers",
+            answered.len(),
+            ids.len()
+        )
+    };
+    ctx.phase(Phase::Verify, reason, false).await?;
+    let reads = ids
+        .iter()
+        .filter(|w| !answered.contains(*w))
+        .map(|w| (w.clone(), Action::ReadVersion))
+        .collect();
+    let mut failure = None;
+    ctx.call_many(reads, 0, |w, r| {
         let wrong = match &r.version {
             Some(v) if v != &refit.target => Some(format!(
                 "worker {w}: resident version {v} is not {} ({})",
@@ -425,12 +519,14 @@ async fn drive_inner(shared: &Arc<Shared>, id: u64, recovering: bool) -> Result<
             )),
             _ => None,
         };
-        Ok::<_, Error>((!r.ok).then(|| r.error.clone()).or(wrong))
-    });
-    for r in futures_util::future::join_all(reads).await {
-        if let Some(reason) = r? {
-            return rollback(&ctx, reason, false).await;
+        if failure.is_none() {
+            failure = (!r.ok).then(|| r.error.clone()).or(wrong);
         }
+        true
+    })
+    .await?;
+    if let Some(reason) = failure {
+        return rollback(&ctx, reason, false).await;
     }
     // RESUME the engines (rollouts stay gated by the control plane until COMMIT).
     if ctx.spec.orchestrator_gated {
@@ -457,37 +553,25 @@ async fn drive_inner(shared: &Arc<Shared>, id: u64, recovering: bool) -> Result<
 /// first failure no new apply starts; those in flight finish. `Some(reason)` on failure.
 /// Failpoints: `apply:<n>` when `n` applies have finished (`apply:0` before the first).
 async fn apply_all(ctx: &Ctx<'_>, ids: &[String], target: &str) -> Result<Option<String>, Error> {
-    use futures_util::stream::{FuturesUnordered, StreamExt};
-    let limit = match ctx.spec.apply_parallelism {
-        0 => ids.len(),
-        n => n as usize,
-    }
-    .max(1);
-    let mut pending = ids.iter();
-    let mut in_flight = FuturesUnordered::new();
+    let calls = ids
+        .iter()
+        .map(|w| {
+            let version = target.to_string();
+            (w.clone(), Action::Apply { version })
+        })
+        .collect();
     let mut failure = None;
     let mut finished = 0usize;
     failpoint("apply:0");
-    loop {
-        while failure.is_none() && in_flight.len() < limit {
-            let Some(w) = pending.next() else { break };
-            in_flight.push(ctx.call(
-                w,
-                Action::Apply {
-                    version: target.to_string(),
-                },
-            ));
-        }
-        let Some(r) = in_flight.next().await else {
-            break;
-        };
-        let r = r?;
+    ctx.call_many(calls, ctx.spec.apply_parallelism, |_, r| {
         finished += 1;
         failpoint(&format!("apply:{finished}"));
         if !r.ok && failure.is_none() {
-            failure = Some(r.error);
+            failure = Some(r.error.clone());
         }
-    }
+        failure.is_none()
+    })
+    .await?;
     Ok(failure)
 }
 

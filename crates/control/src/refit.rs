@@ -140,6 +140,14 @@ pub struct RefitSpec {
     /// to END either way.
     #[serde(default)]
     pub orchestrator_gated: bool,
+    /// VERIFY takes each worker's resident version from its APPLY answer where the engine
+    /// reported one (Dynamo's `version` field of `update_weights_from_disk`, the value
+    /// `get_weight_version` serves, already required to equal the target), instead of a second
+    /// `get_weight_version` call. Workers whose answer carried no version (SGLang, older Dynamo)
+    /// are still read back. Off by default: a separate read-back also catches an engine whose
+    /// answer and resident state disagree.
+    #[serde(default)]
+    pub verify_from_apply_answer: bool,
 }
 
 /// Default STAGE deadline (ms).

@@ -71,13 +71,15 @@ impl Drop for StreamGuard {
     }
 }
 
-/// A record waiting for the group commit, and where its outcome goes.
+/// Records waiting for the group commit (one caller's, journaled in order), and where their
+/// outcome goes: the effects of the records applied (`None` when all were no-ops), or the first
+/// record's error (the records after it are not applied).
 struct Pending {
-    rec: Record,
+    recs: Vec<Record>,
     reply: oneshot::Sender<Result<Option<Effects>, Error>>,
 }
 
-/// Most records one group commit takes (one write + one `fdatasync`).
+/// Most callers one group commit takes (one write + one `fdatasync`).
 const MAX_GROUP: usize = 8192;
 
 /// The state, journal and wake-ups shared by the RPC handlers and refit drivers.
@@ -131,17 +133,36 @@ fn committer(
         let mut lines = Vec::new();
         let last = {
             let mut core = lock(core);
-            for Pending { rec, reply } in batch {
-                let outcome = match core.state.check(&rec) {
-                    Err(e) => Err(e),
-                    Ok(Check::Noop) => Ok(None),
-                    Ok(Check::Apply) => match journal.encode(&rec, &mut lines) {
+            for Pending { recs, reply } in batch {
+                let mut effects: Option<Effects> = None;
+                let mut failure = None;
+                for rec in recs {
+                    let one = match core.state.check(&rec) {
                         Err(e) => Err(e),
-                        Ok(seq) => {
-                            core.applied_seq = seq;
-                            core.state.apply(rec).map(Some)
+                        Ok(Check::Noop) => Ok(None),
+                        Ok(Check::Apply) => match journal.encode(&rec, &mut lines) {
+                            Err(e) => Err(e),
+                            Ok(seq) => {
+                                core.applied_seq = seq;
+                                core.state.apply(rec).map(Some)
+                            }
+                        },
+                    };
+                    match one {
+                        Ok(Some(fx)) => effects
+                            .get_or_insert_with(Effects::default)
+                            .workers
+                            .extend(fx.workers),
+                        Ok(None) => {}
+                        Err(e) => {
+                            failure = Some(e);
+                            break;
                         }
-                    },
+                    }
+                }
+                let outcome = match failure {
+                    Some(e) => Err(e),
+                    None => Ok(effects),
                 };
                 answers.push((reply, outcome));
             }
@@ -252,6 +273,20 @@ impl Shared {
     /// together share one write and one `fdatasync` (group commit, see [`committer`]); each
     /// caller still returns only once its own record is durable and applied.
     pub(crate) async fn mutate(self: &Arc<Self>, rec: Record) -> Result<(), Error> {
+        self.mutate_all(vec![rec]).await
+    }
+
+    /// [`Shared::mutate`] for several records at once, journaled in order in one group commit
+    /// (a refit driver journals a phase's call intents, or the results that arrived together,
+    /// this way). Returns once all are durable and applied.
+    ///
+    /// # Errors
+    /// The first record's check error (the records after it are neither journaled nor applied;
+    /// those before it are), or [`Error::Task`] when the journal thread has stopped.
+    pub(crate) async fn mutate_all(self: &Arc<Self>, recs: Vec<Record>) -> Result<(), Error> {
+        if recs.is_empty() {
+            return Ok(());
+        }
         let (reply, answer) = oneshot::channel();
         let gone = || Error::Task {
             reason: "the journal thread has stopped".into(),
@@ -259,10 +294,10 @@ impl Shared {
         self.commits
             .as_ref()
             .ok_or_else(gone)?
-            .send(Pending { rec, reply })
+            .send(Pending { recs, reply })
             .map_err(|_| gone())?;
-        let effects = answer.await.map_err(|_| gone())??;
-        if let Some(effects) = effects {
+        // Nothing to wake when every record was a no-op.
+        if let Some(effects) = answer.await.map_err(|_| gone())?? {
             self.changes.send_modify(|n| *n = n.wrapping_add(1));
             for w in &effects.workers {
                 self.mailbox(w).notify.notify_waiters();

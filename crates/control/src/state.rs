@@ -1473,6 +1473,7 @@ mod tests {
                     call_timeout_ms: 1000,
                     apply_parallelism: 0,
                     orchestrator_gated: false,
+                    verify_from_apply_answer: false,
                 },
                 digest: d,
                 target: crate::refit::version_id(&d),

@@ -145,6 +145,8 @@ struct FakeEngine {
     version: String,
     calls: Vec<(String, serde_json::Value)>,
     hold_pause: bool,
+    /// Answer `update_weights_from_disk` without the `version` field (older releases).
+    versionless_update: bool,
 }
 
 type Fake = Arc<Mutex<FakeEngine>>;
@@ -167,7 +169,9 @@ async fn fake_route(
         e.version = body["weight_version"].as_str().unwrap().to_string();
         reply["cache_tiers_cleared"] = serde_json::json!(["kv_cache"]);
     }
-    reply["version"] = serde_json::Value::String(e.version.clone());
+    if !(route == "update_weights_from_disk" && e.versionless_update) {
+        reply["version"] = serde_json::Value::String(e.version.clone());
+    }
     axum::Json(reply)
 }
 
@@ -570,6 +574,7 @@ async fn a_refit_is_the_only_commit_and_a_stage_waits_for_it_to_end() {
         call_timeout_ms: 10_000,
         apply_parallelism: 0,
         orchestrator_gated: false,
+        verify_from_apply_answer: false,
     };
     let id = c.refit(&spec).await.unwrap();
     // STAGE goes over the command stream, like any stage.
@@ -668,6 +673,109 @@ async fn a_refit_is_the_only_commit_and_a_stage_waits_for_it_to_end() {
         VersionState::Committed
     );
     h.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn verify_takes_the_version_from_apply_answers_and_reads_back_the_rest() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("journal.jsonl");
+    let (c, h) = start(&path).await;
+    c.declare_version("step-7", FSDP2, &tensors())
+        .await
+        .unwrap();
+    c.publish("step-7", &manifest(0)).await.unwrap();
+    let digest = c
+        .publish("step-7", &manifest(1))
+        .await
+        .unwrap()
+        .version_digest
+        .unwrap();
+    let target = mx_control::version_id(&digest);
+    // `a` reports its version in the APPLY answer, `b` does not.
+    let (fake_a, url_a) = fake_engine("disk:/ckpt").await;
+    let (fake_b, url_b) = fake_engine("disk:/ckpt").await;
+    fake_b.lock().unwrap().versionless_update = true;
+    let mut streams = Vec::new();
+    for (w, url) in [("a", &url_a), ("b", &url_b)] {
+        c.register(&Registration {
+            worker_id: w.into(),
+            instance: w.into(),
+            ranks: vec![0],
+            layout: REP1,
+            engine: Some(EngineEndpoint {
+                api: EngineApi::Dynamo,
+                system_url: url.clone(),
+            }),
+            resident_version: Some("disk:/ckpt".into()),
+        })
+        .await
+        .unwrap();
+        streams.push(c.watch_commands(w).await.unwrap());
+    }
+    let spec = RefitSpec {
+        label: "step-7".into(),
+        worker_ids: vec!["a".into(), "b".into()],
+        pause_mode: PauseMode::Keep,
+        allow_partial: false,
+        check: None,
+        framework_step: 7,
+        stage_timeout_ms: 10_000,
+        call_timeout_ms: 10_000,
+        apply_parallelism: 0,
+        orchestrator_gated: true,
+        verify_from_apply_answer: true,
+    };
+    let id = c.refit(&spec).await.unwrap();
+    for (w, s) in ["a", "b"].iter().zip(&mut streams) {
+        assert!(matches!(next_cmd(s).await, Command::Stage { .. }));
+        c.report_staged(&staged(w, "step-7", 0)).await.unwrap();
+    }
+    let (ended, r) = c.wait_refit(id, T).await.unwrap();
+    let r = r.unwrap();
+    assert!(ended, "{r:?}");
+    assert_eq!(r.outcome, Some(Outcome::Committed), "{}", r.reason);
+    let actions = |w: &str| -> Vec<Action> {
+        r.workers[w]
+            .calls
+            .iter()
+            .map(|c| c.action.clone())
+            .collect()
+    };
+    let apply = Action::Apply {
+        version: target.clone(),
+    };
+    // Orchestrator-gated: no pause or resume; `a`'s answer stood for its read-back.
+    assert_eq!(actions("a").as_slice(), std::slice::from_ref(&apply));
+    assert_eq!(actions("b"), [apply, Action::ReadVersion]);
+    for w in ["a", "b"] {
+        assert_eq!(r.workers[w].resident.as_deref(), Some(target.as_str()));
+    }
+    let routes = |f: &Fake| -> Vec<String> {
+        f.lock()
+            .unwrap()
+            .calls
+            .iter()
+            .map(|c| c.0.clone())
+            .collect()
+    };
+    assert_eq!(routes(&fake_a), ["update_weights_from_disk"]);
+    assert_eq!(
+        routes(&fake_b),
+        ["update_weights_from_disk", "get_weight_version"]
+    );
+    h.shutdown().await.unwrap();
+    // The VERIFY phase says where the versions came from.
+    let reasons: Vec<String> = mx_control::journal::read_records(&path)
+        .unwrap()
+        .iter()
+        .map(|e| serde_json::to_value(&e.record).unwrap())
+        .filter(|v| v["op"] == "refit_phase" && v["phase"] == "verify")
+        .map(|v| v["reason"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(
+        reasons,
+        ["1 of 2 resident versions taken from the APPLY answers"]
+    );
 }
 
 #[tokio::test]

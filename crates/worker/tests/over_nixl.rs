@@ -92,6 +92,7 @@ async fn refit(
             call_timeout_ms: 60_000,
             apply_parallelism: 0,
             orchestrator_gated: false,
+            verify_from_apply_answer: false,
         })
         .await
         .unwrap();
