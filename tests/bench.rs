@@ -39,8 +39,12 @@ fn control_bench_commits_every_round_on_a_simulated_fleet() {
         "2",
         "--rounds",
         "3",
+        "--rollback",
     ]);
     assert_eq!(r["workers"], 120);
+    // The bench itself checks that the refit with a failing APPLY ended ROLLED_BACK with every
+    // worker back on the version it ran before.
+    assert!(r["rollback_ms"].as_f64().unwrap() > 0.0);
     let rounds = r["rounds"].as_array().unwrap();
     // The first round is reported apart, as warm-up.
     assert_eq!(rounds.len(), 2);

@@ -49,6 +49,10 @@ pub(crate) struct ControlArgs {
     /// VERIFY takes the resident version from each APPLY answer (no get_weight_version calls).
     #[arg(long)]
     pub(crate) verify_from_apply_answer: bool,
+    /// After the rounds, one more refit in which one worker's APPLY fails: measures the rollback
+    /// of the whole set to the committed version (refit request until ROLLED_BACK).
+    #[arg(long)]
+    pub(crate) rollback: bool,
     /// Keep the work directory (journal, logs).
     #[arg(long)]
     pub(crate) keep: bool,
@@ -72,6 +76,10 @@ pub(crate) struct SimArgs {
     /// Written once every worker registered and holds its command stream.
     #[arg(long)]
     ready_file: PathBuf,
+    /// The first simulated worker (`sim-00000`) fails `update_weights_from_disk` of the version
+    /// id this file holds, while it exists.
+    #[arg(long)]
+    fail_file: Option<PathBuf>,
 }
 
 /// One measured round.
@@ -118,6 +126,9 @@ pub(crate) struct ControlReport {
     stage_journal_bytes_per_worker: f64,
     /// The journal file (kept with `--keep`).
     journal_path: String,
+    /// With `--rollback`: the refit whose APPLY failed on one worker, from the refit request
+    /// until every worker was rolled back, verified and resumed (ms).
+    pub(crate) rollback_ms: Option<f64>,
 }
 
 /// CPU seconds (user + system) a process has used, from `/proc/<pid>/stat`.
@@ -185,6 +196,112 @@ fn manifest(label: &str, trainer: LayoutSpec, inference: LayoutSpec) -> SourceMa
     }
 }
 
+/// The single tensor every simulated version declares, and its manifest's layouts.
+fn version_layouts() -> anyhow::Result<(LayoutSpec, LayoutSpec, Vec<mx_layout::TensorSpec>)> {
+    let tensors = vec![mx_layout::TensorSpec {
+        name: TENSOR.into(),
+        dtype: DType::BF16,
+        shape: SHAPE.to_vec(),
+    }];
+    Ok(("fsdp:1".parse()?, "tp:1".parse()?, tensors))
+}
+
+/// Declares and publishes version `label`, stages it on `ids` and waits until all are STAGED;
+/// returns its version id (`mx:<digest>`).
+async fn stage_version(
+    client: &ControlClient,
+    label: &str,
+    ids: &[String],
+) -> anyhow::Result<String> {
+    let (trainer, inference, tensors) = version_layouts()?;
+    client.declare_version(label, trainer, &tensors).await?;
+    let published = client
+        .publish(label, &manifest(label, trainer, inference))
+        .await?;
+    let digest = published
+        .version_digest
+        .with_context(|| format!("{label} is not READY after its only source published"))?;
+    client.stage(label, ids).await?;
+    let (reached, briefs) = client
+        .wait_workers(label, ids, WorkerState::Staged, Duration::from_secs(300))
+        .await?;
+    if !reached {
+        let bad = briefs
+            .iter()
+            .find(|b| b.state != WorkerState::Staged)
+            .map(|b| format!("{} {:?} {:?}", b.worker_id, b.state, b.error));
+        bail!("stage of {label} did not reach every worker: {bad:?}");
+    }
+    Ok(mx_control::version_id(&digest))
+}
+
+/// The refit every round asks for.
+fn refit_spec(a: &ControlArgs, label: &str, ids: &[String], step: u64) -> RefitSpec {
+    RefitSpec {
+        label: label.to_string(),
+        worker_ids: ids.to_vec(),
+        pause_mode: PauseMode::Keep,
+        allow_partial: false,
+        check: None,
+        framework_step: step,
+        stage_timeout_ms: 300_000,
+        call_timeout_ms: 60_000,
+        apply_parallelism: a.apply_parallelism,
+        orchestrator_gated: a.orchestrator_gated,
+        verify_from_apply_answer: a.verify_from_apply_answer,
+    }
+}
+
+/// One refit whose APPLY fails on the first worker: returns the time from the refit request to
+/// its end (ms), after checking that it ended ROLLED_BACK with every worker back on the version
+/// it ran before.
+async fn rollback_round(
+    a: &ControlArgs,
+    client: &ControlClient,
+    ids: &[String],
+    fail_file: &std::path::Path,
+) -> anyhow::Result<f64> {
+    let label = "bench-rollback";
+    let before = client.get_status().await?;
+    let target = stage_version(client, label, ids).await?;
+    std::fs::write(fail_file, &target)?;
+    let t = Instant::now();
+    let id = client
+        .refit(&refit_spec(a, label, ids, u64::from(a.rounds) + 1))
+        .await?;
+    let refit = crate::refit_cmd::wait_end(client, id, Duration::from_secs(600)).await?;
+    let ms = t.elapsed().as_secs_f64() * 1e3;
+    std::fs::remove_file(fail_file)?;
+    if refit.outcome != Some(Outcome::RolledBack) {
+        bail!(
+            "refit {id} with a failing APPLY ended {:?}, not rolled back: {}",
+            refit.outcome,
+            refit.reason
+        );
+    }
+    let after = client.get_status().await?;
+    let resident = |s: &mx_control::types::FleetStatus| -> HashMap<String, Option<String>> {
+        s.workers
+            .iter()
+            .map(|w| (w.worker_id.clone(), w.resident_id.clone()))
+            .collect()
+    };
+    let (was, now) = (resident(&before), resident(&after));
+    if let Some(w) = ids.iter().find(|w| was.get(*w) != now.get(*w)) {
+        bail!(
+            "worker {w} was not rolled back: {:?} before, {:?} after",
+            was.get(w),
+            now.get(w)
+        );
+    }
+    println!(
+        "rollback of {} workers (APPLY failed on one): {ms:.1} ms, {}",
+        ids.len(),
+        refit.reason
+    );
+    Ok(ms)
+}
+
 /// Runs `mx bench control`: prints a table and returns the report.
 pub(crate) async fn run(a: &ControlArgs) -> anyhow::Result<ControlReport> {
     if a.workers == 0 || a.procs == 0 || a.rounds == 0 {
@@ -201,6 +318,7 @@ pub(crate) async fn run(a: &ControlArgs) -> anyhow::Result<ControlReport> {
     let (control, client) = crate::fleet::start_control(&mut procs, &work).await?;
     let journal = work.join("journal.jsonl");
     let control_pid = procs.pid("control").context("control plane pid")?;
+    let fail_file = work.join("fail-apply.version");
     let per = a.workers.div_ceil(a.procs);
     let mut ready = Vec::new();
     for p in 0..a.procs {
@@ -224,6 +342,8 @@ pub(crate) async fn run(a: &ControlArgs) -> anyhow::Result<ControlReport> {
                 count.to_string(),
                 "--ready-file".into(),
                 rf.display().to_string(),
+                "--fail-file".into(),
+                fail_file.display().to_string(),
             ],
         )?;
         ready.push(rf);
@@ -237,13 +357,6 @@ pub(crate) async fn run(a: &ControlArgs) -> anyhow::Result<ControlReport> {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let ids: Vec<String> = (0..a.workers).map(worker_id).collect();
-    let trainer: LayoutSpec = "fsdp:1".parse()?;
-    let inference: LayoutSpec = "tp:1".parse()?;
-    let tensors = vec![mx_layout::TensorSpec {
-        name: TENSOR.into(),
-        dtype: DType::BF16,
-        shape: SHAPE.to_vec(),
-    }];
     eprintln!(
         "{} simulated workers in {} processes registered ({:.1} s)",
         a.workers,
@@ -257,37 +370,11 @@ pub(crate) async fn run(a: &ControlArgs) -> anyhow::Result<ControlReport> {
         let j0 = std::fs::metadata(&journal)?.len();
         let c0 = cpu_seconds(control_pid)?;
         let t0 = Instant::now();
-        client.declare_version(&label, trainer, &tensors).await?;
-        client
-            .publish(&label, &manifest(&label, trainer, inference))
-            .await?;
-        client.stage(&label, &ids).await?;
-        let (reached, briefs) = client
-            .wait_workers(&label, &ids, WorkerState::Staged, Duration::from_secs(300))
-            .await?;
-        if !reached {
-            let bad = briefs
-                .iter()
-                .find(|b| b.state != WorkerState::Staged)
-                .map(|b| format!("{} {:?} {:?}", b.worker_id, b.state, b.error));
-            bail!("stage of {label} did not reach every worker: {bad:?}");
-        }
+        stage_version(&client, &label, &ids).await?;
         let stage_ms = t0.elapsed().as_secs_f64() * 1e3;
         let c1 = cpu_seconds(control_pid)?;
         let j1 = std::fs::metadata(&journal)?.len();
-        let spec = RefitSpec {
-            label: label.clone(),
-            worker_ids: ids.clone(),
-            pause_mode: PauseMode::Keep,
-            allow_partial: false,
-            check: None,
-            framework_step: u64::from(r) + 1,
-            stage_timeout_ms: 300_000,
-            call_timeout_ms: 60_000,
-            apply_parallelism: a.apply_parallelism,
-            orchestrator_gated: a.orchestrator_gated,
-            verify_from_apply_answer: a.verify_from_apply_answer,
-        };
+        let spec = refit_spec(a, &label, &ids, u64::from(r) + 1);
         let t1 = Instant::now();
         let id = client.refit(&spec).await?;
         let refit = crate::refit_cmd::wait_end(&client, id, Duration::from_secs(600)).await?;
@@ -323,6 +410,11 @@ pub(crate) async fn run(a: &ControlArgs) -> anyhow::Result<ControlReport> {
             stage_journal_bytes: j1 - j0,
         });
     }
+    let rollback_ms = if a.rollback {
+        Some(rollback_round(a, &client, &ids, &fail_file).await?)
+    } else {
+        None
+    };
     procs.check(&work)?;
     drop(procs);
     let warmup = (all.len() > 1).then(|| all.remove(0));
@@ -351,6 +443,7 @@ pub(crate) async fn run(a: &ControlArgs) -> anyhow::Result<ControlReport> {
                 .collect::<Vec<_>>(),
         ),
         journal_path: journal.display().to_string(),
+        rollback_ms,
         rounds: all,
         warmup,
     };
@@ -405,6 +498,8 @@ fn print_report(r: &ControlReport) {
 #[derive(Default)]
 struct SimState {
     resident: Mutex<HashMap<String, String>>,
+    /// See [`SimArgs::fail_file`].
+    fail_file: Option<PathBuf>,
 }
 
 fn ok(version: Option<&str>) -> Json<Value> {
@@ -432,6 +527,19 @@ async fn engine_route(
     match route.as_str() {
         "pause_generation" | "resume_generation" => (StatusCode::OK, ok(None)),
         "update_weights_from_disk" => match body.get("weight_version").and_then(Value::as_str) {
+            Some(v)
+                if id == worker_id(0)
+                    && st
+                        .fail_file
+                        .as_ref()
+                        .and_then(|f| std::fs::read_to_string(f).ok())
+                        .is_some_and(|f| f == v) =>
+            {
+                (
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    Json(json!({"status": "error", "message": "simulated apply failure"})),
+                )
+            }
             Some(v) => {
                 resident.insert(id, v.to_string());
                 (StatusCode::OK, ok(Some(v)))
@@ -454,7 +562,10 @@ async fn engine_route(
 
 /// Runs one process of simulated workers until killed.
 pub(crate) async fn sim_workers(a: SimArgs) -> anyhow::Result<()> {
-    let st = Arc::new(SimState::default());
+    let st = Arc::new(SimState {
+        fail_file: a.fail_file.clone(),
+        ..SimState::default()
+    });
     let app = Router::new()
         .route("/w/{id}/engine/{route}", post(engine_route))
         .with_state(Arc::clone(&st));

@@ -140,6 +140,8 @@ pub(crate) fn run(cmd: BenchCmd) -> anyhow::Result<()> {
                     apply_parallelism: 0,
                     orchestrator_gated: gated,
                     verify_from_apply_answer: from_apply,
+                    // The rollback of the whole set, measured once, in the full lifecycle.
+                    rollback: !gated,
                     keep: false,
                     json: None,
                 }))?);
