@@ -530,11 +530,8 @@ async fn stage_commands_reports_and_the_long_poll() {
     h.shutdown().await.unwrap();
 }
 
-#[tokio::test]
-async fn a_refit_is_the_only_commit_and_a_stage_waits_for_it_to_end() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("journal.jsonl");
-    let (c, h) = start(&path).await;
+/// Declares `step-7` and publishes both of its slots; its digest and version id.
+async fn declare_and_publish_step7(c: &ControlClient) -> (Digest, String) {
     c.declare_version("step-7", FSDP2, &tensors())
         .await
         .unwrap();
@@ -545,7 +542,15 @@ async fn a_refit_is_the_only_commit_and_a_stage_waits_for_it_to_end() {
         .unwrap()
         .version_digest
         .unwrap();
-    let target = mx_control::version_id(&digest);
+    (digest, mx_control::version_id(&digest))
+}
+
+#[tokio::test]
+async fn a_refit_is_the_only_commit_and_a_stage_waits_for_it_to_end() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("journal.jsonl");
+    let (c, h) = start(&path).await;
+    let (digest, target) = declare_and_publish_step7(&c).await;
     let (fake, url) = fake_engine("disk:/ckpt").await;
     fake.lock().unwrap().hold_pause = true;
     c.register(&Registration {
@@ -680,17 +685,7 @@ async fn verify_takes_the_version_from_apply_answers_and_reads_back_the_rest() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("journal.jsonl");
     let (c, h) = start(&path).await;
-    c.declare_version("step-7", FSDP2, &tensors())
-        .await
-        .unwrap();
-    c.publish("step-7", &manifest(0)).await.unwrap();
-    let digest = c
-        .publish("step-7", &manifest(1))
-        .await
-        .unwrap()
-        .version_digest
-        .unwrap();
-    let target = mx_control::version_id(&digest);
+    let (_, target) = declare_and_publish_step7(&c).await;
     // `a` reports its version in the APPLY answer, `b` does not.
     let (fake_a, url_a) = fake_engine("disk:/ckpt").await;
     let (fake_b, url_b) = fake_engine("disk:/ckpt").await;
