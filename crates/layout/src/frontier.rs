@@ -573,18 +573,19 @@ fn fp8_bytes(region: &TensorBox, fp8: bool, elem: u64) -> u64 {
     n.saturating_add(blocks.saturating_mul(4))
 }
 
-/// Bytes a source sends for `region` in FP8: 1 byte per element plus the F32 scale of every
-/// 128x128 block of the global tensor the region touches (a block split between sources is sent
-/// by each of them); `elem` bytes per element when not `fp8`.
-fn fp8_source_bytes(region: &TensorBox, fp8: bool, elem: u64) -> u64 {
-    let n = region.numel().unwrap_or(0);
-    if !fp8 || region.ndim() != 2 {
+/// Bytes a source sends in FP8 for the region at `offset` with extent `shape` (elements): 1 byte
+/// per element plus the F32 scale of every 128x128 block of the global tensor the region touches
+/// (a block split between sources is sent by each of them); `elem` bytes per element when not
+/// `fp8`.
+fn fp8_source_bytes(offset: &[u64], shape: &[u64], fp8: bool, elem: u64) -> u64 {
+    let n = shape
+        .iter()
+        .try_fold(1u64, |acc, &d| acc.checked_mul(d))
+        .unwrap_or(0);
+    if !fp8 || shape.len() != 2 || offset.len() != 2 {
         return n.saturating_mul(elem);
     }
-    let touched = |d: usize| {
-        let o = region.global_offset[d];
-        (o + region.local_shape[d]).div_ceil(128) - o / 128
-    };
+    let touched = |d: usize| (offset[d] + shape[d]).div_ceil(128) - offset[d] / 128;
     n.saturating_add((touched(0) * touched(1)).saturating_mul(4))
 }
 
@@ -770,7 +771,12 @@ pub fn fleet_plan_report(
             if let Some(e) = egress.get_mut(v.source) {
                 let n = v.region.numel().unwrap_or(0).saturating_mul(elem);
                 e[1] = e[1].saturating_add(n);
-                e[2] = e[2].saturating_add(fp8_source_bytes(&v.region, fp8, elem));
+                e[2] = e[2].saturating_add(fp8_source_bytes(
+                    v.region.offset(),
+                    v.region.shape(),
+                    fp8,
+                    elem,
+                ));
             }
         }
         let bytes_fp8 = rl
@@ -1096,7 +1102,10 @@ mod tests {
         };
         // Own shape 60x256: 1x2 blocks; touches global row blocks 0 and 1: 2x2 blocks.
         assert_eq!(fp8_bytes(&b, true, 2), 60 * 256 + 2 * 4);
-        assert_eq!(fp8_source_bytes(&b, true, 2), 60 * 256 + 4 * 4);
+        assert_eq!(
+            fp8_source_bytes(&b.global_offset, &b.local_shape, true, 2),
+            60 * 256 + 4 * 4
+        );
         assert_eq!(fp8_bytes(&b, false, 2), 60 * 256 * 2);
     }
 

@@ -20,11 +20,17 @@
 //! once and fails closed naming the parameter otherwise.
 //!
 //! Cost: building the index is linear in the manifests (about 1.7 s for the 484k shards and 1.5M
-//! pieces of Kimi-K2 on 256 FSDP ranks); one plan is linear in the intersections it finds and the
-//! runs they decompose into (see [`crate::frontier::fleet_plan_report`] for measurements).
+//! pieces of Kimi-K2 on 256 FSDP ranks); one plan is linear in the intersections it finds (see
+//! [`crate::frontier::fleet_plan_report`] for measurements). A plan reads the index front to back
+//! (each destination rank's published pieces are stored together, in shard order), keeps one
+//! record per intersection, which is regrouped in place and finally becomes that intersection's
+//! [`VerifyItem`] where it lies, and emits strided copies and segments in closed form (no walk
+//! over rows): at frontier scale its time goes mostly to first touches of fresh memory and cache
+//! misses, not to arithmetic.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::hash::{BuildHasherDefault, Hash, Hasher};
+use std::sync::atomic::{AtomicUsize, Ordering as AtomicOrdering};
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
@@ -239,6 +245,61 @@ impl CopySink {
         self.out.push(Copy::single(rank, s, l, len));
     }
 
+    /// As `count` calls of [`CopySink::push`], row `i` at staging `s + i * ss` and live
+    /// `l + i * ls` (wrapping): row by row until the rows settle into one strided copy, then the
+    /// rest at once.
+    fn push_rows(
+        &mut self,
+        rank: usize,
+        (s, ss): (u64, u64),
+        (l, ls): (u64, u64),
+        len: u64,
+        count: u64,
+    ) {
+        let row = |i: u64| {
+            (
+                s.wrapping_add(i.wrapping_mul(ss)),
+                l.wrapping_add(i.wrapping_mul(ls)),
+            )
+        };
+        let last = count.saturating_sub(1);
+        // Every row without overflow (then each row extends the strided copy the previous
+        // ones formed), and rows that do not merge into one contiguous run.
+        let regular = !(ss == len && ls == len)
+            && last
+                .checked_mul(ss)
+                .and_then(|d| s.checked_add(d))
+                .is_some()
+            && last
+                .checked_mul(ls)
+                .and_then(|d| l.checked_add(d))
+                .is_some();
+        let mut i = 0;
+        while i < count {
+            let (si, li) = row(i);
+            self.push(rank, si, li, len);
+            i += 1;
+            if regular && i >= 3 && i < count && self.pending == Some((rank, si, li, len)) {
+                let (sp, lp) = row(i - 2);
+                if let Some(c) = self.out.last_mut() {
+                    if c.rank_index == rank
+                        && c.len == len
+                        && c.count >= 2
+                        && c.staging_stride == ss
+                        && c.live_stride == ls
+                        && c.row(c.count - 1) == Some((sp, lp))
+                    {
+                        // Rows i..=last each flush the previous one into `c`.
+                        c.count += count - i;
+                        let (sl, ll) = row(last);
+                        self.pending = Some((rank, sl, ll, len));
+                        return;
+                    }
+                }
+            }
+        }
+    }
+
     fn finish(mut self) -> Vec<Copy> {
         if let Some(p) = self.pending.take() {
             self.flush(p);
@@ -337,12 +398,288 @@ impl SegmentSink {
         });
     }
 
-    /// The segments; the sink is left empty for reuse.
-    fn take(&mut self) -> Vec<Segment> {
+    /// As `count` calls of [`SegmentSink::push`], run `i` at `o + i * st` (wrapping), `len`
+    /// bytes each: run by run until the runs settle into one strided segment, then the rest at
+    /// once.
+    fn push_runs(&mut self, o: u64, st: u64, len: u64, count: u64) {
+        let run = |i: u64| o.wrapping_add(i.wrapping_mul(st));
+        let last = count.saturating_sub(1);
+        let regular = st != len
+            && last
+                .checked_mul(st)
+                .and_then(|d| o.checked_add(d))
+                .is_some();
+        let mut i = 0;
+        while i < count {
+            let oi = run(i);
+            self.push(oi, len);
+            i += 1;
+            if regular && i >= 3 && i < count && self.pending == Some((oi, len)) {
+                let prev = run(i - 2);
+                if let Some(g) = self.out.last_mut() {
+                    if g.len == len
+                        && g.count >= 2
+                        && g.stride == st
+                        && (g.count - 1)
+                            .checked_mul(g.stride)
+                            .and_then(|x| x.checked_add(g.offset))
+                            == Some(prev)
+                    {
+                        g.count += count - i;
+                        self.pending = Some((run(last), len));
+                        return;
+                    }
+                }
+            }
+        }
+    }
+
+    /// The segments; the sink is left empty for reuse (keeping its buffer when one segment is
+    /// taken).
+    fn take(&mut self) -> Segments {
         if let Some(p) = self.pending.take() {
             self.flush(p);
         }
-        std::mem::take(&mut self.out)
+        if let [g] = self.out.as_slice() {
+            let g = *g;
+            self.out.clear();
+            return Segments(SegmentsRepr::One(g));
+        }
+        Segments::from(std::mem::take(&mut self.out))
+    }
+}
+
+/// The box of a [`VerifyItem`]: a [`TensorBox`] (global offset and extent per dim, in elements)
+/// held inline up to [`Region::INLINE_DIMS`] dims, so that the many items of a plan need no heap
+/// allocation each. Ordered, compared and shown like the [`TensorBox`] it stands for, and
+/// serialized as one.
+#[derive(Clone, Serialize, Deserialize)]
+#[serde(into = "TensorBox", try_from = "TensorBox")]
+pub struct Region(RegionDims);
+
+#[derive(Clone)]
+enum RegionDims {
+    /// Offsets in `d[..ndim]`, extents in `d[INLINE_DIMS..INLINE_DIMS + ndim]`.
+    Inline {
+        ndim: u8,
+        d: [u64; 2 * Region::INLINE_DIMS],
+    },
+    /// Offsets, then extents.
+    Heap(Box<[u64]>),
+}
+
+impl Region {
+    /// Dims held inline; a box with more keeps them on the heap.
+    pub const INLINE_DIMS: usize = 4;
+
+    /// The box at `offset` with extent `shape` (elements); dims past the shorter of the two are
+    /// dropped.
+    pub fn new(offset: &[u64], shape: &[u64]) -> Region {
+        let n = offset.len().min(shape.len());
+        let (offset, shape) = (&offset[..n], &shape[..n]);
+        if n <= Region::INLINE_DIMS {
+            let mut d = [0u64; 2 * Region::INLINE_DIMS];
+            d[..n].copy_from_slice(offset);
+            d[Region::INLINE_DIMS..Region::INLINE_DIMS + n].copy_from_slice(shape);
+            // n <= INLINE_DIMS fits in a u8.
+            return Region(RegionDims::Inline { ndim: n as u8, d });
+        }
+        Region(RegionDims::Heap(
+            offset.iter().chain(shape).copied().collect(),
+        ))
+    }
+
+    /// Start of the box in each dim (elements).
+    pub fn offset(&self) -> &[u64] {
+        match &self.0 {
+            RegionDims::Inline { ndim, d } => &d[..usize::from(*ndim)],
+            RegionDims::Heap(v) => &v[..v.len() / 2],
+        }
+    }
+
+    /// Extent of the box in each dim (elements).
+    pub fn shape(&self) -> &[u64] {
+        match &self.0 {
+            RegionDims::Inline { ndim, d } => {
+                &d[Region::INLINE_DIMS..Region::INLINE_DIMS + usize::from(*ndim)]
+            }
+            RegionDims::Heap(v) => &v[v.len() / 2..],
+        }
+    }
+
+    /// Number of dims.
+    pub fn ndim(&self) -> usize {
+        self.shape().len()
+    }
+
+    /// Element count; `None` on overflow.
+    pub fn numel(&self) -> Option<u64> {
+        self.shape()
+            .iter()
+            .try_fold(1u64, |acc, &d| acc.checked_mul(d))
+    }
+
+    /// The same box as a [`TensorBox`].
+    pub fn to_box(&self) -> TensorBox {
+        TensorBox {
+            global_offset: self.offset().to_vec(),
+            local_shape: self.shape().to_vec(),
+        }
+    }
+}
+
+impl From<&TensorBox> for Region {
+    fn from(b: &TensorBox) -> Region {
+        Region::new(&b.global_offset, &b.local_shape)
+    }
+}
+
+impl From<Region> for TensorBox {
+    fn from(r: Region) -> TensorBox {
+        r.to_box()
+    }
+}
+
+impl TryFrom<TensorBox> for Region {
+    type Error = String;
+
+    fn try_from(b: TensorBox) -> Result<Region, String> {
+        if b.global_offset.len() != b.local_shape.len() {
+            return Err(format!(
+                "region has {} offsets and {} extents",
+                b.global_offset.len(),
+                b.local_shape.len()
+            ));
+        }
+        Ok(Region::from(&b))
+    }
+}
+
+impl PartialEq for Region {
+    fn eq(&self, other: &Self) -> bool {
+        self.offset() == other.offset() && self.shape() == other.shape()
+    }
+}
+
+impl Eq for Region {}
+
+impl PartialOrd for Region {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for Region {
+    /// As [`TensorBox`]: by offsets, then by extents.
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        (self.offset(), self.shape()).cmp(&(other.offset(), other.shape()))
+    }
+}
+
+impl Hash for Region {
+    fn hash<H: Hasher>(&self, h: &mut H) {
+        self.offset().hash(h);
+        self.shape().hash(h);
+    }
+}
+
+impl std::fmt::Debug for Region {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Region")
+            .field("global_offset", &self.offset())
+            .field("local_shape", &self.shape())
+            .finish()
+    }
+}
+
+impl std::fmt::Display for Region {
+    /// As [`TensorBox`]: `[start..end, ...]` per dim.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("[")?;
+        for (d, (&o, &n)) in self.offset().iter().zip(self.shape()).enumerate() {
+            if d > 0 {
+                f.write_str(", ")?;
+            }
+            write!(f, "{o}..{}", o.wrapping_add(n))?;
+        }
+        f.write_str("]")
+    }
+}
+
+/// The staging segments of a [`VerifyItem`], in order: one held inline (the common case, a
+/// region staged in one piece or as one strided run), more on the heap. Derefs to a slice of
+/// [`Segment`]s; serialized as a list.
+#[derive(Clone, Serialize, Deserialize)]
+#[serde(from = "Vec<Segment>", into = "Vec<Segment>")]
+pub struct Segments(SegmentsRepr);
+
+#[derive(Clone)]
+enum SegmentsRepr {
+    One(Segment),
+    Many(Vec<Segment>),
+}
+
+impl Default for Segments {
+    fn default() -> Self {
+        Segments(SegmentsRepr::Many(Vec::new()))
+    }
+}
+
+impl std::ops::Deref for Segments {
+    type Target = [Segment];
+
+    fn deref(&self) -> &[Segment] {
+        match &self.0 {
+            SegmentsRepr::One(g) => std::slice::from_ref(g),
+            SegmentsRepr::Many(v) => v,
+        }
+    }
+}
+
+impl From<Vec<Segment>> for Segments {
+    fn from(v: Vec<Segment>) -> Segments {
+        match v.as_slice() {
+            [g] => Segments(SegmentsRepr::One(*g)),
+            _ => Segments(SegmentsRepr::Many(v)),
+        }
+    }
+}
+
+impl From<Segments> for Vec<Segment> {
+    fn from(s: Segments) -> Vec<Segment> {
+        match s.0 {
+            SegmentsRepr::One(g) => vec![g],
+            SegmentsRepr::Many(v) => v,
+        }
+    }
+}
+
+impl<'a> IntoIterator for &'a Segments {
+    type Item = &'a Segment;
+    type IntoIter = std::slice::Iter<'a, Segment>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.iter()
+    }
+}
+
+impl PartialEq for Segments {
+    fn eq(&self, other: &Self) -> bool {
+        **self == **other
+    }
+}
+
+impl Eq for Segments {}
+
+impl Hash for Segments {
+    fn hash<H: Hasher>(&self, h: &mut H) {
+        (**self).hash(h);
+    }
+}
+
+impl std::fmt::Debug for Segments {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        (**self).fmt(f)
     }
 }
 
@@ -362,11 +699,11 @@ pub struct VerifyItem {
     /// staged bytes (replicated tensors are pulled and verified once).
     pub shared_with: Vec<u32>,
     /// The region (global coordinates).
-    pub region: TensorBox,
+    pub region: Region,
     /// Expected digest.
     pub digest: Digest,
     /// Staging segments in row-major order of the region.
-    pub segments: Vec<Segment>,
+    pub segments: Segments,
 }
 
 impl VerifyItem {
@@ -732,8 +1069,10 @@ struct Isect<'a> {
     source: usize,
     /// The destination piece (tensor, region, live offset).
     piece: &'a Piece,
-    /// The tensor's shared name.
-    name: &'a Arc<str>,
+    /// The tensor's name, twice: for the verification item and for the choice (cloned while
+    /// the name is hot, then moved).
+    name: Arc<str>,
+    choice_name: Option<Arc<str>>,
     /// The intersection box is `rdims[region_at..]` of the plan's flat box list: its offset,
     /// then its shape, as many dims as the piece's region.
     region_at: usize,
@@ -801,6 +1140,106 @@ impl Isect<'_> {
             Runs::List(_) => false,
         }
     }
+}
+
+/// Merges verification items with the same source, digest and segments into the first of them,
+/// in order: a later one adds its destination rank to the first one's `shared_with` (unless it
+/// is the first one's own rank or already listed) and is dropped. `heads[i]` is the first
+/// staging offset of item `i`'s segments (`u64::MAX` for none): equal items have equal heads.
+fn dedup_verify(verify: &mut Vec<VerifyItem>, heads: &[u64]) {
+    if heads.len() != verify.len() || heads.windows(2).all(|w| w[0] < w[1]) {
+        return;
+    }
+    let mut order: Vec<usize> = (0..heads.len()).collect();
+    // Stable: items with one head stay in order.
+    order.sort_by_key(|&i| heads[i]);
+    let mut dup = vec![false; verify.len()];
+    let mut k = 0;
+    while k < order.len() {
+        let h = heads[order[k]];
+        let e = k + order[k..].partition_point(|&i| heads[i] == h);
+        for a in k + 1..e {
+            let i = order[a];
+            let x = &verify[i];
+            let rep = order[k..a].iter().copied().find(|&j| {
+                let v = &verify[j];
+                !dup[j] && v.source == x.source && v.digest == x.digest && v.segments == x.segments
+            });
+            if let Some(j) = rep {
+                dup[i] = true;
+                let r = x.dest_rank;
+                let v = &mut verify[j];
+                if v.dest_rank != r && !v.shared_with.contains(&r) {
+                    v.shared_with.push(r);
+                }
+            }
+        }
+        k = e.max(k + 1);
+    }
+    let mut it = dup.into_iter();
+    verify.retain(|_| !it.next().unwrap_or(false));
+}
+
+/// Reorders `v` so that `v[k]` becomes the old `v[perm[k]]`, in place (by swaps along each cycle
+/// of the permutation). `perm` must be a permutation of `0..v.len()`; otherwise some items end
+/// up elsewhere, without a panic.
+fn permute_in_place<T>(v: &mut [T], perm: &[usize]) {
+    let n = v.len().min(perm.len());
+    let mut done = vec![false; n];
+    for start in 0..n {
+        if done[start] {
+            continue;
+        }
+        // Slot `j` holds the old `v[start]`; it takes the old `v[perm[j]]`, which still sits at
+        // `perm[j]` (not yet visited), and passes `v[start]` on.
+        let mut j = start;
+        loop {
+            done[j] = true;
+            let src = perm[j];
+            if src == start || src >= n || done[src] {
+                break;
+            }
+            v.swap(j, src);
+            j = src;
+        }
+    }
+}
+
+/// The indices `0..keys.len()` ordered by key, stably (equal keys in index order); every key is
+/// below `bound`. A least-significant-digit radix sort: linear in the keys.
+fn order_by_key(keys: &[usize], bound: usize) -> Vec<usize> {
+    const BITS: u32 = 11;
+    const BUCKETS: usize = 1 << BITS;
+    let mut cur: Vec<usize> = (0..keys.len()).collect();
+    let key_bits = usize::BITS - bound.leading_zeros();
+    if keys.len() < 2 || key_bits == 0 {
+        return cur;
+    }
+    let mut next: Vec<usize> = vec![0; keys.len()];
+    let mut shift = 0;
+    while shift < key_bits {
+        let digit = |i: usize| (keys.get(i).copied().unwrap_or(0) >> shift) & (BUCKETS - 1);
+        let mut count = [0usize; BUCKETS];
+        for &i in &cur {
+            count[digit(i)] += 1;
+        }
+        let mut at = 0;
+        for c in count.iter_mut() {
+            let n = *c;
+            *c = at;
+            at += n;
+        }
+        for &i in &cur {
+            let d = digit(i);
+            if let Some(slot) = next.get_mut(count[d]) {
+                *slot = i;
+            }
+            count[d] += 1;
+        }
+        std::mem::swap(&mut cur, &mut next);
+        shift += BITS;
+    }
+    cur
 }
 
 /// Number of descriptors and bytes of `runs` (addr, len) after sorting, deduplicating and
@@ -876,11 +1315,11 @@ impl Hasher for FxHasher {
 
 type FxMap<K, V> = HashMap<K, V, BuildHasherDefault<FxHasher>>;
 
-/// A published piece as the planner looks it up: stored with the other pieces cut from the same
-/// shard, region and digest inline.
+/// A published piece as the planner looks it up: stored with the other pieces published for the
+/// same destination (layout, rank), in shard order, region and digest inline.
 struct PieceEntry {
-    layout: LayoutSpec,
-    dest_rank: u32,
+    /// The alternative (source shard) it was cut from: an index into [`TensorShards::alts`].
+    alt: usize,
     /// Its region is `piece_dims[region_at..]`: the offset, then the shape, `ndim` each, where
     /// `ndim` is that of the shard's box (it lies inside it).
     region_at: usize,
@@ -890,8 +1329,6 @@ struct PieceEntry {
 
 /// The shards of one tensor over all sources, grouped by box, with the pieces cut from them.
 struct TensorShards<'m> {
-    /// The tensor's name, shared by the plan's verification items and choices.
-    name: Arc<str>,
     /// Distinct shard boxes in [`TensorBox`] order. Sources holding the same box (replicated
     /// sources) are alternatives of one group.
     groups: Vec<BoxGroup>,
@@ -902,10 +1339,12 @@ struct TensorShards<'m> {
     dims: Vec<u64>,
     /// Every group's alternatives, flat, in (source, shard) order: (source, shard, address).
     alts: Vec<(usize, usize, u64)>,
-    /// The pieces published by alternative `a`'s source whose region lies in its shard are
-    /// `pieces[alt_pieces[a]..alt_pieces[a + 1]]`, sorted by (layout, rank), then in manifest
-    /// order.
-    alt_pieces: Vec<usize>,
+    /// The pieces published for each destination (layout, rank), sorted by key:
+    /// `pieces[piece_keys[k].1..piece_keys[k + 1].1]` (the last up to `pieces.len()`) are those
+    /// for `piece_keys[k].0`. A plan for one rank reads its own list front to back.
+    piece_keys: Vec<((LayoutSpec, u32), usize)>,
+    /// Each piece goes with every alternative whose source published it and whose shard holds
+    /// its region; sorted by (layout, rank, alternative), then in manifest order.
     pieces: Vec<PieceEntry>,
     piece_dims: Vec<u64>,
     /// The (dtype, global shape) every shard of the tensor agrees on; `None` when they disagree
@@ -951,28 +1390,58 @@ impl TensorShards<'_> {
         (o, s)
     }
 
-    /// The last piece published for (`layout`, `rank`, `region`) by alternative `alt`'s source
-    /// within its shard, `ndim` being the shard's.
+    /// The pieces published for (`layout`, `rank`): a range of `pieces`, sorted by alternative.
+    fn rank_pieces(&self, layout: LayoutSpec, rank: u32) -> std::ops::Range<usize> {
+        let key = (layout, rank);
+        let k = self.piece_keys.partition_point(|e| e.0 < key);
+        match self.piece_keys.get(k) {
+            Some(&(kk, start)) if kk == key => {
+                let end = self
+                    .piece_keys
+                    .get(k + 1)
+                    .map_or(self.pieces.len(), |e| e.1);
+                start..end
+            }
+            _ => 0..0,
+        }
+    }
+
+    /// The last piece of `list` (a [`TensorShards::rank_pieces`] range) published by
+    /// alternative `alt`'s source for `region` within its shard, `ndim` being the shard's.
+    /// `cursor` is a position in `list` at or before the first piece of `alt`; it is advanced to
+    /// that first piece, so that a caller visiting alternatives in increasing order reads the
+    /// list front to back.
     fn piece(
         &self,
+        list: &std::ops::Range<usize>,
+        cursor: &mut usize,
         alt: usize,
         ndim: usize,
-        layout: LayoutSpec,
-        rank: u32,
         (ro, rs): (&[u64], &[u64]),
     ) -> Option<&PieceEntry> {
-        let (Some(&a), Some(&b)) = (self.alt_pieces.get(alt), self.alt_pieces.get(alt + 1)) else {
-            return None;
-        };
-        let list = self.pieces.get(a..b)?;
-        let key = (layout, rank);
-        let lo = list.partition_point(|e| (e.layout, e.dest_rank) < key);
-        let hi = lo + list[lo..].partition_point(|e| (e.layout, e.dest_rank) == key);
+        let pieces = self.pieces.get(list.clone())?;
+        let mut c = cursor.saturating_sub(list.start).min(pieces.len());
+        // A few steps forward, then a binary search over the rest.
+        let mut steps = 0;
+        while pieces.get(c).is_some_and(|e| e.alt < alt) {
+            steps += 1;
+            if steps > 8 {
+                c += pieces[c..].partition_point(|e| e.alt < alt);
+                break;
+            }
+            c += 1;
+        }
+        *cursor = list.start + c;
         let d = &self.piece_dims;
-        list[lo..hi].iter().rev().find(|e| {
-            d.get(e.region_at..e.region_at + ndim) == Some(ro)
+        let mut found = None;
+        for e in pieces[c..].iter().take_while(|e| e.alt == alt) {
+            if d.get(e.region_at..e.region_at + ndim) == Some(ro)
                 && d.get(e.region_at + ndim..e.region_at + 2 * ndim) == Some(rs)
-        })
+            {
+                found = Some(e);
+            }
+        }
+        found
     }
 }
 
@@ -990,6 +1459,10 @@ pub struct SourceIndex<'m> {
     shard_base: Vec<usize>,
     shard_count: usize,
     tensors: FxMap<&'m str, TensorShards<'m>>,
+    /// Intersections and box dims (u64s) the last plan found: the next plan reserves as much
+    /// up front (plans against one index are alike), instead of growing its lists by copying.
+    last_found: AtomicUsize,
+    last_dims: AtomicUsize,
 }
 
 impl<'m> SourceIndex<'m> {
@@ -1043,12 +1516,11 @@ impl<'m> SourceIndex<'m> {
                     .push((si, hi));
             }
             let mut t = TensorShards {
-                name: Arc::from(name),
                 groups: Vec::with_capacity(boxes.len()),
                 prefix_end: Vec::with_capacity(boxes.len()),
                 dims: Vec::new(),
                 alts: Vec::new(),
-                alt_pieces: Vec::new(),
+                piece_keys: Vec::new(),
                 pieces: Vec::new(),
                 piece_dims: Vec::new(),
                 uniform,
@@ -1123,20 +1595,16 @@ impl<'m> SourceIndex<'m> {
             let Some(t) = tensors.get_mut(name) else {
                 continue;
             };
-            // By alternative, then (layout, rank); manifest order kept among equals.
-            list.sort_by_key(|&(a, p)| (a, p.layout, p.dest_rank));
-            t.alt_pieces = vec![0; t.alts.len() + 1];
-            for &(a, _) in &list {
-                t.alt_pieces[a + 1] += 1;
-            }
-            for a in 0..t.alts.len() {
-                t.alt_pieces[a + 1] += t.alt_pieces[a];
-            }
+            // By (layout, rank), then alternative; manifest order kept among equals.
+            list.sort_by_key(|&(a, p)| (p.layout, p.dest_rank, a));
             t.pieces.reserve_exact(list.len());
-            for (_, p) in list {
+            for (a, p) in list {
+                let key = (p.layout, p.dest_rank);
+                if t.piece_keys.last().is_none_or(|k| k.0 != key) {
+                    t.piece_keys.push((key, t.pieces.len()));
+                }
                 t.pieces.push(PieceEntry {
-                    layout: p.layout,
-                    dest_rank: p.dest_rank,
+                    alt: a,
                     region_at: t.piece_dims.len(),
                     digest: p.digest,
                     packed_addr: p.packed_addr,
@@ -1150,6 +1618,8 @@ impl<'m> SourceIndex<'m> {
             shard_base,
             shard_count,
             tensors,
+            last_found: AtomicUsize::new(0),
+            last_dims: AtomicUsize::new(0),
         })
     }
 
@@ -1170,7 +1640,7 @@ impl<'m> SourceIndex<'m> {
             b += (t.prefix_end.capacity() + t.dims.capacity() + t.piece_dims.capacity())
                 * size_of::<u64>();
             b += t.alts.capacity() * size_of::<(usize, usize, u64)>();
-            b += t.alt_pieces.capacity() * size_of::<usize>();
+            b += t.piece_keys.capacity() * size_of::<((LayoutSpec, u32), usize)>();
             b += t.pieces.capacity() * size_of::<PieceEntry>();
         }
         b as u64
@@ -1193,12 +1663,14 @@ impl<'m> SourceIndex<'m> {
         let layout0 = dest.first().map(|d| d.layout);
 
         // 1. Intersections, in order of discovery (rank, parameter, piece, box group), then
-        // grouped by (source, shard) with a stable counting sort: each group's in order of
-        // discovery. Boxes of intersections go to one flat list, `rdims`.
-        let mut found: Vec<Option<Isect<'_>>> = Vec::new();
+        // grouped by (source, shard) with a stable radix sort of their shard numbers and moved
+        // into that order in place: each group's in order of discovery. Boxes of intersections
+        // go to one flat list, `rdims`.
+        let hint = self.last_found.load(AtomicOrdering::Relaxed);
+        let mut found: Vec<Isect<'_>> = Vec::with_capacity(hint);
         // Dense shard number of each found intersection's shard.
-        let mut keys: Vec<usize> = Vec::new();
-        let mut rdims: Vec<u64> = Vec::new();
+        let mut keys: Vec<usize> = Vec::with_capacity(hint);
+        let mut rdims: Vec<u64> = Vec::with_capacity(self.last_dims.load(AtomicOrdering::Relaxed));
         for (ri, rl) in dest.iter().enumerate() {
             for param in &rl.params {
                 for piece in &param.pieces {
@@ -1231,6 +1703,7 @@ impl<'m> SourceIndex<'m> {
                         Ok(())
                     };
                     let pr = &piece.region;
+                    let name: Arc<str> = Arc::from(piece.tensor.as_str());
                     // A malformed region intersects nothing (the coverage proof names it).
                     let malformed = pr.global_offset.len() != pr.local_shape.len();
                     // Uniform tensors are checked once and only the groups that can intersect
@@ -1253,6 +1726,10 @@ impl<'m> SourceIndex<'m> {
                     let spread = (rl.rank as usize)
                         .wrapping_add(param.pieces.len())
                         .wrapping_add(piece.tensor.len());
+                    // This rank's published pieces of the tensor, read front to back as the
+                    // groups (and their alternatives) go up.
+                    let plist = layout0.map_or(0..0, |l| ts.rank_pieces(l, rl.rank));
+                    let mut cursor = plist.start;
                     for g in ts.groups.get(range).unwrap_or_default() {
                         let alt = g.alts_at + spread % g.n_alts.max(1);
                         let Some(&(si, hi, addr)) = ts.alts.get(alt) else {
@@ -1280,8 +1757,7 @@ impl<'m> SourceIndex<'m> {
                             continue;
                         }
                         let (ro, rs) = rdims[region_at..].split_at(ss.len());
-                        let found_entry =
-                            layout0.and_then(|l| ts.piece(alt, g.ndim, l, rl.rank, (ro, rs)));
+                        let found_entry = ts.piece(&plist, &mut cursor, alt, g.ndim, (ro, rs));
                         let Some(entry) = found_entry else {
                             let region = TensorBox {
                                 global_offset: ro.to_vec(),
@@ -1297,12 +1773,13 @@ impl<'m> SourceIndex<'m> {
                         };
                         let (run, runs) = runs_in(ro, rs, so, ss);
                         keys.push(self.shard_base[si] + hi);
-                        found.push(Some(Isect {
+                        found.push(Isect {
                             rank_index: ri,
                             dest_rank: rl.rank,
                             source: si,
                             piece,
-                            name: &ts.name,
+                            name: Arc::clone(&name),
+                            choice_name: Some(Arc::clone(&name)),
                             region_at,
                             digest: entry.digest,
                             packed_addr: entry.packed_addr,
@@ -1312,65 +1789,40 @@ impl<'m> SourceIndex<'m> {
                             src_run_bytes: run.wrapping_mul(elem),
                             img: Img::Flat { start: 0, count: 0 },
                             img_run_bytes: 0,
-                        }));
+                        });
                     }
                 }
             }
         }
-        // Groups in (source, shard) order: key, first slot. `count_of[shard]` counts the
-        // shard's intersections, then becomes its group's next free slot.
-        let mut count_of: Vec<usize> = vec![0; self.shard_count];
-        for &k in &keys {
-            if let Some(c) = count_of.get_mut(k) {
-                *c += 1;
-            }
-        }
+        self.last_found.store(found.len(), AtomicOrdering::Relaxed);
+        self.last_dims.store(rdims.len(), AtomicOrdering::Relaxed);
+        // Groups in (source, shard) order, each in order of discovery: `members` lists the
+        // intersections by (key, index), group `p`'s are `members[member_at[p]..member_at[p + 1]]`.
+        let members = order_by_key(&keys, self.shard_count);
         let mut group_key: Vec<(usize, usize)> = Vec::new();
         let mut member_at: Vec<usize> = vec![0];
-        for (si, m) in sources.iter().enumerate() {
-            let base = self.shard_base[si];
-            for hi in 0..m.shards.len() {
-                let Some(c) = count_of.get_mut(base + hi) else {
-                    continue;
-                };
-                if *c == 0 {
-                    continue;
-                }
-                let start = member_at[group_key.len()];
-                member_at.push(start.saturating_add(*c));
-                *c = start;
-                group_key.push((si, hi));
-            }
-        }
-        let mut isects: Vec<Isect<'_>> = Vec::with_capacity(found.len());
         {
-            // perm[slot] = index in `found`.
-            let mut perm: Vec<usize> = vec![usize::MAX; found.len()];
-            for (i, &k) in keys.iter().enumerate() {
-                if let Some(c) = count_of.get_mut(k) {
-                    if let Some(slot) = perm.get_mut(*c) {
-                        *slot = i;
+            let mut prev: Option<usize> = None;
+            for (k, &i) in members.iter().enumerate() {
+                let key = keys[i];
+                if prev != Some(key) {
+                    if prev.is_some() {
+                        member_at.push(k);
                     }
-                    *c += 1;
+                    prev = Some(key);
+                    let si = found.get(i).map_or(0, |x| x.source);
+                    group_key.push((si, key - self.shard_base[si]));
                 }
             }
-            for &i in &perm {
-                if let Some(x) = found.get_mut(i).and_then(Option::take) {
-                    isects.push(x);
-                }
+            if prev.is_some() {
+                member_at.push(members.len());
             }
         }
-        drop(found);
         drop(keys);
-        drop(count_of);
-        if isects.len() != member_at.last().copied().unwrap_or(0) {
-            // Every intersection has exactly one slot: impossible otherwise.
-            return Err(Error::Overflow {
-                what: "intersection count",
-                tensor: String::new(),
-            });
-        }
-        // Group `p`'s intersections are `isects[member_at[p]..member_at[p + 1]]`.
+        // Permuted into group order in place (no second copy of the intersections): group `p`'s
+        // are `isects[member_at[p]..member_at[p + 1]]`.
+        permute_in_place(&mut found, &members);
+        let mut isects = found;
         let members: Vec<usize> = (0..isects.len()).collect();
         let members_of = |p: usize| &members[member_at[p]..member_at[p + 1]];
 
@@ -1388,6 +1840,12 @@ impl<'m> SourceIndex<'m> {
         let mut choices = Vec::with_capacity(group_key.len());
         for (p, &(si, hi)) in group_key.iter().enumerate() {
             let idx = members_of(p);
+            // The choice's tensor is the first intersection's (each holds its own copy).
+            let tensor = idx
+                .first()
+                .and_then(|&i| isects.get_mut(i))
+                .and_then(|x| x.choice_name.take())
+                .unwrap_or_else(|| Arc::from(""));
             let single = match idx {
                 [i] if isects[*i].runs_disjoint_gapped() => Some(&isects[*i]),
                 _ => None,
@@ -1430,12 +1888,19 @@ impl<'m> SourceIndex<'m> {
                 );
                 n_cands += 1;
             }
-            let s_addr = sources[si].shards[hi].addr;
+            // (The shard's address only for an empty group, which there is not: the manifests
+            // are cold by now.)
+            let s_addr = || {
+                sources
+                    .get(si)
+                    .and_then(|m| m.shards.get(hi))
+                    .map_or(0, |s| s.addr)
+            };
             let lo = idx
                 .iter()
                 .map(|&i| isects[i].src_run(0))
                 .min()
-                .unwrap_or(s_addr);
+                .unwrap_or_else(s_addr);
             let hi_end = idx
                 .iter()
                 .map(|&i| {
@@ -1443,7 +1908,7 @@ impl<'m> SourceIndex<'m> {
                     x.src_run(x.runs.len().saturating_sub(1)) + x.src_run_bytes
                 })
                 .max()
-                .unwrap_or(s_addr);
+                .unwrap_or_else(s_addr);
             let span = hi_end - lo;
             cands[n_cands] = (
                 Strategy::Superset,
@@ -1466,9 +1931,7 @@ impl<'m> SourceIndex<'m> {
                 .copied()
                 .unwrap_or(cands[0]);
             choices.push(Choice {
-                tensor: idx
-                    .first()
-                    .map_or_else(|| Arc::from(""), |&i| isects[i].name.clone()),
+                tensor,
                 source: si,
                 strategy: best.0,
                 descriptors: best.2,
@@ -1612,17 +2075,18 @@ impl<'m> SourceIndex<'m> {
         let staging_bytes = off;
         let wire_bytes = staging_bytes;
 
-        // 4. Apply copies and verification segments.
+        // 4. Apply copies and verification segments, in group order.
         let mut copies = CopySink::new(isects.len());
         let mut seg_sink = SegmentSink::default();
-        let mut verify: Vec<VerifyItem> = Vec::with_capacity(isects.len());
-        // Verification items by the staging offset of their first segment, chained.
-        let mut verify_head: FxMap<u64, usize> = FxMap::default();
-        verify_head.reserve(isects.len());
-        let mut verify_next: Vec<Option<usize>> = Vec::with_capacity(isects.len());
+        // The staging offset of each item's first byte (`u64::MAX`: none): items with the same
+        // bytes share it.
+        let mut heads: Vec<u64> = Vec::with_capacity(isects.len());
         let mut useful_bytes = 0u64;
-        {
-            for x in isects.iter_mut() {
+        // Each intersection becomes its verification item where it lies (the same size: the
+        // collection reuses the intersections' memory).
+        let mut verify: Vec<VerifyItem> = isects
+            .into_iter()
+            .map(|x| {
                 let img_at = |j: u64| -> u64 {
                     match x.img {
                         Img::Affine {
@@ -1646,84 +2110,101 @@ impl<'m> SourceIndex<'m> {
                 );
                 let lrun_b = lrun.wrapping_mul(x.elem);
                 let irb = x.img_run_bytes;
-                let unit = gcd(lrun_b, irb);
                 let total = n_img.wrapping_mul(irb);
                 useful_bytes = useful_bytes.saturating_add(total);
-                // Walk both sides in steps of `unit` (it divides both run lengths).
-                let (mut j, mut jo) = (0u64, 0u64);
-                let (mut q, mut qo) = (0u64, 0u64);
-                let mut s_base = img_at(0);
-                let mut l_base = x
-                    .piece
-                    .offset
-                    .wrapping_add(lruns.get(0).wrapping_mul(x.elem));
-                let mut pos = 0u64;
-                while pos < total {
-                    let s_off = s_base.wrapping_add(jo);
-                    let l_off = l_base.wrapping_add(qo);
-                    copies.push(x.rank_index, s_off, l_off, unit);
-                    pos += unit;
-                    jo += unit;
-                    if jo >= irb {
-                        j += 1;
-                        jo = 0;
-                        if pos < total {
-                            s_base = img_at(j);
+                let live_at = |q: u64| {
+                    x.piece
+                        .offset
+                        .wrapping_add(lruns.get(q).wrapping_mul(x.elem))
+                };
+                // Staged and live runs both evenly spaced: the rows the walk below visits, in
+                // closed form (row `p` at staging `s0 + p * ss`, live `l0 + p * ls`).
+                let img_affine = match x.img {
+                    Img::Affine {
+                        wire, off0, stride, ..
+                    } => Some((staging[wire].wrapping_add(off0), stride)),
+                    Img::Flat { .. } => None,
+                };
+                let live_affine = match lruns {
+                    Runs::Arith { first, stride, .. } => Some((
+                        x.piece.offset.wrapping_add(first.wrapping_mul(x.elem)),
+                        stride.wrapping_mul(x.elem),
+                    )),
+                    Runs::List(_) => None,
+                };
+                let closed = match (img_affine, live_affine) {
+                    (Some((s0, ss)), Some((l0, ls))) if irb > 0 && lrun_b > 0 => {
+                        if irb == lrun_b {
+                            Some((s0, ss, l0, ls, irb, n_img))
+                        } else if n_img == 1 && irb % lrun_b == 0 {
+                            Some((s0, lrun_b, l0, ls, lrun_b, irb / lrun_b))
+                        } else if lruns.len() == 1
+                            && lrun_b % irb == 0
+                            && n_img.checked_mul(irb) == Some(lrun_b)
+                        {
+                            Some((s0, ss, l0, irb, irb, n_img))
+                        } else {
+                            None
                         }
                     }
-                    qo += unit;
-                    if qo >= lrun_b {
-                        q += 1;
-                        qo = 0;
-                        if pos < total {
-                            l_base = x
-                                .piece
-                                .offset
-                                .wrapping_add(lruns.get(q).wrapping_mul(x.elem));
+                    _ => None,
+                };
+                if let Some((s0, ss, l0, ls, len, count)) = closed {
+                    copies.push_rows(x.rank_index, (s0, ss), (l0, ls), len, count);
+                } else {
+                    let unit = gcd(lrun_b, irb);
+                    // Walk both sides in steps of `unit` (it divides both run lengths).
+                    let (mut j, mut jo) = (0u64, 0u64);
+                    let (mut q, mut qo) = (0u64, 0u64);
+                    let mut s_base = img_at(0);
+                    let mut l_base = live_at(0);
+                    let mut pos = 0u64;
+                    while pos < total {
+                        let s_off = s_base.wrapping_add(jo);
+                        let l_off = l_base.wrapping_add(qo);
+                        copies.push(x.rank_index, s_off, l_off, unit);
+                        pos += unit;
+                        jo += unit;
+                        if jo >= irb {
+                            j += 1;
+                            jo = 0;
+                            if pos < total {
+                                s_base = img_at(j);
+                            }
+                        }
+                        qo += unit;
+                        if qo >= lrun_b {
+                            q += 1;
+                            qo = 0;
+                            if pos < total {
+                                l_base = live_at(q);
+                            }
                         }
                     }
                 }
-                for jj in 0..n_img {
-                    seg_sink.push(img_at(jj), irb);
+                match img_affine {
+                    Some((s0, ss)) => seg_sink.push_runs(s0, ss, irb, n_img),
+                    None => {
+                        for jj in 0..n_img {
+                            seg_sink.push(img_at(jj), irb);
+                        }
+                    }
                 }
                 let segments = seg_sink.take();
-                let h = segments.first().map_or(u64::MAX, |sg| sg.offset);
-                let digest = x.digest;
-                let mut cur = verify_head.get(&h).copied();
-                while let Some(vi) = cur {
-                    let v = &verify[vi];
-                    if v.source == x.source && v.digest == digest && v.segments == segments {
-                        break;
-                    }
-                    cur = verify_next[vi];
+                heads.push(segments.first().map_or(u64::MAX, |sg| sg.offset));
+                VerifyItem {
+                    source: x.source,
+                    tensor: x.name,
+                    dest_rank: x.dest_rank,
+                    shared_with: Vec::new(),
+                    region: Region::new(ro, rs),
+                    digest: x.digest,
+                    segments,
                 }
-                match cur {
-                    Some(vi) => {
-                        let v = &mut verify[vi];
-                        if v.dest_rank != x.dest_rank && !v.shared_with.contains(&x.dest_rank) {
-                            v.shared_with.push(x.dest_rank);
-                        }
-                    }
-                    None => {
-                        let vi = verify.len();
-                        verify_next.push(verify_head.insert(h, vi));
-                        let region = TensorBox {
-                            global_offset: ro.to_vec(),
-                            local_shape: rs.to_vec(),
-                        };
-                        verify.push(VerifyItem {
-                            source: x.source,
-                            tensor: x.name.clone(),
-                            dest_rank: x.dest_rank,
-                            shared_with: Vec::new(),
-                            region,
-                            digest,
-                            segments,
-                        });
-                    }
-                }
-            }
-        }
+            })
+            .collect();
+        dedup_verify(&mut verify, &heads);
+        drop(heads);
         let mut zero_fills = Vec::new();
         for (ri, rl) in dest.iter().enumerate() {
             for p in &rl.params {
@@ -1867,7 +2348,7 @@ fn chains_tile(dest: &[RankLayout], copies: &[Copy], zero_fills: &[ZeroFill]) ->
         }
     }
     dest.iter().zip(per_rank).all(|(rl, mut w)| {
-        w.sort();
+        w.sort_unstable();
         let mut cursor = 0u64;
         for (s, e) in w {
             if s != cursor {
@@ -2432,6 +2913,54 @@ mod tests {
             prop_assert_eq!(listed, starts);
         }
 
+        /// Rows pushed at once equal the same rows pushed one by one, after any earlier rows;
+        /// likewise segment runs.
+        #[test]
+        fn closed_form_rows_equal_row_by_row(
+            before in proptest::collection::vec((0..2usize, 0..64u64, 0..64u64, 1..5u64), 0..4),
+            rank in 0..2usize, s in 0..64u64, ss in 0..9u64, l in 0..64u64, ls in 0..9u64,
+            len in 1..5u64, count in 0..9u64, wrap: bool,
+        ) {
+            // Offsets near u64::MAX make some rows wrap: then the rows are pushed one by one.
+            let top = if wrap { u64::MAX - 40 } else { 0 };
+            let (s, l) = (s.wrapping_add(top), l.wrapping_add(top));
+            let mut a = CopySink::new(0);
+            let mut b = CopySink::new(0);
+            for &(r, x, y, n) in &before {
+                a.push(r, x, y, n);
+                b.push(r, x, y, n);
+            }
+            a.push_rows(rank, (s, ss), (l, ls), len, count);
+            for i in 0..count {
+                b.push(rank, s.wrapping_add(i * ss), l.wrapping_add(i * ls), len);
+            }
+            prop_assert_eq!(a.finish(), b.finish());
+            let mut a = SegmentSink::default();
+            let mut b = SegmentSink::default();
+            for &(_, x, _, n) in &before {
+                a.push(x, n);
+                b.push(x, n);
+            }
+            a.push_runs(s, ss, len, count);
+            for i in 0..count {
+                b.push(s.wrapping_add(i * ss), len);
+            }
+            prop_assert_eq!(a.take(), b.take());
+        }
+
+        /// The radix ordering is a stable sort by key; the permutation applies it in place.
+        #[test]
+        fn order_by_key_is_a_stable_sort(keys in proptest::collection::vec(0..5000usize, 0..300)) {
+            let order = order_by_key(&keys, 5000);
+            let mut expect: Vec<usize> = (0..keys.len()).collect();
+            expect.sort_by_key(|&i| keys[i]);
+            prop_assert_eq!(&order, &expect);
+            let mut v: Vec<usize> = (0..keys.len()).map(|i| i * 10).collect();
+            permute_in_place(&mut v, &order);
+            let want: Vec<usize> = order.iter().map(|&i| i * 10).collect();
+            prop_assert_eq!(v, want);
+        }
+
         /// 3-D grids, sources from one or two different grids (two grids overlap: an error the
         /// indexed planner must report exactly as before), some replicated.
         #[test]
@@ -2551,6 +3080,51 @@ mod tests {
         let j = serde_json::to_string(&c).unwrap();
         assert_eq!(j, r#"[["Exact",1.0],["Superset",2.0]]"#);
         assert_eq!(serde_json::from_str::<Candidates>(&j).unwrap(), c);
+    }
+
+    #[test]
+    fn region_and_segments_stand_for_a_box_and_a_list() {
+        for (o, n) in [
+            (vec![], vec![]),
+            (vec![3, 4], vec![5, 6]),
+            (vec![1, 2, 3, 4, 5], vec![6, 7, 8, 9, 10]),
+        ] {
+            let b = TensorBox {
+                global_offset: o.clone(),
+                local_shape: n.clone(),
+            };
+            let r = Region::new(&o, &n);
+            assert_eq!(r.offset(), o.as_slice());
+            assert_eq!(r.shape(), n.as_slice());
+            assert_eq!(r.ndim(), b.ndim());
+            assert_eq!(r.numel(), b.numel());
+            assert_eq!(r.to_string(), b.to_string());
+            assert_eq!(r.to_box(), b);
+            let j = serde_json::to_string(&r).unwrap();
+            assert_eq!(j, serde_json::to_string(&b).unwrap());
+            assert_eq!(serde_json::from_str::<Region>(&j).unwrap(), r);
+        }
+        // Ordered as boxes are.
+        let (a, b) = (Region::new(&[1, 9], &[2, 2]), Region::new(&[2, 0], &[1, 1]));
+        assert!(a < b && a.to_box() < b.to_box());
+        assert!(
+            serde_json::from_str::<Region>(r#"{"global_offset":[1],"local_shape":[]}"#).is_err()
+        );
+        let g = Segment {
+            offset: 1,
+            len: 2,
+            count: 3,
+            stride: 4,
+        };
+        for v in [vec![], vec![g], vec![g, g]] {
+            let s = Segments::from(v.clone());
+            assert_eq!(&*s, v.as_slice());
+            assert_eq!((&s).into_iter().count(), v.len());
+            let j = serde_json::to_string(&s).unwrap();
+            assert_eq!(j, serde_json::to_string(&v).unwrap());
+            assert_eq!(serde_json::from_str::<Segments>(&j).unwrap(), s);
+            assert_eq!(Vec::from(s), v);
+        }
     }
 
     #[test]

@@ -80,7 +80,7 @@ pub(crate) fn expand(p: &Plan) -> RefPlan {
         .verify
         .iter()
         .map(|v| {
-            for g in &v.segments {
+            for g in v.segments.iter() {
                 assert!(g.count >= 1, "{g:?}");
                 if g.count == 1 {
                     assert_eq!(g.stride, 0, "{g:?}");
@@ -91,7 +91,7 @@ pub(crate) fn expand(p: &Plan) -> RefPlan {
                 tensor: v.tensor.to_string(),
                 dest_rank: v.dest_rank,
                 shared_with: v.shared_with.clone(),
-                region: v.region.clone(),
+                region: v.region.to_box(),
                 digest: v.digest,
                 segments: v.byte_ranges().collect(),
             }

@@ -389,7 +389,7 @@ impl Staging {
 fn pulled_digests(dest: &[RankLayout], p: &Plan) -> Vec<RankDigests> {
     dest.iter()
         .map(|rl| {
-            let mut items: Vec<(&str, &mx_layout::TensorBox, Digest)> = p
+            let mut items: Vec<(&str, &mx_layout::plan::Region, Digest)> = p
                 .verify
                 .iter()
                 .filter(|v| v.dest_rank == rl.rank || v.shared_with.contains(&rl.rank))
