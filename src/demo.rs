@@ -221,12 +221,8 @@ async fn run_async(args: DemoArgs) -> anyhow::Result<()> {
     mx_layout::rank_layouts(&model, args.trainer_layout)?;
     let dest: Vec<_> = mx_layout::rank_layouts(&model, args.inference_layout)?;
 
-    let work = std::env::temp_dir().join(format!("mx-demo-{}", std::process::id()));
-    std::fs::create_dir_all(&work)?;
-    let _cleanup = WorkDir {
-        path: work.clone(),
-        keep: args.keep,
-    };
+    let work_dir = WorkDir::create("demo", args.keep)?;
+    let work = work_dir.path.clone();
     let pb = ProgressBar::new_spinner();
     pb.set_style(ProgressStyle::with_template(
         "{spinner} [{elapsed_precise}] {msg}",

@@ -16,6 +16,18 @@ pub(crate) struct WorkDir {
     pub(crate) keep: bool,
 }
 
+impl WorkDir {
+    /// Creates `$TMPDIR/mx-<name>-<pid>`, removed when the guard drops unless `keep`.
+    ///
+    /// # Errors
+    /// The directory cannot be created.
+    pub(crate) fn create(name: &str, keep: bool) -> std::io::Result<WorkDir> {
+        let path = std::env::temp_dir().join(format!("mx-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&path)?;
+        Ok(WorkDir { path, keep })
+    }
+}
+
 impl Drop for WorkDir {
     fn drop(&mut self) {
         if !self.keep {

@@ -354,12 +354,8 @@ async fn run_async(args: ValidateArgs) -> anyhow::Result<()> {
             model.display()
         );
     }
-    let work = std::env::temp_dir().join(format!("mx-validate-{}", std::process::id()));
-    std::fs::create_dir_all(&work)?;
-    let _cleanup = WorkDir {
-        path: work.clone(),
-        keep: args.keep,
-    };
+    let work_dir = WorkDir::create("validate", args.keep)?;
+    let work = work_dir.path.clone();
     // A free port for the control plane, reused across its restarts.
     let port = std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?

@@ -308,12 +308,8 @@ pub(crate) async fn run(a: &ControlArgs) -> anyhow::Result<ControlReport> {
         bail!("--workers, --procs and --rounds must be at least 1");
     }
     // On the real disk (not tmpfs): the journal's fsyncs are part of what is measured.
-    let work = std::env::temp_dir().join(format!("mx-bench-control-{}", std::process::id()));
-    std::fs::create_dir_all(&work)?;
-    let _cleanup = WorkDir {
-        path: work.clone(),
-        keep: a.keep,
-    };
+    let work_dir = WorkDir::create("bench-control", a.keep)?;
+    let work = work_dir.path.clone();
     let mut procs = Procs(Vec::new());
     let (control, client) = crate::fleet::start_control(&mut procs, &work).await?;
     let journal = work.join("journal.jsonl");

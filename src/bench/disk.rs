@@ -104,12 +104,8 @@ pub(crate) async fn run(a: &DiskArgs) -> anyhow::Result<DiskReport> {
         .with_context(|| format!("{} (run scripts/setup.sh)", model_dir.display()))?;
     let specs = ckpt.specs();
     drop(ckpt);
-    let work = std::env::temp_dir().join(format!("mx-bench-disk-{}", std::process::id()));
-    std::fs::create_dir_all(&work)?;
-    let _cleanup = WorkDir {
-        path: work.clone(),
-        keep: a.keep,
-    };
+    let work_dir = WorkDir::create("bench-disk", a.keep)?;
+    let work = work_dir.path.clone();
     let mut procs = Procs(Vec::new());
     let (addr, client) = crate::fleet::start_control(&mut procs, &work).await?;
     let model_s = model_dir.display().to_string();

@@ -236,12 +236,8 @@ pub(crate) async fn run(a: &PullArgs) -> anyhow::Result<PullReport> {
     let ckpt = Checkpoint::open(&model_dir)
         .with_context(|| format!("{} (run scripts/setup.sh)", model_dir.display()))?;
     let model = ModelInfo::from_hf_config(ckpt.config().context("config.json")?, ckpt.specs())?;
-    let work = std::env::temp_dir().join(format!("mx-bench-pull-{}", std::process::id()));
-    std::fs::create_dir_all(&work)?;
-    let _cleanup = WorkDir {
-        path: work.clone(),
-        keep: a.keep,
-    };
+    let work_dir = WorkDir::create("bench-pull", a.keep)?;
+    let work = work_dir.path.clone();
     let mut procs = Procs(Vec::new());
     let (addr, client) = crate::fleet::start_control(&mut procs, &work).await?;
     // Pullers register their layouts, so the publishers cut (and digest) pieces for them.

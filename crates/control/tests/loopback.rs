@@ -530,6 +530,24 @@ async fn stage_commands_reports_and_the_long_poll() {
     h.shutdown().await.unwrap();
 }
 
+/// Registers worker `id` (its own instance, rank 0 of `REP1`, resident `disk:/ckpt`) with a
+/// Dynamo engine at `url`.
+async fn register_dynamo(c: &ControlClient, id: &str, url: &str) {
+    c.register(&Registration {
+        worker_id: id.into(),
+        instance: id.into(),
+        ranks: vec![0],
+        layout: REP1,
+        engine: Some(EngineEndpoint {
+            api: EngineApi::Dynamo,
+            system_url: url.to_string(),
+        }),
+        resident_version: Some("disk:/ckpt".into()),
+    })
+    .await
+    .unwrap();
+}
+
 /// Declares `step-7` and publishes both of its slots; its digest and version id.
 async fn declare_and_publish_step7(c: &ControlClient) -> (Digest, String) {
     c.declare_version("step-7", FSDP2, &tensors())
@@ -553,19 +571,7 @@ async fn a_refit_is_the_only_commit_and_a_stage_waits_for_it_to_end() {
     let (digest, target) = declare_and_publish_step7(&c).await;
     let (fake, url) = fake_engine("disk:/ckpt").await;
     fake.lock().unwrap().hold_pause = true;
-    c.register(&Registration {
-        worker_id: "w".into(),
-        instance: "w".into(),
-        ranks: vec![0],
-        layout: REP1,
-        engine: Some(EngineEndpoint {
-            api: EngineApi::Dynamo,
-            system_url: url.clone(),
-        }),
-        resident_version: Some("disk:/ckpt".into()),
-    })
-    .await
-    .unwrap();
+    register_dynamo(&c, "w", &url).await;
     let mut s = c.watch_commands("w").await.unwrap();
 
     let spec = RefitSpec {
@@ -692,19 +698,7 @@ async fn verify_takes_the_version_from_apply_answers_and_reads_back_the_rest() {
     fake_b.lock().unwrap().versionless_update = true;
     let mut streams = Vec::new();
     for (w, url) in [("a", &url_a), ("b", &url_b)] {
-        c.register(&Registration {
-            worker_id: w.into(),
-            instance: w.into(),
-            ranks: vec![0],
-            layout: REP1,
-            engine: Some(EngineEndpoint {
-                api: EngineApi::Dynamo,
-                system_url: url.clone(),
-            }),
-            resident_version: Some("disk:/ckpt".into()),
-        })
-        .await
-        .unwrap();
+        register_dynamo(&c, w, url).await;
         streams.push(c.watch_commands(w).await.unwrap());
     }
     let spec = RefitSpec {
