@@ -715,29 +715,52 @@ impl VerifyItem {
 }
 
 /// The predicted seconds of every strategy considered for one (tensor, source shard), in the
-/// order considered (exact, packed when available, superset): at most three, inline.
+/// order considered (exact, packed when available, superset): at most three, inline (seconds
+/// and strategies in separate arrays, so that the many choices of a plan stay small).
 /// Serialized as a list of (strategy, seconds).
-#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+#[derive(Clone, Copy, Serialize, Deserialize)]
 #[serde(into = "Vec<(Strategy, f64)>", try_from = "Vec<(Strategy, f64)>")]
 pub struct Candidates {
-    items: [(Strategy, f64); 3],
+    seconds: [f64; 3],
+    strategies: [Strategy; 3],
     len: u8,
 }
 
 impl Candidates {
-    /// The candidates, in order.
-    pub fn as_slice(&self) -> &[(Strategy, f64)] {
-        self.items.get(..usize::from(self.len)).unwrap_or_default()
+    /// Number of candidates (at most three).
+    pub fn len(&self) -> usize {
+        usize::from(self.len).min(3)
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The candidates, in order: (strategy, predicted seconds).
+    pub fn iter(&self) -> impl Iterator<Item = (Strategy, f64)> + '_ {
+        self.strategies
+            .iter()
+            .copied()
+            .zip(self.seconds.iter().copied())
+            .take(self.len())
+    }
+
+    /// The candidates, in order, as a list of (strategy, predicted seconds).
+    pub fn to_vec(&self) -> Vec<(Strategy, f64)> {
+        self.iter().collect()
     }
 
     /// The first three of `list`.
     fn new(list: impl IntoIterator<Item = (Strategy, f64)>) -> Candidates {
         let mut c = Candidates {
-            items: [(Strategy::Exact, 0.0); 3],
+            seconds: [0.0; 3],
+            strategies: [Strategy::Exact; 3],
             len: 0,
         };
-        for (slot, x) in c.items.iter_mut().zip(list) {
-            *slot = x;
+        for (k, (st, secs)) in (0..3).zip(list) {
+            c.strategies[k] = st;
+            c.seconds[k] = secs;
             c.len += 1;
         }
         c
@@ -746,13 +769,20 @@ impl Candidates {
 
 impl PartialEq for Candidates {
     fn eq(&self, other: &Self) -> bool {
-        self.as_slice() == other.as_slice()
+        self.iter().eq(other.iter())
+    }
+}
+
+impl std::fmt::Debug for Candidates {
+    /// As the list of (strategy, seconds).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.iter()).finish()
     }
 }
 
 impl From<Candidates> for Vec<(Strategy, f64)> {
     fn from(c: Candidates) -> Self {
-        c.as_slice().to_vec()
+        c.to_vec()
     }
 }
 
@@ -1069,10 +1099,8 @@ struct Isect<'a> {
     source: usize,
     /// The destination piece (tensor, region, live offset).
     piece: &'a Piece,
-    /// The tensor's name, twice: for the verification item and for the choice (cloned while
-    /// the name is hot, then moved).
+    /// The tensor's name (the index's copy, shared by every item and choice of the tensor).
     name: Arc<str>,
-    choice_name: Option<Arc<str>>,
     /// The intersection box is `rdims[region_at..]` of the plan's flat box list: its offset,
     /// then its shape, as many dims as the piece's region.
     region_at: usize,
@@ -1350,6 +1378,8 @@ struct TensorShards<'m> {
     /// The (dtype, global shape) every shard of the tensor agrees on; `None` when they disagree
     /// (then every group is visited and checked, as without an index).
     uniform: Option<(DType, &'m [u64])>,
+    /// The tensor's name, allocated once: every plan's items and choices of the tensor share it.
+    name: Arc<str>,
 }
 
 struct BoxGroup {
@@ -1435,14 +1465,23 @@ impl TensorShards<'_> {
         let d = &self.piece_dims;
         let mut found = None;
         for e in pieces[c..].iter().take_while(|e| e.alt == alt) {
-            if d.get(e.region_at..e.region_at + ndim) == Some(ro)
-                && d.get(e.region_at + ndim..e.region_at + 2 * ndim) == Some(rs)
+            if d.get(e.region_at..e.region_at + ndim)
+                .is_some_and(|o| dims_eq(o, ro))
+                && d.get(e.region_at + ndim..e.region_at + 2 * ndim)
+                    .is_some_and(|x| dims_eq(x, rs))
             {
                 found = Some(e);
             }
         }
         found
     }
+}
+
+/// `a == b` for the few dims of a box, compared in line (a slice `==` calls `memcmp`, whose call
+/// costs more than comparing two or three words).
+#[inline]
+fn dims_eq(a: &[u64], b: &[u64]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x == y)
 }
 
 /// An index over the shards and published pieces of a set of source manifests, built once and
@@ -1524,6 +1563,7 @@ impl<'m> SourceIndex<'m> {
                 pieces: Vec::new(),
                 piece_dims: Vec::new(),
                 uniform,
+                name: Arc::from(name),
             };
             let mut e = 0u64;
             for (bx, alts) in boxes {
@@ -1642,6 +1682,8 @@ impl<'m> SourceIndex<'m> {
             b += t.alts.capacity() * size_of::<(usize, usize, u64)>();
             b += t.piece_keys.capacity() * size_of::<((LayoutSpec, u32), usize)>();
             b += t.pieces.capacity() * size_of::<PieceEntry>();
+            // The shared name: its bytes and the two reference counts.
+            b += t.name.len() + 2 * size_of::<usize>();
         }
         b as u64
     }
@@ -1703,7 +1745,7 @@ impl<'m> SourceIndex<'m> {
                         Ok(())
                     };
                     let pr = &piece.region;
-                    let name: Arc<str> = Arc::from(piece.tensor.as_str());
+                    let name = &ts.name;
                     // A malformed region intersects nothing (the coverage proof names it).
                     let malformed = pr.global_offset.len() != pr.local_shape.len();
                     // Uniform tensors are checked once and only the groups that can intersect
@@ -1778,8 +1820,7 @@ impl<'m> SourceIndex<'m> {
                             dest_rank: rl.rank,
                             source: si,
                             piece,
-                            name: Arc::clone(&name),
-                            choice_name: Some(Arc::clone(&name)),
+                            name: Arc::clone(name),
                             region_at,
                             digest: entry.digest,
                             packed_addr: entry.packed_addr,
@@ -1840,12 +1881,11 @@ impl<'m> SourceIndex<'m> {
         let mut choices = Vec::with_capacity(group_key.len());
         for (p, &(si, hi)) in group_key.iter().enumerate() {
             let idx = members_of(p);
-            // The choice's tensor is the first intersection's (each holds its own copy).
+            // The choice's tensor is the first intersection's.
             let tensor = idx
                 .first()
-                .and_then(|&i| isects.get_mut(i))
-                .and_then(|x| x.choice_name.take())
-                .unwrap_or_else(|| Arc::from(""));
+                .and_then(|&i| isects.get(i))
+                .map_or_else(|| Arc::from(""), |x| Arc::clone(&x.name));
             let single = match idx {
                 [i] if isects[*i].runs_disjoint_gapped() => Some(&isects[*i]),
                 _ => None,
@@ -2348,7 +2388,7 @@ fn chains_tile(dest: &[RankLayout], copies: &[Copy], zero_fills: &[ZeroFill]) ->
         }
     }
     dest.iter().zip(per_rank).all(|(rl, mut w)| {
-        w.sort_unstable();
+        sort_by_start(&mut w);
         let mut cursor = 0u64;
         for (s, e) in w {
             if s != cursor {
@@ -2358,6 +2398,45 @@ fn chains_tile(dest: &[RankLayout], copies: &[Copy], zero_fills: &[ZeroFill]) ->
         }
         cursor == rl.total_bytes
     })
+}
+
+/// Sorts `(start, end)` spans by start (spans with equal starts in no particular order): a
+/// least-significant-digit radix sort over the bits the largest start uses, linear in the
+/// spans (a plan at frontier scale proves ~150k chains per rank); short lists use
+/// `sort_unstable`.
+fn sort_by_start(v: &mut Vec<(u64, u64)>) {
+    const BITS: u32 = 11;
+    const BUCKETS: usize = 1 << BITS;
+    if v.len() < 4096 {
+        v.sort_unstable();
+        return;
+    }
+    let max = v.iter().map(|x| x.0).max().unwrap_or(0);
+    let key_bits = u64::BITS - max.leading_zeros();
+    let mut other = vec![(0u64, 0u64); v.len()];
+    let mut shift = 0;
+    while shift < key_bits {
+        let digit = |x: &(u64, u64)| ((x.0 >> shift) as usize) & (BUCKETS - 1);
+        let mut count = [0usize; BUCKETS];
+        for x in v.iter() {
+            count[digit(x)] += 1;
+        }
+        let mut at = 0;
+        for c in count.iter_mut() {
+            let n = *c;
+            *c = at;
+            at += n;
+        }
+        for x in v.iter() {
+            let d = digit(x);
+            if let Some(slot) = other.get_mut(count[d]) {
+                *slot = *x;
+            }
+            count[d] += 1;
+        }
+        std::mem::swap(v, &mut other);
+        shift += BITS;
+    }
 }
 
 /// [`prove_coverage`] by sorting every copy; names the first gap or overlap.
@@ -2959,6 +3038,31 @@ mod tests {
             permute_in_place(&mut v, &order);
             let want: Vec<usize> = order.iter().map(|&i| i * 10).collect();
             prop_assert_eq!(v, want);
+        }
+
+        /// The radix sort of spans orders by start exactly as a comparison sort (long lists take
+        /// the radix path; starts spread over up to 40 bits, so it runs four digit passes).
+        #[test]
+        fn sort_by_start_orders_by_start(
+            seed in proptest::collection::vec((0..(1u64 << 40), 0..1000u64), 0..64),
+            len in 4096..6000usize,
+        ) {
+            let mut v: Vec<(u64, u64)> = (0..len)
+                .map(|i| {
+                    let (a, b) = seed.get(i % seed.len().max(1)).copied().unwrap_or((0, 0));
+                    (a.wrapping_mul(i as u64 + 1) % (1 << 40), b)
+                })
+                .collect();
+            let mut want = v.clone();
+            want.sort_unstable_by_key(|x| x.0);
+            sort_by_start(&mut v);
+            let starts: Vec<u64> = v.iter().map(|x| x.0).collect();
+            let want_starts: Vec<u64> = want.iter().map(|x| x.0).collect();
+            prop_assert_eq!(starts, want_starts);
+            let (mut a, mut b) = (v, want);
+            a.sort_unstable();
+            b.sort_unstable();
+            prop_assert_eq!(a, b);
         }
 
         /// 3-D grids, sources from one or two different grids (two grids overlap: an error the

@@ -106,7 +106,7 @@ pub(crate) fn expand(p: &Plan) -> RefPlan {
             strategy: c.strategy,
             descriptors: c.descriptors,
             wire_bytes: c.wire_bytes,
-            candidates: c.candidates.as_slice().to_vec(),
+            candidates: c.candidates.to_vec(),
         })
         .collect();
     RefPlan {
