@@ -226,6 +226,14 @@ fn print_report(r: &PlanReport) {
         gb(r.peak_rss_bytes),
         r.plan_ms_per_worker_kimi_k2
     );
+    for m in &r.models {
+        println!(
+            "{}: the slowest rank's plan holds {:.1} MB; writing that much fresh memory takes {:.1} ms here (same run)",
+            m.model,
+            m.slowest_rank_plan_bytes as f64 / 1e6,
+            m.slowest_rank_fresh_memory_ms
+        );
+    }
     println!("\nprojection: Kimi-K2 refit on real hardware");
     println!(
         "{:<34} {:>14} {:>16} {:>14} {:>24} {:>12}",

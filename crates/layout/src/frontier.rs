@@ -613,6 +613,9 @@ pub struct RankPlanReport {
     pub bytes_fp8: u64,
     /// The cost model's prediction for the reads (seconds).
     pub predicted_seconds: f64,
+    /// Bytes of the plan in memory ([`crate::plan::Plan::approx_bytes`]).
+    #[serde(default)]
+    pub plan_bytes: u64,
 }
 
 /// Plan time, plan size and traffic of refitting a fleet of identical inference instances from
@@ -655,6 +658,14 @@ pub struct FleetPlanReport {
     pub slowest_rank: u32,
     /// Its plan time (ms).
     pub slowest_rank_ms: f64,
+    /// Bytes of the slowest rank's plan in memory.
+    #[serde(default)]
+    pub slowest_rank_plan_bytes: u64,
+    /// Writing that many bytes of freshly allocated memory once, on the same thread in the same
+    /// run (ms, median of three): the part of a plan's time that is the kernel backing new
+    /// pages (page faults, zeroing), which no planner change short of a smaller plan removes.
+    #[serde(default)]
+    pub slowest_rank_fresh_memory_ms: f64,
     /// Median plan time over the ranks of one instance (ms).
     pub median_rank_ms: f64,
     /// Index build plus one plan per distinct rank (the instances share layouts) (s).
@@ -690,6 +701,30 @@ pub struct FleetPlanReport {
     pub max_trainer_egress_bf16: u64,
     /// Largest trainer-rank egress to all instances if the weights were FP8 with block scales.
     pub max_trainer_egress_fp8: u64,
+}
+
+/// Median wall time (ms) of three rounds of allocating `bytes` and writing every byte once
+/// (each round's memory is new to the process: an allocation that large is mapped on demand and
+/// unmapped when freed), on the calling thread. 0 for 0 bytes.
+fn fresh_memory_ms(bytes: u64) -> f64 {
+    let Ok(n) = usize::try_from(bytes) else {
+        return 0.0;
+    };
+    if n == 0 {
+        return 0.0;
+    }
+    let mut t: Vec<f64> = (0..3)
+        .map(|_| {
+            let t0 = Instant::now();
+            let v = vec![1u8; n];
+            std::hint::black_box(&v);
+            let ms = t0.elapsed().as_secs_f64() * 1e3;
+            drop(v);
+            ms
+        })
+        .collect();
+    t.sort_by(f64::total_cmp);
+    t[1]
 }
 
 /// Measures planning a refit of `instances` identical inference instances (vLLM `tp:tp` with
@@ -799,6 +834,7 @@ pub fn fleet_plan_report(
             bytes_bf16: p.useful_bytes,
             bytes_fp8,
             predicted_seconds: p.predicted_seconds,
+            plan_bytes: p.approx_bytes(),
         });
     }
 
@@ -813,7 +849,8 @@ pub fn fleet_plan_report(
     let slowest = ranks
         .iter()
         .max_by(|a, b| a.plan_ms.total_cmp(&b.plan_ms))
-        .map_or((0, 0.0), |r| (r.rank, r.plan_ms));
+        .map_or((0, 0.0, 0), |r| (r.rank, r.plan_ms, r.plan_bytes));
+    let fresh_ms = fresh_memory_ms(slowest.2);
     let sum_s: f64 = ranks.iter().map(|r| r.plan_ms).sum::<f64>() / 1e3;
     let k = u64::from(instances);
     let (max_src, max_wire) = egress
@@ -840,6 +877,8 @@ pub fn fleet_plan_report(
         index_bytes_estimate: index.approx_bytes(),
         slowest_rank: slowest.0,
         slowest_rank_ms: slowest.1,
+        slowest_rank_plan_bytes: slowest.2,
+        slowest_rank_fresh_memory_ms: fresh_ms,
         median_rank_ms,
         whole_fleet_seconds: index_seconds + sum_s,
         projected_all_ranks_seconds: index_seconds + instances as f64 * sum_s,
@@ -1079,6 +1118,21 @@ mod tests {
         assert_eq!(r.ranks.len(), 4);
         assert_eq!(r.trainer, "fsdp:16 ep=4");
         let dest = m.inference_layouts(4, 4).unwrap();
+        let index_of = |rank: u32| dest.iter().position(|d| d.rank == rank).unwrap();
+        let ms = m
+            .manifests(&m.trainer_layouts(16, 4).unwrap(), &dest)
+            .unwrap();
+        let slow = &dest[index_of(r.slowest_rank)];
+        let p = crate::plan::plan(std::slice::from_ref(slow), &ms, &CostModel::default()).unwrap();
+        // The plan's bytes: at least its items, as reported for the slowest rank.
+        let items = p.verify.len() * std::mem::size_of::<crate::plan::VerifyItem>()
+            + p.copies.len() * std::mem::size_of::<crate::plan::Copy>()
+            + p.reads.len() * std::mem::size_of::<crate::plan::Read>();
+        assert!(p.approx_bytes() >= items as u64);
+        let rr = &r.ranks[index_of(r.slowest_rank)];
+        assert_eq!(r.slowest_rank_plan_bytes, rr.plan_bytes);
+        assert!(rr.plan_bytes >= items as u64);
+        assert!(r.slowest_rank_fresh_memory_ms > 0.0);
         for (rr, rl) in r.ranks.iter().zip(&dest) {
             assert_eq!(rr.bytes_bf16, rl.total_bytes);
             assert!(rr.bytes_fp8 < rr.bytes_bf16);

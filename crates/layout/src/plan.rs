@@ -862,6 +862,29 @@ impl Plan {
         }
         m
     }
+
+    /// Bytes the plan occupies in memory: its lists' capacities times their item sizes, plus
+    /// the heap each item owns (segments and regions kept off line, `shared_with` lists; the
+    /// shared tensor names are not counted). What planning writes to fresh memory, for reports.
+    pub fn approx_bytes(&self) -> u64 {
+        use std::mem::size_of;
+        let mut b = size_of::<Plan>()
+            + self.reads.capacity() * size_of::<Read>()
+            + self.copies.capacity() * size_of::<Copy>()
+            + self.zero_fills.capacity() * size_of::<ZeroFill>()
+            + self.verify.capacity() * size_of::<VerifyItem>()
+            + self.choices.capacity() * size_of::<Choice>();
+        for v in &self.verify {
+            b += v.shared_with.capacity() * size_of::<u32>();
+            if let SegmentsRepr::Many(s) = &v.segments.0 {
+                b += s.capacity() * size_of::<Segment>();
+            }
+            if let RegionDims::Heap(d) = &v.region.0 {
+                b += d.len() * size_of::<u64>();
+            }
+        }
+        b as u64
+    }
 }
 
 /// Row-major runs of `inner` inside a dense row-major `outer` box: (elements per run, start of
