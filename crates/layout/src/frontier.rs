@@ -613,7 +613,7 @@ pub struct RankPlanReport {
     pub bytes_fp8: u64,
     /// The cost model's prediction for the reads (seconds).
     pub predicted_seconds: f64,
-    /// Bytes of the plan in memory ([`crate::plan::Plan::approx_bytes`]).
+    /// Bytes of the plan's items in memory ([`crate::plan::Plan::approx_bytes`]).
     #[serde(default)]
     pub plan_bytes: u64,
 }
@@ -658,7 +658,7 @@ pub struct FleetPlanReport {
     pub slowest_rank: u32,
     /// Its plan time (ms).
     pub slowest_rank_ms: f64,
-    /// Bytes of the slowest rank's plan in memory.
+    /// Bytes of the slowest rank's plan's items in memory.
     #[serde(default)]
     pub slowest_rank_plan_bytes: u64,
     /// Writing that many bytes of freshly allocated memory once, on the same thread in the same
@@ -1124,14 +1124,31 @@ mod tests {
             .unwrap();
         let slow = &dest[index_of(r.slowest_rank)];
         let p = crate::plan::plan(std::slice::from_ref(slow), &ms, &CostModel::default()).unwrap();
-        // The plan's bytes: at least its items, as reported for the slowest rank.
-        let items = p.verify.len() * std::mem::size_of::<crate::plan::VerifyItem>()
-            + p.copies.len() * std::mem::size_of::<crate::plan::Copy>()
-            + p.reads.len() * std::mem::size_of::<crate::plan::Read>();
-        assert!(p.approx_bytes() >= items as u64);
+        // The plan's bytes: its items, plus the heap of multi-segment items, as reported for
+        // the slowest rank.
+        use std::mem::size_of;
+        let heap: usize = p
+            .verify
+            .iter()
+            .map(|v| {
+                let segs = if v.segments.len() > 1 {
+                    v.segments.len()
+                } else {
+                    0
+                };
+                segs * size_of::<crate::plan::Segment>() + v.shared_with.len() * 4
+            })
+            .sum();
+        let items = size_of::<crate::plan::Plan>()
+            + p.verify.len() * size_of::<crate::plan::VerifyItem>()
+            + p.copies.len() * size_of::<crate::plan::Copy>()
+            + p.reads.len() * size_of::<crate::plan::Read>()
+            + p.zero_fills.len() * size_of::<crate::plan::ZeroFill>()
+            + p.choices.len() * size_of::<crate::plan::Choice>();
+        assert_eq!(p.approx_bytes(), (items + heap) as u64);
         let rr = &r.ranks[index_of(r.slowest_rank)];
         assert_eq!(r.slowest_rank_plan_bytes, rr.plan_bytes);
-        assert!(rr.plan_bytes >= items as u64);
+        assert_eq!(rr.plan_bytes, p.approx_bytes());
         assert!(r.slowest_rank_fresh_memory_ms > 0.0);
         for (rr, rl) in r.ranks.iter().zip(&dest) {
             assert_eq!(rr.bytes_bf16, rl.total_bytes);

@@ -863,21 +863,22 @@ impl Plan {
         m
     }
 
-    /// Bytes the plan occupies in memory: its lists' capacities times their item sizes, plus
-    /// the heap each item owns (segments and regions kept off line, `shared_with` lists; the
-    /// shared tensor names are not counted). What planning writes to fresh memory, for reports.
+    /// Bytes of the plan's items in memory: each list's length times its item size, plus the
+    /// heap each item owns (segments and regions kept off line, `shared_with` lists; the shared
+    /// tensor names and spare capacity, which is never touched, are not counted). What planning
+    /// writes to fresh memory at the least, for reports.
     pub fn approx_bytes(&self) -> u64 {
         use std::mem::size_of;
         let mut b = size_of::<Plan>()
-            + self.reads.capacity() * size_of::<Read>()
-            + self.copies.capacity() * size_of::<Copy>()
-            + self.zero_fills.capacity() * size_of::<ZeroFill>()
-            + self.verify.capacity() * size_of::<VerifyItem>()
-            + self.choices.capacity() * size_of::<Choice>();
+            + self.reads.len() * size_of::<Read>()
+            + self.copies.len() * size_of::<Copy>()
+            + self.zero_fills.len() * size_of::<ZeroFill>()
+            + self.verify.len() * size_of::<VerifyItem>()
+            + self.choices.len() * size_of::<Choice>();
         for v in &self.verify {
-            b += v.shared_with.capacity() * size_of::<u32>();
+            b += v.shared_with.len() * size_of::<u32>();
             if let SegmentsRepr::Many(s) = &v.segments.0 {
-                b += s.capacity() * size_of::<Segment>();
+                b += s.len() * size_of::<Segment>();
             }
             if let RegionDims::Heap(d) = &v.region.0 {
                 b += d.len() * size_of::<u64>();
