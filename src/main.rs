@@ -52,8 +52,8 @@ enum Cmd {
         /// This trainer rank.
         #[arg(long)]
         rank: u32,
-        /// Versions to publish (a training step between each).
-        #[arg(long, default_value_t = 1)]
+        /// Versions to publish (a training step between each), at least 1.
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
         steps: u32,
         /// Version label prefix.
         #[arg(long, default_value = "step-")]
@@ -205,9 +205,28 @@ fn main() {
         .with_writer(std::io::stderr)
         .init();
     if let Err(e) = run(Cli::parse()) {
-        eprintln!("mx: error: {e:#}");
+        eprintln!("mx: error: {}", error_chain(&e));
         std::process::exit(1);
     }
+}
+
+/// `e` and its causes, joined by ": " (as anyhow's `{:#}`), leaving out a cause whose text the
+/// message so far already holds: many error types print their source inline and also return it
+/// from `source()`, which would print it twice ("Address already in use (os error 98): Address
+/// already in use (os error 98)").
+fn error_chain(e: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in e.chain() {
+        let c = cause.to_string();
+        if c.is_empty() || out.contains(&c) {
+            continue;
+        }
+        if !out.is_empty() {
+            out.push_str(": ");
+        }
+        out.push_str(&c);
+    }
+    out
 }
 
 /// `host:port` resolved to its first socket address (so `localhost:7700` works).
@@ -512,5 +531,40 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             }
             Ok(())
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::error_chain;
+
+    /// Prints its source inline and also returns it from `source()`, as `#[error("x: {0}")]`
+    /// with `#[from]` does.
+    #[derive(Debug)]
+    struct Inline(std::io::Error);
+
+    impl std::fmt::Display for Inline {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(f, "bind 127.0.0.1:7700: {}", self.0)
+        }
+    }
+
+    impl std::error::Error for Inline {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            Some(&self.0)
+        }
+    }
+
+    #[test]
+    fn a_cause_already_in_the_message_is_printed_once() {
+        let io = std::io::Error::new(std::io::ErrorKind::AddrInUse, "Address already in use");
+        let e = anyhow::Error::new(Inline(io)).context("mx control");
+        assert_eq!(
+            error_chain(&e),
+            "mx control: bind 127.0.0.1:7700: Address already in use"
+        );
+        // Causes not in the message are kept, in order.
+        let e = anyhow::anyhow!("inner").context("middle").context("outer");
+        assert_eq!(error_chain(&e), "outer: middle: inner");
     }
 }

@@ -26,6 +26,9 @@ const GATED: &str = "orchestrator-gated: no engine pause/resume calls";
 
 /// How long a rollback keeps retrying a worker before it is fenced, at least.
 const MIN_ROLLBACK_DEADLINE: Duration = Duration::from_secs(30);
+/// First and longest pause between a rollback's or abort's attempts to settle one worker.
+const SETTLE_RETRY_FIRST: Duration = Duration::from_millis(250);
+const SETTLE_RETRY_MAX: Duration = Duration::from_secs(4);
 
 /// Crash failpoint for tests of recovery: `MX_CONTROL_CRASH_AT=<point>` SIGKILLs this process
 /// (a real `kill -9`) when the driver reaches `<point>`: a phase name right after the phase is
@@ -420,6 +423,23 @@ impl Ctx<'_> {
                 reason,
                 at_ms: now_ms(),
                 recovered: self.recovering,
+                fenced: Vec::new(),
+            })
+            .await
+    }
+
+    /// Ends the refit FENCED: `fenced` (worker ids) could not be settled and stay gated until
+    /// they register again.
+    async fn end_fenced(&self, reason: String, fenced: Vec<String>) -> Result<(), Error> {
+        tracing::warn!(refit = self.id, reason, ?fenced, "refit ended FENCED");
+        self.shared
+            .mutate(Record::RefitEnd {
+                id: self.id,
+                outcome: Outcome::Fenced,
+                reason,
+                at_ms: now_ms(),
+                recovered: self.recovering,
+                fenced,
             })
             .await
     }
@@ -670,9 +690,10 @@ async fn abort(ctx: &Ctx<'_>, reason: String, recovered: bool) -> Result<(), Err
     if fenced.is_empty() {
         ctx.end(Outcome::Aborted, reason).await
     } else {
-        ctx.end(
-            Outcome::Fenced,
-            format!("{reason}; could not resume: {}", fenced.join("; ")),
+        let why: Vec<String> = fenced.iter().map(|(_, why)| why.clone()).collect();
+        ctx.end_fenced(
+            format!("{reason}; could not resume: {}", why.join("; ")),
+            fenced.into_iter().map(|(w, _)| w).collect(),
         )
         .await
     }
@@ -691,23 +712,26 @@ async fn rollback(ctx: &Ctx<'_>, reason: String, recovered: bool) -> Result<(), 
     if fenced.is_empty() {
         ctx.end(Outcome::RolledBack, reason).await
     } else {
-        ctx.end(
-            Outcome::Fenced,
-            format!("{reason}; not rolled back: {}", fenced.join("; ")),
+        let why: Vec<String> = fenced.iter().map(|(_, why)| why.clone()).collect();
+        ctx.end_fenced(
+            format!("{reason}; not rolled back: {}", why.join("; ")),
+            fenced.into_iter().map(|(w, _)| w).collect(),
         )
         .await
     }
 }
 
 /// Brings each worker back to its previous version (when `restore`) and resumes it, retrying
-/// until the rollback deadline; returns the workers that could not be settled, with why (in the
-/// order of `ids`). Workers are settled concurrently (each one's calls stay in order), so a
-/// rollback of a thousand workers takes about as long as one worker's.
+/// until the rollback deadline; returns the workers that could not be settled, as (worker id,
+/// why), in the order of `ids`. Workers are settled concurrently (each one's calls stay in
+/// order), so a rollback of a thousand workers takes about as long as one worker's. Retries back
+/// off from 250 ms to 4 s between attempts, so a dead worker costs a few journal records per
+/// retry interval, not four per second until the deadline.
 async fn settle_each(
     ctx: &Ctx<'_>,
     ids: &[String],
     restore: Option<()>,
-) -> Result<Vec<String>, Error> {
+) -> Result<Vec<(String, String)>, Error> {
     let deadline = Instant::now()
         + MIN_ROLLBACK_DEADLINE.max(Duration::from_millis(
             ctx.spec.call_timeout_ms.saturating_mul(4),
@@ -723,16 +747,19 @@ async fn settle_each(
     });
     let settle = ids.iter().zip(previous).map(|(w, previous)| async move {
         let mut last = String::new();
+        let mut pause = SETTLE_RETRY_FIRST;
         while Instant::now() < deadline {
             match settle_one(ctx, w, restore.and(previous.clone()), restore.is_some()).await? {
                 None => return Ok(None),
                 Some(e) => {
                     last = e;
-                    tokio::time::sleep(Duration::from_millis(250)).await;
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    tokio::time::sleep(pause.min(left)).await;
+                    pause = (pause * 2).min(SETTLE_RETRY_MAX);
                 }
             }
         }
-        Ok::<_, Error>(Some(format!("worker {w}: {last}")))
+        Ok::<_, Error>(Some((w.clone(), format!("worker {w}: {last}"))))
     });
     let mut fenced = Vec::new();
     for r in futures_util::future::join_all(settle).await {

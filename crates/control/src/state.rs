@@ -124,6 +124,10 @@ pub enum Record {
         /// Ended by a control plane that recovered the refit after a restart.
         #[serde(default)]
         recovered: bool,
+        /// FENCED only: the workers that could not be brought back. They stay gated (not
+        /// admitted) until they register again and report what is resident.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        fenced: Vec<String>,
     },
 }
 
@@ -177,6 +181,9 @@ struct Worker {
     admitted: bool,
     /// Why it is not admitted (empty when admitted).
     admission: String,
+    /// The refit that fenced it (could not bring it back), until it registers again or a later
+    /// refit of it commits or rolls back cleanly: what is resident is unknown meanwhile.
+    fenced_by: Option<u64>,
     /// Increases every time a command is issued to this worker (kept across re-registration), so
     /// a command stream knows whether the pending command is new to it.
     command_seq: u64,
@@ -288,8 +295,25 @@ impl State {
                 }
                 Ok(Check::Apply)
             }
-            Record::RefitEnd { id, outcome, .. } => {
+            Record::RefitEnd {
+                id,
+                outcome,
+                fenced,
+                ..
+            } => {
                 let r = self.open_refit(*id)?;
+                if !fenced.is_empty() && *outcome != Outcome::Fenced {
+                    return Err(Error::Refit {
+                        id: *id,
+                        reason: format!("outcome {outcome} fences no worker"),
+                    });
+                }
+                if let Some(w) = fenced.iter().find(|w| !r.workers.contains_key(*w)) {
+                    return Err(Error::Refit {
+                        id: *id,
+                        reason: format!("fenced worker {w} is not in the refit's set"),
+                    });
+                }
                 let fits = match outcome {
                     Outcome::Committed => r.phase == Phase::Commit,
                     Outcome::Aborted => r.phase == Phase::Abort,
@@ -366,7 +390,9 @@ impl State {
                 resident_version,
             } => {
                 let command_seq = self.workers.get(&worker_id).map_or(0, |w| w.command_seq);
-                let (admitted, admission) = self.admission(&worker_id, resident_version.as_deref());
+                // A new registration reports what is resident: a fence ends here.
+                let (admitted, admission) =
+                    self.admission(&worker_id, resident_version.as_deref(), None);
                 self.workers.insert(
                     worker_id.clone(),
                     Worker {
@@ -382,6 +408,7 @@ impl State {
                         resident_id: resident_version,
                         admitted,
                         admission,
+                        fenced_by: None,
                         command_seq,
                     },
                 );
@@ -524,6 +551,7 @@ impl State {
                 reason,
                 at_ms,
                 recovered,
+                fenced,
             } => {
                 let Some(r) = self.refits.get_mut(&id) else {
                     return Ok(Effects::default());
@@ -548,9 +576,21 @@ impl State {
                         before
                     };
                 }
+                // Committed and rolled back read every worker's resident version back; a fenced
+                // worker's is unknown until it registers again.
+                let settled = matches!(outcome, Outcome::Committed | Outcome::RolledBack);
                 for wid in set {
-                    let resident = self.workers.get(&wid).and_then(|w| w.resident_id.clone());
-                    let (admitted, admission) = self.admission(&wid, resident.as_deref());
+                    let Some(w) = self.workers.get_mut(&wid) else {
+                        continue;
+                    };
+                    if fenced.contains(&wid) {
+                        w.fenced_by = Some(id);
+                    } else if settled {
+                        w.fenced_by = None;
+                    }
+                    let (resident, fenced_by) = (w.resident_id.clone(), w.fenced_by);
+                    let (admitted, admission) =
+                        self.admission(&wid, resident.as_deref(), fenced_by);
                     if let Some(w) = self.workers.get_mut(&wid) {
                         w.admitted = admitted;
                         w.admission = admission;
@@ -562,12 +602,26 @@ impl State {
         Ok(effects)
     }
 
-    /// Whether a worker with `resident` may take rollouts, and why not.
-    fn admission(&self, worker_id: &str, resident: Option<&str>) -> (bool, String) {
+    /// Whether a worker with `resident` may take rollouts, and why not; `fenced_by`: the refit
+    /// that fenced it, if it still is.
+    fn admission(
+        &self,
+        worker_id: &str,
+        resident: Option<&str>,
+        fenced_by: Option<u64>,
+    ) -> (bool, String) {
         if let Some(r) = self.open_refit_of(worker_id) {
             return (
                 false,
                 format!("refit {} to {} in progress", r.id, r.spec.label),
+            );
+        }
+        if let Some(id) = fenced_by {
+            return (
+                false,
+                format!(
+                    "fenced by refit {id}: it could not be brought back, so what is resident is unknown; it is admitted again when it registers anew (restart it) and reports the committed version"
+                ),
             );
         }
         match (&self.fleet_version, resident) {
@@ -1563,6 +1617,7 @@ mod tests {
             reason: String::new(),
             at_ms: 0,
             recovered: false,
+            fenced: vec![],
         })
         .unwrap();
         let f = st.fleet_status();
@@ -1598,6 +1653,120 @@ mod tests {
         );
     }
 
+    /// One engine call of refit `id` on worker `w`, answered `ok` (an APPLY answer names the
+    /// version it applied).
+    fn call(st: &mut State, id: u64, w: &str, action: Action, ok: bool) {
+        let version = match &action {
+            Action::Apply { version } if ok => Some(version.clone()),
+            _ => None,
+        };
+        st.apply(Record::WorkerCall {
+            id,
+            worker_id: w.into(),
+            action,
+        })
+        .unwrap();
+        st.apply(Record::WorkerDone {
+            id,
+            worker_id: w.into(),
+            result: CallResult {
+                ok,
+                version,
+                error: if ok {
+                    String::new()
+                } else {
+                    "engine gone".into()
+                },
+                ..CallResult::default()
+            },
+        })
+        .unwrap();
+    }
+
+    fn end(id: u64, outcome: Outcome, fenced: &[&str]) -> Record {
+        Record::RefitEnd {
+            id,
+            outcome,
+            reason: "x".into(),
+            at_ms: 0,
+            recovered: false,
+            fenced: fenced.iter().map(|w| w.to_string()).collect(),
+        }
+    }
+
+    fn worker(st: &State, id: &str) -> crate::types::WorkerStatus {
+        st.fleet_status()
+            .workers
+            .into_iter()
+            .find(|w| w.worker_id == id)
+            .unwrap()
+    }
+
+    #[test]
+    fn a_fenced_worker_stays_gated_until_it_registers_again() {
+        let (mut st, d) = ready_state();
+        let target = crate::refit::version_id(&d);
+        let apply = || Action::Apply {
+            version: target.clone(),
+        };
+        // Refit 1 commits v1 on a and b.
+        st.apply(begin(&st, d)).unwrap();
+        for p in [Phase::Prepare, Phase::Apply] {
+            st.apply(phase(1, p)).unwrap();
+        }
+        for w in ["a", "b"] {
+            call(&mut st, 1, w, apply(), true);
+        }
+        for p in [Phase::Verify, Phase::Resume, Phase::Commit] {
+            st.apply(phase(1, p)).unwrap();
+        }
+        st.apply(end(1, Outcome::Committed, &[])).unwrap();
+        assert!(worker(&st, "a").admitted && worker(&st, "b").admitted);
+        // Refit 2 of the same version fails at APPLY and rolls back; b cannot be brought back
+        // (its engine is gone), a can.
+        st.apply(begin(&st, d)).unwrap();
+        for p in [Phase::Prepare, Phase::Apply] {
+            st.apply(phase(2, p)).unwrap();
+        }
+        call(&mut st, 2, "b", apply(), false);
+        st.apply(phase(2, Phase::Rollback)).unwrap();
+        call(&mut st, 2, "a", Action::Resume, true);
+        call(&mut st, 2, "b", Action::Pause, false);
+        // Only FENCED names fenced workers, and only workers of the set.
+        let err = st.check(&end(2, Outcome::RolledBack, &["b"])).unwrap_err();
+        assert!(err.to_string().contains("fences no worker"), "{err}");
+        let err = st.check(&end(2, Outcome::Fenced, &["zz"])).unwrap_err();
+        assert!(err.to_string().contains("fenced worker zz"), "{err}");
+        st.apply(end(2, Outcome::Fenced, &["b"])).unwrap();
+        // b's last known version is still the committed one, but it is not admitted.
+        let b = worker(&st, "b");
+        assert_eq!(b.resident_id.as_deref(), Some(target.as_str()));
+        assert!(
+            !b.admitted && b.admission.contains("fenced by refit 2"),
+            "{}",
+            b.admission
+        );
+        assert!(worker(&st, "a").admitted);
+        // A later refit that aborts before touching b does not lift the fence.
+        st.apply(begin(&st, d)).unwrap();
+        st.apply(phase(3, Phase::Abort)).unwrap();
+        st.apply(end(3, Outcome::Aborted, &[])).unwrap();
+        let b = worker(&st, "b");
+        assert!(!b.admitted && b.admission.contains("fenced by refit 2"));
+        // Registering again, with the committed version resident, lifts it.
+        st.apply(Record::Register {
+            worker_id: "b".into(),
+            instance: "b".into(),
+            ranks: vec![0],
+            layout: LAYOUT,
+            engine: None,
+            resident_version: Some(target.clone()),
+        })
+        .unwrap();
+        let b = worker(&st, "b");
+        assert!(b.admitted, "{}", b.admission);
+    }
+
     #[test]
     fn refit_abort_restores_the_version_state_and_gaps_are_named() {
         let (mut st, d) = ready_state();
@@ -1618,6 +1787,7 @@ mod tests {
             reason: "x".into(),
             at_ms: 0,
             recovered: false,
+            fenced: vec![],
         };
         assert!(st.check(&end).is_err());
         st.apply(Record::WorkerDone {
