@@ -40,7 +40,9 @@ printf 'bench: %s\n' "cargo build --release --bin mx" >&2
 cargo build --release --bin mx --manifest-path "$REPO/Cargo.toml"
 
 export UCX_MODULES="${UCX_MODULES:-^efa}"
-"$REPO/target/release/mx" bench all --report "$report" "${args[@]}"
+# Where cargo put the binary: CARGO_TARGET_DIR when set (relative to this directory, as for cargo).
+MX_BIN="${CARGO_TARGET_DIR:-$REPO/target}/release/mx"
+"$MX_BIN" bench all --report "$report" "${args[@]}"
 
 if ((criterion)); then
     printf 'bench: %s\n' "cargo bench --bench planner" >&2

@@ -18,4 +18,6 @@ printf 'demo: %s\n' "cargo build --release --bin mx" >&2
 cargo build --release --bin mx --manifest-path "$REPO/Cargo.toml"
 
 export UCX_MODULES="${UCX_MODULES:-^efa}"
-exec "$REPO/target/release/mx" demo "$@"
+# Where cargo put the binary: CARGO_TARGET_DIR when set (relative to this directory, as for cargo).
+MX_BIN="${CARGO_TARGET_DIR:-$REPO/target}/release/mx"
+exec "$MX_BIN" demo "$@"

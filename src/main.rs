@@ -486,17 +486,26 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 );
             }
             for w in &s.workers {
+                // The stage state is that of the last stage request (and its label).
+                let stage = match &w.label {
+                    Some(l) => format!("{:?} {l}", w.state),
+                    None => format!("{:?}", w.state),
+                };
                 println!(
-                    "worker  {:<12} {:<9} ranks {:?} {:?} label {} resident {} {}",
+                    "worker  {:<12} {:<9} ranks {:?} {} stage {} resident {} {}",
                     w.worker_id,
                     w.layout.to_string(),
                     w.ranks,
-                    w.state,
-                    w.label.clone().unwrap_or_default(),
+                    if w.connected {
+                        "connected"
+                    } else {
+                        "DISCONNECTED"
+                    },
+                    stage,
                     w.resident_version
                         .map(|d| d.to_string())
                         .or_else(|| w.resident_id.clone())
-                        .unwrap_or_default(),
+                        .unwrap_or_else(|| "-".into()),
                     if w.admitted {
                         "admitted".to_string()
                     } else {

@@ -557,9 +557,21 @@ async fn drive_inner(shared: &Arc<Shared>, id: u64, recovering: bool) -> Result<
             return rollback(&ctx, reason, false).await;
         }
     }
-    // CHECK: one post-update generation per worker against the golden tokens.
-    if refit.spec.check.is_some() {
-        ctx.phase(Phase::Check, String::new(), false).await?;
+    // CHECK: one post-update generation per worker against the golden tokens. Without golden
+    // tokens the phase record says that only a non-empty answer was required.
+    if let Some(check) = &refit.spec.check {
+        let what = if check.expected_tokens.is_empty() {
+            format!(
+                "no golden tokens given: each worker's {}-token generation only had to return tokens",
+                check.max_new_tokens
+            )
+        } else {
+            format!(
+                "each worker's generation must equal the {} golden tokens",
+                check.expected_tokens.len()
+            )
+        };
+        ctx.phase(Phase::Check, what, false).await?;
         if let Some(reason) = ctx.call_all(&ids, Action::Generate).await? {
             return rollback(&ctx, reason, false).await;
         }

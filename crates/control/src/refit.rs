@@ -106,7 +106,9 @@ pub struct GenerationCheck {
     /// Tokens to generate (>= 1).
     pub max_new_tokens: u32,
     /// Golden tokens for the target version, computed outside the workers' path; empty = only
-    /// require that generation succeeds and returns `max_new_tokens` tokens.
+    /// require that generation succeeds and returns at least one token (an engine may stop
+    /// early at an end-of-sequence token), which catches a dead or erroring engine but not wrong
+    /// weights: give golden tokens for that (`mx refit --golden-model`).
     pub expected_tokens: Vec<u32>,
 }
 

@@ -410,6 +410,31 @@ async fn pump(
     tracing::debug!(worker = %worker_id, "command stream ended");
 }
 
+/// Longest worker id accepted.
+const MAX_WORKER_ID: usize = 128;
+
+/// A worker id must be 1 to 128 characters of ASCII letters, digits, `.`, `_`, `-` and `:` (it
+/// is printed in tables, journal records and log lines, and used in failpoint names). Checked
+/// when a worker registers, not when the journal is replayed.
+fn check_worker_id(id: &str) -> Result<(), Error> {
+    let bad = id
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-' | ':')));
+    let reason = if id.is_empty() {
+        "empty worker id".to_string()
+    } else if id.len() > MAX_WORKER_ID {
+        format!("{} characters, at most {MAX_WORKER_ID}", id.len())
+    } else if let Some(c) = bad {
+        format!("{id:?} has {c:?}: use ASCII letters, digits, '.', '_', '-' and ':'")
+    } else {
+        return Ok(());
+    };
+    Err(Error::InvalidField {
+        field: "worker_id".into(),
+        reason,
+    })
+}
+
 fn wait_reached(state: Option<VersionState>, wanted: VersionState) -> bool {
     state.is_some_and(|s| s.reaches(wanted))
 }
@@ -469,6 +494,16 @@ impl ControlPlane for Service {
         req: Request<pb::RegisterWorkerRequest>,
     ) -> Result<Response<pb::RegisterWorkerResponse>, Status> {
         let r = req.into_inner();
+        check_worker_id(&r.worker_id)?;
+        if self.shared.connected(&r.worker_id) {
+            // The documented takeover: the newer process gets the id, the older one's command
+            // stream ends and it exits (it sees the id registered with another endpoint).
+            tracing::warn!(
+                worker = %r.worker_id,
+                "a new registration takes over worker id {:?} from a process still connected; the older process's command stream ends",
+                r.worker_id
+            );
+        }
         let rec = Record::Register {
             layout: convert::req_layout(&r.layout, "layout")?,
             engine: r
@@ -908,4 +943,33 @@ pub async fn spawn(cfg: ControlPlaneConfig) -> Result<(SocketAddr, ServerHandle)
             task,
         },
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    #[test]
+    fn worker_ids_are_checked_at_registration() {
+        for ok in ["w0", "sim-00012", "node-3.gpu_7", "pod:7", &"a".repeat(128)] {
+            assert!(check_worker_id(ok).is_ok(), "{ok}");
+        }
+        for (bad, why) in [
+            ("", "empty worker id"),
+            ("w 9/../x", "has ' '"),
+            ("w/1", "has '/'"),
+            ("wé", "has 'é'"),
+        ] {
+            let e = check_worker_id(bad).unwrap_err();
+            assert!(
+                matches!(&e, Error::InvalidField { field, reason } if field == "worker_id" && reason.contains(why)),
+                "{bad:?}: {e}"
+            );
+            assert_eq!(e.code(), tonic::Code::InvalidArgument);
+        }
+        let e = check_worker_id(&"a".repeat(129)).unwrap_err();
+        assert!(e.to_string().contains("129 characters, at most 128"), "{e}");
+    }
 }
