@@ -768,14 +768,19 @@ async fn start_refit(shared: &Arc<Shared>, mut spec: RefitSpec) -> Result<u64, E
                     },
                 );
             }
-            // Idempotent: the same set already committed this version and nothing moved since.
-            if let Some(last) = s.refits().last() {
+            // Idempotent: the same set committed this version last, and every worker of it is
+            // still on it and admitted (refits that aborted or rolled back cleanly since then
+            // left it so; a fence did not).
+            let last_commit = s
+                .refits()
+                .filter(|r| r.outcome == Some(Outcome::Committed))
+                .last();
+            if let Some(last) = last_commit {
                 let same_set = last.spec.worker_ids == spec.worker_ids;
-                let all_there = workers
-                    .values()
-                    .all(|w| w.resident.as_deref() == Some(target.as_str()));
-                if last.outcome == Some(Outcome::Committed)
-                    && last.target == target
+                let all_there = workers.iter().all(|(id, w)| {
+                    w.resident.as_deref() == Some(target.as_str()) && s.worker_admitted(id)
+                });
+                if last.target == target
                     && same_set
                     && all_there
                     && dropped.is_empty()

@@ -161,6 +161,9 @@ struct Version {
     commit_set: Vec<String>,
     /// State before the open refit began (restored when it does not commit).
     before_refit: Option<VersionState>,
+    /// Slots whose memory a later version of the same NIXL agent was published in (slot ->
+    /// that version's label): this version can no longer be pulled from them.
+    retired: BTreeMap<u32, String>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -370,11 +373,13 @@ impl State {
                         gaps: Vec::new(),
                         commit_set: Vec::new(),
                         before_refit: None,
+                        retired: BTreeMap::new(),
                     },
                 );
                 Effects::default()
             }
             Record::Publish { label, manifest } => {
+                self.retire_overwritten(&label, &manifest);
                 if let Some(v) = self.versions.get_mut(&label) {
                     v.slots.insert(manifest.slot, manifest);
                     v.evaluate();
@@ -432,17 +437,26 @@ impl State {
                 }
             }
             Record::Staged { report } => {
+                let retired = self.retired_by(&report.label);
                 if let Some(w) = self.workers.get_mut(&report.worker_id) {
                     if report.ok {
                         w.state = WorkerState::Staged;
                         w.last_error = None;
                     } else {
                         w.state = WorkerState::Failed;
-                        w.last_error = Some(if report.error.is_empty() {
+                        let mut err = if report.error.is_empty() {
                             "stage failed (no error given)".to_string()
                         } else {
                             report.error.clone()
-                        });
+                        };
+                        // A digest mismatch against overwritten sources is not corruption.
+                        if let Some((slot, by)) = retired.as_ref() {
+                            err.push_str(&format!(
+                                " (note: version {} can no longer be pulled: source slot {slot} now holds version {by} in the same memory, as a publisher that trains in place serves only its newest version; only workers that still hold {} can stage it)",
+                                report.label, report.label
+                            ));
+                        }
+                        w.last_error = Some(err);
                     }
                     // The open refit staging this worker records the transfer too.
                     if let Some(r) = self.refits.values_mut().find(|r| {
@@ -724,6 +738,65 @@ impl State {
     /// The version the fleet last committed: (label, version id).
     pub fn fleet_version(&self) -> Option<&(String, String)> {
         self.fleet_version.as_ref()
+    }
+
+    /// When `label` can no longer be pulled from its sources: (slot, label of the version whose
+    /// publication reused that slot's memory), the lowest such slot. Workers still holding the
+    /// version (resident or pinned) can stage it without a pull, so this is not a refusal: a
+    /// failed stage of such a version says why.
+    pub fn retired_by(&self, label: &str) -> Option<(u32, String)> {
+        self.versions
+            .get(label)?
+            .retired
+            .iter()
+            .next()
+            .map(|(s, by)| (*s, by.clone()))
+    }
+
+    /// Whether `worker_id` is registered and admitted to rollouts.
+    pub fn worker_admitted(&self, worker_id: &str) -> bool {
+        self.workers.get(worker_id).is_some_and(|w| w.admitted)
+    }
+
+    /// Marks, in every other version, the slot `m.slot` retired when it was published by the
+    /// same NIXL agent with a shard byte range overlapping one of `m`'s: a publisher that
+    /// applies a training step in place serves only its newest version. Versions already
+    /// retired for that slot are skipped, so each publish checks about one older version.
+    fn retire_overwritten(&mut self, label: &str, m: &SourceManifest) {
+        let mut new: Vec<(u64, u64)> = m
+            .shards
+            .iter()
+            .map(|s| (s.addr, s.addr.saturating_add(s.len)))
+            .collect();
+        new.sort_unstable();
+        // reach[k]: the largest end among the first k + 1 ranges (by start).
+        let reach: Vec<u64> = new
+            .iter()
+            .scan(0u64, |m, r| {
+                *m = (*m).max(r.1);
+                Some(*m)
+            })
+            .collect();
+        let overlaps = |old: &SourceManifest| {
+            old.shards.iter().any(|s| {
+                let (a, e) = (s.addr, s.addr.saturating_add(s.len));
+                // Some new range starting before `e` ends after `a`.
+                let k = new.partition_point(|r| r.0 < e);
+                e > a && k > 0 && reach[k - 1] > a
+            })
+        };
+        for (l, v) in self.versions.iter_mut() {
+            if l == label || v.retired.contains_key(&m.slot) {
+                continue;
+            }
+            let hit = v
+                .slots
+                .get(&m.slot)
+                .is_some_and(|old| old.agent_name == m.agent_name && overlaps(old));
+            if hit {
+                v.retired.insert(m.slot, label.to_string());
+            }
+        }
     }
 
     /// A worker's engine endpoint and resident version id.
@@ -1700,6 +1773,62 @@ mod tests {
             .into_iter()
             .find(|w| w.worker_id == id)
             .unwrap()
+    }
+
+    #[test]
+    fn a_version_overwritten_in_place_is_retired() {
+        let (mut st, _) = ready_state();
+        assert_eq!(st.retired_by("v1"), None);
+        // v2 from slot 1's agent at other addresses (a double-buffering publisher): v1 stays.
+        st.apply(Record::Declare {
+            label: "v2".into(),
+            trainer_layout: LAYOUT,
+            tensors: vec![spec("w", &[4, 2])],
+        })
+        .unwrap();
+        let mut elsewhere = shard("w", &[4, 2], bx(&[2, 0], &[2, 2]));
+        elsewhere.addr = 1 << 20;
+        st.apply(Record::Publish {
+            label: "v2".into(),
+            manifest: manifest(1, vec![elsewhere]),
+        })
+        .unwrap();
+        assert_eq!(st.retired_by("v1"), None);
+        // Slot 0's agent publishes v2 into the memory v1 used (shard at 4096 + 2 overlaps v1's
+        // 4096..4104): v1 is retired for slot 0; v2 is not.
+        let mut overlapping = shard("w", &[4, 2], bx(&[0, 0], &[2, 2]));
+        overlapping.addr = 4098;
+        st.apply(Record::Publish {
+            label: "v2".into(),
+            manifest: manifest(0, vec![overlapping.clone()]),
+        })
+        .unwrap();
+        assert_eq!(st.retired_by("v1"), Some((0, "v2".to_string())));
+        assert_eq!(st.retired_by("v2"), None);
+        // Another agent at the same addresses (another process) retires nothing.
+        st.apply(Record::Declare {
+            label: "v3".into(),
+            trainer_layout: LAYOUT,
+            tensors: vec![spec("w", &[4, 2])],
+        })
+        .unwrap();
+        let mut m = manifest(1, vec![overlapping]);
+        m.agent_name = "other".into();
+        st.apply(Record::Publish {
+            label: "v3".into(),
+            manifest: m,
+        })
+        .unwrap();
+        assert_eq!(st.retired_by("v2"), None);
+        // Touching but not overlapping ranges retire nothing either.
+        let mut after = shard("w", &[4, 2], bx(&[0, 0], &[2, 2]));
+        after.addr = (1 << 20) + 8;
+        st.apply(Record::Publish {
+            label: "v3".into(),
+            manifest: manifest(1, vec![after]),
+        })
+        .unwrap();
+        assert_eq!(st.retired_by("v2"), None);
     }
 
     #[test]

@@ -876,3 +876,57 @@ async fn restart_replays_the_journal_to_the_same_state() {
         "{err}"
     );
 }
+
+#[tokio::test]
+async fn bad_worker_ids_are_refused_and_a_stage_of_an_overwritten_version_says_why() {
+    let dir = tempfile::tempdir().unwrap();
+    let (c, _h) = start(&dir.path().join("journal.jsonl")).await;
+    declare_and_publish_step7(&c).await;
+    let (_fake, url) = fake_engine("disk:/ckpt").await;
+    register_dynamo(&c, "w", &url).await;
+    // A worker id with a space and a slash is refused, naming the field.
+    let (code, msg) = rpc_err(
+        c.register_worker("w 9/../x", "i", &[0], REP1)
+            .await
+            .unwrap_err(),
+    );
+    assert_eq!(code, tonic::Code::InvalidArgument);
+    assert!(
+        msg.contains("invalid field worker_id") && msg.contains("' '"),
+        "{msg}"
+    );
+    // The publisher of slot 0 applies a training step in place and publishes step-8 from the
+    // same memory. A worker that still holds step-7 could stage it without a pull, so the stage
+    // is not refused; a worker that pulls it fails verification, and its error says why.
+    c.declare_version("step-8", FSDP2, &tensors())
+        .await
+        .unwrap();
+    c.publish("step-8", &manifest(0)).await.unwrap();
+    let mut s = c.watch_commands("w").await.unwrap();
+    c.stage("step-7", &["w"]).await.unwrap();
+    assert!(matches!(next_cmd(&mut s).await, Command::Stage { .. }));
+    let mut failed = staged("w", "step-7", 0);
+    failed.ok = false;
+    failed.error = "verification failed: tensor embed.weight region [0..4, 0..4]".into();
+    c.report_staged(&failed).await.unwrap();
+    let st = c.get_status().await.unwrap();
+    let w = st.workers.iter().find(|w| w.worker_id == "w").unwrap();
+    assert_eq!(w.state, WorkerState::Failed);
+    let err = w.last_error.as_deref().unwrap_or_default();
+    assert!(
+        err.starts_with("verification failed: tensor embed.weight")
+            && err.contains("version step-7 can no longer be pulled: source slot 0 now holds version step-8 in the same memory"),
+        "{err}"
+    );
+    // step-8's own stage failures carry no such note.
+    c.publish("step-8", &manifest(1)).await.unwrap();
+    c.stage("step-8", &["w"]).await.unwrap();
+    assert!(matches!(next_cmd(&mut s).await, Command::Stage { .. }));
+    let mut failed = staged("w", "step-8", 0);
+    failed.ok = false;
+    failed.error = "pull failed".into();
+    c.report_staged(&failed).await.unwrap();
+    let st = c.get_status().await.unwrap();
+    let w = st.workers.iter().find(|w| w.worker_id == "w").unwrap();
+    assert_eq!(w.last_error.as_deref(), Some("pull failed"));
+}
