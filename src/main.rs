@@ -264,8 +264,11 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             .await?;
             if let Some(f) = addr_file {
                 let tmp = f.with_extension("tmp");
-                std::fs::write(&tmp, addr.to_string())?;
-                std::fs::rename(&tmp, &f)?;
+                std::fs::write(&tmp, addr.to_string())
+                    .with_context(|| format!("--addr-file: writing {}", tmp.display()))?;
+                std::fs::rename(&tmp, &f).with_context(|| {
+                    format!("--addr-file: renaming {} to {}", tmp.display(), f.display())
+                })?;
             }
             eprintln!("mx control listening on {addr}");
             let mut term =
@@ -364,7 +367,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             label,
         } => runtime()?.block_on(async move {
             let ckpt = mx_checkpoint::Checkpoint::open(&model)?;
-            let config = ckpt.config().context("config.json missing")?;
+            let config = ckpt
+                .config()
+                .with_context(|| format!("{} has no config.json", ckpt.dir().display()))?;
             let info = mx_layout::ModelInfo::from_hf_config(config, ckpt.specs())?;
             mx_layout::rank_layouts(&info, trainer_layout)?;
             let c = mx_control::client::ControlClient::connect(&control).await?;

@@ -68,7 +68,9 @@ struct PlanReport {
 
 pub(crate) fn run(a: PlanArgs) -> anyhow::Result<()> {
     let ckpt = Checkpoint::open(&a.model)?;
-    let config = ckpt.config().context("config.json missing")?;
+    let config = ckpt
+        .config()
+        .with_context(|| format!("{} has no config.json", ckpt.dir().display()))?;
     let model = ModelInfo::from_hf_config(config, ckpt.specs())?;
     let ranks: Vec<u32> = if a.ranks.is_empty() {
         (0..a.inference_layout.world_size).collect()

@@ -242,12 +242,19 @@ pub(crate) fn print_refit(r: &Refit) {
         "worker", "previous", "resulting", "stage s", "apply s", "verify s", "check s"
     );
     for (id, w) in &r.workers {
-        let secs = |f: &dyn Fn(&mx_control::Action) -> bool| -> f64 {
-            w.calls
+        // Seconds over the calls of a kind, "-" when there was none (an empty f64 sum is -0.0).
+        let secs = |f: &dyn Fn(&mx_control::Action) -> bool| -> String {
+            let t: Vec<f64> = w
+                .calls
                 .iter()
                 .filter(|c| f(&c.action))
                 .filter_map(|c| c.result.as_ref().map(|x| x.seconds))
-                .sum()
+                .collect();
+            if t.is_empty() {
+                "-".to_string()
+            } else {
+                format!("{:.3}", t.iter().sum::<f64>())
+            }
         };
         let apply = secs(&|a| matches!(a, mx_control::Action::Apply { .. }));
         let verify = secs(&|a| matches!(a, mx_control::Action::ReadVersion));
@@ -269,7 +276,7 @@ pub(crate) fn print_refit(r: &Refit) {
             .map(|x| format!(" {:?}", x.tokens))
             .unwrap_or_default();
         println!(
-            "  {:<10} {:<17} {:<17} {:>8.3} {:>8.3} {:>8.3} {:>8.3}  {tiers}{tokens}",
+            "  {:<10} {:<17} {:<17} {:>8.3} {:>8} {:>8} {:>8}  {tiers}{tokens}",
             id,
             short(&w.previous),
             short(&w.resident),

@@ -33,11 +33,12 @@ pub(crate) struct ControlArgs {
     /// Simulated workers.
     #[arg(long, default_value_t = 1000)]
     pub(crate) workers: u32,
-    /// Processes the simulated workers are spread over.
+    /// Processes the simulated workers are spread over (at most one per worker).
     #[arg(long, default_value_t = 4)]
     pub(crate) procs: u32,
-    /// Stage/commit rounds (each to a new version); the first is reported apart as warm-up.
-    #[arg(long, default_value_t = 4)]
+    /// Stage/commit rounds (each to a new version), at least 2: the first is reported apart as
+    /// warm-up, the median of the others is the result.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(2..))]
     pub(crate) rounds: u32,
     /// Workers applying at once in the commit round (0 = all; 1 = one after the other, for a
     /// side-by-side with the sequential apply of earlier versions).
@@ -315,9 +316,10 @@ pub(crate) async fn run(a: &ControlArgs) -> anyhow::Result<ControlReport> {
     let journal = work.join("journal.jsonl");
     let control_pid = procs.pid("control").context("control plane pid")?;
     let fail_file = work.join("fail-apply.version");
-    let per = a.workers.div_ceil(a.procs);
+    let n_procs = a.procs.min(a.workers);
+    let per = a.workers.div_ceil(n_procs);
     let mut ready = Vec::new();
-    for p in 0..a.procs {
+    for p in 0..n_procs {
         let first = p * per;
         let count = per.min(a.workers.saturating_sub(first));
         if count == 0 {
@@ -417,7 +419,7 @@ pub(crate) async fn run(a: &ControlArgs) -> anyhow::Result<ControlReport> {
     let n = f64::from(a.workers);
     let report = ControlReport {
         workers: a.workers,
-        procs: a.procs,
+        procs: u32::try_from(ready.len()).unwrap_or(u32::MAX),
         apply_parallelism: a.apply_parallelism,
         orchestrator_gated: a.orchestrator_gated,
         verify_from_apply_answer: a.verify_from_apply_answer,

@@ -11,19 +11,19 @@ use serde::Serialize;
 #[derive(clap::Args, Debug, Clone)]
 pub(crate) struct PlanArgs {
     /// Trainer ranks.
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
     pub(crate) trainer_ranks: u32,
     /// Trainer expert parallelism (experts of an EP group are FSDP-sharded over its ranks).
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..))]
     pub(crate) trainer_ep: u32,
     /// Inference tensor parallelism per instance.
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..))]
     pub(crate) tp: u32,
     /// Inference expert parallelism per instance.
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..))]
     pub(crate) ep: u32,
     /// Inference instances.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
     pub(crate) instances: u32,
     /// Only Kimi-K2 (skip DeepSeek-V3), for a quick run.
     #[arg(long)]

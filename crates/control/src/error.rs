@@ -67,7 +67,7 @@ pub enum Error {
     },
     /// A manifest entry that is internally inconsistent (box outside the shape, length vs box,
     /// slot out of range, wrong trainer layout).
-    #[error("version {label:?} slot {slot}: tensor {tensor}: {reason}")]
+    #[error("version {label:?} slot {slot}: {}{reason}", tensor_prefix(.tensor))]
     BadManifest {
         /// Version label.
         label: String,
@@ -193,6 +193,15 @@ impl std::fmt::Display for OptionalState {
             Some(s) => write!(f, "{s}"),
             None => f.write_str("undeclared"),
         }
+    }
+}
+
+/// "tensor NAME: " for a message about one tensor; nothing when the whole manifest is at fault.
+fn tensor_prefix(tensor: &str) -> String {
+    if tensor.is_empty() {
+        String::new()
+    } else {
+        format!("tensor {tensor}: ")
     }
 }
 

@@ -150,7 +150,10 @@ impl FromStr for LayoutSpec {
             "replicated" | "identity" => Scheme::Replicated,
             _ => return Err(bad("scheme must be fsdp, tp or replicated")),
         };
-        let world_size: u32 = n.parse().map_err(|_| bad("N must be an integer"))?;
+        let world_size: u32 = match n.parse::<u64>() {
+            Ok(v) => u32::try_from(v).unwrap_or(u32::MAX),
+            Err(_) => return Err(bad("N must be an integer")),
+        };
         if world_size == 0 || world_size > LayoutSpec::MAX_WORLD_SIZE {
             return Err(bad("N must be between 1 and 65536"));
         }

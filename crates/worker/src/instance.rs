@@ -409,6 +409,16 @@ impl Instance {
         blocking(move || apply_blocking(&sh, source, clear_cache)).await
     }
 
+    /// [`Instance::apply`] before the engine serves anything (`mx worker --load` at start-up):
+    /// there is no generation to gate yet, so no warning about it.
+    pub(crate) async fn apply_before_serving(
+        &self,
+        source: ApplySource,
+    ) -> Result<ApplyOutcome, Error> {
+        let sh = Arc::clone(&self.shared);
+        blocking(move || apply_blocking(&sh, source, true)).await
+    }
+
     /// Clears every cache tier of the engine (no-op without one); returns the tiers cleared.
     pub async fn clear_caches(&self) -> Result<Vec<String>, Error> {
         let sh = Arc::clone(&self.shared);

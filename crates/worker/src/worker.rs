@@ -114,7 +114,7 @@ impl Worker {
                 .load_version
                 .clone()
                 .unwrap_or_else(|| format!("disk:{}", dir.display()));
-            inst.apply(ApplySource::Disk {
+            inst.apply_before_serving(ApplySource::Disk {
                 path: dir.clone(),
                 version,
             })
