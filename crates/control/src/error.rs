@@ -234,10 +234,18 @@ impl Error {
 
     /// Builds the client-side error from a status returned by `rpc`.
     pub(crate) fn rpc(rpc: &'static str, status: tonic::Status) -> Error {
+        let mut message = status.message().to_string();
+        // An HTTP server that is not gRPC (a worker's engine routes, say) answers without a
+        // grpc-status header; tonic maps its HTTP status to a code.
+        if message.contains("grpc-status header missing") {
+            message.push_str(
+                " (the address answered plain HTTP, not gRPC: is it an mx control plane? A worker's --http port is not)",
+            );
+        }
         Error::Rpc {
             rpc,
             code: status.code(),
-            message: status.message().to_string(),
+            message,
         }
     }
 }
@@ -246,5 +254,30 @@ impl Error {
 impl From<Error> for tonic::Status {
     fn from(e: Error) -> tonic::Status {
         tonic::Status::new(e.code(), e.to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_plain_http_answer_gets_a_hint() {
+        let s = tonic::Status::new(
+            tonic::Code::Unimplemented,
+            "grpc-status header missing, mapped from HTTP status code 404",
+        );
+        let e = Error::rpc("GetStatus", s);
+        assert_eq!(e.code(), tonic::Code::Unimplemented);
+        assert!(
+            e.to_string()
+                .contains("answered plain HTTP, not gRPC: is it an mx control plane?"),
+            "{e}"
+        );
+        let e = Error::rpc(
+            "GetStatus",
+            tonic::Status::new(tonic::Code::NotFound, "version \"x\" is not declared"),
+        );
+        assert!(!e.to_string().contains("plain HTTP"), "{e}");
     }
 }
