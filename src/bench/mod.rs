@@ -16,7 +16,7 @@ use serde::Serialize;
 /// `mx bench` parts.
 #[derive(Subcommand, Debug)]
 pub(crate) enum BenchCmd {
-    /// Every part below, then one JSON report (quick by default: about 5 minutes here).
+    /// Every part below, then one JSON report (quick by default: about 35 s of measuring here).
     All(AllArgs),
     /// NIXL pull bandwidth against a memcpy of the same bytes, with the knobs that move it.
     Pull(pull::PullArgs),
