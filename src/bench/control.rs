@@ -596,6 +596,7 @@ pub(crate) async fn sim_workers(a: SimArgs) -> anyhow::Result<()> {
                     system_url: format!("http://{addr}/w/{id}"),
                 }),
                 resident_version: None,
+                model_limits: None,
             })
             .await
             .with_context(|| format!("registering {id}"))?;

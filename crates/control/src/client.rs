@@ -154,6 +154,10 @@ impl ControlClient {
                 layout: Some(convert::layout_pb(&reg.layout)),
                 engine: reg.engine.as_ref().map(convert::engine_pb),
                 resident_version: reg.resident_version.clone().unwrap_or_default(),
+                model_limits: reg.model_limits.map(|l| pb::ModelLimits {
+                    vocab_size: l.vocab_size,
+                    max_positions: l.max_positions,
+                }),
             })
             .await
             .map_err(|s| Error::rpc("RegisterWorker", s))?;
@@ -178,6 +182,7 @@ impl ControlClient {
             layout,
             engine: None,
             resident_version: None,
+            model_limits: None,
         })
         .await
     }

@@ -46,7 +46,7 @@ pub mod pb {
 pub use error::{Error, OptionalState};
 pub use refit::{
     model_path, version_id, Action, CallResult, EngineApi, EngineEndpoint, GenerationCheck,
-    Outcome, PauseMode, Phase, Refit, RefitSpec, RefitWorker, Registration,
+    ModelLimits, Outcome, PauseMode, Phase, Refit, RefitSpec, RefitWorker, Registration,
 };
 pub use server::{serve, spawn, ControlPlaneConfig, ServerHandle};
 pub use types::{

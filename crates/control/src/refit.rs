@@ -83,6 +83,57 @@ pub struct Registration {
     pub engine: Option<EngineEndpoint>,
     /// The version id resident in its live weights (see [`version_id`]), `None` when it has none.
     pub resident_version: Option<String>,
+    /// What generation requests its engine accepts, when known: a refit's post-update check is
+    /// validated against them before anything pauses.
+    #[serde(default)]
+    pub model_limits: Option<ModelLimits>,
+}
+
+/// The limits of a worker's model on generation requests (HF `config.json`: `vocab_size`,
+/// `max_position_embeddings`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModelLimits {
+    /// Token ids must be below this.
+    pub vocab_size: u64,
+    /// Prompt tokens plus new tokens must not exceed this.
+    pub max_positions: u64,
+}
+
+impl ModelLimits {
+    /// Checks a post-update generation against these limits.
+    ///
+    /// # Errors
+    /// `(field, reason)`: `check.prompt_tokens[i]` for the first token id outside the vocabulary,
+    /// `check.max_new_tokens` when prompt plus new tokens exceed the positions.
+    pub fn check(&self, c: &GenerationCheck) -> Result<(), (String, String)> {
+        if let Some((i, t)) = c
+            .prompt_tokens
+            .iter()
+            .enumerate()
+            .find(|(_, &t)| u64::from(t) >= self.vocab_size)
+        {
+            return Err((
+                format!("check.prompt_tokens[{i}]"),
+                format!(
+                    "token id {t} is outside the vocabulary of {}",
+                    self.vocab_size
+                ),
+            ));
+        }
+        let need = (c.prompt_tokens.len() as u64).saturating_add(u64::from(c.max_new_tokens));
+        if need > self.max_positions {
+            return Err((
+                "check.max_new_tokens".to_string(),
+                format!(
+                    "{} prompt tokens + {} new exceed max_position_embeddings {}",
+                    c.prompt_tokens.len(),
+                    c.max_new_tokens,
+                    self.max_positions
+                ),
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// The version id of an mx policy version as engines report it: `mx:<64 hex digits>` (the blake3

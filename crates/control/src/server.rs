@@ -3,7 +3,9 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use crate::refit::{now_ms, version_id, Outcome, Phase, Refit, RefitSpec, RefitWorker};
+use crate::refit::{
+    now_ms, version_id, ModelLimits, Outcome, Phase, Refit, RefitSpec, RefitWorker,
+};
 use crate::WorkerState;
 use std::future::Future;
 use std::net::SocketAddr;
@@ -95,6 +97,9 @@ pub(crate) struct Shared {
     /// Set when the server shuts down, so streams and waits end.
     closing: watch::Sender<bool>,
     mail: Mutex<HashMap<String, Arc<Mailbox>>>,
+    /// Each worker's model limits from its last registration (not journaled: a worker registers
+    /// again after a control-plane restart).
+    limits: Mutex<HashMap<String, ModelLimits>>,
     /// The client of every engine call: one pool of kept-alive connections for the life of the
     /// control plane, so a refit of a thousand workers does not open a thousand connections.
     pub(crate) http: reqwest::Client,
@@ -245,6 +250,7 @@ impl Shared {
             changes: watch::Sender::new(0),
             closing: watch::Sender::new(false),
             mail: Mutex::new(HashMap::new()),
+            limits: Mutex::new(HashMap::new()),
             http: reqwest::Client::builder()
                 .tcp_nodelay(true)
                 .build()
@@ -495,6 +501,10 @@ impl ControlPlane for Service {
     ) -> Result<Response<pb::RegisterWorkerResponse>, Status> {
         let r = req.into_inner();
         check_worker_id(&r.worker_id)?;
+        let limits = r.model_limits.map(|l| ModelLimits {
+            vocab_size: l.vocab_size,
+            max_positions: l.max_positions,
+        });
         if self.shared.connected(&r.worker_id) {
             // The documented takeover: the newer process gets the id, the older one's command
             // stream ends and it exits (it sees the id registered with another endpoint).
@@ -516,7 +526,16 @@ impl ControlPlane for Service {
             instance: r.instance,
             ranks: r.ranks,
         };
+        let id = match &rec {
+            Record::Register { worker_id, .. } => worker_id.clone(),
+            _ => String::new(),
+        };
         self.shared.mutate(rec).await?;
+        let mut map = lock(&self.shared.limits);
+        match limits {
+            Some(l) => map.insert(id, l),
+            None => map.remove(&id),
+        };
         Ok(Response::new(pb::RegisterWorkerResponse {}))
     }
 
@@ -723,6 +742,19 @@ async fn start_refit(shared: &Arc<Shared>, mut spec: RefitSpec) -> Result<u64, E
         });
     }
     spec.worker_ids = seen.into_iter().collect();
+    // The post-update check must be one every engine of the set accepts: refused now, before
+    // anything pauses, rather than after the fleet applied and must roll back.
+    if let Some(check) = &spec.check {
+        let limits = lock(&shared.limits);
+        for w in &spec.worker_ids {
+            if let Some(Err((field, reason))) = limits.get(w).map(|l| l.check(check)) {
+                return Err(Error::InvalidField {
+                    field,
+                    reason: format!("{reason} of worker {w}; nothing was paused"),
+                });
+            }
+        }
+    }
     let begin = shared
         .read_durable(|s| -> Result<Result<Refit, u64>, Error> {
             let info = s

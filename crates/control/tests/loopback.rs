@@ -543,6 +543,7 @@ async fn register_dynamo(c: &ControlClient, id: &str, url: &str) {
             system_url: url.to_string(),
         }),
         resident_version: Some("disk:/ckpt".into()),
+        model_limits: None,
     })
     .await
     .unwrap();
@@ -929,4 +930,68 @@ async fn bad_worker_ids_are_refused_and_a_stage_of_an_overwritten_version_says_w
     let st = c.get_status().await.unwrap();
     let w = st.workers.iter().find(|w| w.worker_id == "w").unwrap();
     assert_eq!(w.last_error.as_deref(), Some("pull failed"));
+}
+
+#[tokio::test]
+async fn a_post_update_check_the_engines_would_refuse_is_refused_before_anything_pauses() {
+    let dir = tempfile::tempdir().unwrap();
+    let (c, _h) = start(&dir.path().join("journal.jsonl")).await;
+    declare_and_publish_step7(&c).await;
+    let (fake, url) = fake_engine("disk:/ckpt").await;
+    c.register(&Registration {
+        worker_id: "w".into(),
+        instance: "w".into(),
+        ranks: vec![0],
+        layout: REP1,
+        engine: Some(EngineEndpoint {
+            api: EngineApi::Dynamo,
+            system_url: url.clone(),
+        }),
+        resident_version: Some("disk:/ckpt".into()),
+        model_limits: Some(mx_control::ModelLimits {
+            vocab_size: 49152,
+            max_positions: 8192,
+        }),
+    })
+    .await
+    .unwrap();
+    let spec = |prompt: Vec<u32>, new: u32| RefitSpec {
+        label: "step-7".into(),
+        worker_ids: vec!["w".into()],
+        pause_mode: PauseMode::Wait,
+        allow_partial: false,
+        check: Some(mx_control::GenerationCheck {
+            prompt_tokens: prompt,
+            max_new_tokens: new,
+            expected_tokens: vec![],
+        }),
+        framework_step: 7,
+        stage_timeout_ms: 10_000,
+        call_timeout_ms: 10_000,
+        apply_parallelism: 0,
+        orchestrator_gated: false,
+        verify_from_apply_answer: false,
+    };
+    let (code, msg) = rpc_err(c.refit(&spec(vec![1, 99_999_999], 4)).await.unwrap_err());
+    assert_eq!(code, tonic::Code::InvalidArgument);
+    assert!(
+        msg.contains("invalid field check.prompt_tokens[1]: token id 99999999 is outside the vocabulary of 49152 of worker w; nothing was paused"),
+        "{msg}"
+    );
+    let (code, msg) = rpc_err(c.refit(&spec(vec![1, 2], 8191)).await.unwrap_err());
+    assert_eq!(code, tonic::Code::InvalidArgument);
+    assert!(
+        msg.contains(
+            "check.max_new_tokens: 2 prompt tokens + 8191 new exceed max_position_embeddings 8192"
+        ),
+        "{msg}"
+    );
+    // No refit began and the engine got no call.
+    let (_, refit) = c.wait_refit(0, Duration::ZERO).await.unwrap();
+    assert!(refit.is_none(), "{refit:?}");
+    assert!(fake.lock().unwrap().calls.is_empty());
+    // Re-registered without limits (unknown), the same check is left to the engine.
+    register_dynamo(&c, "w", &url).await;
+    let id = c.refit(&spec(vec![1, 99_999_999], 4)).await.unwrap();
+    assert_eq!(id, 1);
 }

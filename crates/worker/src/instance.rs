@@ -326,6 +326,20 @@ impl Instance {
         })
     }
 
+    /// The limits of its model on generation requests, sent when it registers: `None` when it
+    /// cannot generate or its config.json lacks `vocab_size` or `max_position_embeddings`.
+    pub fn model_limits(&self) -> Option<mx_control::ModelLimits> {
+        let sh = &self.shared;
+        sh.generation.as_ref().ok()?;
+        Some(mx_control::ModelLimits {
+            vocab_size: sh
+                .config
+                .get("vocab_size")
+                .and_then(serde_json::Value::as_u64)?,
+            max_positions: sh.max_positions?,
+        })
+    }
+
     /// The configuration it was opened with.
     pub fn config(&self) -> &InstanceConfig {
         &self.shared.cfg

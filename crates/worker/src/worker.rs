@@ -368,6 +368,7 @@ async fn register(
                 system_url: http.url(),
             }),
             resident_version: inst.resident_version(),
+            model_limits: inst.model_limits(),
         })
         .await?;
     Ok(())
