@@ -1779,55 +1779,42 @@ mod tests {
     fn a_version_overwritten_in_place_is_retired() {
         let (mut st, _) = ready_state();
         assert_eq!(st.retired_by("v1"), None);
+        // Publishes one shard of `w` at `addr` as `label` from `slot` (agent `src<slot>`, or
+        // `agent` when given).
+        let publish = |st: &mut State, label: &str, slot: u32, addr: u64, agent: Option<&str>| {
+            let mut sh = shard("w", &[4, 2], bx(&[u64::from(slot) * 2, 0], &[2, 2]));
+            sh.addr = addr;
+            let mut m = manifest(slot, vec![sh]);
+            if let Some(a) = agent {
+                m.agent_name = a.into();
+            }
+            st.apply(Record::Publish {
+                label: label.into(),
+                manifest: m,
+            })
+            .unwrap();
+        };
+        for label in ["v2", "v3"] {
+            st.apply(Record::Declare {
+                label: label.into(),
+                trainer_layout: LAYOUT,
+                tensors: vec![spec("w", &[4, 2])],
+            })
+            .unwrap();
+        }
         // v2 from slot 1's agent at other addresses (a double-buffering publisher): v1 stays.
-        st.apply(Record::Declare {
-            label: "v2".into(),
-            trainer_layout: LAYOUT,
-            tensors: vec![spec("w", &[4, 2])],
-        })
-        .unwrap();
-        let mut elsewhere = shard("w", &[4, 2], bx(&[2, 0], &[2, 2]));
-        elsewhere.addr = 1 << 20;
-        st.apply(Record::Publish {
-            label: "v2".into(),
-            manifest: manifest(1, vec![elsewhere]),
-        })
-        .unwrap();
+        publish(&mut st, "v2", 1, 1 << 20, None);
         assert_eq!(st.retired_by("v1"), None);
-        // Slot 0's agent publishes v2 into the memory v1 used (shard at 4096 + 2 overlaps v1's
+        // Slot 0's agent publishes v2 into the memory v1 used (4098.. overlaps v1's
         // 4096..4104): v1 is retired for slot 0; v2 is not.
-        let mut overlapping = shard("w", &[4, 2], bx(&[0, 0], &[2, 2]));
-        overlapping.addr = 4098;
-        st.apply(Record::Publish {
-            label: "v2".into(),
-            manifest: manifest(0, vec![overlapping.clone()]),
-        })
-        .unwrap();
+        publish(&mut st, "v2", 0, 4098, None);
         assert_eq!(st.retired_by("v1"), Some((0, "v2".to_string())));
         assert_eq!(st.retired_by("v2"), None);
-        // Another agent at the same addresses (another process) retires nothing.
-        st.apply(Record::Declare {
-            label: "v3".into(),
-            trainer_layout: LAYOUT,
-            tensors: vec![spec("w", &[4, 2])],
-        })
-        .unwrap();
-        let mut m = manifest(1, vec![overlapping]);
-        m.agent_name = "other".into();
-        st.apply(Record::Publish {
-            label: "v3".into(),
-            manifest: m,
-        })
-        .unwrap();
+        // Another agent at v2's slot-1 addresses (another process) retires nothing.
+        publish(&mut st, "v3", 1, 1 << 20, Some("other"));
         assert_eq!(st.retired_by("v2"), None);
-        // Touching but not overlapping ranges retire nothing either.
-        let mut after = shard("w", &[4, 2], bx(&[0, 0], &[2, 2]));
-        after.addr = (1 << 20) + 8;
-        st.apply(Record::Publish {
-            label: "v3".into(),
-            manifest: manifest(1, vec![after]),
-        })
-        .unwrap();
+        // Touching but not overlapping ranges (v2's slot 1 is 1 MiB..+8) retire nothing either.
+        publish(&mut st, "v3", 1, (1 << 20) + 8, None);
         assert_eq!(st.retired_by("v2"), None);
     }
 

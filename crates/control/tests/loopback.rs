@@ -904,16 +904,31 @@ async fn bad_worker_ids_are_refused_and_a_stage_of_an_overwritten_version_says_w
         .unwrap();
     c.publish("step-8", &manifest(0)).await.unwrap();
     let mut s = c.watch_commands("w").await.unwrap();
-    c.stage("step-7", &["w"]).await.unwrap();
-    assert!(matches!(next_cmd(&mut s).await, Command::Stage { .. }));
-    let mut failed = staged("w", "step-7", 0);
-    failed.ok = false;
-    failed.error = "verification failed: tensor embed.weight region [0..4, 0..4]".into();
-    c.report_staged(&failed).await.unwrap();
-    let st = c.get_status().await.unwrap();
-    let w = st.workers.iter().find(|w| w.worker_id == "w").unwrap();
-    assert_eq!(w.state, WorkerState::Failed);
-    let err = w.last_error.as_deref().unwrap_or_default();
+    // Stages `label` on w, which reports `error`; w's error as the control plane then lists it.
+    async fn stage_fails(
+        c: &ControlClient,
+        s: &mut CommandStream,
+        label: &str,
+        error: &str,
+    ) -> String {
+        c.stage(label, &["w"]).await.unwrap();
+        assert!(matches!(next_cmd(s).await, Command::Stage { .. }));
+        let mut failed = staged("w", label, 0);
+        failed.ok = false;
+        failed.error = error.into();
+        c.report_staged(&failed).await.unwrap();
+        let st = c.get_status().await.unwrap();
+        let w = st.workers.iter().find(|w| w.worker_id == "w").unwrap();
+        assert_eq!(w.state, WorkerState::Failed);
+        w.last_error.clone().unwrap_or_default()
+    }
+    let err = stage_fails(
+        &c,
+        &mut s,
+        "step-7",
+        "verification failed: tensor embed.weight region [0..4, 0..4]",
+    )
+    .await;
     assert!(
         err.starts_with("verification failed: tensor embed.weight")
             && err.contains("version step-7 can no longer be pulled: source slot 0 now holds version step-8 in the same memory"),
@@ -921,15 +936,10 @@ async fn bad_worker_ids_are_refused_and_a_stage_of_an_overwritten_version_says_w
     );
     // step-8's own stage failures carry no such note.
     c.publish("step-8", &manifest(1)).await.unwrap();
-    c.stage("step-8", &["w"]).await.unwrap();
-    assert!(matches!(next_cmd(&mut s).await, Command::Stage { .. }));
-    let mut failed = staged("w", "step-8", 0);
-    failed.ok = false;
-    failed.error = "pull failed".into();
-    c.report_staged(&failed).await.unwrap();
-    let st = c.get_status().await.unwrap();
-    let w = st.workers.iter().find(|w| w.worker_id == "w").unwrap();
-    assert_eq!(w.last_error.as_deref(), Some("pull failed"));
+    assert_eq!(
+        stage_fails(&c, &mut s, "step-8", "pull failed").await,
+        "pull failed"
+    );
 }
 
 #[tokio::test]
