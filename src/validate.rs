@@ -866,8 +866,15 @@ fn print_table(f: &Fleet, rows: &[ScenarioReport]) {
             .map(|(l, _)| l.clone())
             .unwrap_or_else(|| v.chars().take(20).collect())
     };
+    // Columns as wide as their longest entry: nothing is cut off.
+    let width = |head: &str, cell: &dyn Fn(&ScenarioReport) -> usize| {
+        rows.iter().map(cell).max().unwrap_or(0).max(head.len())
+    };
+    let wn = width("scenario", &|r| r.name.chars().count());
+    let wo = width("observed", &|r| r.observed.chars().count());
+    let we = width("expected", &|r| r.expected.chars().count());
     println!(
-        "\n{:<36} {:<6} {:<11} {:<52} {:<24} {:<10} {:<8}",
+        "\n{:<wn$} {:<6} {:<wo$} {:<we$} {:<24} {:<10} {:<8}",
         "scenario",
         "result",
         "observed",
@@ -879,11 +886,11 @@ fn print_table(f: &Fleet, rows: &[ScenarioReport]) {
     for r in rows {
         let v: Vec<String> = r.versions_after.values().map(|x| short(x)).collect();
         println!(
-            "{:<36} {:<6} {:<11} {:<52} {:<24} {:<10} {:<8}",
+            "{:<wn$} {:<6} {:<wo$} {:<we$} {:<24} {:<10} {:<8}",
             r.name,
             if r.passed { "PASS" } else { "FAIL" },
-            r.observed.chars().take(11).collect::<String>(),
-            r.expected.chars().take(52).collect::<String>(),
+            r.observed,
+            r.expected,
             v.join(" "),
             r.fleet_consistent,
             if r.journal_complete {
