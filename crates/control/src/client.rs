@@ -154,10 +154,7 @@ impl ControlClient {
                 layout: Some(convert::layout_pb(&reg.layout)),
                 engine: reg.engine.as_ref().map(convert::engine_pb),
                 resident_version: reg.resident_version.clone().unwrap_or_default(),
-                model_limits: reg.model_limits.map(|l| pb::ModelLimits {
-                    vocab_size: l.vocab_size,
-                    max_positions: l.max_positions,
-                }),
+                model_limits: reg.model_limits.as_ref().map(convert::model_limits_pb),
             })
             .await
             .map_err(|s| Error::rpc("RegisterWorker", s))?;

@@ -8,7 +8,9 @@ use mx_layout::{
 };
 
 use crate::pb;
-use crate::refit::{EngineApi, EngineEndpoint, GenerationCheck, PauseMode, Refit, RefitSpec};
+use crate::refit::{
+    EngineApi, EngineEndpoint, GenerationCheck, ModelLimits, PauseMode, Refit, RefitSpec,
+};
 use crate::types::{
     Command, CoverageGap, FleetStatus, StagedReport, VersionInfo, VersionState, VersionSummary,
     WorkerState, WorkerStatus,
@@ -480,6 +482,22 @@ pub(crate) fn engine_pb(e: &EngineEndpoint) -> pb::EngineEndpoint {
             EngineApi::Sglang => pb::EngineApi::Sglang as i32,
         },
         system_url: e.system_url.clone(),
+    }
+}
+
+/// Encodes a worker's model limits.
+pub(crate) fn model_limits_pb(l: &ModelLimits) -> pb::ModelLimits {
+    pb::ModelLimits {
+        vocab_size: l.vocab_size,
+        max_positions: l.max_positions,
+    }
+}
+
+/// Decodes a worker's model limits (every value is accepted).
+pub(crate) fn model_limits(p: &pb::ModelLimits) -> ModelLimits {
+    ModelLimits {
+        vocab_size: p.vocab_size,
+        max_positions: p.max_positions,
     }
 }
 

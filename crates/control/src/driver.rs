@@ -415,27 +415,44 @@ impl Ctx<'_> {
     }
 
     async fn end(&self, outcome: Outcome, reason: String) -> Result<(), Error> {
-        tracing::info!(refit = self.id, %outcome, reason, "refit ended");
+        self.end_with(outcome, reason, Vec::new()).await
+    }
+
+    /// Ends the refit after `settle_each`: `done` when every worker was settled, otherwise
+    /// FENCED, the reason followed by `what` and why each unsettled worker was not (they stay
+    /// gated until they register again).
+    async fn end_settled(
+        &self,
+        done: Outcome,
+        reason: String,
+        what: &str,
+        unsettled: Vec<(String, String)>,
+    ) -> Result<(), Error> {
+        if unsettled.is_empty() {
+            return self.end(done, reason).await;
+        }
+        let why: Vec<&str> = unsettled.iter().map(|(_, why)| why.as_str()).collect();
+        let reason = format!("{reason}; {what}: {}", why.join("; "));
+        let ids = unsettled.into_iter().map(|(w, _)| w).collect();
+        self.end_with(Outcome::Fenced, reason, ids).await
+    }
+
+    /// Journals the END: `fenced` (worker ids) only for FENCED.
+    async fn end_with(
+        &self,
+        outcome: Outcome,
+        reason: String,
+        fenced: Vec<String>,
+    ) -> Result<(), Error> {
+        if fenced.is_empty() {
+            tracing::info!(refit = self.id, %outcome, reason, "refit ended");
+        } else {
+            tracing::warn!(refit = self.id, %outcome, reason, ?fenced, "refit ended");
+        }
         self.shared
             .mutate(Record::RefitEnd {
                 id: self.id,
                 outcome,
-                reason,
-                at_ms: now_ms(),
-                recovered: self.recovering,
-                fenced: Vec::new(),
-            })
-            .await
-    }
-
-    /// Ends the refit FENCED: `fenced` (worker ids) could not be settled and stay gated until
-    /// they register again.
-    async fn end_fenced(&self, reason: String, fenced: Vec<String>) -> Result<(), Error> {
-        tracing::warn!(refit = self.id, reason, ?fenced, "refit ended FENCED");
-        self.shared
-            .mutate(Record::RefitEnd {
-                id: self.id,
-                outcome: Outcome::Fenced,
                 reason,
                 at_ms: now_ms(),
                 recovered: self.recovering,
@@ -698,17 +715,9 @@ async fn abort(ctx: &Ctx<'_>, reason: String, recovered: bool) -> Result<(), Err
         .filter(|(_, w)| w.calls.iter().any(|c| c.action == Action::Pause))
         .map(|(id, _)| id.clone())
         .collect();
-    let fenced = settle_each(ctx, &paused, None).await?;
-    if fenced.is_empty() {
-        ctx.end(Outcome::Aborted, reason).await
-    } else {
-        let why: Vec<String> = fenced.iter().map(|(_, why)| why.clone()).collect();
-        ctx.end_fenced(
-            format!("{reason}; could not resume: {}", why.join("; ")),
-            fenced.into_iter().map(|(w, _)| w).collect(),
-        )
+    let unsettled = settle_each(ctx, &paused, None).await?;
+    ctx.end_settled(Outcome::Aborted, reason, "could not resume", unsettled)
         .await
-    }
 }
 
 /// ROLLBACK: every worker of the set goes back to the version it had (pinned), is verified and
@@ -720,17 +729,9 @@ async fn rollback(ctx: &Ctx<'_>, reason: String, recovered: bool) -> Result<(), 
     }
     let refit = ctx.refit()?;
     let ids: Vec<String> = refit.workers.keys().cloned().collect();
-    let fenced = settle_each(ctx, &ids, Some(())).await?;
-    if fenced.is_empty() {
-        ctx.end(Outcome::RolledBack, reason).await
-    } else {
-        let why: Vec<String> = fenced.iter().map(|(_, why)| why.clone()).collect();
-        ctx.end_fenced(
-            format!("{reason}; not rolled back: {}", why.join("; ")),
-            fenced.into_iter().map(|(w, _)| w).collect(),
-        )
+    let unsettled = settle_each(ctx, &ids, Some(())).await?;
+    ctx.end_settled(Outcome::RolledBack, reason, "not rolled back", unsettled)
         .await
-    }
 }
 
 /// Brings each worker back to its previous version (when `restore`) and resumes it, retrying

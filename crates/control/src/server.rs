@@ -501,10 +501,8 @@ impl ControlPlane for Service {
     ) -> Result<Response<pb::RegisterWorkerResponse>, Status> {
         let r = req.into_inner();
         check_worker_id(&r.worker_id)?;
-        let limits = r.model_limits.map(|l| ModelLimits {
-            vocab_size: l.vocab_size,
-            max_positions: l.max_positions,
-        });
+        let limits = r.model_limits.as_ref().map(convert::model_limits);
+        let id = r.worker_id.clone();
         if self.shared.connected(&r.worker_id) {
             // The documented takeover: the newer process gets the id, the older one's command
             // stream ends and it exits (it sees the id registered with another endpoint).
@@ -525,10 +523,6 @@ impl ControlPlane for Service {
             worker_id: r.worker_id,
             instance: r.instance,
             ranks: r.ranks,
-        };
-        let id = match &rec {
-            Record::Register { worker_id, .. } => worker_id.clone(),
-            _ => String::new(),
         };
         self.shared.mutate(rec).await?;
         let mut map = lock(&self.shared.limits);
