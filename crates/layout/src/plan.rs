@@ -1194,6 +1194,50 @@ impl Isect<'_> {
     }
 }
 
+/// The indices of `wire` runs (source, address, length) in the order of their values, stably
+/// (equal runs in index order); every source is below `n_sources`. A stable counting sort by
+/// source, then a check that each source's runs are in order already (a plan meets a source's
+/// shards in the order they lie in its arena), sorting only the sources whose runs are not.
+fn order_wires(wire: &[(usize, u64, u64)], n_sources: usize) -> Vec<usize> {
+    let mut at = vec![0usize; n_sources + 1];
+    for &(si, _, _) in wire {
+        if let Some(c) = at.get_mut(si + 1) {
+            *c += 1;
+        }
+    }
+    for k in 1..at.len() {
+        at[k] += at[k - 1];
+    }
+    let starts = at.clone();
+    let mut order = vec![0usize; wire.len()];
+    for (i, &(si, _, _)) in wire.iter().enumerate() {
+        // Sources at or past `n_sources` (none in a plan) go after the rest, in order.
+        let slot = at.get_mut(si).map(|c| {
+            let k = *c;
+            *c += 1;
+            k
+        });
+        match slot.and_then(|k| order.get_mut(k)) {
+            Some(o) => *o = i,
+            None => return by_value(wire),
+        }
+    }
+    for w in starts.windows(2) {
+        let seg = &mut order[w[0]..w[1]];
+        if !seg.windows(2).all(|p| wire[p[0]] <= wire[p[1]]) {
+            seg.sort_by_key(|&i| wire[i]);
+        }
+    }
+    order
+}
+
+/// The indices of `wire` in the order of their values, stably.
+fn by_value(wire: &[(usize, u64, u64)]) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..wire.len()).collect();
+    order.sort_by_key(|&i| wire[i]);
+    order
+}
+
 /// Merges verification items with the same source, digest and segments into the first of them,
 /// in order: a later one adds its destination rank to the first one's `shared_with` (unless it
 /// is the first one's own rank or already listed) and is dropped. `heads[i]` is the first
@@ -1255,6 +1299,41 @@ fn permute_in_place<T>(v: &mut [T], perm: &[usize]) {
             j = src;
         }
     }
+}
+
+/// The order that groups `keys` (each below `bound`) by key, stably: groups in order of their
+/// key's first occurrence, each in index order. `None` when `keys` are grouped already (every
+/// key's occurrences in a row), the common case, found in one pass over a bitset of `bound` bits.
+fn group_by_first_seen(keys: &[usize], bound: usize) -> Option<Vec<usize>> {
+    let mut seen = vec![0u64; bound.div_ceil(64)];
+    let mut test_and_set = |key: usize| -> bool {
+        match seen.get_mut(key / 64) {
+            Some(w) => {
+                let bit = 1u64 << (key % 64);
+                let was = *w & bit != 0;
+                *w |= bit;
+                was
+            }
+            None => false,
+        }
+    };
+    let grouped = keys
+        .iter()
+        .enumerate()
+        .all(|(k, &key)| (k > 0 && keys[k - 1] == key) || !test_and_set(key));
+    if grouped {
+        return None;
+    }
+    // Dense group numbers in order of first occurrence, then a stable sort by them.
+    let mut group_of: FxMap<usize, usize> = FxMap::default();
+    let ordinals: Vec<usize> = keys
+        .iter()
+        .map(|&key| {
+            let next = group_of.len();
+            *group_of.entry(key).or_insert(next)
+        })
+        .collect();
+    Some(order_by_key(&ordinals, group_of.len()))
 }
 
 /// The indices `0..keys.len()` ordered by key, stably (equal keys in index order); every key is
@@ -1729,9 +1808,9 @@ impl<'m> SourceIndex<'m> {
         let layout0 = dest.first().map(|d| d.layout);
 
         // 1. Intersections, in order of discovery (rank, parameter, piece, box group), then
-        // grouped by (source, shard) with a stable radix sort of their shard numbers and moved
-        // into that order in place: each group's in order of discovery. Boxes of intersections
-        // go to one flat list, `rdims`.
+        // grouped by (source, shard): groups in order of their first discovery, each group's
+        // intersections in order of discovery. Boxes of intersections go to one flat list,
+        // `rdims`.
         let hint = self.last_found.load(AtomicOrdering::Relaxed);
         let mut found: Vec<Isect<'_>> = Vec::with_capacity(hint);
         // Dense shard number of each found intersection's shard.
@@ -1861,32 +1940,30 @@ impl<'m> SourceIndex<'m> {
         }
         self.last_found.store(found.len(), AtomicOrdering::Relaxed);
         self.last_dims.store(rdims.len(), AtomicOrdering::Relaxed);
-        // Groups in (source, shard) order, each in order of discovery: `members` lists the
-        // intersections by (key, index), group `p`'s are `members[member_at[p]..member_at[p + 1]]`.
-        let members = order_by_key(&keys, self.shard_count);
+        // Groups in order of their first intersection's discovery, each in order of discovery:
+        // group `p`'s intersections are `isects[member_at[p]..member_at[p + 1]]`. A plan for one
+        // rank meets each shard once per tensor, in a row: its intersections are grouped as
+        // found and nothing moves. Otherwise they are moved into group order in place (no second
+        // copy of the intersections).
+        if let Some(order) = group_by_first_seen(&keys, self.shard_count) {
+            permute_in_place(&mut found, &order);
+            permute_in_place(&mut keys, &order);
+        }
         let mut group_key: Vec<(usize, usize)> = Vec::new();
         let mut member_at: Vec<usize> = vec![0];
-        {
-            let mut prev: Option<usize> = None;
-            for (k, &i) in members.iter().enumerate() {
-                let key = keys[i];
-                if prev != Some(key) {
-                    if prev.is_some() {
-                        member_at.push(k);
-                    }
-                    prev = Some(key);
-                    let si = found.get(i).map_or(0, |x| x.source);
-                    group_key.push((si, key - self.shard_base[si]));
-                }
+        for (k, (x, &key)) in found.iter().zip(&keys).enumerate() {
+            if k > 0 && keys[k - 1] == key {
+                continue;
             }
-            if prev.is_some() {
-                member_at.push(members.len());
+            if k > 0 {
+                member_at.push(k);
             }
+            group_key.push((x.source, key - self.shard_base[x.source]));
+        }
+        if !found.is_empty() {
+            member_at.push(found.len());
         }
         drop(keys);
-        // Permuted into group order in place (no second copy of the intersections): group `p`'s
-        // are `isects[member_at[p]..member_at[p + 1]]`.
-        permute_in_place(&mut found, &members);
         let mut isects = found;
         let members: Vec<usize> = (0..isects.len()).collect();
         let members_of = |p: usize| &members[member_at[p]..member_at[p + 1]];
@@ -2101,8 +2178,10 @@ impl<'m> SourceIndex<'m> {
         drop(ids);
 
         // 3. Staging offsets in (source, addr) order, then coalescing.
-        let mut worder: Vec<usize> = (0..wire.len()).collect();
-        worder.sort_by_key(|&i| wire[i]);
+        let worder = order_wires(&wire, sources.len());
+        // Two items can share staging bytes (and be merged) only through a wire run staged once
+        // for several (below) or a group of several intersections.
+        let mut shared_staging = member_at.windows(2).any(|w| w[1] - w[0] > 1);
         let mut staging = vec![0u64; wire.len()];
         let mut off = 0u64;
         let mut reads: Vec<Read> = Vec::new();
@@ -2111,6 +2190,7 @@ impl<'m> SourceIndex<'m> {
             let (si, a, l) = wire[i];
             if let Some(p) = prev.filter(|&p| wire[p] == wire[i]) {
                 staging[i] = staging[p];
+                shared_staging = true;
                 continue;
             }
             prev = Some(i);
@@ -2267,7 +2347,9 @@ impl<'m> SourceIndex<'m> {
                 }
             })
             .collect();
-        dedup_verify(&mut verify, &heads);
+        if shared_staging {
+            dedup_verify(&mut verify, &heads);
+        }
         drop(heads);
         let mut zero_fills = Vec::new();
         for (ri, rl) in dest.iter().enumerate() {
@@ -3062,6 +3144,60 @@ mod tests {
             permute_in_place(&mut v, &order);
             let want: Vec<usize> = order.iter().map(|&i| i * 10).collect();
             prop_assert_eq!(v, want);
+        }
+
+        /// Grouping by first occurrence: groups in order of their key's first occurrence, members
+        /// in index order; `None` exactly when the keys are grouped already. Small key ranges
+        /// make repeats (and so both paths) common.
+        #[test]
+        fn group_by_first_seen_groups_stably(
+            keys in proptest::collection::vec(0..12usize, 0..200),
+            runs in proptest::bool::ANY,
+        ) {
+            // Half the cases grouped already: each key's occurrences in a row.
+            let keys = if runs {
+                let mut k = keys;
+                k.sort_unstable();
+                k
+            } else {
+                keys
+            };
+            let mut first: Vec<usize> = Vec::new();
+            for &k in &keys {
+                if !first.contains(&k) {
+                    first.push(k);
+                }
+            }
+            let mut expect: Vec<usize> = (0..keys.len()).collect();
+            expect.sort_by_key(|&i| first.iter().position(|&f| f == keys[i]));
+            let grouped = keys
+                .iter()
+                .enumerate()
+                .all(|(i, k)| keys[..i].last() == Some(k) || !keys[..i].contains(k));
+            match group_by_first_seen(&keys, 12) {
+                None => {
+                    prop_assert!(grouped);
+                    prop_assert_eq!(expect, (0..keys.len()).collect::<Vec<_>>());
+                }
+                Some(order) => {
+                    prop_assert!(!grouped);
+                    prop_assert_eq!(order, expect);
+                }
+            }
+        }
+
+        /// Wire runs are ordered exactly as a stable sort by value, whether or not each source's
+        /// runs come in order (few distinct values make ties common).
+        #[test]
+        fn order_wires_is_a_stable_sort(
+            wire in proptest::collection::vec((0..4usize, 0..6u64, 1..3u64), 0..120),
+            sorted_per_source in proptest::bool::ANY,
+        ) {
+            let mut wire = wire;
+            if sorted_per_source {
+                wire.sort_by_key(|w| (w.1, w.2));
+            }
+            prop_assert_eq!(order_wires(&wire, 4), by_value(&wire));
         }
 
         /// The radix sort of spans orders by start exactly as a comparison sort (long lists take

@@ -1,6 +1,7 @@
 //! The planner and cutter as they were before [`crate::plan::SourceIndex`]: one pass over every
-//! shard of every source per call. Kept verbatim (test-only) as the reference the indexed versions
-//! must reproduce exactly, with the plan types of then (one contiguous copy and one segment per
+//! shard of every source per call. Kept as it was (test-only), but for the order of its (source,
+//! shard) groups (now that of their first discovery, as the indexed planner's), as the reference
+//! the indexed versions must reproduce exactly, with the plan types of then (one contiguous copy and one segment per
 //! row, owned names, candidate lists); [`expand`] turns a compact [`Plan`] into that form.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -204,8 +205,10 @@ pub(crate) fn plan(
         }
     }
 
-    // 1. Intersections, grouped by (source, shard).
-    let mut groups: BTreeMap<(usize, usize), Vec<Isect<'_>>> = BTreeMap::new();
+    // 1. Intersections, grouped by (source, shard); groups in order of their first
+    // intersection's discovery.
+    let mut groups: Vec<((usize, usize), Vec<Isect<'_>>)> = Vec::new();
+    let mut group_of: HashMap<(usize, usize), usize> = HashMap::new();
     for (ri, rl) in dest.iter().enumerate() {
         for param in &rl.params {
             for piece in &param.pieces {
@@ -266,7 +269,11 @@ pub(crate) fn plan(
                     let elem = s.dtype.size_bytes();
                     let (run, starts) = decompose(&region, &s.shard);
                     let src_runs = starts.iter().map(|st| s.addr + st * elem).collect();
-                    groups.entry((si, hi)).or_default().push(Isect {
+                    let g = *group_of.entry((si, hi)).or_insert_with(|| {
+                        groups.push(((si, hi), Vec::new()));
+                        groups.len() - 1
+                    });
+                    groups[g].1.push(Isect {
                         rank_index: ri,
                         dest_rank: rl.rank,
                         source: si,
@@ -452,7 +459,7 @@ pub(crate) fn plan(
     let mut verify: Vec<VerifyItem> = Vec::new();
     let mut seen_verify: HashMap<VerifyKey, usize> = HashMap::new();
     let mut useful_bytes = 0u64;
-    for isects in groups.values() {
+    for (_, isects) in &groups {
         for x in isects {
             let img: Vec<u64> = x.img.iter().map(|&(id, o)| staging[id] + o).collect();
             let (lrun, lstarts) = decompose(&x.region, x.piece_region);
