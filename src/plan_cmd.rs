@@ -133,14 +133,13 @@ pub(crate) fn run(a: PlanArgs) -> anyhow::Result<()> {
     let p = plan(&dest, &manifests, &cost)?;
     let mut rows: BTreeMap<String, TensorRow> = BTreeMap::new();
     for c in &p.choices {
-        let row = rows
-            .entry(c.tensor.to_string())
-            .or_insert_with(|| TensorRow {
-                tensor: c.tensor.to_string(),
-                strategies: BTreeMap::new(),
-                descriptors: 0,
-                wire_bytes: 0,
-            });
+        let name = p.tensor_name(c.tensor);
+        let row = rows.entry(name.to_string()).or_insert_with(|| TensorRow {
+            tensor: name.to_string(),
+            strategies: BTreeMap::new(),
+            descriptors: 0,
+            wire_bytes: 0,
+        });
         *row.strategies
             .entry(c.strategy.as_str().to_string())
             .or_insert(0) += 1;

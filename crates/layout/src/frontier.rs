@@ -802,13 +802,14 @@ pub fn fleet_plan_report(
             }
         }
         for v in &p.verify {
-            let (fp8, elem) = lookup(&v.tensor);
-            if let Some(e) = egress.get_mut(v.source) {
-                let n = v.region.numel().unwrap_or(0).saturating_mul(elem);
+            let (fp8, elem) = lookup(p.tensor_name(v.tensor));
+            let region = v.published(&manifests).map(|d| &d.region);
+            if let (Some(e), Some(region)) = (egress.get_mut(v.source), region) {
+                let n = region.numel().unwrap_or(0).saturating_mul(elem);
                 e[1] = e[1].saturating_add(n);
                 e[2] = e[2].saturating_add(fp8_source_bytes(
-                    v.region.offset(),
-                    v.region.shape(),
+                    &region.global_offset,
+                    &region.local_shape,
                     fp8,
                     elem,
                 ));
@@ -1144,7 +1145,8 @@ mod tests {
             + p.copies.len() * size_of::<crate::plan::Copy>()
             + p.reads.len() * size_of::<crate::plan::Read>()
             + p.zero_fills.len() * size_of::<crate::plan::ZeroFill>()
-            + p.choices.len() * size_of::<crate::plan::Choice>();
+            + p.choices.len() * size_of::<crate::plan::Choice>()
+            + p.tensors.len() * size_of::<std::sync::Arc<str>>();
         assert_eq!(p.approx_bytes(), (items + heap) as u64);
         let rr = &r.ranks[index_of(r.slowest_rank)];
         assert_eq!(r.slowest_rank_plan_bytes, rr.plan_bytes);

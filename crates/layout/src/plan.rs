@@ -449,163 +449,6 @@ impl SegmentSink {
     }
 }
 
-/// The box of a [`VerifyItem`]: a [`TensorBox`] (global offset and extent per dim, in elements)
-/// held inline up to [`Region::INLINE_DIMS`] dims, so that the many items of a plan need no heap
-/// allocation each. Ordered, compared and shown like the [`TensorBox`] it stands for, and
-/// serialized as one.
-#[derive(Clone, Serialize, Deserialize)]
-#[serde(into = "TensorBox", try_from = "TensorBox")]
-pub struct Region(RegionDims);
-
-#[derive(Clone)]
-enum RegionDims {
-    /// Offsets in `d[..ndim]`, extents in `d[INLINE_DIMS..INLINE_DIMS + ndim]`.
-    Inline {
-        ndim: u8,
-        d: [u64; 2 * Region::INLINE_DIMS],
-    },
-    /// Offsets, then extents.
-    Heap(Box<[u64]>),
-}
-
-impl Region {
-    /// Dims held inline; a box with more keeps them on the heap.
-    pub const INLINE_DIMS: usize = 4;
-
-    /// The box at `offset` with extent `shape` (elements); dims past the shorter of the two are
-    /// dropped.
-    pub fn new(offset: &[u64], shape: &[u64]) -> Region {
-        let n = offset.len().min(shape.len());
-        let (offset, shape) = (&offset[..n], &shape[..n]);
-        if n <= Region::INLINE_DIMS {
-            let mut d = [0u64; 2 * Region::INLINE_DIMS];
-            d[..n].copy_from_slice(offset);
-            d[Region::INLINE_DIMS..Region::INLINE_DIMS + n].copy_from_slice(shape);
-            // n <= INLINE_DIMS fits in a u8.
-            return Region(RegionDims::Inline { ndim: n as u8, d });
-        }
-        Region(RegionDims::Heap(
-            offset.iter().chain(shape).copied().collect(),
-        ))
-    }
-
-    /// Start of the box in each dim (elements).
-    pub fn offset(&self) -> &[u64] {
-        match &self.0 {
-            RegionDims::Inline { ndim, d } => &d[..usize::from(*ndim)],
-            RegionDims::Heap(v) => &v[..v.len() / 2],
-        }
-    }
-
-    /// Extent of the box in each dim (elements).
-    pub fn shape(&self) -> &[u64] {
-        match &self.0 {
-            RegionDims::Inline { ndim, d } => {
-                &d[Region::INLINE_DIMS..Region::INLINE_DIMS + usize::from(*ndim)]
-            }
-            RegionDims::Heap(v) => &v[v.len() / 2..],
-        }
-    }
-
-    /// Number of dims.
-    pub fn ndim(&self) -> usize {
-        self.shape().len()
-    }
-
-    /// Element count; `None` on overflow.
-    pub fn numel(&self) -> Option<u64> {
-        self.shape()
-            .iter()
-            .try_fold(1u64, |acc, &d| acc.checked_mul(d))
-    }
-
-    /// The same box as a [`TensorBox`].
-    pub fn to_box(&self) -> TensorBox {
-        TensorBox {
-            global_offset: self.offset().to_vec(),
-            local_shape: self.shape().to_vec(),
-        }
-    }
-}
-
-impl From<&TensorBox> for Region {
-    fn from(b: &TensorBox) -> Region {
-        Region::new(&b.global_offset, &b.local_shape)
-    }
-}
-
-impl From<Region> for TensorBox {
-    fn from(r: Region) -> TensorBox {
-        r.to_box()
-    }
-}
-
-impl TryFrom<TensorBox> for Region {
-    type Error = String;
-
-    fn try_from(b: TensorBox) -> Result<Region, String> {
-        if b.global_offset.len() != b.local_shape.len() {
-            return Err(format!(
-                "region has {} offsets and {} extents",
-                b.global_offset.len(),
-                b.local_shape.len()
-            ));
-        }
-        Ok(Region::from(&b))
-    }
-}
-
-impl PartialEq for Region {
-    fn eq(&self, other: &Self) -> bool {
-        self.offset() == other.offset() && self.shape() == other.shape()
-    }
-}
-
-impl Eq for Region {}
-
-impl PartialOrd for Region {
-    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
-        Some(self.cmp(other))
-    }
-}
-
-impl Ord for Region {
-    /// As [`TensorBox`]: by offsets, then by extents.
-    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
-        (self.offset(), self.shape()).cmp(&(other.offset(), other.shape()))
-    }
-}
-
-impl Hash for Region {
-    fn hash<H: Hasher>(&self, h: &mut H) {
-        self.offset().hash(h);
-        self.shape().hash(h);
-    }
-}
-
-impl std::fmt::Debug for Region {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Region")
-            .field("global_offset", &self.offset())
-            .field("local_shape", &self.shape())
-            .finish()
-    }
-}
-
-impl std::fmt::Display for Region {
-    /// As [`TensorBox`]: `[start..end, ...]` per dim.
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("[")?;
-        for (d, (&o, &n)) in self.offset().iter().zip(self.shape()).enumerate() {
-            if d > 0 {
-                f.write_str(", ")?;
-            }
-            write!(f, "{o}..{}", o.wrapping_add(n))?;
-        }
-        f.write_str("]")
-    }
-}
-
 /// The staging segments of a [`VerifyItem`], in order: one held inline (the common case, a
 /// region staged in one piece or as one strided run), more on the heap. Derefs to a slice of
 /// [`Segment`]s; serialized as a list.
@@ -684,29 +527,36 @@ impl std::fmt::Debug for Segments {
 }
 
 /// One digest check after the pull: blake3 over the runs of `segments` of the staging buffer, in
-/// order, must equal `digest` (which the source published for `region` of `tensor` cut for
-/// `dest_rank`).
+/// order, must equal the digest of the piece `sources[source].pieces[piece]` (a [`DestPiece`]:
+/// the region of `tensor` the source cut for `dest_rank`, and its digest), `sources` being the
+/// manifests the plan was made from. The item names the piece instead of copying its region and
+/// digest: a frontier-scale plan has hundreds of thousands of items.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct VerifyItem {
     /// Index of the source manifest.
     pub source: usize,
-    /// Checkpoint tensor name (shared by every item and choice of the tensor).
-    #[serde(with = "arc_str")]
-    pub tensor: Arc<str>,
+    /// Index of the published piece in that manifest's `pieces`.
+    pub piece: u32,
+    /// The checkpoint tensor: its name is `Plan::tensors[tensor]` ([`Plan::tensor_name`]).
+    pub tensor: u32,
     /// Destination rank the region was cut for.
     pub dest_rank: u32,
     /// Other destination ranks of this worker whose identical region is served by the same
     /// staged bytes (replicated tensors are pulled and verified once).
     pub shared_with: Vec<u32>,
-    /// The region (global coordinates).
-    pub region: Region,
-    /// Expected digest.
-    pub digest: Digest,
     /// Staging segments in row-major order of the region.
     pub segments: Segments,
 }
 
 impl VerifyItem {
+    /// The published piece this item checks (its tensor, region and expected digest), looked up
+    /// in `sources`, the manifests the plan was made from; `None` when they do not have it
+    /// (other manifests than the plan's).
+    pub fn published<'m>(&self, sources: &'m [SourceManifest]) -> Option<&'m DestPiece> {
+        let i = usize::try_from(self.piece).ok()?;
+        sources.get(self.source)?.pieces.get(i)
+    }
+
     /// (staging offset, length) of every run of every segment: the bytes the digest covers, in
     /// order.
     pub fn byte_ranges(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
@@ -800,9 +650,8 @@ impl TryFrom<Vec<(Strategy, f64)>> for Candidates {
 /// The strategy chosen for one (tensor, source shard) and what it costs.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Choice {
-    /// Checkpoint tensor name (shared by every item and choice of the tensor).
-    #[serde(with = "arc_str")]
-    pub tensor: Arc<str>,
+    /// The checkpoint tensor: its name is `Plan::tensors[tensor]` ([`Plan::tensor_name`]).
+    pub tensor: u32,
     /// Source index.
     pub source: usize,
     /// Chosen strategy.
@@ -815,18 +664,18 @@ pub struct Choice {
     pub candidates: Candidates,
 }
 
-/// Serde for `Arc<str>` as a plain string (without serde's `rc` feature).
-mod arc_str {
+/// Serde for a list of `Arc<str>` as a list of plain strings (without serde's `rc` feature).
+mod arc_strs {
     use std::sync::Arc;
 
     use serde::{Deserialize, Deserializer, Serializer};
 
-    pub(super) fn serialize<S: Serializer>(v: &Arc<str>, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(v)
+    pub(super) fn serialize<S: Serializer>(v: &[Arc<str>], s: S) -> Result<S::Ok, S::Error> {
+        s.collect_seq(v.iter().map(|n| &**n))
     }
 
-    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Arc<str>, D::Error> {
-        String::deserialize(d).map(Arc::from)
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Arc<str>>, D::Error> {
+        Vec::<String>::deserialize(d).map(|v| v.into_iter().map(Arc::from).collect())
     }
 }
 
@@ -845,6 +694,11 @@ pub struct Plan {
     pub verify: Vec<VerifyItem>,
     /// Per (tensor, source) strategy choices.
     pub choices: Vec<Choice>,
+    /// The checkpoint tensors the digest checks and choices name, each once, in order of
+    /// discovery: [`VerifyItem::tensor`] and [`Choice::tensor`] index this list (one shared name
+    /// per tensor, not one per item).
+    #[serde(with = "arc_strs")]
+    pub tensors: Vec<Arc<str>>,
     /// Live bytes written from pulled data (destination bytes, padding excluded).
     pub useful_bytes: u64,
     /// Bytes on the wire.
@@ -854,6 +708,15 @@ pub struct Plan {
 }
 
 impl Plan {
+    /// The name of tensor `id` of [`Plan::tensors`] (as [`VerifyItem::tensor`] and
+    /// [`Choice::tensor`] give it); empty for an id the plan does not have.
+    pub fn tensor_name(&self, id: u32) -> &str {
+        usize::try_from(id)
+            .ok()
+            .and_then(|i| self.tensors.get(i))
+            .map_or("", |n| n)
+    }
+
     /// Number of pieces per strategy (for reports).
     pub fn strategy_counts(&self) -> BTreeMap<String, u64> {
         let mut m = BTreeMap::new();
@@ -864,8 +727,8 @@ impl Plan {
     }
 
     /// Bytes of the plan's items in memory: each list's length times its item size, plus the
-    /// heap each item owns (segments and regions kept off line, `shared_with` lists; the shared
-    /// tensor names and spare capacity, which is never touched, are not counted). What planning
+    /// heap each item owns (segments kept off line, `shared_with` lists; the tensor names,
+    /// shared with the index, and spare capacity, which is never touched, are not counted). What planning
     /// writes to fresh memory at the least, for reports.
     pub fn approx_bytes(&self) -> u64 {
         use std::mem::size_of;
@@ -874,14 +737,12 @@ impl Plan {
             + self.copies.len() * size_of::<Copy>()
             + self.zero_fills.len() * size_of::<ZeroFill>()
             + self.verify.len() * size_of::<VerifyItem>()
-            + self.choices.len() * size_of::<Choice>();
+            + self.choices.len() * size_of::<Choice>()
+            + self.tensors.len() * size_of::<Arc<str>>();
         for v in &self.verify {
             b += v.shared_with.len() * size_of::<u32>();
             if let SegmentsRepr::Many(s) = &v.segments.0 {
                 b += s.len() * size_of::<Segment>();
-            }
-            if let RegionDims::Heap(d) = &v.region.0 {
-                b += d.len() * size_of::<u64>();
             }
         }
         b as u64
@@ -1123,14 +984,14 @@ struct Isect<'a> {
     source: usize,
     /// The destination piece (tensor, region, live offset).
     piece: &'a Piece,
-    /// The tensor's name (the index's copy, shared by every item and choice of the tensor).
-    name: Arc<str>,
+    /// The tensor: an index into the plan's list of tensor names.
+    tensor: u32,
     /// The intersection box is `rdims[region_at..]` of the plan's flat box list: its offset,
     /// then its shape, as many dims as the piece's region.
     region_at: usize,
-    /// Digest and packed address of the published piece (copied: the index is cold by the
-    /// time they are used).
-    digest: Digest,
+    /// Index of the published piece in its manifest, and its packed address (copied: the index
+    /// is cold by the time they are used).
+    piece_index: u32,
     packed_addr: Option<u64>,
     elem: u64,
     /// Source address of the shard: run `i` of the region is at `src_base + runs.get(i) * elem`,
@@ -1238,11 +1099,11 @@ fn by_value(wire: &[(usize, u64, u64)]) -> Vec<usize> {
     order
 }
 
-/// Merges verification items with the same source, digest and segments into the first of them,
-/// in order: a later one adds its destination rank to the first one's `shared_with` (unless it
+/// Merges verification items with the same source, segments and digest (that of their published
+/// pieces in `sources`) into the first of them, in order: a later one adds its destination rank to the first one's `shared_with` (unless it
 /// is the first one's own rank or already listed) and is dropped. `heads[i]` is the first
 /// staging offset of item `i`'s segments (`u64::MAX` for none): equal items have equal heads.
-fn dedup_verify(verify: &mut Vec<VerifyItem>, heads: &[u64]) {
+fn dedup_verify(verify: &mut Vec<VerifyItem>, heads: &[u64], sources: &[SourceManifest]) {
     if heads.len() != verify.len() || heads.windows(2).all(|w| w[0] < w[1]) {
         return;
     }
@@ -1259,7 +1120,11 @@ fn dedup_verify(verify: &mut Vec<VerifyItem>, heads: &[u64]) {
             let x = &verify[i];
             let rep = order[k..a].iter().copied().find(|&j| {
                 let v = &verify[j];
-                !dup[j] && v.source == x.source && v.digest == x.digest && v.segments == x.segments
+                !dup[j]
+                    && v.source == x.source
+                    && v.segments == x.segments
+                    && v.published(sources).map(|p| p.digest)
+                        == x.published(sources).map(|p| p.digest)
             });
             if let Some(j) = rep {
                 dup[i] = true;
@@ -1454,7 +1319,8 @@ struct PieceEntry {
     /// Its region is `piece_dims[region_at..]`: the offset, then the shape, `ndim` each, where
     /// `ndim` is that of the shard's box (it lies inside it).
     region_at: usize,
-    digest: Digest,
+    /// Its index in its manifest's `pieces`.
+    index: u32,
     packed_addr: Option<u64>,
 }
 
@@ -1696,12 +1562,16 @@ impl<'m> SourceIndex<'m> {
         }
         // Each published piece goes with every shard of its own source that holds its region:
         // the planner only asks a shard for regions inside it.
-        let mut attached: FxMap<&'m str, Vec<(usize, &'m DestPiece)>> = FxMap::default();
+        let mut attached: FxMap<&'m str, Vec<(usize, u32, &'m DestPiece)>> = FxMap::default();
         for (si, m) in sources.iter().enumerate() {
-            for p in &m.pieces {
+            for (pi, p) in m.pieces.iter().enumerate() {
                 let Some(t) = tensors.get(p.tensor.as_str()) else {
                     continue;
                 };
+                let pi = u32::try_from(pi).map_err(|_| Error::Overflow {
+                    what: "piece count of a manifest",
+                    tensor: p.tensor.clone(),
+                })?;
                 let (po, ps) = (&p.region.global_offset, &p.region.local_shape);
                 if po.len() != ps.len() {
                     continue;
@@ -1726,10 +1596,11 @@ impl<'m> SourceIndex<'m> {
                         if a.0 != si {
                             break;
                         }
-                        attached
-                            .entry(p.tensor.as_str())
-                            .or_default()
-                            .push((g.alts_at + from + k, p));
+                        attached.entry(p.tensor.as_str()).or_default().push((
+                            g.alts_at + from + k,
+                            pi,
+                            p,
+                        ));
                     }
                 }
             }
@@ -1739,9 +1610,9 @@ impl<'m> SourceIndex<'m> {
                 continue;
             };
             // By (layout, rank), then alternative; manifest order kept among equals.
-            list.sort_by_key(|&(a, p)| (p.layout, p.dest_rank, a));
+            list.sort_by_key(|&(a, _, p)| (p.layout, p.dest_rank, a));
             t.pieces.reserve_exact(list.len());
-            for (a, p) in list {
+            for (a, index, p) in list {
                 let key = (p.layout, p.dest_rank);
                 if t.piece_keys.last().is_none_or(|k| k.0 != key) {
                     t.piece_keys.push((key, t.pieces.len()));
@@ -1749,7 +1620,7 @@ impl<'m> SourceIndex<'m> {
                 t.pieces.push(PieceEntry {
                     alt: a,
                     region_at: t.piece_dims.len(),
-                    digest: p.digest,
+                    index,
                     packed_addr: p.packed_addr,
                 });
                 t.piece_dims.extend_from_slice(&p.region.global_offset);
@@ -1816,6 +1687,11 @@ impl<'m> SourceIndex<'m> {
         // Dense shard number of each found intersection's shard.
         let mut keys: Vec<usize> = Vec::with_capacity(hint);
         let mut rdims: Vec<u64> = Vec::with_capacity(self.last_dims.load(AtomicOrdering::Relaxed));
+        // The plan's tensor names, each once, and the id of each tensor met (by its entry's
+        // address in the index), with the last one at hand: pieces of one tensor come together.
+        let mut tensors: Vec<Arc<str>> = Vec::new();
+        let mut tensor_ids: FxMap<usize, u32> = FxMap::default();
+        let mut last_tensor: Option<(usize, u32)> = None;
         for (ri, rl) in dest.iter().enumerate() {
             for param in &rl.params {
                 for piece in &param.pieces {
@@ -1848,7 +1724,7 @@ impl<'m> SourceIndex<'m> {
                         Ok(())
                     };
                     let pr = &piece.region;
-                    let name = &ts.name;
+                    let ts_key = std::ptr::from_ref(ts) as usize;
                     // A malformed region intersects nothing (the coverage proof names it).
                     let malformed = pr.global_offset.len() != pr.local_shape.len();
                     // Uniform tensors are checked once and only the groups that can intersect
@@ -1916,6 +1792,27 @@ impl<'m> SourceIndex<'m> {
                                 ),
                             });
                         };
+                        let tensor = match last_tensor {
+                            Some((k, id)) if k == ts_key => id,
+                            _ => {
+                                let id = match tensor_ids.get(&ts_key) {
+                                    Some(&id) => id,
+                                    None => {
+                                        let id = u32::try_from(tensors.len()).map_err(|_| {
+                                            Error::Overflow {
+                                                what: "tensor count",
+                                                tensor: piece.tensor.clone(),
+                                            }
+                                        })?;
+                                        tensors.push(Arc::clone(&ts.name));
+                                        tensor_ids.insert(ts_key, id);
+                                        id
+                                    }
+                                };
+                                last_tensor = Some((ts_key, id));
+                                id
+                            }
+                        };
                         let (run, runs) = runs_in(ro, rs, so, ss);
                         keys.push(self.shard_base[si] + hi);
                         found.push(Isect {
@@ -1923,9 +1820,9 @@ impl<'m> SourceIndex<'m> {
                             dest_rank: rl.rank,
                             source: si,
                             piece,
-                            name: Arc::clone(name),
+                            tensor,
                             region_at,
-                            digest: entry.digest,
+                            piece_index: entry.index,
                             packed_addr: entry.packed_addr,
                             elem,
                             src_base: addr,
@@ -1986,7 +1883,7 @@ impl<'m> SourceIndex<'m> {
             let tensor = idx
                 .first()
                 .and_then(|&i| isects.get(i))
-                .map_or_else(|| Arc::from(""), |x| Arc::clone(&x.name));
+                .map_or(0, |x| x.tensor);
             let single = match idx {
                 [i] if isects[*i].runs_disjoint_gapped() => Some(&isects[*i]),
                 _ => None,
@@ -2338,17 +2235,16 @@ impl<'m> SourceIndex<'m> {
                 heads.push(segments.first().map_or(u64::MAX, |sg| sg.offset));
                 VerifyItem {
                     source: x.source,
-                    tensor: x.name,
+                    tensor: x.tensor,
                     dest_rank: x.dest_rank,
+                    piece: x.piece_index,
                     shared_with: Vec::new(),
-                    region: Region::new(ro, rs),
-                    digest: x.digest,
                     segments,
                 }
             })
             .collect();
         if shared_staging {
-            dedup_verify(&mut verify, &heads);
+            dedup_verify(&mut verify, &heads, sources);
         }
         drop(heads);
         let mut zero_fills = Vec::new();
@@ -2376,6 +2272,7 @@ impl<'m> SourceIndex<'m> {
             zero_fills,
             verify,
             choices,
+            tensors,
             useful_bytes,
             wire_bytes,
             predicted_seconds,
@@ -2704,10 +2601,12 @@ pub fn pack_marks(cuts: &[Cut], rank_sets: &[Vec<u32>]) -> Vec<bool> {
 
 /// Executes a plan with plain memory copies, for tests and for checking plans without NIXL.
 ///
-/// `memory(source, addr, len)` returns the source's bytes. Returns the live buffers, one per rank
-/// of `dest`, or the first failed verification as `Err((tensor, dest_rank))`.
+/// `memory(source, addr, len)` returns the source's bytes; `sources` are the manifests the plan
+/// was made from (the digests it checks). Returns the live buffers, one per rank of `dest`, or
+/// the first failed verification as `Err((tensor, dest_rank))`.
 pub fn execute_in_memory<'m>(
     plan: &Plan,
+    sources: &[SourceManifest],
     dest: &[RankLayout],
     memory: impl Fn(usize, u64, u64) -> Option<&'m [u8]>,
 ) -> Result<Vec<Vec<u8>>, (String, u32)> {
@@ -2722,8 +2621,9 @@ pub fn execute_in_memory<'m>(
         for (o, l) in v.byte_ranges() {
             h.update(&staging[o as usize..(o + l) as usize]);
         }
-        if Digest::from(h.finalize()) != v.digest {
-            return Err((v.tensor.to_string(), v.dest_rank));
+        let expected = v.published(sources).map(|p| p.digest);
+        if Some(Digest::from(h.finalize())) != expected {
+            return Err((plan.tensor_name(v.tensor).to_string(), v.dest_rank));
         }
     }
     let mut live: Vec<Vec<u8>> = dest
@@ -2908,8 +2808,9 @@ mod tests {
         ms
     }
 
-    /// The compact plan, expanded row by row, is the reference's plan.
+    /// The compact plan, made from `ms` and expanded row by row, is the reference's plan.
     fn same(
+        ms: &[SourceManifest],
         new: Result<Plan, Error>,
         old: Result<plan_reference::RefPlan, Error>,
     ) -> Result<(), TestCaseError> {
@@ -2917,7 +2818,7 @@ mod tests {
             (Ok(a), Ok(b)) => {
                 // The compact form is canonical: re-compressing the expansion gives it back.
                 prop_assert_eq!(&recompress(&a), &a);
-                prop_assert_eq!(plan_reference::expand(&a), b)
+                prop_assert_eq!(plan_reference::expand(&a, ms), b)
             }
             (Err(a), Err(b)) => prop_assert_eq!(a.to_string(), b.to_string()),
             (a, b) => prop_assert!(false, "indexed {:?} vs reference {:?}", a.err(), b.err()),
@@ -2935,10 +2836,11 @@ mod tests {
         let index = SourceIndex::new(ms).unwrap();
         for r in 0..dest_all.len() {
             let d = &dest_all[r..=r];
-            same(index.plan(d, cost), plan_reference::plan(d, ms, cost))?;
-            same(plan(d, ms, cost), plan_reference::plan(d, ms, cost))?;
+            same(ms, index.plan(d, cost), plan_reference::plan(d, ms, cost))?;
+            same(ms, plan(d, ms, cost), plan_reference::plan(d, ms, cost))?;
         }
         same(
+            ms,
             index.plan(dest_all, cost),
             plan_reference::plan(dest_all, ms, cost),
         )?;
@@ -3347,33 +3249,7 @@ mod tests {
     }
 
     #[test]
-    fn region_and_segments_stand_for_a_box_and_a_list() {
-        for (o, n) in [
-            (vec![], vec![]),
-            (vec![3, 4], vec![5, 6]),
-            (vec![1, 2, 3, 4, 5], vec![6, 7, 8, 9, 10]),
-        ] {
-            let b = TensorBox {
-                global_offset: o.clone(),
-                local_shape: n.clone(),
-            };
-            let r = Region::new(&o, &n);
-            assert_eq!(r.offset(), o.as_slice());
-            assert_eq!(r.shape(), n.as_slice());
-            assert_eq!(r.ndim(), b.ndim());
-            assert_eq!(r.numel(), b.numel());
-            assert_eq!(r.to_string(), b.to_string());
-            assert_eq!(r.to_box(), b);
-            let j = serde_json::to_string(&r).unwrap();
-            assert_eq!(j, serde_json::to_string(&b).unwrap());
-            assert_eq!(serde_json::from_str::<Region>(&j).unwrap(), r);
-        }
-        // Ordered as boxes are.
-        let (a, b) = (Region::new(&[1, 9], &[2, 2]), Region::new(&[2, 0], &[1, 1]));
-        assert!(a < b && a.to_box() < b.to_box());
-        assert!(
-            serde_json::from_str::<Region>(r#"{"global_offset":[1],"local_shape":[]}"#).is_err()
-        );
+    fn segments_stand_for_a_list() {
         let g = Segment {
             offset: 1,
             len: 2,
@@ -3465,7 +3341,7 @@ mod tests {
             let b = plan(&d, &ms, &cost).unwrap();
             let c = plan_reference::plan(&d, &ms, &cost).unwrap();
             assert_eq!(a, b);
-            assert_eq!(plan_reference::expand(&a), c);
+            assert_eq!(plan_reference::expand(&a, &ms), c);
             // Both replicas serve some reads.
             if workers.len() == 4 {
                 assert!(a.reads.iter().any(|r| r.source >= 4));

@@ -58,8 +58,9 @@ pub(crate) struct RefPlan {
     pub predicted_seconds: f64,
 }
 
-/// The compact plan `p` row by row: each strided copy as its rows, each segment as its runs.
-pub(crate) fn expand(p: &Plan) -> RefPlan {
+/// The compact plan `p`, made from `sources`, row by row (digest checks with the region and digest
+/// of their published pieces): each strided copy as its rows, each segment as its runs.
+pub(crate) fn expand(p: &Plan, sources: &[SourceManifest]) -> RefPlan {
     let copies = p
         .copies
         .iter()
@@ -87,13 +88,16 @@ pub(crate) fn expand(p: &Plan) -> RefPlan {
                     assert_eq!(g.stride, 0, "{g:?}");
                 }
             }
+            let piece = v.published(sources).expect("the item's published piece");
+            assert_eq!(piece.tensor, p.tensor_name(v.tensor));
+            assert_eq!(piece.dest_rank, v.dest_rank);
             VerifyItem {
                 source: v.source,
-                tensor: v.tensor.to_string(),
+                tensor: p.tensor_name(v.tensor).to_string(),
                 dest_rank: v.dest_rank,
                 shared_with: v.shared_with.clone(),
-                region: v.region.to_box(),
-                digest: v.digest,
+                region: piece.region.clone(),
+                digest: piece.digest,
                 segments: v.byte_ranges().collect(),
             }
         })
@@ -102,7 +106,7 @@ pub(crate) fn expand(p: &Plan) -> RefPlan {
         .choices
         .iter()
         .map(|c| Choice {
-            tensor: c.tensor.to_string(),
+            tensor: p.tensor_name(c.tensor).to_string(),
             source: c.source,
             strategy: c.strategy,
             descriptors: c.descriptors,

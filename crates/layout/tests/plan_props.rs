@@ -159,7 +159,7 @@ fn run_case(
         .map(|&r| dst_layouts[r as usize].clone())
         .collect();
     let p = plan(&mine, &manifests, &cost)?;
-    let live = execute_in_memory(&p, &mine, |si, addr, len| {
+    let live = execute_in_memory(&p, &manifests, &mine, |si, addr, len| {
         let s = &sources[si];
         let o = addr.checked_sub(s.base)? as usize;
         s.mem.get(o..o + len as usize)
@@ -293,7 +293,7 @@ proptest! {
         }).collect();
         let manifests: Vec<SourceManifest> = srcs.iter().map(|s| s.manifest.clone()).collect();
         let p = plan(&dst, &manifests, &CostModel { per_descriptor_s: per_desc, wire_gbps: 10.0, per_segment_s: 1e-8 }).unwrap();
-        let live = execute_in_memory(&p, &dst, |si, addr, len| {
+        let live = execute_in_memory(&p, &manifests, &dst, |si, addr, len| {
             let s = &srcs[si];
             let o = addr.checked_sub(s.base)? as usize;
             s.mem.get(o..o + len as usize)
@@ -378,7 +378,7 @@ fn cost_model_picks_each_strategy() {
     let down = p
         .choices
         .iter()
-        .find(|c| c.tensor.ends_with("down_proj.weight"))
+        .find(|c| p.tensor_name(c.tensor).ends_with("down_proj.weight"))
         .unwrap();
     assert_eq!(down.strategy, Pull::Packed);
     // Free descriptors: exact runs.
@@ -406,7 +406,7 @@ fn cost_model_picks_each_strategy() {
     let down = p
         .choices
         .iter()
-        .find(|c| c.tensor.ends_with("down_proj.weight"))
+        .find(|c| p.tensor_name(c.tensor).ends_with("down_proj.weight"))
         .unwrap();
     assert_eq!(down.strategy, Pull::Superset);
     // A worker holding all three ranks, with nothing packed and free local segments, pulls whole
@@ -419,7 +419,7 @@ fn cost_model_picks_each_strategy() {
     let o = p
         .choices
         .iter()
-        .find(|c| c.tensor.ends_with("o_proj.weight"))
+        .find(|c| p.tensor_name(c.tensor).ends_with("o_proj.weight"))
         .unwrap();
     assert_eq!((o.strategy, o.descriptors), (Pull::Exact, 1));
 }

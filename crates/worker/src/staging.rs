@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use mx_layout::plan::{plan, CostModel, Plan};
-use mx_layout::{Digest, RankDigests, RankLayout, SourceManifest};
+use mx_layout::{Digest, RankDigests, RankLayout, SourceManifest, TensorBox};
 use mx_nixl::{Agent, Arena, ReadOp, ReadOptions};
 use rayon::prelude::*;
 
@@ -210,11 +210,13 @@ impl Staging {
                         let lo = ranges_ref[k].1;
                         let buf = arena.as_slice();
                         let bad = items[k].par_iter().find_any(|v| {
-                            // Every run of every (strided) segment, in order.
+                            // Every run of every (strided) segment, in order, against the
+                            // digest the source published for the piece.
                             let segs = v
                                 .byte_ranges()
                                 .map(|(o, l)| &buf[(o - lo) as usize..(o - lo + l) as usize]);
-                            mx_layout::digest_segments(segs) != v.digest
+                            let expected = v.published(manifests).map(|d| d.digest);
+                            Some(mx_layout::digest_segments(segs)) != expected
                         });
                         if let Some(v) = bad {
                             return Some(*v);
@@ -305,8 +307,10 @@ impl Staging {
         stats.verify_s = verify_tail_s;
         if let Some(v) = bad {
             return Err(Error::Verify {
-                tensor: v.tensor.to_string(),
-                region: v.region.to_string(),
+                tensor: p.tensor_name(v.tensor).to_string(),
+                region: v
+                    .published(manifests)
+                    .map_or_else(|| format!("piece {}", v.piece), |d| d.region.to_string()),
                 rank: v.dest_rank,
                 slot: manifests.get(v.source).map(|m| m.slot).unwrap_or(u32::MAX),
             });
@@ -314,7 +318,7 @@ impl Staging {
         stats.wire_bytes = p.wire_bytes;
         stats.useful_bytes = p.useful_bytes;
         let strategies = p.strategy_counts();
-        let pulled = pulled_digests(dest, &p);
+        let pulled = pulled_digests(dest, &p, manifests);
         self.pulled = Some(Pulled {
             label: label.to_string(),
             digest,
@@ -385,15 +389,16 @@ impl Staging {
 }
 
 /// Per rank, per checkpoint tensor: blake3 over the digests of the regions pulled and verified for
-/// it, in (tensor, region) order.
-fn pulled_digests(dest: &[RankLayout], p: &Plan) -> Vec<RankDigests> {
+/// it, in (tensor, region) order. `manifests` are those `p` was made from.
+fn pulled_digests(dest: &[RankLayout], p: &Plan, manifests: &[SourceManifest]) -> Vec<RankDigests> {
     dest.iter()
         .map(|rl| {
-            let mut items: Vec<(&str, &mx_layout::plan::Region, Digest)> = p
+            let mut items: Vec<(&str, &TensorBox, Digest)> = p
                 .verify
                 .iter()
                 .filter(|v| v.dest_rank == rl.rank || v.shared_with.contains(&rl.rank))
-                .map(|v| (&*v.tensor, &v.region, v.digest))
+                .filter_map(|v| v.published(manifests))
+                .map(|d| (d.tensor.as_str(), &d.region, d.digest))
                 .collect();
             items.sort();
             let mut tensors: BTreeMap<String, blake3::Hasher> = BTreeMap::new();
