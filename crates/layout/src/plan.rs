@@ -1862,8 +1862,7 @@ impl<'m> SourceIndex<'m> {
         }
         drop(keys);
         let mut isects = found;
-        let members: Vec<usize> = (0..isects.len()).collect();
-        let members_of = |p: usize| &members[member_at[p]..member_at[p + 1]];
+        let members_of = |p: usize| member_at[p]..member_at[p + 1];
 
         // 2. Strategy per (source, shard); wire runs deduplicated by (source, addr, len).
         // Identical wire runs are merged when staged (step 3).
@@ -1880,19 +1879,16 @@ impl<'m> SourceIndex<'m> {
         for (p, &(si, hi)) in group_key.iter().enumerate() {
             let idx = members_of(p);
             // The choice's tensor is the first intersection's.
-            let tensor = idx
-                .first()
-                .and_then(|&i| isects.get(i))
-                .map_or(0, |x| x.tensor);
-            let single = match idx {
-                [i] if isects[*i].runs_disjoint_gapped() => Some(&isects[*i]),
+            let tensor = isects.get(idx.start).map_or(0, |x| x.tensor);
+            let single = match isects.get(idx.clone()) {
+                Some([x]) if x.runs_disjoint_gapped() => Some(x),
                 _ => None,
             };
             let (n_exact, b_exact) = match single {
                 Some(x) => (x.runs.len(), x.runs.len() * x.src_run_bytes),
                 None => {
                     scratch.clear();
-                    for &i in idx {
+                    for i in idx.clone() {
                         let x = &isects[i];
                         scratch.extend(x.src_spans().map(|(a, e)| (a, e - a)));
                     }
@@ -1900,7 +1896,7 @@ impl<'m> SourceIndex<'m> {
                 }
             };
             // Exact and superset stage each region row by row: one segment per source run.
-            let strided: u64 = idx.iter().map(|&i| isects[i].runs.len()).sum();
+            let strided: u64 = idx.clone().map(|i| isects[i].runs.len()).sum();
             let mut cands: [(Strategy, f64, u64, u64); 3] = [(Strategy::Exact, 0.0, 0, 0); 3];
             let mut n_cands = 0;
             cands[n_cands] = (
@@ -1910,9 +1906,9 @@ impl<'m> SourceIndex<'m> {
                 b_exact,
             );
             n_cands += 1;
-            if idx.iter().all(|&i| isects[i].packed_addr.is_some()) {
+            if idx.clone().all(|i| isects[i].packed_addr.is_some()) {
                 scratch.clear();
-                scratch.extend(idx.iter().map(|&i| {
+                scratch.extend(idx.clone().map(|i| {
                     let x = &isects[i];
                     (x.packed_addr.unwrap_or(0), x.numel(&rdims) * x.elem)
                 }));
@@ -1935,13 +1931,13 @@ impl<'m> SourceIndex<'m> {
                     .map_or(0, |s| s.addr)
             };
             let lo = idx
-                .iter()
-                .map(|&i| isects[i].src_run(0))
+                .clone()
+                .map(|i| isects[i].src_run(0))
                 .min()
                 .unwrap_or_else(s_addr);
             let hi_end = idx
-                .iter()
-                .map(|&i| {
+                .clone()
+                .map(|i| {
                     let x = &isects[i];
                     x.src_run(x.runs.len().saturating_sub(1)) + x.src_run_bytes
                 })
@@ -1978,7 +1974,7 @@ impl<'m> SourceIndex<'m> {
             });
             match best.0 {
                 Strategy::Exact => {
-                    if let Some(i) = single.map(|_| idx[0]) {
+                    if let Some(i) = single.map(|_| idx.start) {
                         // Runs neither touch nor overlap: each is its own wire run.
                         let x = &isects[i];
                         let n = x.runs.len();
@@ -2006,7 +2002,7 @@ impl<'m> SourceIndex<'m> {
                     // holding every TP rank of a row-parallel weight gets one wire run, not one
                     // per row.
                     scratch.clear();
-                    for &i in idx {
+                    for i in idx.clone() {
                         scratch.extend(isects[i].src_spans());
                     }
                     scratch.sort_unstable();
@@ -2019,7 +2015,7 @@ impl<'m> SourceIndex<'m> {
                     }
                     ids.clear();
                     ids.extend(merged.iter().map(|&(a, e)| intern((si, a, e - a))));
-                    for &i in idx {
+                    for i in idx.clone() {
                         let x = &mut isects[i];
                         let start = img_all.len();
                         let n = x.runs.len();
@@ -2033,7 +2029,7 @@ impl<'m> SourceIndex<'m> {
                     }
                 }
                 Strategy::Packed => {
-                    for &i in idx {
+                    for i in idx.clone() {
                         let x = &mut isects[i];
                         let bytes = x.runs.len() * x.src_run_bytes;
                         x.img_run_bytes = bytes;
@@ -2047,7 +2043,7 @@ impl<'m> SourceIndex<'m> {
                 }
                 Strategy::Superset => {
                     let id = intern((si, lo, span));
-                    for &i in idx {
+                    for i in idx.clone() {
                         let x = &mut isects[i];
                         x.img_run_bytes = x.src_run_bytes;
                         x.img = match x.runs {
