@@ -1311,6 +1311,13 @@ impl Hasher for FxHasher {
 
 type FxMap<K, V> = HashMap<K, V, BuildHasherDefault<FxHasher>>;
 
+/// A 64-bit hash of a tensor name (FxHasher over its bytes), for [`SourceIndex`]'s name table.
+fn name_hash(name: &str) -> u64 {
+    let mut h = FxHasher::default();
+    h.write(name.as_bytes());
+    h.finish()
+}
+
 /// A published piece as the planner looks it up: stored with the other pieces published for the
 /// same destination (layout, rank), in shard order, region and digest inline.
 struct PieceEntry {
@@ -1325,7 +1332,7 @@ struct PieceEntry {
 }
 
 /// The shards of one tensor over all sources, grouped by box, with the pieces cut from them.
-struct TensorShards<'m> {
+struct TensorShards {
     /// Distinct shard boxes in [`TensorBox`] order. Sources holding the same box (replicated
     /// sources) are alternatives of one group.
     groups: Vec<BoxGroup>,
@@ -1346,7 +1353,7 @@ struct TensorShards<'m> {
     piece_dims: Vec<u64>,
     /// The (dtype, global shape) every shard of the tensor agrees on; `None` when they disagree
     /// (then every group is visited and checked, as without an index).
-    uniform: Option<(DType, &'m [u64])>,
+    uniform: Option<(DType, Vec<u64>)>,
     /// The tensor's name, allocated once: every plan's items and choices of the tensor share it.
     name: Arc<str>,
 }
@@ -1363,7 +1370,7 @@ struct BoxGroup {
     n_alts: usize,
 }
 
-impl TensorShards<'_> {
+impl TensorShards {
     /// Groups whose dim-0 extent may intersect that of the box at `offset` with `shape`, in box
     /// order: every group that does is in the range (the range may hold some that do not).
     fn candidates(&self, offset: &[u64], shape: &[u64]) -> std::ops::Range<usize> {
@@ -1466,7 +1473,14 @@ pub struct SourceIndex<'m> {
     /// Index of the first shard of each source in a dense numbering of all shards.
     shard_base: Vec<usize>,
     shard_count: usize,
-    tensors: FxMap<&'m str, TensorShards<'m>>,
+    /// Every tensor's shards, in order of first appearance over the sources (checkpoint order,
+    /// as a plan visits them): the entries of neighbouring tensors lie side by side in memory.
+    tensors: Vec<TensorShards>,
+    /// Tensor index by the 64-bit hash of its name ([`name_hash`]), checked against the entry's
+    /// name; names whose hash another name took are in `collided`. A lookup touches this small
+    /// table and the entry, not the manifests' strings.
+    by_hash: FxMap<u64, u32>,
+    collided: FxMap<&'m str, u32>,
     /// Intersections and box dims (u64s) the last plan found: the next plan reserves as much
     /// up front (plans against one index are alike), instead of growing its lists by copying.
     last_found: AtomicUsize,
@@ -1485,7 +1499,9 @@ impl<'m> SourceIndex<'m> {
         }
         let mut shard_base = Vec::with_capacity(sources.len());
         let mut shard_count = 0usize;
-        let mut by_tensor: FxMap<&'m str, Vec<(usize, usize)>> = FxMap::default();
+        // Each tensor's shards, tensors in order of first appearance.
+        let mut by_tensor: Vec<(&'m str, Vec<(usize, usize)>)> = Vec::new();
+        let mut position: FxMap<&'m str, usize> = FxMap::default();
         for (si, m) in sources.iter().enumerate() {
             shard_base.push(shard_count);
             shard_count =
@@ -1496,15 +1512,30 @@ impl<'m> SourceIndex<'m> {
                         tensor: String::new(),
                     })?;
             for (hi, s) in m.shards.iter().enumerate() {
-                by_tensor
-                    .entry(s.tensor.as_str())
-                    .or_default()
-                    .push((si, hi));
+                let k = *position.entry(s.tensor.as_str()).or_insert_with(|| {
+                    by_tensor.push((s.tensor.as_str(), Vec::new()));
+                    by_tensor.len() - 1
+                });
+                by_tensor[k].1.push((si, hi));
             }
         }
-        let mut tensors: FxMap<&'m str, TensorShards<'m>> = FxMap::default();
-        tensors.reserve(by_tensor.len());
-        for (name, cands) in by_tensor {
+        let n_tensors = u32::try_from(by_tensor.len()).map_err(|_| Error::Overflow {
+            what: "tensor count",
+            tensor: String::new(),
+        })?;
+        let mut tensors: Vec<TensorShards> = Vec::with_capacity(by_tensor.len());
+        let mut by_hash: FxMap<u64, u32> = FxMap::default();
+        by_hash.reserve(by_tensor.len());
+        let mut collided: FxMap<&'m str, u32> = FxMap::default();
+        for (id, (name, cands)) in (0..n_tensors).zip(by_tensor) {
+            match by_hash.entry(name_hash(name)) {
+                std::collections::hash_map::Entry::Vacant(e) => {
+                    e.insert(id);
+                }
+                std::collections::hash_map::Entry::Occupied(_) => {
+                    collided.insert(name, id);
+                }
+            }
             let Some(&(s0, h0)) = cands.first() else {
                 continue;
             };
@@ -1515,7 +1546,7 @@ impl<'m> SourceIndex<'m> {
                     let s = &sources[si].shards[hi];
                     s.dtype == first.dtype && s.global_shape == first.global_shape
                 })
-                .then_some((first.dtype, first.global_shape.as_slice()));
+                .then(|| (first.dtype, first.global_shape.clone()));
             let mut boxes: BTreeMap<&'m TensorBox, Vec<(usize, usize)>> = BTreeMap::new();
             for (si, hi) in cands {
                 boxes
@@ -1558,14 +1589,17 @@ impl<'m> SourceIndex<'m> {
                 t.prefix_end.push(e);
                 t.groups.push(g);
             }
-            tensors.insert(name, t);
+            tensors.push(t);
         }
         // Each published piece goes with every shard of its own source that holds its region:
         // the planner only asks a shard for regions inside it.
-        let mut attached: FxMap<&'m str, Vec<(usize, u32, &'m DestPiece)>> = FxMap::default();
+        let mut attached: Vec<Vec<(usize, u32, &'m DestPiece)>> = vec![Vec::new(); tensors.len()];
         for (si, m) in sources.iter().enumerate() {
             for (pi, p) in m.pieces.iter().enumerate() {
-                let Some(t) = tensors.get(p.tensor.as_str()) else {
+                let Some(&ti) = position.get(p.tensor.as_str()) else {
+                    continue;
+                };
+                let Some(t) = tensors.get(ti) else {
                     continue;
                 };
                 let pi = u32::try_from(pi).map_err(|_| Error::Overflow {
@@ -1596,19 +1630,12 @@ impl<'m> SourceIndex<'m> {
                         if a.0 != si {
                             break;
                         }
-                        attached.entry(p.tensor.as_str()).or_default().push((
-                            g.alts_at + from + k,
-                            pi,
-                            p,
-                        ));
+                        attached[ti].push((g.alts_at + from + k, pi, p));
                     }
                 }
             }
         }
-        for (name, mut list) in attached {
-            let Some(t) = tensors.get_mut(name) else {
-                continue;
-            };
+        for (t, mut list) in tensors.iter_mut().zip(attached) {
             // By (layout, rank), then alternative; manifest order kept among equals.
             list.sort_by_key(|&(a, _, p)| (p.layout, p.dest_rank, a));
             t.pieces.reserve_exact(list.len());
@@ -1632,9 +1659,24 @@ impl<'m> SourceIndex<'m> {
             shard_base,
             shard_count,
             tensors,
+            by_hash,
+            collided,
             last_found: AtomicUsize::new(0),
             last_dims: AtomicUsize::new(0),
         })
+    }
+
+    /// The shards of the tensor named `name` and their index in [`SourceIndex::tensors`].
+    fn tensor(&self, name: &str) -> Option<(usize, &TensorShards)> {
+        let hit = |id: u32| {
+            let i = usize::try_from(id).ok()?;
+            let t = self.tensors.get(i)?;
+            (*t.name == *name).then_some((i, t))
+        };
+        self.by_hash
+            .get(&name_hash(name))
+            .and_then(|&id| hit(id))
+            .or_else(|| self.collided.get(name).and_then(|&id| hit(id)))
     }
 
     /// The manifests this index was built over (source `i` of a plan is `sources()[i]`).
@@ -1648,8 +1690,14 @@ impl<'m> SourceIndex<'m> {
         use std::mem::size_of;
         let mut b = size_of::<Self>() + self.shard_base.capacity() * size_of::<usize>();
         // Hash table: one control byte per slot besides the slot.
-        b += self.tensors.capacity() * (size_of::<(&str, TensorShards<'_>)>() + 1);
-        for t in self.tensors.values() {
+        b += self.tensors.capacity() * size_of::<TensorShards>();
+        // Hash tables: one control byte per slot besides the slot.
+        b += self.by_hash.capacity() * (size_of::<(u64, u32)>() + 1);
+        b += self.collided.capacity() * (size_of::<(&str, u32)>() + 1);
+        for t in &self.tensors {
+            if let Some((_, shape)) = &t.uniform {
+                b += shape.capacity() * size_of::<u64>();
+            }
             b += t.groups.capacity() * size_of::<BoxGroup>();
             b += (t.prefix_end.capacity() + t.dims.capacity() + t.piece_dims.capacity())
                 * size_of::<u64>();
@@ -1695,7 +1743,7 @@ impl<'m> SourceIndex<'m> {
         for (ri, rl) in dest.iter().enumerate() {
             for param in &rl.params {
                 for piece in &param.pieces {
-                    let Some(ts) = self.tensors.get(piece.tensor.as_str()) else {
+                    let Some((ts_key, ts)) = self.tensor(piece.tensor.as_str()) else {
                         return Err(Error::MissingTensor {
                             tensor: piece.tensor.clone(),
                             reason: format!(
@@ -1724,13 +1772,13 @@ impl<'m> SourceIndex<'m> {
                         Ok(())
                     };
                     let pr = &piece.region;
-                    let ts_key = std::ptr::from_ref(ts) as usize;
                     // A malformed region intersects nothing (the coverage proof names it).
                     let malformed = pr.global_offset.len() != pr.local_shape.len();
                     // Uniform tensors are checked once and only the groups that can intersect
                     // the piece are visited; otherwise every group is visited and checked.
-                    let (range, uniform_elem) = match ts.uniform {
+                    let (range, uniform_elem) = match &ts.uniform {
                         Some((dt, shape)) => {
+                            let dt = *dt;
                             mismatch(dt, shape)?;
                             let r = if malformed {
                                 0..0
@@ -3346,6 +3394,48 @@ mod tests {
         }
     }
 
+    /// Tensors are found by name through the hash table, and through the collision table when
+    /// another name holds their hash: here every name's hash is made to point at the first
+    /// tensor, so all but that one are looked up as collided names. Plans are unchanged.
+    #[test]
+    fn tensors_are_found_by_name_even_when_hashes_collide() {
+        let model = llama(8, 2, 4, 16, 24, 300);
+        let tp2: LayoutSpec = "tp:2".parse().unwrap();
+        let dest = rank_layouts(&model, tp2).unwrap();
+        let ms = synthetic_manifests(&model, "fsdp:2".parse().unwrap(), tp2, &[]).unwrap();
+        let cost = CostModel::default();
+        let index = SourceIndex::new(&ms).unwrap();
+        let expect = index.plan(&dest, &cost).unwrap();
+        let names: Vec<Arc<str>> = index.tensors.iter().map(|t| Arc::clone(&t.name)).collect();
+        assert!(names.len() > 2);
+        // In order of first appearance over the sources.
+        assert_eq!(&*names[0], ms[0].shards[0].tensor.as_str());
+        let mut forced = SourceIndex::new(&ms).unwrap();
+        forced.by_hash.clear();
+        forced.collided.clear();
+        for (id, n) in (0u32..).zip(&names) {
+            forced.by_hash.insert(name_hash(n), 0);
+            if id > 0 {
+                forced.collided.insert(ms_name(&ms, n), id);
+            }
+        }
+        for (i, n) in names.iter().enumerate() {
+            assert_eq!(index.tensor(n).map(|(k, _)| k), Some(i));
+            assert_eq!(forced.tensor(n).map(|(k, _)| k), Some(i), "{n}");
+        }
+        assert!(index.tensor("no.such.tensor").is_none());
+        assert!(forced.tensor("no.such.tensor").is_none());
+        assert_eq!(forced.plan(&dest, &cost).unwrap(), expect);
+    }
+
+    /// The manifests' own copy of tensor name `n` (the collision table borrows from them).
+    fn ms_name<'m>(ms: &'m [SourceManifest], n: &str) -> &'m str {
+        ms.iter()
+            .flat_map(|m| &m.shards)
+            .find(|s| s.tensor == n)
+            .map(|s| s.tensor.as_str())
+            .unwrap()
+    }
     #[test]
     fn synthetic_manifest_matches_synthetic_manifests() {
         let model = llama(4, 2, 4, 8, 12, 100);
