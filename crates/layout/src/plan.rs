@@ -1466,8 +1466,9 @@ fn dims_eq(a: &[u64], b: &[u64]) -> bool {
 /// Holds, per tensor, the shards of every source sorted by box with a dim-0 interval search (an
 /// FSDP dim-0 piece finds its few intersecting shards by binary search, not by scanning all of
 /// them), and with each shard the pieces its source published from it, sorted by (destination
-/// layout, destination rank), their regions and digests inline. Borrows the manifests; building
-/// it validates every manifest once.
+/// layout, destination rank), their regions inline with their positions in the manifests.
+/// Tensors lie in one list in checkpoint order, found by a table of name hashes. Borrows the
+/// manifests; building it validates every manifest once.
 pub struct SourceIndex<'m> {
     sources: &'m [SourceManifest],
     /// Index of the first shard of each source in a dense numbering of all shards.
