@@ -1895,21 +1895,16 @@ impl<'m> SourceIndex<'m> {
             permute_in_place(&mut found, &order);
             permute_in_place(&mut keys, &order);
         }
-        let mut group_key: Vec<(usize, usize)> = Vec::new();
         let mut member_at: Vec<usize> = vec![0];
-        for (k, (x, &key)) in found.iter().zip(&keys).enumerate() {
-            if k > 0 && keys[k - 1] == key {
-                continue;
-            }
-            if k > 0 {
+        for k in 1..keys.len() {
+            if keys[k - 1] != keys[k] {
                 member_at.push(k);
             }
-            group_key.push((x.source, key - self.shard_base[x.source]));
         }
         if !found.is_empty() {
             member_at.push(found.len());
         }
-        drop(keys);
+        let n_groups = member_at.len() - 1;
         let mut isects = found;
         let members_of = |p: usize| member_at[p]..member_at[p + 1];
 
@@ -1924,9 +1919,12 @@ impl<'m> SourceIndex<'m> {
         let mut scratch: Vec<(u64, u64)> = Vec::new();
         let mut merged: Vec<(u64, u64)> = Vec::new();
         let mut ids: Vec<usize> = Vec::new();
-        let mut choices = Vec::with_capacity(group_key.len());
-        for (p, &(si, hi)) in group_key.iter().enumerate() {
+        let mut choices = Vec::with_capacity(n_groups);
+        for p in 0..n_groups {
             let idx = members_of(p);
+            // The group's (source, shard).
+            let si = isects.get(idx.start).map_or(0, |x| x.source);
+            let hi = keys.get(idx.start).map_or(0, |&k| k - self.shard_base[si]);
             // The choice's tensor is the first intersection's.
             let tensor = isects.get(idx.start).map_or(0, |x| x.tensor);
             let single = match isects.get(idx.clone()) {
@@ -2115,6 +2113,7 @@ impl<'m> SourceIndex<'m> {
                 }
             }
         }
+        drop(keys);
         drop(scratch);
         drop(merged);
         drop(ids);
@@ -2166,7 +2165,7 @@ impl<'m> SourceIndex<'m> {
         let mut seg_sink = SegmentSink::default();
         // The staging offset of each item's first byte (`u64::MAX`: none): items with the same
         // bytes share it.
-        let mut heads: Vec<u64> = Vec::with_capacity(isects.len());
+        let mut heads: Vec<u64> = Vec::with_capacity(if shared_staging { isects.len() } else { 0 });
         let mut useful_bytes = 0u64;
         // Each intersection becomes its verification item where it lies (the same size: the
         // collection reuses the intersections' memory).
@@ -2277,7 +2276,9 @@ impl<'m> SourceIndex<'m> {
                     }
                 }
                 let segments = seg_sink.take();
-                heads.push(segments.first().map_or(u64::MAX, |sg| sg.offset));
+                if shared_staging {
+                    heads.push(segments.first().map_or(u64::MAX, |sg| sg.offset));
+                }
                 VerifyItem {
                     source: x.source,
                     tensor: x.tensor,
