@@ -956,17 +956,19 @@ fn intersect_into(ao: &[u64], as_: &[u64], bo: &[u64], bs: &[u64], out: &mut Vec
 }
 
 /// Where the staged copy of an intersection's runs lies: image run `j` at (wire id, offset).
+/// Wire ids and positions in the image list are 32-bit (a plan with more is an
+/// [`Error::Overflow`]), so that an [`Isect`] stays two cache lines.
 #[derive(Debug, Clone, Copy)]
 enum Img {
     /// `count` runs, run `j` at (`wire`, `off0 + j * stride`).
     Affine {
-        wire: usize,
+        wire: u32,
         off0: u64,
         stride: u64,
         count: u64,
     },
     /// `count` runs listed at `start..` of the plan's flat image list.
-    Flat { start: usize, count: u64 },
+    Flat { start: u32, count: u64 },
 }
 
 impl Img {
@@ -977,43 +979,50 @@ impl Img {
     }
 }
 
-/// Intersection of one destination piece with one source shard.
+/// Intersection of one destination piece with one source shard (128 bytes: a plan holds one per
+/// (shard, destination piece) pair met, ~187k for a Kimi-K2 rank, in fresh memory).
 struct Isect<'a> {
-    rank_index: usize,
-    dest_rank: u32,
-    source: usize,
     /// The destination piece (tensor, region, live offset).
     piece: &'a Piece,
+    /// Source address of the shard: run `i` of the region is at `src_base + runs.get(i) * elem`,
+    /// `src_run_bytes` long.
+    src_base: u64,
+    /// Packed address of the published piece (meaningful when `has_packed`; copied: the index
+    /// is cold by the time it is used).
+    packed_addr: u64,
+    src_run_bytes: u64,
+    runs: Runs,
+    /// After the strategy choice: the staging image, runs of [`Isect::img_run_bytes`].
+    img: Img,
+    /// Index of the destination rank in the plan's `dest`.
+    rank_index: u32,
+    /// Index of the source manifest.
+    source: u32,
     /// The tensor: an index into the plan's list of tensor names.
     tensor: u32,
     /// The intersection box is `rdims[region_at..]` of the plan's flat box list: its offset,
     /// then its shape, as many dims as the piece's region.
-    region_at: usize,
-    /// Index of the published piece in its manifest, and its packed address (copied: the index
-    /// is cold by the time they are used).
+    region_at: u32,
+    /// Index of the published piece in its manifest.
     piece_index: u32,
-    packed_addr: Option<u64>,
-    elem: u64,
-    /// Source address of the shard: run `i` of the region is at `src_base + runs.get(i) * elem`,
-    /// `src_run_bytes` long.
-    src_base: u64,
-    runs: Runs,
-    src_run_bytes: u64,
-    /// After the strategy choice: the staging image, runs of `img_run_bytes`.
-    img: Img,
-    img_run_bytes: u64,
+    /// Bytes per element.
+    elem: u32,
+    /// Whether the published piece has a packed address.
+    has_packed: bool,
+    /// Whether the strategy staged the region packed (one image run of every source run).
+    staged_packed: bool,
 }
+
+// Kept at two cache lines: a plan writes one per intersection to fresh memory.
+const _: () = assert!(std::mem::size_of::<Isect<'static>>() <= 128);
 
 impl Isect<'_> {
     /// (offset, shape) of the intersection box in the plan's flat box list.
     fn region<'d>(&self, rdims: &'d [u64]) -> (&'d [u64], &'d [u64]) {
         let n = self.piece.region.local_shape.len();
-        let o = rdims
-            .get(self.region_at..self.region_at + n)
-            .unwrap_or_default();
-        let s = rdims
-            .get(self.region_at + n..self.region_at + 2 * n)
-            .unwrap_or_default();
+        let at = self.region_at as usize;
+        let o = rdims.get(at..at + n).unwrap_or_default();
+        let s = rdims.get(at + n..at + 2 * n).unwrap_or_default();
         (o, s)
     }
 
@@ -1029,7 +1038,17 @@ impl Isect<'_> {
     /// Source address of run `i`.
     fn src_run(&self, i: u64) -> u64 {
         self.src_base
-            .wrapping_add(self.runs.get(i).wrapping_mul(self.elem))
+            .wrapping_add(self.runs.get(i).wrapping_mul(u64::from(self.elem)))
+    }
+
+    /// Bytes of one staging-image run: the source run, or every source run back to back when
+    /// staged packed.
+    fn img_run_bytes(&self) -> u64 {
+        if self.staged_packed {
+            self.runs.len().wrapping_mul(self.src_run_bytes)
+        } else {
+            self.src_run_bytes
+        }
     }
 
     /// (addr, addr + len) of every source run, in order.
@@ -1047,7 +1066,7 @@ impl Isect<'_> {
             Runs::Arith { count, stride, .. } => {
                 *count == 1
                     || stride
-                        .checked_mul(self.elem)
+                        .checked_mul(u64::from(self.elem))
                         .is_some_and(|step| step > self.src_run_bytes)
             }
             Runs::List(_) => false,
@@ -1667,6 +1686,20 @@ impl<'m> SourceIndex<'m> {
         })
     }
 
+    /// [`SourceIndex::tensor`], trying first the tensor at `hint` and the one after it: a
+    /// destination lists its pieces mostly in checkpoint order, as the index lists its tensors,
+    /// and a name compared in place costs less than the hash table's cache misses.
+    fn tensor_near(&self, name: &str, hint: Option<usize>) -> Option<(usize, &TensorShards)> {
+        if let Some(h) = hint {
+            for i in [h, h.wrapping_add(1)] {
+                if let Some(t) = self.tensors.get(i).filter(|t| *t.name == *name) {
+                    return Some((i, t));
+                }
+            }
+        }
+        self.tensor(name)
+    }
+
     /// The shards of the tensor named `name` and their index in [`SourceIndex::tensors`].
     fn tensor(&self, name: &str) -> Option<(usize, &TensorShards)> {
         let hit = |id: u32| {
@@ -1741,10 +1774,19 @@ impl<'m> SourceIndex<'m> {
         let mut tensors: Vec<Arc<str>> = Vec::new();
         let mut tensor_ids: FxMap<usize, u32> = FxMap::default();
         let mut last_tensor: Option<(usize, u32)> = None;
+        // The index's tensor of the previous piece looked up.
+        let mut last_lookup: Option<usize> = None;
+        // Intersections hold 32-bit source and rank indices (checked here, once).
+        let count_overflow = |what: &'static str| Error::Overflow {
+            what,
+            tensor: String::new(),
+        };
+        u32::try_from(sources.len()).map_err(|_| count_overflow("source count"))?;
         for (ri, rl) in dest.iter().enumerate() {
+            let ri = u32::try_from(ri).map_err(|_| count_overflow("destination rank count"))?;
             for param in &rl.params {
                 for piece in &param.pieces {
-                    let Some((ts_key, ts)) = self.tensor(piece.tensor.as_str()) else {
+                    let Some((ts_key, ts)) = self.tensor_near(&piece.tensor, last_lookup) else {
                         return Err(Error::MissingTensor {
                             tensor: piece.tensor.clone(),
                             reason: format!(
@@ -1753,6 +1795,7 @@ impl<'m> SourceIndex<'m> {
                             ),
                         });
                     };
+                    last_lookup = Some(ts_key);
                     let mismatch = |s_dtype: DType, s_shape: &[u64]| -> Result<(), Error> {
                         if s_dtype != piece.dtype {
                             return Err(Error::Mismatch {
@@ -1827,6 +1870,10 @@ impl<'m> SourceIndex<'m> {
                             continue;
                         }
                         let (ro, rs) = rdims[region_at..].split_at(ss.len());
+                        let region_at = u32::try_from(region_at).map_err(|_| Error::Overflow {
+                            what: "intersection box list",
+                            tensor: piece.tensor.clone(),
+                        })?;
                         let found_entry = ts.piece(&plist, &mut cursor, alt, g.ndim, (ro, rs));
                         let Some(entry) = found_entry else {
                             let region = TensorBox {
@@ -1865,20 +1912,22 @@ impl<'m> SourceIndex<'m> {
                         let (run, runs) = runs_in(ro, rs, so, ss);
                         keys.push(self.shard_base[si] + hi);
                         found.push(Isect {
-                            rank_index: ri,
-                            dest_rank: rl.rank,
-                            source: si,
                             piece,
+                            src_base: addr,
+                            packed_addr: entry.packed_addr.unwrap_or(0),
+                            src_run_bytes: run.wrapping_mul(elem),
+                            runs,
+                            img: Img::Flat { start: 0, count: 0 },
+                            rank_index: ri,
+                            // Below `sources.len()`, checked to fit above.
+                            source: si as u32,
                             tensor,
                             region_at,
                             piece_index: entry.index,
-                            packed_addr: entry.packed_addr,
-                            elem,
-                            src_base: addr,
-                            runs,
-                            src_run_bytes: run.wrapping_mul(elem),
-                            img: Img::Flat { start: 0, count: 0 },
-                            img_run_bytes: 0,
+                            // A dtype's size: 1 to 8 bytes.
+                            elem: elem as u32,
+                            has_packed: entry.packed_addr.is_some(),
+                            staged_packed: false,
                         });
                     }
                 }
@@ -1911,19 +1960,23 @@ impl<'m> SourceIndex<'m> {
         // 2. Strategy per (source, shard); wire runs deduplicated by (source, addr, len).
         // Identical wire runs are merged when staged (step 3).
         let mut wire: Vec<(usize, u64, u64)> = Vec::with_capacity(isects.len());
-        let mut intern = |w: (usize, u64, u64)| -> usize {
+        let mut intern = |w: (usize, u64, u64)| -> Result<u32, Error> {
+            let id = u32::try_from(wire.len()).map_err(|_| count_overflow("wire run count"))?;
             wire.push(w);
-            wire.len() - 1
+            Ok(id)
         };
-        let mut img_all: Vec<(usize, u64)> = Vec::new();
+        let mut img_all: Vec<(u32, u64)> = Vec::new();
+        let img_at_end = |img_all: &Vec<(u32, u64)>| {
+            u32::try_from(img_all.len()).map_err(|_| count_overflow("staging image list"))
+        };
         let mut scratch: Vec<(u64, u64)> = Vec::new();
         let mut merged: Vec<(u64, u64)> = Vec::new();
-        let mut ids: Vec<usize> = Vec::new();
+        let mut ids: Vec<u32> = Vec::new();
         let mut choices = Vec::with_capacity(n_groups);
         for p in 0..n_groups {
             let idx = members_of(p);
             // The group's (source, shard).
-            let si = isects.get(idx.start).map_or(0, |x| x.source);
+            let si = isects.get(idx.start).map_or(0, |x| x.source as usize);
             let hi = keys.get(idx.start).map_or(0, |&k| k - self.shard_base[si]);
             // The choice's tensor is the first intersection's.
             let tensor = isects.get(idx.start).map_or(0, |x| x.tensor);
@@ -1953,11 +2006,11 @@ impl<'m> SourceIndex<'m> {
                 b_exact,
             );
             n_cands += 1;
-            if idx.clone().all(|i| isects[i].packed_addr.is_some()) {
+            if idx.clone().all(|i| isects[i].has_packed) {
                 scratch.clear();
                 scratch.extend(idx.clone().map(|i| {
                     let x = &isects[i];
-                    (x.packed_addr.unwrap_or(0), x.numel(&rdims) * x.elem)
+                    (x.packed_addr, x.numel(&rdims) * u64::from(x.elem))
                 }));
                 let (n, b) = coalesced_count_in(&mut scratch);
                 let segs = idx.len() as u64;
@@ -2027,22 +2080,20 @@ impl<'m> SourceIndex<'m> {
                         let n = x.runs.len();
                         let img = if n == 1 {
                             Img::Affine {
-                                wire: intern((si, x.src_run(0), x.src_run_bytes)),
+                                wire: intern((si, x.src_run(0), x.src_run_bytes))?,
                                 off0: 0,
                                 stride: 0,
                                 count: 1,
                             }
                         } else {
-                            let start = img_all.len();
+                            let start = img_at_end(&img_all)?;
                             for r in 0..n {
-                                let id = intern((si, x.src_run(r), x.src_run_bytes));
+                                let id = intern((si, x.src_run(r), x.src_run_bytes))?;
                                 img_all.push((id, 0));
                             }
                             Img::Flat { start, count: n }
                         };
-                        let x = &mut isects[i];
-                        x.img_run_bytes = x.src_run_bytes;
-                        x.img = img;
+                        isects[i].img = img;
                         continue;
                     }
                     // Merge the group's runs first (adjacent or overlapping), so a worker
@@ -2061,17 +2112,18 @@ impl<'m> SourceIndex<'m> {
                         }
                     }
                     ids.clear();
-                    ids.extend(merged.iter().map(|&(a, e)| intern((si, a, e - a))));
+                    for &(a, e) in &merged {
+                        ids.push(intern((si, a, e - a))?);
+                    }
                     for i in idx.clone() {
                         let x = &mut isects[i];
-                        let start = img_all.len();
+                        let start = img_at_end(&img_all)?;
                         let n = x.runs.len();
                         for r in 0..n {
                             let a = x.src_run(r);
                             let k = merged.partition_point(|m| m.0 <= a).saturating_sub(1);
                             img_all.push((ids[k], a - merged[k].0));
                         }
-                        x.img_run_bytes = x.src_run_bytes;
                         x.img = Img::Flat { start, count: n };
                     }
                 }
@@ -2079,9 +2131,9 @@ impl<'m> SourceIndex<'m> {
                     for i in idx.clone() {
                         let x = &mut isects[i];
                         let bytes = x.runs.len() * x.src_run_bytes;
-                        x.img_run_bytes = bytes;
+                        x.staged_packed = true;
                         x.img = Img::Affine {
-                            wire: intern((si, x.packed_addr.unwrap_or(0), bytes)),
+                            wire: intern((si, x.packed_addr, bytes))?,
                             off0: 0,
                             stride: 0,
                             count: 1,
@@ -2089,19 +2141,18 @@ impl<'m> SourceIndex<'m> {
                     }
                 }
                 Strategy::Superset => {
-                    let id = intern((si, lo, span));
+                    let id = intern((si, lo, span))?;
                     for i in idx.clone() {
                         let x = &mut isects[i];
-                        x.img_run_bytes = x.src_run_bytes;
                         x.img = match x.runs {
                             Runs::Arith { count, stride, .. } => Img::Affine {
                                 wire: id,
                                 off0: x.src_run(0) - lo,
-                                stride: stride.wrapping_mul(x.elem),
+                                stride: stride.wrapping_mul(u64::from(x.elem)),
                                 count,
                             },
                             Runs::List(_) => {
-                                let start = img_all.len();
+                                let start = img_at_end(&img_all)?;
                                 let n = x.runs.len();
                                 for r in 0..n {
                                     img_all.push((id, x.src_run(r) - lo));
@@ -2176,12 +2227,15 @@ impl<'m> SourceIndex<'m> {
                     match x.img {
                         Img::Affine {
                             wire, off0, stride, ..
-                        } => staging[wire]
+                        } => staging[wire as usize]
                             .wrapping_add(off0)
                             .wrapping_add(j.wrapping_mul(stride)),
                         Img::Flat { start, .. } => {
-                            let (w, o) = img_all.get(start + j as usize).copied().unwrap_or((0, 0));
-                            staging[w].wrapping_add(o)
+                            let (w, o) = img_all
+                                .get(start as usize + j as usize)
+                                .copied()
+                                .unwrap_or((0, 0));
+                            staging[w as usize].wrapping_add(o)
                         }
                     }
                 };
@@ -2193,27 +2247,24 @@ impl<'m> SourceIndex<'m> {
                     &x.piece.region.global_offset,
                     &x.piece.region.local_shape,
                 );
-                let lrun_b = lrun.wrapping_mul(x.elem);
-                let irb = x.img_run_bytes;
+                let elem = u64::from(x.elem);
+                let lrun_b = lrun.wrapping_mul(elem);
+                let irb = x.img_run_bytes();
                 let total = n_img.wrapping_mul(irb);
                 useful_bytes = useful_bytes.saturating_add(total);
-                let live_at = |q: u64| {
-                    x.piece
-                        .offset
-                        .wrapping_add(lruns.get(q).wrapping_mul(x.elem))
-                };
+                let live_at = |q: u64| x.piece.offset.wrapping_add(lruns.get(q).wrapping_mul(elem));
                 // Staged and live runs both evenly spaced: the rows the walk below visits, in
                 // closed form (row `p` at staging `s0 + p * ss`, live `l0 + p * ls`).
                 let img_affine = match x.img {
                     Img::Affine {
                         wire, off0, stride, ..
-                    } => Some((staging[wire].wrapping_add(off0), stride)),
+                    } => Some((staging[wire as usize].wrapping_add(off0), stride)),
                     Img::Flat { .. } => None,
                 };
                 let live_affine = match lruns {
                     Runs::Arith { first, stride, .. } => Some((
-                        x.piece.offset.wrapping_add(first.wrapping_mul(x.elem)),
-                        stride.wrapping_mul(x.elem),
+                        x.piece.offset.wrapping_add(first.wrapping_mul(elem)),
+                        stride.wrapping_mul(elem),
                     )),
                     Runs::List(_) => None,
                 };
@@ -2235,7 +2286,7 @@ impl<'m> SourceIndex<'m> {
                     _ => None,
                 };
                 if let Some((s0, ss, l0, ls, len, count)) = closed {
-                    copies.push_rows(x.rank_index, (s0, ss), (l0, ls), len, count);
+                    copies.push_rows(x.rank_index as usize, (s0, ss), (l0, ls), len, count);
                 } else {
                     let unit = gcd(lrun_b, irb);
                     // Walk both sides in steps of `unit` (it divides both run lengths).
@@ -2247,7 +2298,7 @@ impl<'m> SourceIndex<'m> {
                     while pos < total {
                         let s_off = s_base.wrapping_add(jo);
                         let l_off = l_base.wrapping_add(qo);
-                        copies.push(x.rank_index, s_off, l_off, unit);
+                        copies.push(x.rank_index as usize, s_off, l_off, unit);
                         pos += unit;
                         jo += unit;
                         if jo >= irb {
@@ -2280,9 +2331,9 @@ impl<'m> SourceIndex<'m> {
                     heads.push(segments.first().map_or(u64::MAX, |sg| sg.offset));
                 }
                 VerifyItem {
-                    source: x.source,
+                    source: x.source as usize,
                     tensor: x.tensor,
-                    dest_rank: x.dest_rank,
+                    dest_rank: dest.get(x.rank_index as usize).map_or(0, |rl| rl.rank),
                     piece: x.piece_index,
                     shared_with: Vec::new(),
                     segments,
