@@ -233,6 +233,12 @@ fn print_report(r: &PlanReport) {
             m.slowest_rank_plan_bytes as f64 / 1e6,
             m.slowest_rank_fresh_memory_ms
         );
+        println!(
+            "{}: the next version from the same arenas: geometry check {:.1} ms (plan kept) instead of index + plan {:.1} ms",
+            m.model,
+            m.geometry_seconds * 1e3,
+            m.index_seconds * 1e3 + m.slowest_rank_ms
+        );
     }
     println!("\nprojection: Kimi-K2 refit on real hardware");
     println!(

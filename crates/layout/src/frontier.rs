@@ -644,6 +644,11 @@ pub struct FleetPlanReport {
     pub manifest_seconds: f64,
     /// Building the [`SourceIndex`] (s).
     pub index_seconds: f64,
+    /// [`crate::geometry_digest`] over every manifest (s): what a worker spends per version
+    /// instead of the index build and its plan when the trainer publishes from the same arenas
+    /// and it keeps its plan (`mx worker` does).
+    #[serde(default)]
+    pub geometry_seconds: f64,
     /// Source shards over all manifests.
     pub shards: u64,
     /// Published pieces over all manifests.
@@ -779,6 +784,9 @@ pub fn fleet_plan_report(
     let t0 = Instant::now();
     let index = SourceIndex::new(&manifests)?;
     let index_seconds = t0.elapsed().as_secs_f64();
+    let t0 = Instant::now();
+    std::hint::black_box(crate::geometry_digest(&manifests));
+    let geometry_seconds = t0.elapsed().as_secs_f64();
 
     let table = model.fp8_table();
     let lookup = |name: &str| table.get(name).copied().unwrap_or((false, 2));
@@ -872,6 +880,7 @@ pub fn fleet_plan_report(
         layouts_seconds,
         manifest_seconds,
         index_seconds,
+        geometry_seconds,
         shards: manifests.iter().map(|m| m.shards.len() as u64).sum(),
         pieces: manifests.iter().map(|m| m.pieces.len() as u64).sum(),
         manifest_bytes_estimate,

@@ -23,8 +23,8 @@ pub mod update;
 pub use dtype::DType;
 pub use error::Error;
 pub use manifest::{
-    digest_segments, version_digest, DestPiece, MemDevice, RankDigests, ShardEntry, SourceManifest,
-    TensorSpec,
+    digest_segments, geometry_digest, version_digest, DestPiece, MemDevice, RankDigests,
+    ShardEntry, SourceManifest, TensorSpec,
 };
 pub use model::{rank_layout, rank_layouts, ModelInfo, Param, Piece, RankLayout};
 pub use types::{Digest, LayoutSpec, Scheme, TensorBox};

@@ -3503,4 +3503,126 @@ mod tests {
             assert!(m.shards.iter().all(|s| s.device == MemDevice::Dram));
         }
     }
+
+    /// A new policy version changes every digest and nothing else: the geometry digest is
+    /// unchanged and so is the plan, whose checks then look up the new digests. Any field a
+    /// plan depends on changes the geometry digest.
+    #[test]
+    fn geometry_digest_ignores_digests_and_sees_every_planned_field() {
+        type Change = Box<dyn Fn(&mut Vec<SourceManifest>)>;
+        let model = llama(8, 2, 4, 16, 24, 300);
+        let tp2: LayoutSpec = "tp:2".parse().unwrap();
+        let dest = rank_layouts(&model, tp2).unwrap();
+        let a = with_digests(
+            synthetic_manifests(&model, "fsdp:4".parse().unwrap(), tp2, &[vec![0, 1]]).unwrap(),
+        );
+        let g = crate::geometry_digest(&a);
+        let mut b = a.clone();
+        for m in &mut b {
+            m.pack_seconds = 1.5;
+            m.agent_metadata = vec![9; 8];
+            for s in &mut m.shards {
+                s.digest = Digest([1; 32]);
+            }
+            for p in &mut m.pieces {
+                p.digest = Digest([2; 32]);
+            }
+        }
+        assert_eq!(crate::geometry_digest(&b), g);
+        let cost = CostModel::default();
+        let pa = plan(&dest, &a, &cost).unwrap();
+        assert_eq!(plan(&dest, &b, &cost).unwrap(), pa);
+        assert!(!pa.verify.is_empty());
+        for v in &pa.verify {
+            assert_ne!(v.published(&a).unwrap().digest, Digest([2; 32]));
+            assert_eq!(v.published(&b).unwrap().digest, Digest([2; 32]));
+        }
+
+        let (ps, pp) = a
+            .iter()
+            .enumerate()
+            .find_map(|(i, m)| {
+                m.pieces
+                    .iter()
+                    .position(|p| p.packed_addr.is_some())
+                    .map(|j| (i, j))
+            })
+            .expect("a packed piece");
+        let changes: Vec<(&str, Change)> = vec![
+            ("slot", Box::new(|m| m[1].slot = 9)),
+            (
+                "source layout",
+                Box::new(|m| m[0].layout = "fsdp:8".parse().unwrap()),
+            ),
+            ("agent name", Box::new(|m| m[0].agent_name.push('x'))),
+            ("source order", Box::new(|m| m.swap(0, 1))),
+            ("a source fewer", Box::new(|m| drop(m.pop()))),
+            (
+                "shard tensor",
+                Box::new(|m| m[0].shards[0].tensor.push('x')),
+            ),
+            (
+                "shard dtype",
+                Box::new(|m| m[0].shards[0].dtype = DType::F32),
+            ),
+            (
+                "global shape",
+                Box::new(|m| m[0].shards[0].global_shape[0] += 1),
+            ),
+            (
+                "shard offset",
+                Box::new(|m| m[3].shards[2].shard.global_offset[0] += 1),
+            ),
+            (
+                "shard shape",
+                Box::new(|m| m[3].shards[2].shard.local_shape[0] -= 1),
+            ),
+            ("shard address", Box::new(|m| m[2].shards[1].addr += 64)),
+            ("shard length", Box::new(|m| m[2].shards[1].len += 2)),
+            (
+                "memory kind",
+                Box::new(|m| m[0].shards[0].device = MemDevice::Vram(0)),
+            ),
+            ("a shard fewer", Box::new(|m| drop(m[1].shards.pop()))),
+            (
+                "piece layout",
+                Box::new(|m| m[0].pieces[0].layout = "tp:4".parse().unwrap()),
+            ),
+            ("piece rank", Box::new(|m| m[0].pieces[0].dest_rank += 1)),
+            (
+                "piece tensor",
+                Box::new(|m| m[0].pieces[0].tensor.push('x')),
+            ),
+            (
+                "piece offset",
+                Box::new(|m| m[1].pieces[3].region.global_offset[0] += 1),
+            ),
+            (
+                "piece shape",
+                Box::new(|m| m[1].pieces[3].region.local_shape[0] += 1),
+            ),
+            (
+                "packed address moved",
+                Box::new(move |m| {
+                    m[ps].pieces[pp].packed_addr = m[ps].pieces[pp].packed_addr.map(|x| x + 2)
+                }),
+            ),
+            (
+                "packed address dropped",
+                Box::new(move |m| m[ps].pieces[pp].packed_addr = None),
+            ),
+            (
+                "packed address added",
+                Box::new(|m| m[0].pieces[0].packed_addr = Some(0)),
+            ),
+            ("a piece fewer", Box::new(|m| drop(m[0].pieces.pop()))),
+        ];
+        assert!(a[0].pieces[0].packed_addr.is_none());
+        for (what, change) in changes {
+            let mut c = a.clone();
+            change(&mut c);
+            assert_ne!(c, a, "{what}: the change did nothing");
+            assert_ne!(crate::geometry_digest(&c), g, "{what}");
+        }
+    }
 }

@@ -3,6 +3,7 @@
 //! buffers.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use mx_layout::plan::{plan, CostModel, Plan};
@@ -15,8 +16,14 @@ use crate::Error;
 /// Timings and counts of one stage.
 #[derive(Debug, Clone, Default)]
 pub struct StageStats {
-    /// Seconds planning.
+    /// Seconds from the stage's start until the plan was at hand: loading the sources' NIXL
+    /// metadata, the cost probe (first stage only), then planning, or checking that the previous
+    /// plan still holds ([`StageStats::plan_reused`]).
     pub plan_s: f64,
+    /// Whether the previous stage's plan was reused: same destination ranks, same cost model
+    /// and manifests of the same geometry ([`mx_layout::geometry_digest`]), as when the trainer
+    /// publishes a new version from the same arenas.
+    pub plan_reused: bool,
     /// Seconds in NIXL reads.
     pub pull_s: f64,
     /// Seconds verifying digests (the tail not overlapped with pulls).
@@ -41,7 +48,17 @@ pub(crate) struct Pulled {
     /// Version digest.
     pub(crate) digest: Digest,
     /// The plan that pulled it (its copies say where each staged byte goes live).
-    pub(crate) plan: Plan,
+    pub(crate) plan: Arc<Plan>,
+}
+
+/// The last plan made, kept for the next version: it holds while the destination ranks, the
+/// cost model and the manifests' geometry are unchanged. Only the digests differ between
+/// versions, and a plan's checks look those up in the manifests at hand.
+struct PlanCache {
+    dest: Vec<RankLayout>,
+    cost: CostModel,
+    geometry: Digest,
+    plan: Arc<Plan>,
 }
 
 /// One source's staging arena: (source index, first staging offset, arena).
@@ -62,6 +79,8 @@ pub(crate) struct Staging {
     /// The version the arenas hold, once verified.
     pulled: Option<Pulled>,
     cost: Option<CostModel>,
+    /// The last plan, reused while its geometry holds.
+    plan_cache: Option<PlanCache>,
 }
 
 impl std::fmt::Debug for Staging {
@@ -83,6 +102,7 @@ impl Staging {
             arenas: Vec::new(),
             pulled: None,
             cost: None,
+            plan_cache: None,
         }
     }
 
@@ -128,8 +148,29 @@ impl Staging {
         }
         let cost = self.cost.unwrap_or_default();
         let load_s = t.elapsed().as_secs_f64();
-        let p = plan(dest, manifests, &cost)?;
         tracing::info!(load_s, "loaded remote metadata");
+        let geometry = mx_layout::geometry_digest(manifests);
+        let cached = self
+            .plan_cache
+            .as_ref()
+            .filter(|c| c.geometry == geometry && c.cost == cost && c.dest.as_slice() == dest)
+            .map(|c| Arc::clone(&c.plan));
+        stats.plan_reused = cached.is_some();
+        let p = match cached {
+            Some(p) => p,
+            None => {
+                // A failed plan leaves no stale cache behind.
+                self.plan_cache = None;
+                let p = Arc::new(plan(dest, manifests, &cost)?);
+                self.plan_cache = Some(PlanCache {
+                    dest: dest.to_vec(),
+                    cost,
+                    geometry,
+                    plan: Arc::clone(&p),
+                });
+                p
+            }
+        };
         stats.plan_s = t.elapsed().as_secs_f64();
         // Each source's reads occupy one contiguous range of staging (reads are ordered by
         // source).

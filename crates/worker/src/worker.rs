@@ -289,6 +289,7 @@ impl Worker {
                             pull_s = stats.pull_s,
                             verify_s = stats.verify_s,
                             plan_s = stats.plan_s,
+                            plan_reused = stats.plan_reused,
                             descriptors = stats.descriptors,
                             "staged"
                         );

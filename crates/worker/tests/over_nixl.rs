@@ -290,6 +290,37 @@ async fn staged_pinned_and_live_versions_apply_swap_and_refuse_byte_exactly() {
     assert_eq!(status, 200, "{r}");
     assert_eq!(digests(&inst).await, (id1.clone(), v1.clone()));
 
+    // step-3, published from the same arenas: the stage keeps step-2's plan (same geometry,
+    // new digests). Every region it pulls is checked against step-3's digests, and the applied
+    // bytes are step-3's: the live digests match those of the staged regions' tensors.
+    for p in &mut pubs {
+        p.train_step(3);
+    }
+    let fsdp2: LayoutSpec = "fsdp:2".parse().unwrap();
+    client
+        .declare_version("step-3", fsdp2, &specs)
+        .await
+        .unwrap();
+    for p in &mut pubs {
+        p.publish("step-3", WAIT).await.unwrap();
+    }
+    let d3 = client
+        .wait_version("step-3", VersionState::Ready, WAIT)
+        .await
+        .unwrap()
+        .version_digest
+        .unwrap();
+    let (stats, _, staged3) = w.stage("step-3", d3).await.unwrap();
+    assert!(stats.plan_reused, "{stats:?}");
+    assert!(stats.descriptors > 0 && stats.useful_bytes > 0, "{stats:?}");
+    assert_eq!(staged3.len(), 3);
+    let (status, r) = post(&update, json!({"model_path": format!("mx://{d3}")})).await;
+    assert_eq!(status, 200, "{r}");
+    let (id3, v3) = digests(&inst).await;
+    assert_eq!(id3, mx_version_id(&d3));
+    assert_ne!(v3, v1);
+    assert_ne!(v3, v2);
+
     runner.abort();
     server.shutdown().await.unwrap();
 }
