@@ -649,6 +649,10 @@ pub struct FleetPlanReport {
     /// and it keeps its plan (`mx worker` does).
     #[serde(default)]
     pub geometry_seconds: f64,
+    /// [`SourceIndex::for_ranks`] for the slowest rank alone (s): the index a worker holding
+    /// that rank builds at its first stage (`mx_layout::plan::plan` builds it).
+    #[serde(default)]
+    pub own_rank_index_seconds: f64,
     /// Source shards over all manifests.
     pub shards: u64,
     /// Published pieces over all manifests.
@@ -860,6 +864,16 @@ pub fn fleet_plan_report(
         .max_by(|a, b| a.plan_ms.total_cmp(&b.plan_ms))
         .map_or((0, 0.0, 0), |r| (r.rank, r.plan_ms, r.plan_bytes));
     let fresh_ms = fresh_memory_ms(slowest.2);
+    let own_rank_index_seconds = match dest.iter().find(|rl| rl.rank == slowest.0) {
+        Some(rl) => {
+            let t0 = Instant::now();
+            let own = SourceIndex::for_ranks(&manifests, std::slice::from_ref(rl))?;
+            let s = t0.elapsed().as_secs_f64();
+            drop(own);
+            s
+        }
+        None => 0.0,
+    };
     let sum_s: f64 = ranks.iter().map(|r| r.plan_ms).sum::<f64>() / 1e3;
     let k = u64::from(instances);
     let (max_src, max_wire) = egress
@@ -881,6 +895,7 @@ pub fn fleet_plan_report(
         manifest_seconds,
         index_seconds,
         geometry_seconds,
+        own_rank_index_seconds,
         shards: manifests.iter().map(|m| m.shards.len() as u64).sum(),
         pieces: manifests.iter().map(|m| m.pieces.len() as u64).sum(),
         manifest_bytes_estimate,

@@ -1514,6 +1514,36 @@ impl<'m> SourceIndex<'m> {
     /// [`Error::BadManifest`] for the first inconsistent manifest, in order;
     /// [`Error::Overflow`] when the shards cannot be counted in a `usize`.
     pub fn new(sources: &'m [SourceManifest]) -> Result<SourceIndex<'m>, Error> {
+        Self::build(sources, None)
+    }
+
+    /// An index that serves plans for the ranks `dest` only: [`SourceIndex::new`], keeping just
+    /// the published pieces a plan for `dest` looks up (those cut for the first rank's layout
+    /// and one of `dest`'s ranks). A worker planning its own ranks indexes a fraction of the
+    /// pieces (one rank of `tp:8`: an eighth). Every manifest is still validated whole, and a
+    /// plan of `dest` equals the one a full index gives.
+    ///
+    /// # Errors
+    /// As [`SourceIndex::new`].
+    pub fn for_ranks(
+        sources: &'m [SourceManifest],
+        dest: &[RankLayout],
+    ) -> Result<SourceIndex<'m>, Error> {
+        let mut keys: Vec<(LayoutSpec, u32)> = match dest.first() {
+            Some(first) => dest.iter().map(|rl| (first.layout, rl.rank)).collect(),
+            None => Vec::new(),
+        };
+        keys.sort_unstable();
+        keys.dedup();
+        Self::build(sources, Some(&keys))
+    }
+
+    /// [`SourceIndex::new`], keeping only the pieces whose (layout, destination rank) is in
+    /// `only` (sorted), when given.
+    fn build(
+        sources: &'m [SourceManifest],
+        only: Option<&[(LayoutSpec, u32)]>,
+    ) -> Result<SourceIndex<'m>, Error> {
         for m in sources {
             validate_manifest(m)?;
         }
@@ -1616,6 +1646,9 @@ impl<'m> SourceIndex<'m> {
         let mut attached: Vec<Vec<(usize, u32, &'m DestPiece)>> = vec![Vec::new(); tensors.len()];
         for (si, m) in sources.iter().enumerate() {
             for (pi, p) in m.pieces.iter().enumerate() {
+                if only.is_some_and(|keys| keys.binary_search(&(p.layout, p.dest_rank)).is_err()) {
+                    continue;
+                }
                 let Some(&ti) = position.get(p.tensor.as_str()) else {
                     continue;
                 };
@@ -2377,9 +2410,10 @@ impl<'m> SourceIndex<'m> {
     }
 }
 
-/// Plans the pull for the ranks `dest` of one worker from `sources`: `SourceIndex::new(sources)?.plan(dest, cost)`.
-/// Callers planning several workers or ranks against the same manifests should build the
-/// [`SourceIndex`] once.
+/// Plans the pull for the ranks `dest` of one worker from `sources`:
+/// `SourceIndex::for_ranks(sources, dest)?.plan(dest, cost)` (an index of the pieces cut for
+/// `dest` only). Callers planning several workers or ranks against the same manifests should
+/// build one [`SourceIndex::new`] and plan each from it.
 ///
 /// Every destination piece must be covered by the sources' shards of the same tensor, with the same
 /// dtype and global shape, and every intersection must have a digest the source published for the
@@ -2395,7 +2429,7 @@ pub fn plan(
     sources: &[SourceManifest],
     cost: &CostModel,
 ) -> Result<Plan, Error> {
-    SourceIndex::new(sources)?.plan(dest, cost)
+    SourceIndex::for_ranks(sources, dest)?.plan(dest, cost)
 }
 
 fn gcd(a: u64, b: u64) -> u64 {
@@ -3436,6 +3470,12 @@ mod tests {
             let d: Vec<RankLayout> = workers.iter().map(|&r| dest[r].clone()).collect();
             let a = index.plan(&d, &cost).unwrap();
             let b = plan(&d, &ms, &cost).unwrap();
+            // An index of these ranks' pieces only plans them alike, and is smaller.
+            let own = SourceIndex::for_ranks(&ms, &d).unwrap();
+            assert_eq!(own.plan(&d, &cost).unwrap(), a);
+            if workers.len() < 4 {
+                assert!(own.approx_bytes() < index.approx_bytes());
+            }
             let c = plan_reference::plan(&d, &ms, &cost).unwrap();
             assert_eq!(a, b);
             assert_eq!(plan_reference::expand(&a, &ms), c);
