@@ -30,7 +30,8 @@ pub(crate) struct DemoArgs {
     /// Trainer layout of the publishers.
     #[arg(long, default_value = "fsdp:4")]
     trainer_layout: LayoutSpec,
-    /// Inference layout of each instance (every instance holds all its ranks in one process).
+    /// Inference layout of each instance (all its ranks in one process, unless
+    /// `--process-per-rank`).
     #[arg(long, default_value = "tp:3")]
     inference_layout: LayoutSpec,
     /// Number of inference instances.
