@@ -20,8 +20,8 @@ pub struct StageStats {
     /// metadata, the cost probe (first stage only), then planning, or checking that the previous
     /// plan still holds ([`StageStats::plan_reused`]).
     pub plan_s: f64,
-    /// Whether the previous stage's plan was reused: same destination ranks, same cost model
-    /// and manifests of the same geometry ([`mx_layout::geometry_digest`]), as when the trainer
+    /// Whether the previous stage's plan was reused: same destination ranks and manifests of
+    /// the same geometry ([`mx_layout::geometry_digest`]), as when the trainer
     /// publishes a new version from the same arenas.
     pub plan_reused: bool,
     /// Seconds in NIXL reads.
@@ -51,12 +51,11 @@ pub(crate) struct Pulled {
     pub(crate) plan: Arc<Plan>,
 }
 
-/// The last plan made, kept for the next version: it holds while the destination ranks, the
-/// cost model and the manifests' geometry are unchanged. Only the digests differ between
-/// versions, and a plan's checks look those up in the manifests at hand.
+/// The last plan made, kept for the next version: it holds while the destination ranks and the
+/// manifests' geometry are unchanged (the cost model is measured once per [`Staging`]). Only the
+/// digests differ between versions, and a plan's checks look those up in the manifests at hand.
 struct PlanCache {
     dest: Vec<RankLayout>,
-    cost: CostModel,
     geometry: Digest,
     plan: Arc<Plan>,
 }
@@ -153,7 +152,7 @@ impl Staging {
         let cached = self
             .plan_cache
             .as_ref()
-            .filter(|c| c.geometry == geometry && c.cost == cost && c.dest.as_slice() == dest)
+            .filter(|c| c.geometry == geometry && c.dest.as_slice() == dest)
             .map(|c| Arc::clone(&c.plan));
         stats.plan_reused = cached.is_some();
         let p = match cached {
@@ -164,7 +163,6 @@ impl Staging {
                 let p = Arc::new(plan(dest, manifests, &cost)?);
                 self.plan_cache = Some(PlanCache {
                     dest: dest.to_vec(),
-                    cost,
                     geometry,
                     plan: Arc::clone(&p),
                 });

@@ -56,6 +56,27 @@ async fn control_plane(dir: &Path, listen: &str) -> (String, mx_control::ServerH
     (format!("http://{addr}"), handle)
 }
 
+/// Declares and publishes `label` from the fsdp:2 publishers `pubs`; returns its version digest
+/// once READY.
+async fn publish(
+    client: &ControlClient,
+    pubs: &mut [Publisher],
+    specs: &[mx_layout::TensorSpec],
+    label: &str,
+) -> Digest {
+    let fsdp2: LayoutSpec = "fsdp:2".parse().unwrap();
+    client.declare_version(label, fsdp2, specs).await.unwrap();
+    for p in pubs.iter_mut() {
+        p.publish(label, WAIT).await.unwrap();
+    }
+    client
+        .wait_version(label, VersionState::Ready, WAIT)
+        .await
+        .unwrap()
+        .version_digest
+        .unwrap()
+}
+
 /// Declares and publishes (both fsdp:2 publishers) `label`, then commits it on worker `w` with a
 /// refit (STAGE over NIXL, PREPARE, APPLY, VERIFY, RESUME and CHECK over the worker's Dynamo
 /// routes, COMMIT); the post-update generation of 2 tokens after [`PROMPT`] must give `golden`
@@ -67,15 +88,7 @@ async fn refit(
     label: &str,
     golden: &[u32],
 ) -> Digest {
-    let fsdp2: LayoutSpec = "fsdp:2".parse().unwrap();
-    client.declare_version(label, fsdp2, specs).await.unwrap();
-    for p in pubs.iter_mut() {
-        p.publish(label, WAIT).await.unwrap();
-    }
-    let v = client
-        .wait_version(label, VersionState::Ready, WAIT)
-        .await
-        .unwrap();
+    let digest = publish(client, pubs, specs, label).await;
     let id = client
         .refit(&RefitSpec {
             label: label.into(),
@@ -112,7 +125,7 @@ async fn refit(
         client.get_version(label).await.unwrap().state,
         VersionState::Committed
     );
-    v.version_digest.unwrap()
+    digest
 }
 
 async fn digests(inst: &Instance) -> (String, Vec<RankDigests>) {
@@ -291,25 +304,12 @@ async fn staged_pinned_and_live_versions_apply_swap_and_refuse_byte_exactly() {
     assert_eq!(digests(&inst).await, (id1.clone(), v1.clone()));
 
     // step-3, published from the same arenas: the stage keeps step-2's plan (same geometry,
-    // new digests). Every region it pulls is checked against step-3's digests, and the applied
-    // bytes are step-3's: the live digests match those of the staged regions' tensors.
+    // new digests). Every region it pulls is checked against step-3's digests (the stage fails
+    // otherwise), and applying it makes step-3 live, with bytes unlike step-1's and step-2's.
     for p in &mut pubs {
         p.train_step(3);
     }
-    let fsdp2: LayoutSpec = "fsdp:2".parse().unwrap();
-    client
-        .declare_version("step-3", fsdp2, &specs)
-        .await
-        .unwrap();
-    for p in &mut pubs {
-        p.publish("step-3", WAIT).await.unwrap();
-    }
-    let d3 = client
-        .wait_version("step-3", VersionState::Ready, WAIT)
-        .await
-        .unwrap()
-        .version_digest
-        .unwrap();
+    let d3 = publish(&client, &mut pubs, &specs, "step-3").await;
     let (stats, _, staged3) = w.stage("step-3", d3).await.unwrap();
     assert!(stats.plan_reused, "{stats:?}");
     assert!(stats.descriptors > 0 && stats.useful_bytes > 0, "{stats:?}");
