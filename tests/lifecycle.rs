@@ -108,6 +108,12 @@ fn engine_faults_roll_back_and_commits_are_idempotent() {
     assert_eq!(row(&j, "happy_path")["observed"], "COMMITTED");
     assert_eq!(after(&j, "happy_path"), ["step-2", "step-2"]);
     assert_eq!(after(&j, "same_version_twice"), ["step-2", "step-2"]);
+    // A refit of the committed version is not skipped: it reads back and checks every engine.
+    let o = row(&j, "same_version_twice")["observed"].as_str().unwrap();
+    assert_eq!(
+        o, "COMMITTED: 0 pause/apply calls, 2 read-backs, 2 checks",
+        "{o}"
+    );
     for n in &names[2..] {
         assert_eq!(row(&j, n)["observed"], "ROLLED_BACK", "{n}");
         assert_eq!(after(&j, n), ["step-1", "step-1"], "{n}");
@@ -165,4 +171,49 @@ fn missing_and_stale_workers_are_not_admitted() {
         .unwrap();
     assert!(o.contains("gated: true") && o.contains("stale"), "{o}");
     assert_eq!(after(&j, "stale_worker_rejoins"), ["step-2", "step-2"]);
+}
+
+/// Issue 13's observations, each reproduced with its real mechanism: a commit on part of the
+/// fleet leaves the rest stale; a worker restarted during APPLY is brought back by staging V-1
+/// again; a disk load cannot claim an `mx:` version and one behind the control plane's back is
+/// caught by the refit of the committed version; a worker restarted during PREPARE aborts the
+/// refit instead of being driven through APPLY and fenced.
+#[test]
+fn regression_restarts_and_changes_behind_the_control_plane() {
+    let names = [
+        "stale_outside_the_set",
+        "worker_restarted_during_apply",
+        "engine_changed_behind_the_control_plane",
+        "worker_restarted_during_prepare",
+    ];
+    let Some(j) = validate(&names) else { return };
+    let o = row(&j, "stale_outside_the_set")["observed"]
+        .as_str()
+        .unwrap();
+    assert!(
+        o.starts_with("COMMITTED on w0; w1 admitted false (stale"),
+        "{o}"
+    );
+    assert_eq!(after(&j, "stale_outside_the_set"), ["step-2", "step-2"]);
+    let o = row(&j, "worker_restarted_during_apply")["observed"]
+        .as_str()
+        .unwrap();
+    assert!(o.starts_with("ROLLED_BACK"), "{o}");
+    let o = row(&j, "engine_changed_behind_the_control_plane")["observed"]
+        .as_str()
+        .unwrap();
+    assert!(
+        o.starts_with("mx: load HTTP 400, plain load HTTP 200; verify-only ABORTED; w0 gated true"),
+        "{o}"
+    );
+    let o = row(&j, "worker_restarted_during_prepare")["observed"]
+        .as_str()
+        .unwrap();
+    assert!(
+        o.starts_with("ABORTED") && o.contains("applied: false"),
+        "{o}"
+    );
+    for n in &names[1..] {
+        assert_eq!(after(&j, n), ["step-2", "step-2"], "{n}");
+    }
 }

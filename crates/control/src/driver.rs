@@ -29,6 +29,10 @@ const MIN_ROLLBACK_DEADLINE: Duration = Duration::from_secs(30);
 /// First and longest pause between a rollback's or abort's attempts to settle one worker.
 const SETTLE_RETRY_FIRST: Duration = Duration::from_millis(250);
 const SETTLE_RETRY_MAX: Duration = Duration::from_secs(4);
+/// How long a worker whose command stream closed may take to register again (a supervisor
+/// restarting it) before a rollback or abort records it as departed instead of waiting out the
+/// deadline: a process that is gone serves nothing, and it is gated until it registers again.
+const DEPARTURE_GRACE: Duration = Duration::from_secs(10);
 
 /// Crash failpoint for tests of recovery: `MX_CONTROL_CRASH_AT=<point>` SIGKILLs this process
 /// (a real `kill -9`) when the driver reaches `<point>`: a phase name right after the phase is
@@ -345,13 +349,17 @@ impl Ctx<'_> {
                         let sent = self.applies_sent.fetch_add(1, Ordering::SeqCst);
                         failpoint(&format!("apply-sent:{sent}"));
                     }
+                    let seen = self.rejoined(&w);
                     in_flight.push(async move {
                         let t0 = Instant::now();
                         let mut result = match &endpoint {
                             None => failed(format!("worker {w} has no engine endpoint")),
                             Some(ep) => {
                                 let engine = Engine::new(&self.http, ep, timeout);
-                                perform(&engine, &action, &self.spec, timeout, &self.http).await
+                                tokio::select! {
+                                    r = perform(&engine, &action, &self.spec, timeout, &self.http) => r,
+                                    why = self.reregistration(&w, seen) => failed(why),
+                                }
                             }
                         };
                         result.seconds = t0.elapsed().as_secs_f64();
@@ -414,40 +422,97 @@ impl Ctx<'_> {
         Ok(first)
     }
 
-    async fn end(&self, outcome: Outcome, reason: String) -> Result<(), Error> {
-        self.end_with(outcome, reason, Vec::new()).await
+    /// The first worker of the set that registered again during the refit (it restarted or
+    /// reconnected: what it staged may be gone), as an abort reason naming `phase`.
+    fn lost_worker(&self, phase: &str) -> Result<Option<String>, Error> {
+        let refit = self.refit()?;
+        Ok(refit.workers.iter().find_map(|(w, rw)| {
+            rw.reregistered.as_ref().map(|j| {
+                format!(
+                    "worker {w} registered again during {phase} (resident now {}): what it staged may be gone; nothing was applied",
+                    j.resident.as_deref().unwrap_or("none")
+                )
+            })
+        }))
     }
 
-    /// Ends the refit after `settle_each`: `done` when every worker was settled, otherwise
-    /// FENCED, the reason followed by `what` and why each unsettled worker was not (they stay
-    /// gated until they register again).
+    /// What `worker_id` last reported when it registered again during this refit.
+    fn rejoined(&self, worker_id: &str) -> Option<crate::refit::Rejoined> {
+        self.shared.read(|s| {
+            s.refit(self.id)
+                .and_then(|r| r.workers.get(worker_id))
+                .and_then(|w| w.reregistered.clone())
+        })
+    }
+
+    /// Resolves once `worker_id` registers again (anew since `seen`), with the reason a call in
+    /// flight to it fails at once: the process that was called is not the one registered now.
+    async fn reregistration(
+        &self,
+        worker_id: &str,
+        seen: Option<crate::refit::Rejoined>,
+    ) -> String {
+        let mut changes = self.shared.subscribe();
+        loop {
+            changes.borrow_and_update();
+            if let Some(now) = self.rejoined(worker_id) {
+                if Some(&now) != seen.as_ref() {
+                    return format!(
+                        "the worker registered again during the call (resident now {}): the process called is gone",
+                        now.resident.as_deref().unwrap_or("none")
+                    );
+                }
+            }
+            if changes.changed().await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        }
+    }
+
+    async fn end(&self, outcome: Outcome, reason: String) -> Result<(), Error> {
+        self.end_with(outcome, reason, Vec::new(), Vec::new()).await
+    }
+
+    /// Ends the refit after `settle_each`: `done` when every worker still here was settled,
+    /// otherwise FENCED, the reason followed by `what` and why each unsettled worker was not
+    /// (they stay gated until they register again). Departed workers (gone before they could
+    /// be settled) are listed in the END and stay gated too, without making it FENCED.
     async fn end_settled(
         &self,
         done: Outcome,
         reason: String,
         what: &str,
-        unsettled: Vec<(String, String)>,
+        s: Settled,
     ) -> Result<(), Error> {
-        if unsettled.is_empty() {
-            return self.end(done, reason).await;
+        let mut reason = reason;
+        if !s.departed.is_empty() {
+            reason = format!(
+                "{reason}; departed before they could be settled (gated until they register again): {}",
+                s.departed.join(", ")
+            );
         }
-        let why: Vec<&str> = unsettled.iter().map(|(_, why)| why.as_str()).collect();
+        if s.unsettled.is_empty() {
+            return self.end_with(done, reason, Vec::new(), s.departed).await;
+        }
+        let why: Vec<&str> = s.unsettled.iter().map(|(_, why)| why.as_str()).collect();
         let reason = format!("{reason}; {what}: {}", why.join("; "));
-        let ids = unsettled.into_iter().map(|(w, _)| w).collect();
-        self.end_with(Outcome::Fenced, reason, ids).await
+        let ids = s.unsettled.into_iter().map(|(w, _)| w).collect();
+        self.end_with(Outcome::Fenced, reason, ids, s.departed)
+            .await
     }
 
-    /// Journals the END: `fenced` (worker ids) only for FENCED.
+    /// Journals the END: `fenced` (worker ids) only for FENCED; `departed` for any outcome.
     async fn end_with(
         &self,
         outcome: Outcome,
         reason: String,
         fenced: Vec<String>,
+        departed: Vec<String>,
     ) -> Result<(), Error> {
-        if fenced.is_empty() {
+        if fenced.is_empty() && departed.is_empty() {
             tracing::info!(refit = self.id, %outcome, reason, "refit ended");
         } else {
-            tracing::warn!(refit = self.id, %outcome, reason, ?fenced, "refit ended");
+            tracing::warn!(refit = self.id, %outcome, reason, ?fenced, ?departed, "refit ended");
         }
         self.shared
             .mutate(Record::RefitEnd {
@@ -457,6 +522,7 @@ impl Ctx<'_> {
                 at_ms: now_ms(),
                 recovered: self.recovering,
                 fenced,
+                departed,
             })
             .await
     }
@@ -493,6 +559,12 @@ async fn drive_inner(shared: &Arc<Shared>, id: u64, recovering: bool) -> Result<
     if let Some(reason) = stage(&ctx, &refit).await? {
         return abort(&ctx, reason, false).await;
     }
+    if refit.verify_only() {
+        return verify_only(&ctx, &refit).await;
+    }
+    if let Some(reason) = ctx.lost_worker("STAGE")? {
+        return abort(&ctx, reason, false).await;
+    }
     // PREPARE: the safe point.
     if ctx.spec.orchestrator_gated {
         ctx.phase(Phase::Prepare, GATED.into(), false).await?;
@@ -501,6 +573,11 @@ async fn drive_inner(shared: &Arc<Shared>, id: u64, recovering: bool) -> Result<
         if let Some(reason) = ctx.call_all(&ids, Action::Pause).await? {
             return abort(&ctx, reason, false).await;
         }
+    }
+    // A worker that restarted before the point of no return lost what it staged: abort rather
+    // than drive it through APPLY and roll it back.
+    if let Some(reason) = ctx.lost_worker("PREPARE")? {
+        return abort(&ctx, reason, false).await;
     }
     // APPLY, `apply_parallelism` workers at a time (the first intent is the point of no
     // return).
@@ -653,36 +730,56 @@ async fn stage(ctx: &Ctx<'_>, refit: &Refit) -> Result<Option<String>, Error> {
             "worker {w} is not connected to the control plane (missing)"
         )));
     }
+    let deadline = tokio::time::Instant::now() + Duration::from_millis(refit.spec.stage_timeout_ms);
+    stage_and_wait(ctx, &refit.spec.label, &need, deadline).await
+}
+
+/// Journals a Stage of `label` on `need` and waits until every one of them STAGED it, one
+/// failed, disconnected or registered again (its process restarted: the command it was
+/// following is gone), or `deadline` passed. `Some(reason)` unless all staged.
+async fn stage_and_wait(
+    ctx: &Ctx<'_>,
+    label: &str,
+    need: &[String],
+    deadline: tokio::time::Instant,
+) -> Result<Option<String>, Error> {
     ctx.shared
         .mutate(Record::Stage {
-            label: refit.spec.label.clone(),
-            worker_ids: need.clone(),
+            label: label.to_string(),
+            worker_ids: need.to_vec(),
         })
         .await?;
-    let deadline = tokio::time::Instant::now() + Duration::from_millis(refit.spec.stage_timeout_ms);
+    let rejoined: Vec<_> = need.iter().map(|w| ctx.rejoined(w)).collect();
     let mut changes = ctx.shared.subscribe();
     loop {
         changes.borrow_and_update();
         let mut all = true;
-        for w in &need {
+        for (w, seen) in need.iter().zip(&rejoined) {
+            if ctx.rejoined(w) != *seen {
+                return Ok(Some(format!(
+                    "worker {w} registered again while staging {label}: what it was staging is gone"
+                )));
+            }
             match ctx.shared.read(|s| s.worker_brief(w)) {
-                Some((WorkerState::Staged, Some(l), _)) if l == refit.spec.label => {}
+                Some((WorkerState::Staged, Some(l), _)) if l == label => {}
                 Some((WorkerState::Failed, _, err)) => {
                     return Ok(Some(format!(
-                        "worker {w} failed to stage {}: {}",
-                        refit.spec.label,
+                        "worker {w} failed to stage {label}: {}",
                         err.unwrap_or_default()
                     )))
                 }
                 None => return Ok(Some(format!("worker {w} is no longer registered"))),
-                _ => {
+                Some((WorkerState::Staging, Some(l), _)) if l == label => {
                     all = false;
                     if !ctx.shared.connected(w) {
-                        return Ok(Some(format!(
-                            "worker {w} disconnected while staging {}",
-                            refit.spec.label
-                        )));
+                        return Ok(Some(format!("worker {w} disconnected while staging {label}")));
                     }
+                }
+                Some((state, l, _)) => {
+                    return Ok(Some(format!(
+                        "worker {w} is {state:?} ({}) instead of staging {label}: it registered again or another stage replaced this one",
+                        l.unwrap_or_default()
+                    )))
                 }
             }
         }
@@ -691,16 +788,94 @@ async fn stage(ctx: &Ctx<'_>, refit: &Refit) -> Result<Option<String>, Error> {
         }
         tokio::select! {
             _ = tokio::time::sleep_until(deadline) => {
-                return Ok(Some(format!(
-                    "stage of {} did not finish within {} ms",
-                    refit.spec.label, refit.spec.stage_timeout_ms
-                )));
+                return Ok(Some(format!("stage of {label} did not finish before its deadline")));
             }
             // Connection changes bump the same channel; a short tick covers the rest.
             _ = changes.changed() => {}
             _ = tokio::time::sleep(Duration::from_millis(200)) => {}
         }
     }
+}
+
+/// A refit of a version every worker of the set already holds: nothing is staged, paused or
+/// applied. VERIFY reads every engine's version back; CHECK runs the post-update generation. A
+/// worker whose engine reports another version is not admitted (what it reported is recorded)
+/// and the refit ABORTS; one that reports the target but fails the check is FENCED: what it
+/// holds is not what it claims.
+async fn verify_only(ctx: &Ctx<'_>, refit: &Refit) -> Result<(), Error> {
+    let ids: Vec<String> = refit.workers.keys().cloned().collect();
+    ctx.phase(
+        Phase::Verify,
+        format!(
+            "verify-only: every worker held {} when the refit began; nothing is staged, paused or applied",
+            refit.target
+        ),
+        false,
+    )
+    .await?;
+    let reads = ids
+        .iter()
+        .map(|w| (w.clone(), Action::ReadVersion))
+        .collect();
+    let mut failure = None;
+    ctx.call_many(reads, 0, |w, r| {
+        if failure.is_none() {
+            failure = (!r.ok).then(|| r.error.clone()).or_else(|| match &r.version {
+                Some(v) if v != &refit.target => Some(format!(
+                    "worker {w}: resident version {v} is not {} ({}): it is not admitted until a refit brings it there",
+                    refit.target, refit.spec.label
+                )),
+                _ => None,
+            });
+        }
+        true
+    })
+    .await?;
+    if let Some(reason) = failure {
+        ctx.phase(Phase::Abort, reason.clone(), false).await?;
+        return ctx.end(Outcome::Aborted, reason).await;
+    }
+    ctx.phase(
+        Phase::Resume,
+        "verify-only: nothing was paused".into(),
+        false,
+    )
+    .await?;
+    if refit.spec.check.is_some() {
+        ctx.phase(
+            Phase::Check,
+            "verify-only: each worker's generation is checked".into(),
+            false,
+        )
+        .await?;
+        let calls = ids.iter().map(|w| (w.clone(), Action::Generate)).collect();
+        let mut wrong = Vec::new();
+        ctx.call_many(calls, 0, |w, r| {
+            if !r.ok {
+                wrong.push((w.to_string(), r.error.clone()));
+            }
+            true
+        })
+        .await?;
+        if let Some((_, first)) = wrong.first() {
+            let reason = first.clone();
+            ctx.phase(Phase::Abort, reason.clone(), false).await?;
+            let settled = Settled {
+                unsettled: wrong,
+                departed: Vec::new(),
+            };
+            return ctx
+                .end_settled(
+                    Outcome::Aborted,
+                    reason,
+                    "reports the version but fails its check",
+                    settled,
+                )
+                .await;
+        }
+    }
+    ctx.phase(Phase::Commit, String::new(), false).await?;
+    ctx.end(Outcome::Committed, String::new()).await
 }
 
 /// ABORT: nobody applied. Engines paused by this refit are resumed.
@@ -715,13 +890,14 @@ async fn abort(ctx: &Ctx<'_>, reason: String, recovered: bool) -> Result<(), Err
         .filter(|(_, w)| w.calls.iter().any(|c| c.action == Action::Pause))
         .map(|(id, _)| id.clone())
         .collect();
-    let unsettled = settle_each(ctx, &paused, None).await?;
-    ctx.end_settled(Outcome::Aborted, reason, "could not resume", unsettled)
+    let settled = settle_each(ctx, &paused, false).await?;
+    ctx.end_settled(Outcome::Aborted, reason, "could not resume", settled)
         .await
 }
 
-/// ROLLBACK: every worker of the set goes back to the version it had (pinned), is verified and
-/// resumed; one that cannot be brought back before the deadline is fenced (stays gated).
+/// ROLLBACK: every worker of the set goes back to the version it had (pinned, or staged again
+/// from its sources when the pinned copy is gone), is verified and resumed; one that cannot be
+/// brought back is fenced (stays gated), one that left is recorded as departed.
 async fn rollback(ctx: &Ctx<'_>, reason: String, recovered: bool) -> Result<(), Error> {
     if ctx.refit()?.phase != Phase::Rollback {
         ctx.phase(Phase::Rollback, reason.clone(), recovered)
@@ -729,42 +905,61 @@ async fn rollback(ctx: &Ctx<'_>, reason: String, recovered: bool) -> Result<(), 
     }
     let refit = ctx.refit()?;
     let ids: Vec<String> = refit.workers.keys().cloned().collect();
-    let unsettled = settle_each(ctx, &ids, Some(())).await?;
-    ctx.end_settled(Outcome::RolledBack, reason, "not rolled back", unsettled)
+    let settled = settle_each(ctx, &ids, true).await?;
+    ctx.end_settled(Outcome::RolledBack, reason, "not rolled back", settled)
         .await
 }
 
+/// What [`settle_each`] could not settle.
+#[derive(Default)]
+struct Settled {
+    /// (worker, why): reachable but not brought back (V-1 could not be had, or its engine
+    /// kept failing until the deadline): FENCED.
+    unsettled: Vec<(String, String)>,
+    /// Workers whose command stream closed and that did not register again within
+    /// [`DEPARTURE_GRACE`].
+    departed: Vec<String>,
+}
+
+/// How one attempt to settle a worker ended.
+enum Attempt {
+    Done,
+    /// Try again after a pause (a transient failure).
+    Retry(String),
+    /// No retry can help (the previous version cannot be had): fence it now rather than wait
+    /// out the deadline.
+    Fence(String),
+}
+
 /// Brings each worker back to its previous version (when `restore`) and resumes it, retrying
-/// until the rollback deadline; returns the workers that could not be settled, as (worker id,
-/// why), in the order of `ids`. Workers are settled concurrently (each one's calls stay in
+/// until the rollback deadline; workers are settled concurrently (each one's calls stay in
 /// order), so a rollback of a thousand workers takes about as long as one worker's. Retries back
-/// off from 250 ms to 4 s between attempts, so a dead worker costs a few journal records per
-/// retry interval, not four per second until the deadline.
-async fn settle_each(
-    ctx: &Ctx<'_>,
-    ids: &[String],
-    restore: Option<()>,
-) -> Result<Vec<(String, String)>, Error> {
+/// off from 250 ms to 4 s between attempts. A worker whose command stream is closed is given
+/// [`DEPARTURE_GRACE`] to register again (then it is settled like the others) before it is
+/// recorded as departed.
+async fn settle_each(ctx: &Ctx<'_>, ids: &[String], restore: bool) -> Result<Settled, Error> {
     let deadline = Instant::now()
         + MIN_ROLLBACK_DEADLINE.max(Duration::from_millis(
             ctx.spec.call_timeout_ms.saturating_mul(4),
         ));
-    let previous: Vec<Option<String>> = ctx.shared.read(|s| {
-        let r = s.refit(ctx.id);
-        ids.iter()
-            .map(|w| {
-                r.and_then(|r| r.workers.get(w))
-                    .and_then(|x| x.previous.clone())
-            })
-            .collect()
-    });
-    let settle = ids.iter().zip(previous).map(|(w, previous)| async move {
+    let settle = ids.iter().map(|w| async move {
         let mut last = String::new();
         let mut pause = SETTLE_RETRY_FIRST;
+        let mut away_since: Option<Instant> = None;
         while Instant::now() < deadline {
-            match settle_one(ctx, w, restore.and(previous.clone()), restore.is_some()).await? {
-                None => return Ok(None),
-                Some(e) => {
+            if !ctx.shared.connected(w) {
+                let since = *away_since.get_or_insert_with(Instant::now);
+                if since.elapsed() >= DEPARTURE_GRACE {
+                    return Ok::<_, Error>(Some(Err(w.clone())));
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+            away_since = None;
+            match settle_one(ctx, w, restore, deadline).await? {
+                Attempt::Done => return Ok(None),
+                Attempt::Fence(e) => return Ok(Some(Ok((w.clone(), format!("worker {w}: {e}"))))),
+                Attempt::Retry(e) => {
                     last = e;
                     let left = deadline.saturating_duration_since(Instant::now());
                     tokio::time::sleep(pause.min(left)).await;
@@ -772,79 +967,120 @@ async fn settle_each(
                 }
             }
         }
-        Ok::<_, Error>(Some((w.clone(), format!("worker {w}: {last}"))))
+        Ok(Some(Ok((w.clone(), format!("worker {w}: {last}")))))
     });
-    let mut fenced = Vec::new();
+    let mut out = Settled::default();
     for r in futures_util::future::join_all(settle).await {
-        fenced.extend(r?);
+        match r? {
+            None => {}
+            Some(Ok(unsettled)) => out.unsettled.push(unsettled),
+            Some(Err(departed)) => out.departed.push(departed),
+        }
     }
-    Ok(fenced)
+    Ok(out)
 }
 
-/// One attempt: pause, apply `previous` (when given), read back, resume. `None` on success.
+/// One attempt: pause, apply the worker's previous version (when `restore`), read back, resume.
+/// When the apply fails (the pinned copy is gone: the worker restarted, or its engine keeps no
+/// previous version), the previous version is staged again from its sources and applied; when
+/// that stage fails the previous version cannot be had: [`Attempt::Fence`].
 async fn settle_one(
     ctx: &Ctx<'_>,
     w: &str,
-    previous: Option<String>,
     restore: bool,
-) -> Result<Option<String>, Error> {
-    if restore {
-        let Some(prev) = previous else {
-            // This worker's record only: copying the whole refit per worker would make a
-            // rollback of a large set quadratic.
-            let (resident, apply_issued) = ctx
-                .shared
-                .read(|s| {
-                    s.refit(ctx.id)
-                        .and_then(|r| r.workers.get(w))
-                        .map(|x| (x.resident.clone(), x.apply_issued()))
-                })
-                .unwrap_or((None, true));
-            if !apply_issued {
-                // Never touched beyond a pause: resuming is enough.
-                if ctx.spec.orchestrator_gated {
-                    return Ok(None);
-                }
-                let res = ctx.call(w, Action::Resume).await?;
-                return Ok((!res.ok).then_some(res.error));
+    deadline: Instant,
+) -> Result<Attempt, Error> {
+    let gated = ctx.spec.orchestrator_gated;
+    let resume = |r: CallResult| {
+        if r.ok {
+            Attempt::Done
+        } else {
+            Attempt::Retry(r.error)
+        }
+    };
+    if !restore {
+        return Ok(if gated {
+            Attempt::Done
+        } else {
+            resume(ctx.call(w, Action::Resume).await?)
+        });
+    }
+    // This worker's record only: copying the whole refit per worker would make a rollback of a
+    // large set quadratic.
+    let Some((previous, apply_issued)) = ctx.shared.read(|s| {
+        s.refit(ctx.id)
+            .and_then(|r| r.workers.get(w))
+            .map(|x| (x.previous.clone(), x.apply_issued()))
+    }) else {
+        return Ok(Attempt::Fence("not in the refit's set".into()));
+    };
+    let Some(prev) = previous else {
+        // It held nothing before the refit: there is nothing to go back to, and nothing to
+        // guard either: it is admitted only on the fleet's committed version. Its version is
+        // read back (so what it holds is known), then it resumes.
+        if apply_issued {
+            let r = ctx.call(w, Action::ReadVersion).await?;
+            if !r.ok {
+                return Ok(Attempt::Retry(r.error));
             }
-            return Ok(Some(format!(
-                "had no version before the refit (resident now {}): nothing to roll back to",
-                resident.unwrap_or_else(|| "unknown".into())
+        }
+        return Ok(if gated {
+            Attempt::Done
+        } else {
+            resume(ctx.call(w, Action::Resume).await?)
+        });
+    };
+    if !gated {
+        let r = ctx.call(w, Action::Pause).await?;
+        if !r.ok {
+            return Ok(Attempt::Retry(r.error));
+        }
+    }
+    let apply = Action::Apply {
+        version: prev.clone(),
+    };
+    let mut r = ctx.call(w, apply.clone()).await?;
+    if !r.ok {
+        // The pinned copy may be gone: stage the previous version again from its sources.
+        let Some(label) = ctx.shared.read(|s| s.label_of(&prev)) else {
+            return Ok(Attempt::Fence(format!(
+                "apply of {prev} failed ({}) and no declared version has that id to stage again",
+                r.error
             )));
         };
-        if !ctx.spec.orchestrator_gated {
-            let r = ctx.call(w, Action::Pause).await?;
-            if !r.ok {
-                return Ok(Some(r.error));
-            }
+        tracing::warn!(
+            refit = ctx.id,
+            worker = w,
+            label,
+            "apply of the previous version failed: staging it again"
+        );
+        let until = tokio::time::Instant::from_std(deadline);
+        if let Some(why) = stage_and_wait(ctx, &label, &[w.to_string()], until).await? {
+            return Ok(Attempt::Fence(format!(
+                "its previous version {label} ({prev}) is not pinned and cannot be staged again: {why}"
+            )));
         }
-        let r = ctx
-            .call(
-                w,
-                Action::Apply {
-                    version: prev.clone(),
-                },
-            )
-            .await?;
+        r = ctx.call(w, apply).await?;
         if !r.ok {
-            return Ok(Some(r.error));
-        }
-        let r = ctx.call(w, Action::ReadVersion).await?;
-        if !r.ok {
-            return Ok(Some(r.error));
-        }
-        if let Some(v) = &r.version {
-            if v != &prev {
-                return Ok(Some(format!("resident {v} after rollback to {prev}")));
-            }
+            return Ok(Attempt::Retry(r.error));
         }
     }
-    if ctx.spec.orchestrator_gated {
-        return Ok(None);
+    let r = ctx.call(w, Action::ReadVersion).await?;
+    if !r.ok {
+        return Ok(Attempt::Retry(r.error));
     }
-    let r = ctx.call(w, Action::Resume).await?;
-    Ok((!r.ok).then_some(r.error))
+    if let Some(v) = &r.version {
+        if v != &prev {
+            return Ok(Attempt::Retry(format!(
+                "resident {v} after rollback to {prev}"
+            )));
+        }
+    }
+    Ok(if gated {
+        Attempt::Done
+    } else {
+        resume(ctx.call(w, Action::Resume).await?)
+    })
 }
 
 /// After a restart: settle calls left without a result, then finish or roll back.

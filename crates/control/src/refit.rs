@@ -350,9 +350,30 @@ pub struct RefitWorker {
     pub stage_bytes: u64,
     /// Engine calls in order.
     pub calls: Vec<WorkerCall>,
+    /// Set when the worker registered again while the refit was open (its process restarted
+    /// or reconnected): what it then reported resident. Its staged copy and pinned previous
+    /// version may be gone, so the driver aborts before the point of no return, and after it
+    /// brings the worker back to [`RefitWorker::previous`] by staging that version again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reregistered: Option<Rejoined>,
+}
+
+/// What a worker reported when it registered again during an open refit.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Rejoined {
+    /// The version resident in its engine then (`None`: no weights).
+    pub resident: Option<String>,
 }
 
 impl RefitWorker {
+    /// True when the worker registered again during the refit reporting a resident version
+    /// other than `previous`, or none: it lost what the refit relies on (a restart).
+    pub fn lost_weights(&self) -> bool {
+        self.reregistered
+            .as_ref()
+            .is_some_and(|r| r.resident != self.previous)
+    }
+
     /// True when an apply was issued to this worker (its weights may have changed).
     pub fn apply_issued(&self) -> bool {
         self.calls
@@ -396,6 +417,16 @@ impl Refit {
     /// True once an apply was issued to any worker (the point of no return is passed).
     pub fn past_no_return(&self) -> bool {
         self.workers.values().any(RefitWorker::apply_issued)
+    }
+
+    /// True when every worker of the set already held the target when the refit began (a
+    /// refit of the committed version): nothing is staged, paused or applied; the refit reads
+    /// every engine's version back and runs the post-update check (STAGE -> VERIFY -> RESUME
+    /// -> CHECK -> COMMIT), so a worker that only claims the version is caught.
+    pub fn verify_only(&self) -> bool {
+        self.workers
+            .values()
+            .all(|w| w.previous.as_deref() == Some(self.target.as_str()))
     }
 
     /// What is missing for this refit's journal to be complete: BEGIN and END recorded, every

@@ -3,9 +3,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use crate::refit::{
-    now_ms, version_id, ModelLimits, Outcome, Phase, Refit, RefitSpec, RefitWorker,
-};
+use crate::refit::{now_ms, version_id, ModelLimits, Phase, Refit, RefitSpec, RefitWorker};
 use crate::WorkerState;
 use std::future::Future;
 use std::net::SocketAddr;
@@ -621,6 +619,12 @@ impl ControlPlane for Service {
         let mut status = self.shared.read_durable(State::fleet_status).await;
         for w in &mut status.workers {
             w.connected = self.shared.connected(&w.worker_id);
+            // Admission also needs an open command stream: a worker the control plane cannot
+            // reach cannot be gated by the next refit.
+            if w.admitted && !w.connected {
+                w.admitted = false;
+                w.admission = "disconnected from the control plane".into();
+            }
         }
         Ok(Response::new(convert::fleet_pb(&status)))
     }
@@ -750,7 +754,7 @@ async fn start_refit(shared: &Arc<Shared>, mut spec: RefitSpec) -> Result<u64, E
         }
     }
     let begin = shared
-        .read_durable(|s| -> Result<Result<Refit, u64>, Error> {
+        .read_durable(|s| -> Result<Refit, Error> {
             let info = s
                 .version_info(&spec.label)
                 .ok_or_else(|| Error::UnknownVersion {
@@ -791,32 +795,15 @@ async fn start_refit(shared: &Arc<Shared>, mut spec: RefitSpec) -> Result<u64, E
                         stage_seconds: 0.0,
                         stage_bytes: 0,
                         calls: Vec::new(),
+                        reregistered: None,
                     },
                 );
             }
-            // Idempotent: the same set committed this version last, and every worker of it is
-            // still on it and admitted (refits that aborted or rolled back cleanly since then
-            // left it so; a fence did not).
-            let last_commit = s
-                .refits()
-                .filter(|r| r.outcome == Some(Outcome::Committed))
-                .last();
-            if let Some(last) = last_commit {
-                let same_set = last.spec.worker_ids == spec.worker_ids;
-                let all_there = workers.iter().all(|(id, w)| {
-                    w.resident.as_deref() == Some(target.as_str()) && s.worker_admitted(id)
-                });
-                if last.target == target
-                    && same_set
-                    && all_there
-                    && dropped.is_empty()
-                    && s.fleet_version().is_some_and(|(_, v)| *v == target)
-                {
-                    return Ok(Err(last.id));
-                }
-            }
+            // A refit of the version every worker already holds is not skipped: it runs
+            // verify-only (VERIFY reads each engine's version back, CHECK runs the post-update
+            // generation), so a worker that only claims the version is caught.
             spec.worker_ids = workers.keys().cloned().collect();
-            Ok(Ok(Refit {
+            Ok(Refit {
                 id: s.next_refit_id(),
                 digest,
                 target,
@@ -830,20 +817,10 @@ async fn start_refit(shared: &Arc<Shared>, mut spec: RefitSpec) -> Result<u64, E
                 ended_ms: None,
                 recovered: false,
                 spec: spec.clone(),
-            }))
+            })
         })
         .await?;
-    let refit = match begin {
-        Ok(r) => r,
-        Err(done) => {
-            tracing::info!(
-                refit = done,
-                label = spec.label,
-                "refit is a no-op: already committed"
-            );
-            return Ok(done);
-        }
-    };
+    let refit = begin;
     let id = refit.id;
     shared
         .mutate(Record::RefitBegin {

@@ -11,7 +11,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use mx_layout::{version_digest, Digest, LayoutSpec, SourceManifest, TensorBox, TensorSpec};
 use serde::{Deserialize, Serialize};
 
-use crate::refit::{Action, CallResult, EngineEndpoint, Outcome, Phase, Refit, WorkerCall};
+use crate::refit::{
+    Action, CallResult, EngineEndpoint, Outcome, Phase, Refit, Rejoined, WorkerCall,
+};
 use crate::types::{
     Command, CoverageGap, FleetStatus, StagedReport, VersionInfo, VersionState, VersionSummary,
     WorkerState, WorkerStatus,
@@ -128,6 +130,12 @@ pub enum Record {
         /// admitted) until they register again and report what is resident.
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         fenced: Vec<String>,
+        /// Workers that left (their command stream closed and they did not register again
+        /// within the grace period) before they could be settled: a process that is gone serves
+        /// nothing, so they do not make the refit FENCED, but they stay gated until they
+        /// register again and report what is resident.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        departed: Vec<String>,
     },
 }
 
@@ -177,16 +185,16 @@ struct Worker {
     last_error: Option<String>,
     last_staged: Option<StagedReport>,
     engine: Option<EngineEndpoint>,
-    /// Version id resident in its live weights, as last learned.
+    /// Version id resident in its live weights, as last learned (its registration, or a refit's
+    /// APPLY answer or read-back). Admission is computed from it on every read
+    /// ([`State::admission`]), never stored, so it cannot go stale.
     resident_id: Option<String>,
-    /// Rollouts may be sent to it: its resident version is the fleet's committed one and no
-    /// refit of it is open.
-    admitted: bool,
-    /// Why it is not admitted (empty when admitted).
-    admission: String,
     /// The refit that fenced it (could not bring it back), until it registers again or a later
     /// refit of it commits or rolls back cleanly: what is resident is unknown meanwhile.
     fenced_by: Option<u64>,
+    /// The refit it left (command stream closed, not back within the grace period) before
+    /// that refit could settle it, until it registers again: gated meanwhile.
+    departed_from: Option<u64>,
     /// Increases every time a command is issued to this worker (kept across re-registration), so
     /// a command stream knows whether the pending command is new to it.
     command_seq: u64,
@@ -302,9 +310,16 @@ impl State {
                 id,
                 outcome,
                 fenced,
+                departed,
                 ..
             } => {
                 let r = self.open_refit(*id)?;
+                if let Some(w) = departed.iter().find(|w| !r.workers.contains_key(*w)) {
+                    return Err(Error::Refit {
+                        id: *id,
+                        reason: format!("departed worker {w} is not in the refit's set"),
+                    });
+                }
                 if !fenced.is_empty() && *outcome != Outcome::Fenced {
                     return Err(Error::Refit {
                         id: *id,
@@ -395,9 +410,20 @@ impl State {
                 resident_version,
             } => {
                 let command_seq = self.workers.get(&worker_id).map_or(0, |w| w.command_seq);
-                // A new registration reports what is resident: a fence ends here.
-                let (admitted, admission) =
-                    self.admission(&worker_id, resident_version.as_deref(), None);
+                // A new registration reports what is resident: a fence ends here, and the open
+                // refit holding the worker learns that it re-registered (its staged copy and
+                // its pinned previous version may be gone).
+                if let Some(r) = self
+                    .refits
+                    .values_mut()
+                    .find(|r| r.outcome.is_none() && r.workers.contains_key(&worker_id))
+                {
+                    if let Some(rw) = r.workers.get_mut(&worker_id) {
+                        rw.reregistered = Some(Rejoined {
+                            resident: resident_version.clone(),
+                        });
+                    }
+                }
                 self.workers.insert(
                     worker_id.clone(),
                     Worker {
@@ -411,9 +437,8 @@ impl State {
                         last_staged: None,
                         engine,
                         resident_id: resident_version,
-                        admitted,
-                        admission,
                         fenced_by: None,
+                        departed_from: None,
                         command_seq,
                     },
                 );
@@ -480,13 +505,6 @@ impl State {
                     v.before_refit = Some(v.state);
                     v.state = VersionState::Committing;
                     v.commit_set = refit.spec.worker_ids.clone();
-                }
-                for id in &refit.spec.worker_ids {
-                    if let Some(w) = self.workers.get_mut(id) {
-                        w.admitted = false;
-                        w.admission =
-                            format!("refit {} to {} in progress", refit.id, refit.spec.label);
-                    }
                 }
                 self.refits.insert(refit.id, refit);
                 Effects::default()
@@ -566,6 +584,7 @@ impl State {
                 at_ms,
                 recovered,
                 fenced,
+                departed,
             } => {
                 let Some(r) = self.refits.get_mut(&id) else {
                     return Ok(Effects::default());
@@ -591,7 +610,8 @@ impl State {
                     };
                 }
                 // Committed and rolled back read every worker's resident version back; a fenced
-                // worker's is unknown until it registers again.
+                // worker's is unknown until it registers again. (Admission of every worker, in
+                // the set or not, follows from the new fleet version: it is computed on read.)
                 let settled = matches!(outcome, Outcome::Committed | Outcome::RolledBack);
                 for wid in set {
                     let Some(w) = self.workers.get_mut(&wid) else {
@@ -602,13 +622,7 @@ impl State {
                     } else if settled {
                         w.fenced_by = None;
                     }
-                    let (resident, fenced_by) = (w.resident_id.clone(), w.fenced_by);
-                    let (admitted, admission) =
-                        self.admission(&wid, resident.as_deref(), fenced_by);
-                    if let Some(w) = self.workers.get_mut(&wid) {
-                        w.admitted = admitted;
-                        w.admission = admission;
-                    }
+                    w.departed_from = departed.contains(&wid).then_some(id);
                 }
                 Effects::default()
             }
@@ -616,18 +630,28 @@ impl State {
         Ok(effects)
     }
 
-    /// Whether a worker with `resident` may take rollouts, and why not; `fenced_by`: the refit
-    /// that fenced it, if it still is.
-    fn admission(
-        &self,
-        worker_id: &str,
-        resident: Option<&str>,
-        fenced_by: Option<u64>,
-    ) -> (bool, String) {
+    /// Whether worker `worker_id` may take rollouts as far as the durable state knows, and why
+    /// not: the invariant, recomputed on every read. A worker is admitted only when its resident
+    /// version (as its engine last reported it) is the fleet's committed version, no open refit
+    /// holds it, and no refit fenced it. Connectivity is not state: the server also requires an
+    /// open command stream ([`FleetStatus`] as served).
+    pub fn admission(&self, worker_id: &str) -> (bool, String) {
+        let Some(w) = self.workers.get(worker_id) else {
+            return (false, format!("worker {worker_id} is not registered"));
+        };
+        let (resident, fenced_by) = (w.resident_id.as_deref(), w.fenced_by);
         if let Some(r) = self.open_refit_of(worker_id) {
             return (
                 false,
                 format!("refit {} to {} in progress", r.id, r.spec.label),
+            );
+        }
+        if let Some(id) = w.departed_from {
+            return (
+                false,
+                format!(
+                    "left during refit {id} before it could be settled; admitted again when it registers anew and reports the committed version"
+                ),
             );
         }
         if let Some(id) = fenced_by {
@@ -753,9 +777,9 @@ impl State {
             .map(|(s, by)| (*s, by.clone()))
     }
 
-    /// Whether `worker_id` is registered and admitted to rollouts.
+    /// Whether `worker_id` is registered and admitted to rollouts (see [`State::admission`]).
     pub fn worker_admitted(&self, worker_id: &str) -> bool {
-        self.workers.get(worker_id).is_some_and(|w| w.admitted)
+        self.admission(worker_id).0
     }
 
     /// Marks, in every other version, the slot `m.slot` retired when it was published by the
@@ -1089,6 +1113,16 @@ impl State {
         self.workers.contains_key(worker_id)
     }
 
+    /// The label of the version whose id ([`crate::refit::version_id`]) is `version`, `None`
+    /// when no declared version has that digest.
+    pub fn label_of(&self, version: &str) -> Option<String> {
+        let d: Digest = version.strip_prefix("mx:")?.parse().ok()?;
+        self.versions
+            .iter()
+            .find(|(_, v)| v.digest == Some(d))
+            .map(|(l, _)| l.clone())
+    }
+
     /// The state of a version, `None` when not declared.
     pub fn version_state(&self, label: &str) -> Option<VersionState> {
         self.versions.get(label).map(|v| v.state)
@@ -1149,7 +1183,8 @@ impl State {
             workers: self
                 .workers
                 .iter()
-                .map(|(id, w)| WorkerStatus {
+                .map(|(id, w)| (id, w, self.admission(id)))
+                .map(|(id, w, (admitted, admission))| WorkerStatus {
                     worker_id: id.clone(),
                     instance: w.instance.clone(),
                     ranks: w.ranks.clone(),
@@ -1166,8 +1201,8 @@ impl State {
                     last_staged: w.last_staged.clone(),
                     engine: w.engine.clone(),
                     resident_id: w.resident_id.clone(),
-                    admitted: w.admitted,
-                    admission: w.admission.clone(),
+                    admitted,
+                    admission,
                     // Known to the server only (streams are not state).
                     connected: false,
                 })
@@ -1218,8 +1253,10 @@ fn phase_follows(r: &Refit, next: Phase) -> bool {
     match (r.phase, next) {
         (Stage, Prepare) | (Prepare, Apply) | (Apply, Verify) | (Verify, Resume) => true,
         (Resume, Check) | (Resume, Commit) | (Check, Commit) => true,
+        (Stage, Verify) => r.verify_only(),
         (Stage | Prepare, Abort) => true,
         (Apply, Abort) => !r.past_no_return(),
+        (Verify | Resume | Check, Abort) => r.verify_only() && !r.past_no_return(),
         (Apply | Verify | Resume | Check, Rollback) => true,
         _ => false,
     }
@@ -1571,17 +1608,28 @@ mod tests {
     }
 
     fn begin(st: &State, d: Digest) -> Record {
-        let workers = ["a", "b"]
+        begin_on(
+            st,
+            "v1",
+            d,
+            &[("a", Some("disk:/ckpt")), ("b", Some("disk:/ckpt"))],
+        )
+    }
+
+    /// BEGIN of the next refit to `label` (digest `d`) on `set`: (worker, previous version).
+    fn begin_on(st: &State, label: &str, d: Digest, set: &[(&str, Option<&str>)]) -> Record {
+        let workers = set
             .iter()
-            .map(|id| {
+            .map(|(id, previous)| {
                 (
                     id.to_string(),
                     crate::refit::RefitWorker {
-                        previous: Some("disk:/ckpt".into()),
-                        resident: Some("disk:/ckpt".into()),
+                        previous: previous.map(str::to_string),
+                        resident: previous.map(str::to_string),
                         stage_seconds: 0.0,
                         stage_bytes: 0,
                         calls: vec![],
+                        reregistered: None,
                     },
                 )
             })
@@ -1590,8 +1638,8 @@ mod tests {
             refit: Box::new(Refit {
                 id: st.next_refit_id(),
                 spec: crate::refit::RefitSpec {
-                    label: "v1".into(),
-                    worker_ids: vec!["a".into(), "b".into()],
+                    label: label.into(),
+                    worker_ids: set.iter().map(|(w, _)| w.to_string()).collect(),
                     pause_mode: crate::refit::PauseMode::Wait,
                     allow_partial: false,
                     check: None,
@@ -1691,6 +1739,7 @@ mod tests {
             at_ms: 0,
             recovered: false,
             fenced: vec![],
+            departed: vec![],
         })
         .unwrap();
         let f = st.fleet_status();
@@ -1764,6 +1813,7 @@ mod tests {
             at_ms: 0,
             recovered: false,
             fenced: fenced.iter().map(|w| w.to_string()).collect(),
+            departed: vec![],
         }
     }
 
@@ -1904,6 +1954,7 @@ mod tests {
             at_ms: 0,
             recovered: false,
             fenced: vec![],
+            departed: vec![],
         };
         assert!(st.check(&end).is_err());
         st.apply(Record::WorkerDone {
@@ -1915,5 +1966,189 @@ mod tests {
         st.apply(end).unwrap();
         assert_eq!(st.version_state("v1"), Some(VersionState::Ready));
         assert_eq!(st.fleet_status().fleet_version, None);
+    }
+
+    /// Drives refit `id` (already begun on `set`) through APPLY, VERIFY, RESUME and COMMIT.
+    fn commit(st: &mut State, id: u64, set: &[&str], target: &str) {
+        for p in [Phase::Prepare, Phase::Apply] {
+            st.apply(phase(id, p)).unwrap();
+        }
+        for w in set {
+            let version = target.to_string();
+            call(st, id, w, Action::Apply { version }, true);
+        }
+        for p in [Phase::Verify, Phase::Resume, Phase::Commit] {
+            st.apply(phase(id, p)).unwrap();
+        }
+        st.apply(end(id, Outcome::Committed, &[])).unwrap();
+    }
+
+    /// Declares and publishes `label`: the same tensor as v1 with other bytes (another digest).
+    fn second_version(st: &mut State, label: &str) -> Digest {
+        st.apply(Record::Declare {
+            label: label.into(),
+            trainer_layout: LAYOUT,
+            tensors: vec![spec("w", &[4, 2])],
+        })
+        .unwrap();
+        for slot in 0..2u32 {
+            let mut sh = shard("w", &[4, 2], bx(&[u64::from(slot) * 2, 0], &[2, 2]));
+            sh.digest = Digest::of(format!("{label}{slot}").as_bytes());
+            sh.addr = 1 << 20;
+            st.apply(Record::Publish {
+                label: label.into(),
+                manifest: manifest(slot, vec![sh]),
+            })
+            .unwrap();
+        }
+        st.version_info(label).unwrap().version_digest.unwrap()
+    }
+
+    #[test]
+    fn regression_a_commit_makes_every_worker_not_on_it_stale() {
+        // Observed: after a refit committed V on a set, workers outside it that still held
+        // V-1 stayed admitted.
+        let (mut st, d1) = ready_state();
+        let v1 = crate::refit::version_id(&d1);
+        st.apply(begin(&st, d1)).unwrap();
+        commit(&mut st, 1, &["a", "b"], &v1);
+        assert!(worker(&st, "a").admitted && worker(&st, "b").admitted);
+        let d2 = second_version(&mut st, "v2");
+        let v2 = crate::refit::version_id(&d2);
+        st.apply(begin_on(&st, "v2", d2, &[("a", Some(&v1))]))
+            .unwrap();
+        // b is outside the refit: still admitted on v1 while v2 is not committed.
+        assert!(worker(&st, "b").admitted);
+        assert!(!worker(&st, "a").admitted);
+        commit(&mut st, 2, &["a"], &v2);
+        let (a, b) = (worker(&st, "a"), worker(&st, "b"));
+        assert!(a.admitted, "{}", a.admission);
+        assert_eq!(b.resident_id.as_deref(), Some(v1.as_str()));
+        assert!(
+            !b.admitted && b.admission.contains("stale") && b.admission.contains(&v2),
+            "{}",
+            b.admission
+        );
+        assert!(!st.worker_admitted("b") && st.worker_admitted("a"));
+    }
+
+    #[test]
+    fn a_worker_registering_again_during_a_refit_is_recorded_in_it() {
+        let (mut st, d1) = ready_state();
+        st.apply(begin(&st, d1)).unwrap();
+        assert!(!st.refit(1).unwrap().workers["a"].lost_weights());
+        // a restarts empty during STAGE; b reconnects holding what it had.
+        for (w, resident) in [("a", None), ("b", Some("disk:/ckpt"))] {
+            st.apply(Record::Register {
+                worker_id: w.into(),
+                instance: w.into(),
+                ranks: vec![0],
+                layout: LAYOUT,
+                engine: None,
+                resident_version: resident.map(str::to_string),
+            })
+            .unwrap();
+        }
+        let r = st.refit(1).unwrap();
+        assert_eq!(
+            r.workers["a"].reregistered,
+            Some(crate::refit::Rejoined { resident: None })
+        );
+        assert!(r.workers["a"].lost_weights());
+        assert!(r.workers["b"].reregistered.is_some() && !r.workers["b"].lost_weights());
+        // Still in the refit, so not admitted; the refit still may abort.
+        assert!(worker(&st, "a").admission.contains("refit 1"));
+        assert!(st.check(&phase(1, Phase::Abort)).is_ok());
+    }
+
+    #[test]
+    fn a_refit_of_the_held_version_is_verify_only() {
+        let (mut st, d1) = ready_state();
+        let v1 = crate::refit::version_id(&d1);
+        // A refit whose workers do not all hold the target cannot skip to VERIFY.
+        st.apply(begin(&st, d1)).unwrap();
+        assert!(!st.refit(1).unwrap().verify_only());
+        assert!(st.check(&phase(1, Phase::Verify)).is_err());
+        commit(&mut st, 1, &["a", "b"], &v1);
+        // Both hold v1 now: the refit of v1 goes STAGE -> VERIFY, and may still abort there
+        // (nothing was applied).
+        st.apply(begin_on(
+            &st,
+            "v1",
+            d1,
+            &[("a", Some(&v1)), ("b", Some(&v1))],
+        ))
+        .unwrap();
+        assert!(st.refit(2).unwrap().verify_only());
+        st.apply(phase(2, Phase::Verify)).unwrap();
+        assert!(st.check(&phase(2, Phase::Abort)).is_ok());
+        // b's engine reads back another version: learned, and b is not admitted after END.
+        st.apply(Record::WorkerCall {
+            id: 2,
+            worker_id: "b".into(),
+            action: Action::ReadVersion,
+        })
+        .unwrap();
+        st.apply(Record::WorkerDone {
+            id: 2,
+            worker_id: "b".into(),
+            result: CallResult {
+                ok: true,
+                version: Some("disk:/other".into()),
+                ..CallResult::default()
+            },
+        })
+        .unwrap();
+        st.apply(phase(2, Phase::Abort)).unwrap();
+        st.apply(end(2, Outcome::Aborted, &[])).unwrap();
+        let b = worker(&st, "b");
+        assert!(
+            !b.admitted && b.admission.contains("disk:/other"),
+            "{}",
+            b.admission
+        );
+        assert!(worker(&st, "a").admitted);
+    }
+
+    #[test]
+    fn a_departed_worker_stays_gated_until_it_registers_again() {
+        let (mut st, d1) = ready_state();
+        let v1 = crate::refit::version_id(&d1);
+        st.apply(begin(&st, d1)).unwrap();
+        commit(&mut st, 1, &["a", "b"], &v1);
+        st.apply(begin_on(
+            &st,
+            "v1",
+            d1,
+            &[("a", Some(&v1)), ("b", Some(&v1))],
+        ))
+        .unwrap();
+        st.apply(phase(2, Phase::Abort)).unwrap();
+        let mut rec = end(2, Outcome::Aborted, &[]);
+        if let Record::RefitEnd { departed, .. } = &mut rec {
+            *departed = vec!["zz".into()];
+        }
+        let err = st.check(&rec).unwrap_err();
+        assert!(err.to_string().contains("departed worker zz"), "{err}");
+        if let Record::RefitEnd { departed, .. } = &mut rec {
+            *departed = vec!["b".into()];
+        }
+        st.apply(rec).unwrap();
+        let b = worker(&st, "b");
+        assert!(
+            !b.admitted && b.admission.contains("left during refit 2"),
+            "{}",
+            b.admission
+        );
+        st.apply(Record::Register {
+            worker_id: "b".into(),
+            instance: "b".into(),
+            ranks: vec![0],
+            layout: LAYOUT,
+            engine: None,
+            resident_version: Some(v1.clone()),
+        })
+        .unwrap();
+        assert!(worker(&st, "b").admitted);
     }
 }

@@ -5,6 +5,7 @@
 //! |---|---|---|
 //! | `apply.sleep_ms` | milliseconds | the next apply sleeps this long before installing (a worker that hangs once, past its caller's deadline, then completes); the failpoint clears itself when it fires |
 //! | `apply.skip_cache_clear` | `true` | apply installs the weights but leaves every cache tier, while still reporting the tiers as cleared (a lying worker) |
+//! | `pause.sleep_ms` | milliseconds | the next pause sleeps this long before answering (a worker that can be killed while the control plane is in PREPARE); clears itself when it fires |
 //! | `generate.fail` | `true` | `/generate` answers HTTP 500 |
 //! | `stage.sleep_between_sources_ms` | milliseconds | stage pulls one source at a time and sleeps this long after each source's bytes |
 
@@ -22,6 +23,8 @@ pub struct FailpointValues {
     pub apply_sleep: Option<Duration>,
     /// `apply.skip_cache_clear`: install without clearing the caches, reporting them cleared.
     pub apply_skip_cache_clear: bool,
+    /// `pause.sleep_ms`: the next pause sleeps this long before answering (one shot).
+    pub pause_sleep: Option<Duration>,
     /// `generate.fail`: `/generate` answers HTTP 500.
     pub generate_fail: bool,
     /// `stage.sleep_between_sources_ms`: sleep after pulling each source's bytes.
@@ -76,6 +79,15 @@ impl Failpoints {
             .take()
     }
 
+    /// Takes `pause.sleep_ms` (it fires once): the sleep the current pause must do, if any.
+    pub(crate) fn take_pause_sleep(&self) -> Option<Duration> {
+        self.values
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .pause_sleep
+            .take()
+    }
+
     /// Sets the failpoints named in `body` (`null` clears one); names not in `body` keep their
     /// value. All-or-nothing: on error nothing changes.
     ///
@@ -87,6 +99,7 @@ impl Failpoints {
             match name.as_str() {
                 "apply.sleep_ms" => next.apply_sleep = millis(name, v)?,
                 "apply.skip_cache_clear" => next.apply_skip_cache_clear = flag(name, v)?,
+                "pause.sleep_ms" => next.pause_sleep = millis(name, v)?,
                 "generate.fail" => next.generate_fail = flag(name, v)?,
                 "stage.sleep_between_sources_ms" => {
                     next.stage_sleep_between_sources = millis(name, v)?;
@@ -94,7 +107,7 @@ impl Failpoints {
                 other => {
                     return Err(Error::BadRequest {
                         field: other.to_string(),
-                        reason: "unknown failpoint (known: apply.sleep_ms, apply.skip_cache_clear, generate.fail, stage.sleep_between_sources_ms)".into(),
+                        reason: "unknown failpoint (known: apply.sleep_ms, apply.skip_cache_clear, pause.sleep_ms, generate.fail, stage.sleep_between_sources_ms)".into(),
                     })
                 }
             }
@@ -119,6 +132,7 @@ impl FailpointValues {
         serde_json::json!({
             "apply.sleep_ms": ms(self.apply_sleep),
             "apply.skip_cache_clear": on(self.apply_skip_cache_clear),
+            "pause.sleep_ms": ms(self.pause_sleep),
             "generate.fail": on(self.generate_fail),
             "stage.sleep_between_sources_ms": ms(self.stage_sleep_between_sources),
         })

@@ -506,6 +506,13 @@ impl Instance {
     /// [`Error::Task`] when clearing the caches failed to run.
     pub async fn pause(&self, mode: PauseMode, clear_cache: bool) -> Result<PauseOutcome, Error> {
         let out = self.shared.gate.pause(mode).await;
+        if let Some(d) = self.shared.failpoints.take_pause_sleep() {
+            tracing::warn!(
+                ms = d.as_millis(),
+                "failpoint pause.sleep_ms: sleeping before answering the pause (the failpoint is now cleared)"
+            );
+            tokio::time::sleep(d).await;
+        }
         if clear_cache {
             self.clear_caches().await?;
         }
@@ -740,6 +747,18 @@ fn apply_blocking(
             }
         }
         ApplySource::Disk { path, version } => {
+            // Only an apply of a staged, verified version makes an `mx:` version resident: a
+            // checkpoint read from disk never carries one, or a refit would take it for the
+            // version it names without ever checking its bytes.
+            if version.starts_with("mx:") {
+                return Err(Error::BadRequest {
+                    field: "weight_version".into(),
+                    reason: format!(
+                        "{version:?}: `mx:` versions are installed only from mx staging (model_path mx://<digest>), never from a checkpoint directory ({})",
+                        path.display()
+                    ),
+                });
+            }
             let t = Instant::now();
             let buffers = load_disk(path, &sh.model, &sh.dest)?;
             tracing::info!(
