@@ -25,6 +25,9 @@ use serde_json::json;
 use crate::fleet::{connect, default_model, Procs, WorkDir};
 use crate::refit_cmd::{golden, print_refit, wait_end};
 
+mod chaos;
+mod restarts;
+
 /// Flags of `mx validate`.
 #[derive(clap::Args, Debug, Clone)]
 pub(crate) struct ValidateArgs {
@@ -40,6 +43,14 @@ pub(crate) struct ValidateArgs {
     /// Keep the work directory (logs, journal).
     #[arg(long)]
     pub(crate) keep: bool,
+    /// Chaos mode instead of the matrix: N refits in a row, each with a SIGKILL of a randomly
+    /// chosen process (control plane, a worker, a publisher) at a random moment, restarted as a
+    /// supervisor would, and the lifecycle's invariants checked from the engines after each.
+    #[arg(long, value_name = "N")]
+    pub(crate) chaos: Option<u32>,
+    /// Seed of the chaos schedule (the same seed gives the same victims and delays).
+    #[arg(long, default_value_t = 1)]
+    pub(crate) seed: u64,
 }
 
 /// One scenario's row.
@@ -86,6 +97,8 @@ struct Fleet {
     http: reqwest::Client,
     /// Version label -> (version id, golden tokens).
     versions: BTreeMap<String, (String, Vec<u32>)>,
+    /// Publisher processes: (process name, `mx` arguments), to restart them as they started.
+    publishers: Vec<(String, Vec<String>)>,
 }
 
 fn s(v: &str) -> String {
@@ -107,7 +120,9 @@ impl Fleet {
         control_args(&self.listen, &self.journal)
     }
 
-    fn publisher_args(&self, rank: u32) -> Vec<String> {
+    /// `mx publish` of FSDP rank `rank` publishing versions `first..=last` (step-k is the
+    /// checkpoint after k-1 known training steps).
+    fn publisher_args(&self, rank: u32, first: u32, last: u32) -> Vec<String> {
         vec![
             s("publish"),
             s("--control"),
@@ -118,8 +133,10 @@ impl Fleet {
             s("fsdp:2"),
             s("--rank"),
             rank.to_string(),
+            s("--first-step"),
+            first.to_string(),
             s("--steps"),
-            s("2"),
+            last.to_string(),
             s("--wait-s"),
             s("3600"),
             s("--stay"),
@@ -347,15 +364,32 @@ pub(crate) fn run(args: ValidateArgs) -> anyhow::Result<()> {
         .block_on(run_async(args))
 }
 
-async fn run_async(args: ValidateArgs) -> anyhow::Result<()> {
-    let model = args.model.clone().unwrap_or_else(default_model);
+/// Which sources the embedded fleet runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Sources {
+    /// Two FSDP ranks that publish step-1, train in place and publish step-2 into the same
+    /// memory (step-1 is then retired from its sources: the fault matrix relies on it).
+    TrainInPlace,
+    /// Four processes: two FSDP ranks serve step-1 only, two others step-2 only, so both
+    /// versions stay pullable from their sources (chaos: a worker restarted empty can always be
+    /// brought back to either).
+    EachVersionServed,
+}
+
+/// Starts the embedded fleet (control plane, workers, publishers), computes the golden tokens,
+/// commits step-1 and waits until step-2 is READY.
+async fn start_fleet(
+    model: &Path,
+    keep: bool,
+    sources: Sources,
+) -> anyhow::Result<(WorkDir, Fleet)> {
     if !model.join("config.json").exists() {
         bail!(
             "{} has no config.json: run scripts/setup.sh (or pass --model)",
             model.display()
         );
     }
-    let work_dir = WorkDir::create("validate", args.keep)?;
+    let work_dir = WorkDir::create("validate", keep)?;
     let work = work_dir.path.clone();
     // A free port for the control plane, reused across its restarts.
     let port = std::net::TcpListener::bind("127.0.0.1:0")?
@@ -369,7 +403,7 @@ async fn run_async(args: ValidateArgs) -> anyhow::Result<()> {
     let client = connect(&control, Duration::from_secs(30)).await?;
     let mut f = Fleet {
         work: work.clone(),
-        model: model.clone(),
+        model: model.to_path_buf(),
         procs,
         listen,
         control,
@@ -377,11 +411,12 @@ async fn run_async(args: ValidateArgs) -> anyhow::Result<()> {
         client,
         http: reqwest::Client::new(),
         versions: BTreeMap::new(),
+        publishers: Vec::new(),
     };
 
     eprintln!("computing golden tokens (forward passes over checkpoint + known updates)");
     for (k, label) in [(1u32, "step-1"), (2, "step-2")] {
-        let g = golden(&model, k, &mx_engine::golden::CHECK_PROMPT, CHECK_TOKENS)?;
+        let g = golden(model, k, &mx_engine::golden::CHECK_PROMPT, CHECK_TOKENS)?;
         f.versions.insert(s(label), (String::new(), g));
     }
     if f.versions["step-1"].1 == f.versions["step-2"].1 {
@@ -394,14 +429,28 @@ async fn run_async(args: ValidateArgs) -> anyhow::Result<()> {
     for w in WORKERS {
         f.wait_registered(w).await?;
     }
-    let ckpt = mx_checkpoint::Checkpoint::open(&model)?;
+    let ckpt = mx_checkpoint::Checkpoint::open(model)?;
     let specs = ckpt.specs();
     let trainer = "fsdp:2".parse()?;
     f.client.declare_version("step-1", trainer, &specs).await?;
     f.client.declare_version("step-2", trainer, &specs).await?;
-    for r in 0..2 {
-        let a = f.publisher_args(r);
-        f.procs.spawn(&format!("publisher-{r}"), &work, &a)?;
+    f.publishers = match sources {
+        Sources::TrainInPlace => (0..2)
+            .map(|r| (format!("publisher-{r}"), f.publisher_args(r, 1, 2)))
+            .collect(),
+        Sources::EachVersionServed => (0..2)
+            .flat_map(|r| {
+                [(1, 1), (2, 2)].map(|(first, last)| {
+                    (
+                        format!("publisher-step{first}-{r}"),
+                        f.publisher_args(r, first, last),
+                    )
+                })
+            })
+            .collect(),
+    };
+    for (name, a) in f.publishers.clone() {
+        f.procs.spawn(&name, &work, &a)?;
     }
     learn_version(&mut f, "step-1").await?;
     eprintln!("bootstrap: refit step-1");
@@ -411,6 +460,17 @@ async fn run_async(args: ValidateArgs) -> anyhow::Result<()> {
         bail!("bootstrap refit to step-1 failed: {}", r.reason);
     }
     learn_version(&mut f, "step-2").await?;
+    Ok((work_dir, f))
+}
+
+async fn run_async(args: ValidateArgs) -> anyhow::Result<()> {
+    let model = args.model.clone().unwrap_or_else(default_model);
+    if let Some(n) = args.chaos {
+        let (work_dir, f) = start_fleet(&model, args.keep, Sources::EachVersionServed).await?;
+        return chaos::run(f, &work_dir, n, args.seed, args.report.as_deref()).await;
+    }
+    let (work_dir, mut f) = start_fleet(&model, args.keep, Sources::TrainInPlace).await?;
+    let work = work_dir.path.clone();
 
     // Scenarios that need a real pull come first: once a worker held step-2 it keeps it pinned
     // and stages it again without pulling.
@@ -775,7 +835,7 @@ async fn scenario(f: &mut Fleet, name: &str) -> anyhow::Result<(String, String, 
             let ok = r.outcome == Some(Outcome::Aborted) && on(&r, "step-1", f);
             // Bring the source back: it republishes the same bytes (same digest).
             let old = agent_of(f, 1).await?;
-            let a = f.publisher_args(1);
+            let a = f.publisher_args(1, 1, 2);
             let work = f.work.clone();
             f.procs.spawn("publisher-1", &work, &a)?;
             let t = Instant::now();
@@ -868,9 +928,9 @@ async fn scenario(f: &mut Fleet, name: &str) -> anyhow::Result<(String, String, 
                 r.reason.clone(),
             ))
         }
-        "worker_restarted_during_apply" => worker_restarted_during_apply(f).await,
-        "engine_changed_behind_the_control_plane" => engine_changed(f).await,
-        "worker_restarted_during_prepare" => worker_restarted_during_prepare(f).await,
+        "worker_restarted_during_apply" => restarts::worker_restarted_during_apply(f).await,
+        "engine_changed_behind_the_control_plane" => restarts::engine_changed(f).await,
+        "worker_restarted_during_prepare" => restarts::worker_restarted_during_prepare(f).await,
         other => bail!("unknown scenario {other}"),
     }
 }
@@ -954,180 +1014,4 @@ fn print_table(f: &Fleet, rows: &[ScenarioReport]) {
             }
         );
     }
-}
-
-/// Polls refit `id` until `ready` holds for it (or it ended, or a minute passed).
-async fn wait_refit_until(
-    f: &Fleet,
-    id: u64,
-    what: &str,
-    ready: impl Fn(&Refit) -> bool,
-) -> anyhow::Result<Refit> {
-    let t = Instant::now();
-    loop {
-        if let Ok((_, Some(r))) = f.client.wait_refit(id, Duration::from_millis(50)).await {
-            if ready(&r) {
-                return Ok(r);
-            }
-            if r.outcome.is_some() {
-                bail!(
-                    "refit {id} ended ({}) before {what}: {}",
-                    r.outcome.map(|o| o.to_string()).unwrap_or_default(),
-                    r.reason
-                );
-            }
-        }
-        if t.elapsed() > Duration::from_secs(60) {
-            bail!("refit {id}: {what} did not happen within 60 s");
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-/// SIGKILLs worker `id` and starts it again empty, as a supervisor would; returns once the new
-/// process registered.
-async fn restart_worker(f: &mut Fleet, id: &str) -> anyhow::Result<()> {
-    let name = format!("worker-{id}");
-    f.procs.kill(&name)?;
-    let a = f.worker_args(id, false);
-    let work = f.work.clone();
-    f.procs.spawn(&name, &work, &a)?;
-    f.wait_registered(id).await
-}
-
-/// `update_weights_from_disk` of the checkpoint on worker `id`'s Dynamo route, resident as
-/// `weight_version`: (HTTP status, body).
-async fn disk_load(f: &Fleet, id: &str, weight_version: &str) -> anyhow::Result<(u16, String)> {
-    let url = format!(
-        "{}/engine/update_weights_from_disk",
-        f.system_url(id).await?
-    );
-    let body =
-        json!({"model_path": f.model.display().to_string(), "weight_version": weight_version});
-    let r = f.http.post(&url).json(&body).send().await?;
-    Ok((r.status().as_u16(), r.text().await?))
-}
-
-/// w0 is killed while it applies step-1 and comes back empty: its pinned step-2 is gone, so the
-/// rollback stages step-2 again from the publishers (which still serve it) and applies it.
-async fn worker_restarted_during_apply(
-    f: &mut Fleet,
-) -> anyhow::Result<(String, String, bool, String)> {
-    f.ensure("step-2").await?;
-    f.failpoints("w0", json!({"apply.sleep_ms": 5_000})).await?;
-    let mut spec = f.spec("step-1")?;
-    spec.worker_ids = vec![s("w0")];
-    let id = f.client.refit(&spec).await?;
-    wait_refit_until(f, id, "w0's apply in flight", |r| {
-        r.workers["w0"]
-            .calls
-            .last()
-            .is_some_and(|c| matches!(c.action, Action::Apply { .. }) && c.result.is_none())
-    })
-    .await?;
-    let t = Instant::now();
-    restart_worker(f, "w0").await?;
-    let r = wait_end(&f.client, id, Duration::from_secs(300)).await?;
-    let secs = t.elapsed().as_secs_f64();
-    print_refit(&r);
-    let staged_again = r.workers["w0"].calls.iter().filter(|c| matches!(&c.action, Action::Apply { version } if *version == f.versions["step-2"].0)).count();
-    let ok = r.outcome == Some(Outcome::RolledBack)
-        && r.workers["w0"].resident.as_deref() == Some(f.versions["step-2"].0.as_str())
-        && staged_again >= 1;
-    Ok((
-        s("ROLLED_BACK: w0 staged step-2 again from its sources, all on step-2"),
-        format!("{} {secs:.1} s after the kill", outcome_str(&r)),
-        ok,
-        r.reason.clone(),
-    ))
-}
-
-/// An engine's weights changed behind the control plane: a disk load carrying an `mx:` version
-/// is refused; one under its own label is taken, and the refit of the committed version (verify
-/// only) reads it back, ABORTS and leaves w0 gated; a real refit then brings it back.
-async fn engine_changed(f: &mut Fleet) -> anyhow::Result<(String, String, bool, String)> {
-    f.ensure("step-2").await?;
-    let v2 = f.versions["step-2"].0.clone();
-    let (claim, body) = disk_load(f, "w0", &v2).await?;
-    let refused = claim == 400 && body.contains("weight_version");
-    let (plain, _) = disk_load(f, "w0", "disk:behind-the-back").await?;
-    let r = f.refit("step-2").await?;
-    print_refit(&r);
-    let st = f.status().await?;
-    let w0 = st
-        .workers
-        .iter()
-        .find(|w| w.worker_id == "w0")
-        .context("w0")?;
-    let gated = !w0.admitted && w0.admission.contains("disk:behind-the-back");
-    let again = f.refit("step-2").await?;
-    let ok = refused
-        && plain == 200
-        && r.outcome == Some(Outcome::Aborted)
-        && r.reason.contains("disk:behind-the-back")
-        && gated
-        && again.outcome == Some(Outcome::Committed);
-    Ok((
-        s("mx: disk load refused (400); verify-only refit ABORTED naming w0's real version, w0 gated; then COMMITTED"),
-        format!(
-            "mx: load HTTP {claim}, plain load HTTP {plain}; verify-only {}; w0 gated {gated}; refit again {}",
-            outcome_str(&r),
-            outcome_str(&again)
-        ),
-        ok,
-        r.reason.clone(),
-    ))
-}
-
-/// w0 answers its pause and is then killed and restarted (empty) while w1 is still pausing: the
-/// refit ABORTS before APPLY instead of driving w0 through APPLY and fencing it.
-async fn worker_restarted_during_prepare(
-    f: &mut Fleet,
-) -> anyhow::Result<(String, String, bool, String)> {
-    f.ensure("step-2").await?;
-    // w0 off the fleet version (a disk load, learned by a verify-only refit that aborts), so
-    // the refit of step-2 is a real one.
-    disk_load(f, "w0", "disk:prepare").await?;
-    let learn = f.refit("step-2").await?;
-    if learn.outcome != Some(Outcome::Aborted) {
-        bail!(
-            "the verify-only refit did not notice w0's disk load: {}",
-            outcome_str(&learn)
-        );
-    }
-    f.failpoints("w1", json!({"pause.sleep_ms": 8_000})).await?;
-    let id = f.client.refit(&f.spec("step-2")?).await?;
-    wait_refit_until(f, id, "w0 paused", |r| {
-        r.phase == mx_control::Phase::Prepare
-            && r.workers["w0"]
-                .calls
-                .iter()
-                .any(|c| c.action == Action::Pause && c.result.as_ref().is_some_and(|x| x.ok))
-    })
-    .await?;
-    let t = Instant::now();
-    restart_worker(f, "w0").await?;
-    let r = wait_end(&f.client, id, Duration::from_secs(300)).await?;
-    let secs = t.elapsed().as_secs_f64();
-    print_refit(&r);
-    let applied = r.past_no_return();
-    let again = f.refit("step-2").await?;
-    let ok = r.outcome == Some(Outcome::Aborted)
-        && !applied
-        && r.reason.contains("registered again")
-        && again.outcome == Some(Outcome::Committed);
-    Ok((
-        s("ABORTED before APPLY (w0 registered again), not FENCED; then COMMITTED"),
-        format!(
-            "{} {secs:.1} s after the kill, applied: {applied}; refit again {}",
-            outcome_str(&r),
-            outcome_str(&again)
-        ),
-        ok,
-        r.reason.clone(),
-    ))
-}
-
-fn outcome_str(r: &Refit) -> String {
-    r.outcome.map_or_else(|| s("OPEN"), |o| o.to_string())
 }

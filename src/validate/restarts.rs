@@ -1,0 +1,188 @@
+//! Scenarios of `mx validate` in which a worker's engine changes under the control plane: a
+//! process restarted (empty) during APPLY or PREPARE, and weights loaded from disk behind its
+//! back. Each returns (expected, observed, passed, detail) like the rows of the matrix.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use mx_control::{Action, Outcome, Refit};
+use serde_json::json;
+
+use super::{s, Fleet};
+use crate::refit_cmd::{print_refit, wait_end};
+
+/// Polls refit `id` until `ready` holds for it (or it ended, or a minute passed).
+pub(super) async fn wait_refit_until(
+    f: &Fleet,
+    id: u64,
+    what: &str,
+    ready: impl Fn(&Refit) -> bool,
+) -> anyhow::Result<Refit> {
+    let t = Instant::now();
+    loop {
+        if let Ok((_, Some(r))) = f.client.wait_refit(id, Duration::from_millis(50)).await {
+            if ready(&r) {
+                return Ok(r);
+            }
+            if r.outcome.is_some() {
+                bail!(
+                    "refit {id} ended ({}) before {what}: {}",
+                    r.outcome.map(|o| o.to_string()).unwrap_or_default(),
+                    r.reason
+                );
+            }
+        }
+        if t.elapsed() > Duration::from_secs(60) {
+            bail!("refit {id}: {what} did not happen within 60 s");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// SIGKILLs worker `id` and starts it again empty, as a supervisor would; returns once the new
+/// process registered.
+pub(super) async fn restart_worker(f: &mut Fleet, id: &str) -> anyhow::Result<()> {
+    let name = format!("worker-{id}");
+    f.procs.kill(&name)?;
+    let a = f.worker_args(id, false);
+    let work = f.work.clone();
+    f.procs.spawn(&name, &work, &a)?;
+    f.wait_registered(id).await
+}
+
+/// `update_weights_from_disk` of the checkpoint on worker `id`'s Dynamo route, resident as
+/// `weight_version`: (HTTP status, body).
+async fn disk_load(f: &Fleet, id: &str, weight_version: &str) -> anyhow::Result<(u16, String)> {
+    let url = format!(
+        "{}/engine/update_weights_from_disk",
+        f.system_url(id).await?
+    );
+    let body =
+        json!({"model_path": f.model.display().to_string(), "weight_version": weight_version});
+    let r = f.http.post(&url).json(&body).send().await?;
+    Ok((r.status().as_u16(), r.text().await?))
+}
+
+/// w0 is killed while it applies step-1 and comes back empty: its pinned step-2 is gone, so the
+/// rollback stages step-2 again from the publishers (which still serve it) and applies it.
+pub(super) async fn worker_restarted_during_apply(
+    f: &mut Fleet,
+) -> anyhow::Result<(String, String, bool, String)> {
+    f.ensure("step-2").await?;
+    f.failpoints("w0", json!({"apply.sleep_ms": 5_000})).await?;
+    let mut spec = f.spec("step-1")?;
+    spec.worker_ids = vec![s("w0")];
+    let id = f.client.refit(&spec).await?;
+    wait_refit_until(f, id, "w0's apply in flight", |r| {
+        r.workers["w0"]
+            .calls
+            .last()
+            .is_some_and(|c| matches!(c.action, Action::Apply { .. }) && c.result.is_none())
+    })
+    .await?;
+    let t = Instant::now();
+    restart_worker(f, "w0").await?;
+    let r = wait_end(&f.client, id, Duration::from_secs(300)).await?;
+    let secs = t.elapsed().as_secs_f64();
+    print_refit(&r);
+    let staged_again = r.workers["w0"].calls.iter().filter(|c| matches!(&c.action, Action::Apply { version } if *version == f.versions["step-2"].0)).count();
+    let ok = r.outcome == Some(Outcome::RolledBack)
+        && r.workers["w0"].resident.as_deref() == Some(f.versions["step-2"].0.as_str())
+        && staged_again >= 1;
+    Ok((
+        s("ROLLED_BACK: w0 staged step-2 again from its sources, all on step-2"),
+        format!("{} {secs:.1} s after the kill", outcome_str(&r)),
+        ok,
+        r.reason.clone(),
+    ))
+}
+
+/// An engine's weights changed behind the control plane: a disk load carrying an `mx:` version
+/// is refused; one under its own label is taken, and the refit of the committed version (verify
+/// only) reads it back, ABORTS and leaves w0 gated; a real refit then brings it back.
+pub(super) async fn engine_changed(f: &mut Fleet) -> anyhow::Result<(String, String, bool, String)> {
+    f.ensure("step-2").await?;
+    let v2 = f.versions["step-2"].0.clone();
+    let (claim, body) = disk_load(f, "w0", &v2).await?;
+    let refused = claim == 400 && body.contains("weight_version");
+    let (plain, _) = disk_load(f, "w0", "disk:behind-the-back").await?;
+    let r = f.refit("step-2").await?;
+    print_refit(&r);
+    let st = f.status().await?;
+    let w0 = st
+        .workers
+        .iter()
+        .find(|w| w.worker_id == "w0")
+        .context("w0")?;
+    let gated = !w0.admitted && w0.admission.contains("disk:behind-the-back");
+    let again = f.refit("step-2").await?;
+    let ok = refused
+        && plain == 200
+        && r.outcome == Some(Outcome::Aborted)
+        && r.reason.contains("disk:behind-the-back")
+        && gated
+        && again.outcome == Some(Outcome::Committed);
+    Ok((
+        s("mx: disk load refused (400); verify-only refit ABORTED naming w0's real version, w0 gated; then COMMITTED"),
+        format!(
+            "mx: load HTTP {claim}, plain load HTTP {plain}; verify-only {}; w0 gated {gated}; refit again {}",
+            outcome_str(&r),
+            outcome_str(&again)
+        ),
+        ok,
+        r.reason.clone(),
+    ))
+}
+
+/// w0 answers its pause and is then killed and restarted (empty) while w1 is still pausing: the
+/// refit ABORTS before APPLY instead of driving w0 through APPLY and fencing it.
+pub(super) async fn worker_restarted_during_prepare(
+    f: &mut Fleet,
+) -> anyhow::Result<(String, String, bool, String)> {
+    f.ensure("step-2").await?;
+    // w0 off the fleet version (a disk load, learned by a verify-only refit that aborts), so
+    // the refit of step-2 is a real one.
+    disk_load(f, "w0", "disk:prepare").await?;
+    let learn = f.refit("step-2").await?;
+    if learn.outcome != Some(Outcome::Aborted) {
+        bail!(
+            "the verify-only refit did not notice w0's disk load: {}",
+            outcome_str(&learn)
+        );
+    }
+    f.failpoints("w1", json!({"pause.sleep_ms": 8_000})).await?;
+    let id = f.client.refit(&f.spec("step-2")?).await?;
+    wait_refit_until(f, id, "w0 paused", |r| {
+        r.phase == mx_control::Phase::Prepare
+            && r.workers["w0"]
+                .calls
+                .iter()
+                .any(|c| c.action == Action::Pause && c.result.as_ref().is_some_and(|x| x.ok))
+    })
+    .await?;
+    let t = Instant::now();
+    restart_worker(f, "w0").await?;
+    let r = wait_end(&f.client, id, Duration::from_secs(300)).await?;
+    let secs = t.elapsed().as_secs_f64();
+    print_refit(&r);
+    let applied = r.past_no_return();
+    let again = f.refit("step-2").await?;
+    let ok = r.outcome == Some(Outcome::Aborted)
+        && !applied
+        && r.reason.contains("registered again")
+        && again.outcome == Some(Outcome::Committed);
+    Ok((
+        s("ABORTED before APPLY (w0 registered again), not FENCED; then COMMITTED"),
+        format!(
+            "{} {secs:.1} s after the kill, applied: {applied}; refit again {}",
+            outcome_str(&r),
+            outcome_str(&again)
+        ),
+        ok,
+        r.reason.clone(),
+    ))
+}
+
+pub(super) fn outcome_str(r: &Refit) -> String {
+    r.outcome.map_or_else(|| s("OPEN"), |o| o.to_string())
+}
