@@ -31,6 +31,7 @@ mod convert;
 mod driver;
 mod error;
 pub mod journal;
+pub mod limits;
 pub mod refit;
 mod server;
 pub mod state;
