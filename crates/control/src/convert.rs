@@ -244,7 +244,7 @@ pub(crate) fn manifest(p: &pb::SourceManifest, field: &str) -> Result<SourceMani
             ),
         ));
     }
-    limits::count(
+    limits::bytes(
         &format!("{field}.agent_metadata"),
         p.agent_metadata.len(),
         limits::MAX_AGENT_METADATA_BYTES,

@@ -95,6 +95,17 @@ pub fn count(field: &str, n: usize, max: usize) -> Result<(), Error> {
     Ok(())
 }
 
+/// Checks a byte length against its limit.
+///
+/// # Errors
+/// [`Error::InvalidField`] naming `field`, the length and the limit.
+pub fn bytes(field: &str, n: usize, max: usize) -> Result<(), Error> {
+    if n > max {
+        return Err(over(field, "length in bytes", n, max));
+    }
+    Ok(())
+}
+
 /// Checks a version label: not empty, at most [`MAX_LABEL_BYTES`].
 ///
 /// # Errors
@@ -106,10 +117,7 @@ pub fn label(field: &str, s: &str) -> Result<(), Error> {
             reason: "empty label".into(),
         });
     }
-    if s.len() > MAX_LABEL_BYTES {
-        return Err(over(field, "length in bytes", s.len(), MAX_LABEL_BYTES));
-    }
-    Ok(())
+    bytes(field, s.len(), MAX_LABEL_BYTES)
 }
 
 /// Checks a tensor or agent name's length (at most [`MAX_NAME_BYTES`]; emptiness is checked
@@ -118,10 +126,7 @@ pub fn label(field: &str, s: &str) -> Result<(), Error> {
 /// # Errors
 /// [`Error::InvalidField`] naming `field`.
 pub fn name(field: &str, s: &str) -> Result<(), Error> {
-    if s.len() > MAX_NAME_BYTES {
-        return Err(over(field, "length in bytes", s.len(), MAX_NAME_BYTES));
-    }
-    Ok(())
+    bytes(field, s.len(), MAX_NAME_BYTES)
 }
 
 /// Checks a world size: `1..=MAX_WORLD_SIZE`.
@@ -216,14 +221,11 @@ pub fn declaration(label_: &str, trainer: &LayoutSpec, tensors: &[TensorSpec]) -
 pub fn manifest(field: &str, m: &SourceManifest) -> Result<(), Error> {
     layout(&format!("{field}.layout"), &m.layout)?;
     name(&format!("{field}.agent_name"), &m.agent_name)?;
-    if m.agent_metadata.len() > MAX_AGENT_METADATA_BYTES {
-        return Err(over(
-            format!("{field}.agent_metadata"),
-            "length in bytes",
-            m.agent_metadata.len(),
-            MAX_AGENT_METADATA_BYTES,
-        ));
-    }
+    bytes(
+        &format!("{field}.agent_metadata"),
+        m.agent_metadata.len(),
+        MAX_AGENT_METADATA_BYTES,
+    )?;
     count(&format!("{field}.shards"), m.shards.len(), MAX_SHARDS)?;
     count(&format!("{field}.pieces"), m.pieces.len(), MAX_PIECES)?;
     for (i, s) in m.shards.iter().enumerate() {
