@@ -187,8 +187,7 @@ fn decode_line(
                     "record seq {want} has no checksum, but line {k} had one: its checksum field was damaged"
                 ));
             }
-            let e: LegacyEntry =
-                serde_json::from_slice(line).map_err(|e| json_reason(line, &e))?;
+            let e: LegacyEntry = serde_json::from_slice(line).map_err(|e| json_reason(line, &e))?;
             let e = Entry {
                 seq: e.seq,
                 unix_ms: e.unix_ms,
@@ -464,12 +463,15 @@ impl Journal {
             },
         );
         // A struct serializes as one object: drop its closing brace to add the checksum.
-        if let Err(e) = encoded.map_err(std::io::Error::other).and_then(|()| {
-            match buf.pop() {
+        if let Err(e) = encoded
+            .map_err(std::io::Error::other)
+            .and_then(|()| match buf.pop() {
                 Some(b'}') => Ok(()),
-                _ => Err(std::io::Error::other("an entry did not encode as an object")),
-            }
-        }) {
+                _ => Err(std::io::Error::other(
+                    "an entry did not encode as an object",
+                )),
+            })
+        {
             buf.truncate(start);
             return Err(Error::JournalIo {
                 path: self.path.clone(),
@@ -871,7 +873,12 @@ mod tests {
         drop(j);
         // An unchecked line after a checked one is a damaged line.
         let mut text = text;
-        text.push_str(&old.lines().next().unwrap().replace("\"seq\":1", "\"seq\":4"));
+        text.push_str(
+            &old.lines()
+                .next()
+                .unwrap()
+                .replace("\"seq\":1", "\"seq\":4"),
+        );
         text.push('\n');
         std::fs::write(&path, &text).unwrap();
         let err = read_records(&path).unwrap_err();
@@ -978,7 +985,9 @@ mod tests {
             slot: 0,
             layout,
             agent_name: "mx-publisher-host-0-1234-slot0".into(),
-            agent_metadata: (0..md).map(|i| (i as u32).wrapping_mul(2654435761) as u8).collect(),
+            agent_metadata: (0..md)
+                .map(|i| (i as u32).wrapping_mul(2654435761) as u8)
+                .collect(),
             shards,
             pieces,
             pack_seconds: 0.0123,
@@ -1023,6 +1032,9 @@ mod tests {
         })
         .unwrap();
         let grew = j.size_bytes() - before - line;
-        assert_eq!(grew, (128u64 << 10).div_ceil(3) * 4 - (8u64 << 10).div_ceil(3) * 4);
+        assert_eq!(
+            grew,
+            (128u64 << 10).div_ceil(3) * 4 - (8u64 << 10).div_ceil(3) * 4
+        );
     }
 }

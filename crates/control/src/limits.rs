@@ -77,7 +77,12 @@ pub const MAX_JOURNAL_LINE_BYTES: usize = 1 << 30;
 /// what a crash can leave unsynced at the end of the journal.
 pub const MAX_BATCH_BYTES: usize = 64 << 20;
 
-fn over(field: impl Into<String>, what: &str, value: impl std::fmt::Display, limit: impl std::fmt::Display) -> Error {
+fn over(
+    field: impl Into<String>,
+    what: &str,
+    value: impl std::fmt::Display,
+    limit: impl std::fmt::Display,
+) -> Error {
     Error::InvalidField {
         field: field.into(),
         reason: format!("{what} {value} is over the limit of {limit}"),
@@ -203,7 +208,11 @@ pub fn tensor(field: &str, t: &TensorSpec) -> Result<(), Error> {
 ///
 /// # Errors
 /// [`Error::InvalidField`] naming the first field over its limit.
-pub fn declaration(label_: &str, trainer: &LayoutSpec, tensors: &[TensorSpec]) -> Result<(), Error> {
+pub fn declaration(
+    label_: &str,
+    trainer: &LayoutSpec,
+    tensors: &[TensorSpec],
+) -> Result<(), Error> {
     label("label", label_)?;
     layout("trainer_layout", trainer)?;
     count("tensors", tensors.len(), MAX_TENSORS)?;
@@ -267,7 +276,10 @@ mod tests {
         assert_eq!(r, "world size 4294967295 is over the limit of 65536");
         assert!(declaration("v", &fsdp(MAX_WORLD_SIZE), &[]).is_ok());
         let (f, r) = field_of(declaration(&"x".repeat(257), &fsdp(1), &[]).unwrap_err());
-        assert_eq!((f.as_str(), r.as_str()), ("label", "length in bytes 257 is over the limit of 256"));
+        assert_eq!(
+            (f.as_str(), r.as_str()),
+            ("label", "length in bytes 257 is over the limit of 256")
+        );
         let huge = TensorSpec {
             name: "t".into(),
             dtype: DType::F32,
@@ -275,13 +287,22 @@ mod tests {
         };
         let (f, r) = field_of(declaration("v", &fsdp(1), &[huge]).unwrap_err());
         assert_eq!(f, "tensors[0].shape");
-        assert_eq!(r, "byte size of t 2199023255552 is over the limit of 1099511627776");
+        assert_eq!(
+            r,
+            "byte size of t 2199023255552 is over the limit of 1099511627776"
+        );
         let deep = TensorSpec {
             name: "t".into(),
             dtype: DType::F32,
             shape: vec![1; 17],
         };
         let (f, r) = field_of(declaration("v", &fsdp(1), &[deep]).unwrap_err());
-        assert_eq!((f.as_str(), r.as_str()), ("tensors[0].shape", "number of dims 17 is over the limit of 16"));
+        assert_eq!(
+            (f.as_str(), r.as_str()),
+            (
+                "tensors[0].shape",
+                "number of dims 17 is over the limit of 16"
+            )
+        );
     }
 }

@@ -10,8 +10,7 @@ use mx_control::limits::{MAX_REPUBLISHES, MAX_TENSORS, MAX_WORLD_SIZE};
 use mx_control::state::Record;
 use mx_control::{spawn, ControlPlaneConfig, Error, ServerHandle, VersionState};
 use mx_layout::{
-    DType, Digest, LayoutSpec, MemDevice, Scheme, ShardEntry, SourceManifest, TensorBox,
-    TensorSpec,
+    DType, Digest, LayoutSpec, MemDevice, Scheme, ShardEntry, SourceManifest, TensorBox, TensorSpec,
 };
 
 const FSDP2: LayoutSpec = LayoutSpec {
@@ -193,7 +192,9 @@ async fn repeated_publishes_cannot_grow_the_journal_without_bound() {
     );
     assert_eq!(code, tonic::Code::FailedPrecondition);
     assert!(
-        msg.contains("slot 0 was already published again 32 times with a different manifest, the limit"),
+        msg.contains(
+            "slot 0 was already published again 32 times with a different manifest, the limit"
+        ),
         "{msg}"
     );
     assert_eq!(size(&path), full);
