@@ -1,12 +1,14 @@
 //! Conversions between the wire messages ([`crate::pb`]) and the typed forms (mx-layout types and
 //! [`crate::types`]). Decoding refuses anything malformed with [`Error::InvalidField`] naming the
-//! field path, e.g. `manifest.shards[2].digest`; encoding cannot fail.
+//! field path, e.g. `manifest.shards[2].digest`; encoding cannot fail. Counts and sizes are
+//! bounded ([`crate::limits`]) before anything is converted or sized from them.
 
 use mx_layout::{
     DType, DestPiece, Digest, LayoutSpec, MemDevice, RankDigests, Scheme, ShardEntry,
     SourceManifest, TensorBox, TensorSpec,
 };
 
+use crate::limits;
 use crate::pb;
 use crate::refit::{
     EngineApi, EngineEndpoint, GenerationCheck, ModelLimits, PauseMode, Refit, RefitSpec,
@@ -65,6 +67,12 @@ fn non_empty(s: &str, field: &str) -> Result<String, Error> {
     }
 }
 
+/// Decodes a version label: not empty, at most [`limits::MAX_LABEL_BYTES`].
+pub(crate) fn label(s: &str, field: &str) -> Result<String, Error> {
+    limits::label(field, s)?;
+    Ok(s.to_string())
+}
+
 fn dtype(s: &str, field: &str) -> Result<DType, Error> {
     s.parse()
         .map_err(|e: mx_layout::Error| invalid(field, e.to_string()))
@@ -83,9 +91,7 @@ pub(crate) fn layout(p: &pb::LayoutSpec, field: &str) -> Result<LayoutSpec, Erro
             ))
         }
     };
-    if p.world_size == 0 {
-        return Err(invalid(&format!("{field}.world_size"), "must be >= 1"));
-    }
+    limits::world_size(&format!("{field}.world_size"), p.world_size)?;
     Ok(LayoutSpec {
         scheme,
         world_size: p.world_size,
@@ -155,6 +161,7 @@ pub(crate) fn tensor_spec_pb(t: &TensorSpec) -> pb::TensorSpec {
 
 /// Decodes a list of tensor specs (`field[i]` in errors).
 pub(crate) fn tensor_specs(p: &[pb::TensorSpec], field: &str) -> Result<Vec<TensorSpec>, Error> {
+    limits::count(field, p.len(), limits::MAX_TENSORS)?;
     p.iter()
         .enumerate()
         .map(|(i, t)| tensor_spec(t, &format!("{field}[{i}]")))
@@ -226,6 +233,32 @@ fn piece_pb(p: &DestPiece) -> pb::DestPiece {
 
 /// Decodes a source manifest.
 pub(crate) fn manifest(p: &pb::SourceManifest, field: &str) -> Result<SourceManifest, Error> {
+    use prost::Message as _;
+    let bytes = p.encoded_len();
+    if bytes > limits::MAX_MANIFEST_BYTES {
+        return Err(invalid(
+            field,
+            format!(
+                "encoded size {bytes} bytes is over the limit of {}",
+                limits::MAX_MANIFEST_BYTES
+            ),
+        ));
+    }
+    limits::bytes(
+        &format!("{field}.agent_metadata"),
+        p.agent_metadata.len(),
+        limits::MAX_AGENT_METADATA_BYTES,
+    )?;
+    limits::count(
+        &format!("{field}.shards"),
+        p.shards.len(),
+        limits::MAX_SHARDS,
+    )?;
+    limits::count(
+        &format!("{field}.pieces"),
+        p.pieces.len(),
+        limits::MAX_PIECES,
+    )?;
     Ok(SourceManifest {
         slot: p.slot,
         layout: req_layout(&p.layout, &format!("{field}.layout"))?,
@@ -299,7 +332,7 @@ fn rank_digests_pb(r: &[RankDigests]) -> Vec<pb::RankDigests> {
 pub(crate) fn staged(p: &pb::StagedReport, field: &str) -> Result<StagedReport, Error> {
     Ok(StagedReport {
         worker_id: non_empty(&p.worker_id, &format!("{field}worker_id"))?,
-        label: non_empty(&p.label, &format!("{field}label"))?,
+        label: label(&p.label, &format!("{field}label"))?,
         ok: p.ok,
         error: p.error.clone(),
         ranks: rank_digests(&p.ranks, &format!("{field}ranks"))?,
@@ -574,7 +607,7 @@ pub(crate) fn refit_spec(p: &pb::RefitRequest) -> Result<RefitSpec, Error> {
         }
     };
     Ok(RefitSpec {
-        label: non_empty(&p.label, "label")?,
+        label: label(&p.label, "label")?,
         worker_ids: p.worker_ids.clone(),
         pause_mode: pause_mode(p.pause_mode, "pause_mode")?,
         allow_partial: p.allow_partial,

@@ -16,7 +16,8 @@
 //! live weights.
 //!
 //! Main types: [`state::State`] (pure state machine over [`state::Record`]s),
-//! [`journal::Journal`] (JSON lines, fsync before acting), [`serve`]/[`spawn`] (the tonic
+//! [`journal::Journal`] (checksummed JSON lines, fsync before acting; corruption refuses the
+//! start), [`limits`] (bounds on every count and size from outside), [`serve`]/[`spawn`] (the tonic
 //! server), [`client::ControlClient`] (typed client), [`Error`] (mapped to `tonic::Status` in one
 //! place). Proto messages are converted into mx-layout types at the RPC edge (`convert`), so wire
 //! types never reach the state or the journal.
@@ -31,6 +32,7 @@ mod convert;
 mod driver;
 mod error;
 pub mod journal;
+pub mod limits;
 pub mod refit;
 mod server;
 pub mod state;

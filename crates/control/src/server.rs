@@ -25,8 +25,8 @@ use crate::state::{Check, Effects, Record, State};
 use crate::types::VersionState;
 use crate::Error;
 
-/// Largest message accepted or sent (manifests of big models with agent metadata).
-pub(crate) const MAX_MESSAGE_BYTES: usize = 256 << 20;
+use crate::limits::MAX_BATCH_BYTES;
+pub(crate) use crate::limits::MAX_MESSAGE_BYTES;
 
 /// Longest `WaitVersion` long poll (one day), in milliseconds.
 const MAX_WAIT_MS: u64 = 24 * 3600 * 1000;
@@ -103,7 +103,8 @@ pub(crate) struct Shared {
     pub(crate) http: reqwest::Client,
 }
 
-/// The journal thread (group commit): takes every record waiting (up to [`MAX_GROUP`]); under the
+/// The journal thread (group commit): takes every record waiting (up to [`MAX_GROUP`] callers, or
+/// until the batch holds [`MAX_BATCH_BYTES`] of journal lines); under the
 /// state lock checks each in arrival order, encodes it as the next journal line and applies it;
 /// releases the lock; writes and syncs the whole batch with one `fdatasync`; publishes the new
 /// durable sequence number; then answers every caller.
@@ -125,18 +126,12 @@ fn committer(
     rx: &std::sync::mpsc::Receiver<Pending>,
 ) {
     while let Ok(first) = rx.recv() {
-        let mut batch = vec![first];
-        while batch.len() < MAX_GROUP {
-            match rx.try_recv() {
-                Ok(p) => batch.push(p),
-                Err(_) => break,
-            }
-        }
-        let mut answers = Vec::with_capacity(batch.len());
+        let mut next = Some(first);
+        let mut answers = Vec::new();
         let mut lines = Vec::new();
         let last = {
             let mut core = lock(core);
-            for Pending { recs, reply } in batch {
+            while let Some(Pending { recs, reply }) = next.take() {
                 let mut effects: Option<Effects> = None;
                 let mut failure = None;
                 for rec in recs {
@@ -168,6 +163,10 @@ fn committer(
                     None => Ok(effects),
                 };
                 answers.push((reply, outcome));
+                // Bounded batches bound what a crash can leave unsynced (a torn tail).
+                if answers.len() < MAX_GROUP && lines.len() < MAX_BATCH_BYTES {
+                    next = rx.try_recv().ok();
+                }
             }
             core.applied_seq
         };
@@ -451,7 +450,7 @@ impl ControlPlane for Service {
     ) -> Result<Response<pb::DeclareVersionResponse>, Status> {
         let r = req.into_inner();
         let rec = Record::Declare {
-            label: r.label,
+            label: convert::label(&r.label, "label")?,
             trainer_layout: convert::req_layout(&r.trainer_layout, "trainer_layout")?,
             tensors: convert::tensor_specs(&r.tensors, "tensors")?,
         };
@@ -472,7 +471,7 @@ impl ControlPlane for Service {
                 reason: "missing".into(),
             })
             .and_then(|m| convert::manifest(m, "manifest"))?;
-        let label = r.label;
+        let label = convert::label(&r.label, "label")?;
         self.shared
             .mutate(Record::Publish {
                 label: label.clone(),
@@ -565,6 +564,7 @@ impl ControlPlane for Service {
         req: Request<pb::StageRequest>,
     ) -> Result<Response<pb::StageResponse>, Status> {
         let r = req.into_inner();
+        convert::label(&r.label, "label")?;
         // A worker in an open refit is staged by that refit's driver (which journals its own
         // Stage); a stage from outside would replace what the refit is about to apply.
         let busy = self.shared.read(|s| {
@@ -603,7 +603,7 @@ impl ControlPlane for Service {
         &self,
         req: Request<pb::GetVersionRequest>,
     ) -> Result<Response<pb::VersionInfo>, Status> {
-        let label = req.into_inner().label;
+        let label = convert::label(&req.into_inner().label, "label")?;
         let info = self
             .shared
             .read_durable(|s| s.version_info(&label))
@@ -703,6 +703,7 @@ impl ControlPlane for Service {
         req: Request<pb::WaitVersionRequest>,
     ) -> Result<Response<pb::WaitVersionResponse>, Status> {
         let r = req.into_inner();
+        convert::label(&r.label, "label")?;
         let wanted = convert::version_state(r.state, "state")?;
         let reached = self
             .shared

@@ -210,6 +210,9 @@ pub struct State {
     next_refit: u64,
     /// The version the fleet last committed: (label, version id).
     fleet_version: Option<(String, String)>,
+    /// How many times each (version, slot) was published again with a different manifest
+    /// (bounded by [`crate::limits::MAX_REPUBLISHES`]).
+    republishes: BTreeMap<(String, u32), u32>,
 }
 
 fn invalid(field: impl Into<String>, reason: impl Into<String>) -> Error {
@@ -396,6 +399,12 @@ impl State {
             Record::Publish { label, manifest } => {
                 self.retire_overwritten(&label, &manifest);
                 if let Some(v) = self.versions.get_mut(&label) {
+                    if v.slots.contains_key(&manifest.slot) {
+                        *self
+                            .republishes
+                            .entry((label.clone(), manifest.slot))
+                            .or_default() += 1;
+                    }
                     v.slots.insert(manifest.slot, manifest);
                     v.evaluate();
                 }
@@ -855,12 +864,7 @@ impl State {
         trainer_layout: &LayoutSpec,
         tensors: &[TensorSpec],
     ) -> Result<Check, Error> {
-        if label.is_empty() {
-            return Err(invalid("label", "empty label"));
-        }
-        if trainer_layout.world_size == 0 {
-            return Err(invalid("trainer_layout.world_size", "must be >= 1"));
-        }
+        crate::limits::declaration(label, trainer_layout, tensors)?;
         let mut names = BTreeSet::new();
         for (i, t) in tensors.iter().enumerate() {
             if t.name.is_empty() {
@@ -870,17 +874,6 @@ impl State {
                 return Err(invalid(
                     format!("tensors[{i}].name"),
                     format!("duplicate tensor {}", t.name),
-                ));
-            }
-            let bytes = t
-                .shape
-                .iter()
-                .try_fold(1u64, |acc, &d| acc.checked_mul(d))
-                .and_then(|n| n.checked_mul(t.dtype.size_bytes()));
-            if bytes.is_none() {
-                return Err(invalid(
-                    format!("tensors[{i}].shape"),
-                    format!("byte size of {} overflows u64", t.name),
                 ));
             }
         }
@@ -904,8 +897,13 @@ impl State {
     }
 
     fn check_publish(&self, label: &str, m: &SourceManifest) -> Result<Check, Error> {
+        crate::limits::label("label", label)?;
+        crate::limits::manifest("manifest", m)?;
         let v = self.version(label)?;
         let slot = m.slot;
+        if let Some(check) = self.check_republish(label, v, m)? {
+            return Ok(check);
+        }
         let bad = |tensor: &str, reason: String| Error::BadManifest {
             label: label.to_string(),
             slot,
@@ -1042,6 +1040,39 @@ impl State {
         Ok(Check::Apply)
     }
 
+    /// A publish of a slot already published: `Noop` when the manifest is the one held (and the
+    /// slot not retired, so applying it again would change nothing), an error once the slot was
+    /// republished [`crate::limits::MAX_REPUBLISHES`] times; `None` to check it as a new publish.
+    fn check_republish(
+        &self,
+        label: &str,
+        v: &Version,
+        m: &SourceManifest,
+    ) -> Result<Option<Check>, Error> {
+        let Some(held) = v.slots.get(&m.slot) else {
+            return Ok(None);
+        };
+        if held == m && !v.retired.contains_key(&m.slot) {
+            return Ok(Some(Check::Noop));
+        }
+        let n = self
+            .republishes
+            .get(&(label.to_string(), m.slot))
+            .copied()
+            .unwrap_or(0);
+        if n >= crate::limits::MAX_REPUBLISHES {
+            return Err(Error::VersionState {
+                label: label.to_string(),
+                state: v.state,
+                reason: format!(
+                    "slot {} was already published again {n} times with a different manifest, the limit (a publisher restarting that often is broken; declare a new version)",
+                    m.slot
+                ),
+            });
+        }
+        Ok(None)
+    }
+
     fn check_stage(&self, label: &str, worker_ids: &[String]) -> Result<Check, Error> {
         let v = self.version(label)?;
         // COMMITTING: a refit stages it; COMMITTED: a refit back to it (or a late worker).
@@ -1128,7 +1159,9 @@ impl State {
         self.versions.get(label).map(|v| v.state)
     }
 
-    /// Everything known about a version, `None` when not declared.
+    /// Everything known about a version, `None` when not declared. Its `missing_slots` has at
+    /// most `world_size` entries, which [`State::check`] bounds by
+    /// [`crate::limits::MAX_WORLD_SIZE`].
     pub fn version_info(&self, label: &str) -> Option<VersionInfo> {
         let v = self.versions.get(label)?;
         let published_slots: Vec<u32> = v.slots.keys().copied().collect();
@@ -1283,7 +1316,8 @@ impl Worker {
 impl Version {
     /// Recomputes coverage, state and digest after a publish.
     fn evaluate(&mut self) {
-        let all_in = (0..self.trainer_layout.world_size).all(|s| self.slots.contains_key(&s));
+        // Slots are checked to be < world_size: all are in when there are world_size of them.
+        let all_in = self.slots.len() == self.trainer_layout.world_size as usize;
         if !all_in {
             self.missing_tensors.clear();
             self.gaps.clear();

@@ -70,7 +70,9 @@ pub struct SourceManifest {
     pub layout: LayoutSpec,
     /// NIXL agent name of the source.
     pub agent_name: String,
-    /// NIXL agent metadata blob (from `getLocalMD`), loaded by pullers.
+    /// NIXL agent metadata blob (from `getLocalMD`), loaded by pullers. A base64 string in JSON
+    /// (an array of numbers is read too, as older journals wrote it).
+    #[serde(with = "bytes_b64")]
     pub agent_metadata: Vec<u8>,
     /// Shards held.
     pub shards: Vec<ShardEntry>,
@@ -78,6 +80,63 @@ pub struct SourceManifest {
     pub pieces: Vec<DestPiece>,
     /// Seconds the publisher spent packing destination regions for this version.
     pub pack_seconds: f64,
+}
+
+/// A byte blob as a base64 string (RFC 4648, padded) in human-readable formats (JSON: 1.33 bytes
+/// per byte, against 3.6 for an array of numbers); deserializing also takes the array of numbers
+/// that older JSON holds. Other formats keep serde's default (a sequence of bytes).
+mod bytes_b64 {
+    use std::fmt;
+
+    use base64::engine::general_purpose::STANDARD;
+    use base64::Engine as _;
+    use serde::de::{self, Deserialize, Deserializer, SeqAccess, Visitor};
+    use serde::{Serialize, Serializer};
+
+    pub(super) fn serialize<S: Serializer>(b: &[u8], s: S) -> Result<S::Ok, S::Error> {
+        if s.is_human_readable() {
+            s.serialize_str(&STANDARD.encode(b))
+        } else {
+            b.serialize(s)
+        }
+    }
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u8>, D::Error> {
+        if d.is_human_readable() {
+            d.deserialize_any(Blob)
+        } else {
+            Vec::<u8>::deserialize(d)
+        }
+    }
+
+    struct Blob;
+
+    impl<'de> Visitor<'de> for Blob {
+        type Value = Vec<u8>;
+
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("a base64 string or an array of bytes")
+        }
+
+        fn visit_str<E: de::Error>(self, v: &str) -> Result<Vec<u8>, E> {
+            STANDARD
+                .decode(v)
+                .map_err(|e| E::custom(format!("bad base64: {e}")))
+        }
+
+        fn visit_bytes<E: de::Error>(self, v: &[u8]) -> Result<Vec<u8>, E> {
+            Ok(v.to_vec())
+        }
+
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<u8>, A::Error> {
+            // The hint comes from the input: trust it only so far.
+            let mut out = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(1 << 16));
+            while let Some(b) = seq.next_element::<u8>()? {
+                out.push(b);
+            }
+            Ok(out)
+        }
+    }
 }
 
 /// A global tensor declared for a version (taken from the checkpoint's header/index).
@@ -249,5 +308,32 @@ mod tests {
         let segs: Vec<&[u8]> = cuts.windows(2).map(|w| &data[w[0]..w[1]]).collect();
         assert_eq!(digest_segments(segs), Digest::of(&data));
         assert_eq!(digest_segments(std::iter::empty()), Digest::of(&[]));
+    }
+
+    #[test]
+    #[allow(clippy::unwrap_used)] // reason: tests fail loudly on purpose
+    fn agent_metadata_is_base64_in_json_and_the_old_array_form_still_reads() {
+        let m = SourceManifest {
+            slot: 1,
+            layout: LayoutSpec {
+                scheme: crate::Scheme::Fsdp,
+                world_size: 2,
+            },
+            agent_name: "a".into(),
+            agent_metadata: vec![0, 1, 2, 250, 255],
+            shards: Vec::new(),
+            pieces: Vec::new(),
+            pack_seconds: 0.5,
+        };
+        let json = serde_json::to_string(&m).unwrap();
+        assert!(json.contains(r#""agent_metadata":"AAEC+v8=""#), "{json}");
+        assert_eq!(serde_json::from_str::<SourceManifest>(&json).unwrap(), m);
+        let old = json.replace(r#""AAEC+v8=""#, "[0,1,2,250,255]");
+        assert_eq!(serde_json::from_str::<SourceManifest>(&old).unwrap(), m);
+        let bad = json.replace(r#""AAEC+v8=""#, r#""AA!C""#);
+        let err = serde_json::from_str::<SourceManifest>(&bad).unwrap_err();
+        assert!(err.to_string().contains("bad base64"), "{err}");
+        let over = json.replace(r#""AAEC+v8=""#, "[0,256]");
+        assert!(serde_json::from_str::<SourceManifest>(&over).is_err());
     }
 }
