@@ -122,7 +122,11 @@ pub(super) async fn run(
     }
     let violations: Vec<String> = rounds
         .iter()
-        .flat_map(|r| r.violations.iter().map(move |v| format!("round {}: {v}", r.round)))
+        .flat_map(|r| {
+            r.violations
+                .iter()
+                .map(move |v| format!("round {}: {v}", r.round))
+        })
         .collect();
     let recovery_max = rounds
         .iter()
@@ -297,7 +301,9 @@ async fn check_engines(f: &Fleet) -> anyhow::Result<Vec<String>> {
     let mut out = Vec::new();
     let Some((label, fleet)) = st.fleet_version.clone() else {
         if st.workers.iter().any(|w| w.admitted) {
-            out.push(s("a worker is admitted while the fleet has committed no version"));
+            out.push(s(
+                "a worker is admitted while the fleet has committed no version",
+            ));
         }
         return Ok(out);
     };
@@ -377,7 +383,10 @@ async fn check_journal(f: &Fleet, refit: Option<&Refit>) -> anyhow::Result<Vec<S
     }
     if let Some(o) = refit.and_then(|r| r.outcome) {
         if o == Outcome::Fenced {
-            tracing::warn!("refit fenced: {}", refit.map(|r| r.reason.as_str()).unwrap_or(""));
+            tracing::warn!(
+                "refit fenced: {}",
+                refit.map(|r| r.reason.as_str()).unwrap_or("")
+            );
         }
     }
     Ok(out)

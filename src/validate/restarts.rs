@@ -100,7 +100,9 @@ pub(super) async fn worker_restarted_during_apply(
 /// An engine's weights changed behind the control plane: a disk load carrying an `mx:` version
 /// is refused; one under its own label is taken, and the refit of the committed version (verify
 /// only) reads it back, ABORTS and leaves w0 gated; a real refit then brings it back.
-pub(super) async fn engine_changed(f: &mut Fleet) -> anyhow::Result<(String, String, bool, String)> {
+pub(super) async fn engine_changed(
+    f: &mut Fleet,
+) -> anyhow::Result<(String, String, bool, String)> {
     f.ensure("step-2").await?;
     let v2 = f.versions["step-2"].0.clone();
     let (claim, body) = disk_load(f, "w0", &v2).await?;

@@ -1,0 +1,759 @@
+//! Tests of the control-plane state machine (records, refits, admission).
+use super::*;
+use mx_layout::{DType, MemDevice, Scheme, ShardEntry};
+
+fn bx(off: &[u64], shape: &[u64]) -> TensorBox {
+    TensorBox {
+        global_offset: off.to_vec(),
+        local_shape: shape.to_vec(),
+    }
+}
+
+#[test]
+fn coverage_finds_gaps() {
+    // FSDP-like dim-0 split, complete.
+    let a = bx(&[0, 0], &[3, 4]);
+    let b = bx(&[3, 0], &[2, 4]);
+    assert_eq!(first_gap(&[5, 4], &[&a, &b]), None);
+    // Missing rows 3..5.
+    assert_eq!(first_gap(&[5, 4], &[&a]), Some(bx(&[3, 0], &[2, 4])));
+    // Column split with a hole in the second dim of the second row block.
+    let c = bx(&[3, 0], &[2, 3]);
+    assert_eq!(first_gap(&[5, 4], &[&a, &c]), Some(bx(&[3, 3], &[2, 1])));
+    // Replicated (identical overlapping boxes) and partial overlaps.
+    let full = bx(&[0, 0], &[5, 4]);
+    assert_eq!(first_gap(&[5, 4], &[&full, &full, &a]), None);
+    let o1 = bx(&[0, 0], &[4, 4]);
+    let o2 = bx(&[2, 0], &[3, 4]);
+    assert_eq!(first_gap(&[5, 4], &[&o1, &o2]), None);
+    // Scalars: covered iff some box exists; empty trailing FSDP shards are fine.
+    assert_eq!(first_gap(&[], &[&bx(&[], &[])]), None);
+    assert_eq!(first_gap(&[], &[]), Some(bx(&[], &[])));
+    let empty = bx(&[5, 0], &[0, 4]);
+    assert_eq!(first_gap(&[5, 4], &[&a, &b, &empty]), None);
+}
+
+fn spec(name: &str, shape: &[u64]) -> TensorSpec {
+    TensorSpec {
+        name: name.to_string(),
+        dtype: DType::BF16,
+        shape: shape.to_vec(),
+    }
+}
+
+fn shard(name: &str, shape: &[u64], b: TensorBox) -> ShardEntry {
+    let len = b.numel().unwrap() * 2;
+    ShardEntry {
+        tensor: name.to_string(),
+        dtype: DType::BF16,
+        global_shape: shape.to_vec(),
+        digest: Digest::of(format!("{name}{b}").as_bytes()),
+        shard: b,
+        addr: 4096,
+        len,
+        device: MemDevice::Dram,
+    }
+}
+
+fn manifest(slot: u32, shards: Vec<ShardEntry>) -> SourceManifest {
+    SourceManifest {
+        slot,
+        layout: LAYOUT,
+        agent_name: format!("src{slot}"),
+        agent_metadata: vec![1, 2, 3],
+        shards,
+        pieces: vec![],
+        pack_seconds: 0.0,
+    }
+}
+
+const LAYOUT: LayoutSpec = LayoutSpec {
+    scheme: Scheme::Fsdp,
+    world_size: 2,
+};
+
+#[test]
+fn publish_then_ready_then_stage() {
+    let mut st = State::new();
+    let declare = Record::Declare {
+        label: "v1".into(),
+        trainer_layout: LAYOUT,
+        tensors: vec![spec("w", &[4, 2])],
+    };
+    st.apply(declare.clone()).unwrap();
+    assert_eq!(st.check(&declare).unwrap(), Check::Noop);
+    let s0 = shard("w", &[4, 2], bx(&[0, 0], &[2, 2]));
+    let s1 = shard("w", &[4, 2], bx(&[2, 0], &[2, 2]));
+    st.apply(Record::Publish {
+        label: "v1".into(),
+        manifest: manifest(0, vec![s0.clone()]),
+    })
+    .unwrap();
+    assert_eq!(st.version_state("v1"), Some(VersionState::Publishing));
+    st.apply(Record::Publish {
+        label: "v1".into(),
+        manifest: manifest(1, vec![s1.clone()]),
+    })
+    .unwrap();
+    let info = st.version_info("v1").unwrap();
+    assert_eq!(info.state, VersionState::Ready);
+    assert_eq!(info.version_digest, Some(version_digest([&s0, &s1])));
+
+    // A republish that changes the bytes after READY is refused; the same bytes are fine.
+    let mut changed = s1.clone();
+    changed.digest = Digest::of(b"other");
+    let err = st
+        .apply(Record::Publish {
+            label: "v1".into(),
+            manifest: manifest(1, vec![changed]),
+        })
+        .unwrap_err();
+    assert!(matches!(err, Error::VersionState { .. }), "{err}");
+    st.apply(Record::Publish {
+        label: "v1".into(),
+        manifest: manifest(1, vec![s1.clone()]),
+    })
+    .unwrap();
+
+    st.apply(Record::Register {
+        worker_id: "a".into(),
+        instance: "i0".into(),
+        ranks: vec![0],
+        layout: LAYOUT,
+        engine: None,
+        resident_version: None,
+    })
+    .unwrap();
+    assert_eq!(st.pending_command("a"), None);
+    st.apply(Record::Stage {
+        label: "v1".into(),
+        worker_ids: vec!["a".into()],
+    })
+    .unwrap();
+    let (seq, cmd) = st.pending_command("a").unwrap();
+    assert_eq!(seq, 1);
+    assert!(matches!(cmd, Command::Stage { .. }));
+    st.apply(Record::Staged {
+        report: StagedReport {
+            worker_id: "a".into(),
+            label: "v1".into(),
+            ok: true,
+            ..Default::default()
+        },
+    })
+    .unwrap();
+    // STAGED is as far as a worker goes by itself: no command is outstanding, and the
+    // version stays READY (only a refit commits it).
+    assert_eq!(st.pending_command("a"), None);
+    assert_eq!(st.version_state("v1"), Some(VersionState::Ready));
+    let (state, label, _) = st.worker_brief("a").unwrap();
+    assert_eq!((state, label.as_deref()), (WorkerState::Staged, Some("v1")));
+    // A stage again is a new command.
+    st.apply(Record::Stage {
+        label: "v1".into(),
+        worker_ids: vec!["a".into()],
+    })
+    .unwrap();
+    assert_eq!(st.pending_command("a").unwrap().0, 2);
+}
+
+#[test]
+fn missing_tensor_keeps_publishing() {
+    let mut st = State::new();
+    st.apply(Record::Declare {
+        label: "v".into(),
+        trainer_layout: LAYOUT,
+        tensors: vec![spec("a", &[2]), spec("b", &[3])],
+    })
+    .unwrap();
+    for slot in 0..2 {
+        st.apply(Record::Publish {
+            label: "v".into(),
+            manifest: manifest(slot, vec![shard("a", &[2], bx(&[slot as u64], &[1]))]),
+        })
+        .unwrap();
+    }
+    let info = st.version_info("v").unwrap();
+    assert_eq!(info.state, VersionState::Publishing);
+    assert_eq!(info.missing_tensors, vec!["b".to_string()]);
+    assert_eq!(info.version_digest, None);
+}
+
+fn ready_state() -> (State, Digest) {
+    let mut st = State::new();
+    st.apply(Record::Declare {
+        label: "v1".into(),
+        trainer_layout: LAYOUT,
+        tensors: vec![spec("w", &[4, 2])],
+    })
+    .unwrap();
+    for slot in 0..2u32 {
+        let b = bx(&[u64::from(slot) * 2, 0], &[2, 2]);
+        st.apply(Record::Publish {
+            label: "v1".into(),
+            manifest: manifest(slot, vec![shard("w", &[4, 2], b)]),
+        })
+        .unwrap();
+    }
+    for id in ["a", "b"] {
+        st.apply(Record::Register {
+            worker_id: id.into(),
+            instance: id.into(),
+            ranks: vec![0],
+            layout: LAYOUT,
+            engine: Some(EngineEndpoint {
+                api: crate::refit::EngineApi::Dynamo,
+                system_url: "http://127.0.0.1:1".into(),
+            }),
+            resident_version: Some("disk:/ckpt".into()),
+        })
+        .unwrap();
+    }
+    let d = st.version_info("v1").unwrap().version_digest.unwrap();
+    (st, d)
+}
+
+fn begin(st: &State, d: Digest) -> Record {
+    begin_on(
+        st,
+        "v1",
+        d,
+        &[("a", Some("disk:/ckpt")), ("b", Some("disk:/ckpt"))],
+    )
+}
+
+/// BEGIN of the next refit to `label` (digest `d`) on `set`: (worker, previous version).
+fn begin_on(st: &State, label: &str, d: Digest, set: &[(&str, Option<&str>)]) -> Record {
+    let workers = set
+        .iter()
+        .map(|(id, previous)| {
+            (
+                id.to_string(),
+                crate::refit::RefitWorker {
+                    previous: previous.map(str::to_string),
+                    resident: previous.map(str::to_string),
+                    stage_seconds: 0.0,
+                    stage_bytes: 0,
+                    calls: vec![],
+                    reregistered: None,
+                },
+            )
+        })
+        .collect();
+    Record::RefitBegin {
+        refit: Box::new(Refit {
+            id: st.next_refit_id(),
+            spec: crate::refit::RefitSpec {
+                label: label.into(),
+                worker_ids: set.iter().map(|(w, _)| w.to_string()).collect(),
+                pause_mode: crate::refit::PauseMode::Wait,
+                allow_partial: false,
+                check: None,
+                framework_step: 1,
+                stage_timeout_ms: 1000,
+                call_timeout_ms: 1000,
+                apply_parallelism: 0,
+                orchestrator_gated: false,
+                verify_from_apply_answer: false,
+            },
+            digest: d,
+            target: crate::refit::version_id(&d),
+            dropped: vec![],
+            phase: Phase::Stage,
+            phases: vec![],
+            workers,
+            outcome: None,
+            reason: String::new(),
+            started_ms: 0,
+            ended_ms: None,
+            recovered: false,
+        }),
+    }
+}
+
+fn phase(id: u64, p: Phase) -> Record {
+    Record::RefitPhase {
+        id,
+        phase: p,
+        at_ms: 0,
+        reason: String::new(),
+        recovered: false,
+    }
+}
+
+#[test]
+fn refit_commits_admits_and_refuses_illegal_steps() {
+    let (mut st, d) = ready_state();
+    // Registered from disk with no fleet version: gated.
+    let ws = st.fleet_status().workers;
+    assert!(ws
+        .iter()
+        .all(|w| !w.admitted && w.admission.contains("stale")));
+    // A disk version id holds no mx digest.
+    assert!(ws.iter().all(|w| w.resident_version.is_none()));
+    st.apply(begin(&st, d)).unwrap();
+    assert_eq!(st.open_refit_id(), Some(1));
+    assert_eq!(st.version_state("v1"), Some(VersionState::Committing));
+    // One refit at a time; phases in order only.
+    let err = st.check(&begin(&st, d)).unwrap_err();
+    assert!(matches!(err, Error::Refit { .. }), "{err}");
+    assert!(st.check(&phase(1, Phase::Commit)).is_err());
+    for p in [Phase::Prepare, Phase::Apply] {
+        st.apply(phase(1, p)).unwrap();
+    }
+    let target = crate::refit::version_id(&d);
+    for w in ["a", "b"] {
+        st.apply(Record::WorkerCall {
+            id: 1,
+            worker_id: w.into(),
+            action: Action::Apply {
+                version: target.clone(),
+            },
+        })
+        .unwrap();
+        // A second call while one is in flight is refused.
+        assert!(st
+            .check(&Record::WorkerCall {
+                id: 1,
+                worker_id: w.into(),
+                action: Action::Resume,
+            })
+            .is_err());
+        st.apply(Record::WorkerDone {
+            id: 1,
+            worker_id: w.into(),
+            result: CallResult {
+                ok: true,
+                cache_tiers_cleared: vec!["kv_cache".into()],
+                ..CallResult::default()
+            },
+        })
+        .unwrap();
+    }
+    // Past the point of no return ABORT is refused; ROLLBACK would be allowed.
+    assert!(st.check(&phase(1, Phase::Abort)).is_err());
+    assert!(st.check(&phase(1, Phase::Rollback)).is_ok());
+    for p in [Phase::Verify, Phase::Resume, Phase::Commit] {
+        st.apply(phase(1, p)).unwrap();
+    }
+    // Still gated until END.
+    assert!(st.fleet_status().workers.iter().all(|w| !w.admitted));
+    st.apply(Record::RefitEnd {
+        id: 1,
+        outcome: Outcome::Committed,
+        reason: String::new(),
+        at_ms: 0,
+        recovered: false,
+        fenced: vec![],
+        departed: vec![],
+    })
+    .unwrap();
+    let f = st.fleet_status();
+    assert_eq!(f.fleet_version, Some(("v1".into(), target.clone())));
+    assert!(f
+        .workers
+        .iter()
+        .all(|w| w.admitted && w.resident_id.as_deref() == Some(target.as_str())));
+    // The resident digest is the one inside the resident mx version id.
+    assert!(f.workers.iter().all(|w| w.resident_version == Some(d)));
+    assert_eq!(st.version_state("v1"), Some(VersionState::Committed));
+    assert!(st.refit(1).unwrap().journal_gaps().is_empty());
+    // A worker rejoining with other weights is not admitted.
+    st.apply(Record::Register {
+        worker_id: "b".into(),
+        instance: "b".into(),
+        ranks: vec![0],
+        layout: LAYOUT,
+        engine: None,
+        resident_version: Some("disk:/ckpt".into()),
+    })
+    .unwrap();
+    let b = st
+        .fleet_status()
+        .workers
+        .into_iter()
+        .find(|w| w.worker_id == "b")
+        .unwrap();
+    assert!(
+        !b.admitted && b.admission.contains("stale"),
+        "{}",
+        b.admission
+    );
+}
+
+/// One engine call of refit `id` on worker `w`, answered `ok` (an APPLY answer names the
+/// version it applied).
+fn call(st: &mut State, id: u64, w: &str, action: Action, ok: bool) {
+    let version = match &action {
+        Action::Apply { version } if ok => Some(version.clone()),
+        _ => None,
+    };
+    st.apply(Record::WorkerCall {
+        id,
+        worker_id: w.into(),
+        action,
+    })
+    .unwrap();
+    st.apply(Record::WorkerDone {
+        id,
+        worker_id: w.into(),
+        result: CallResult {
+            ok,
+            version,
+            error: if ok {
+                String::new()
+            } else {
+                "engine gone".into()
+            },
+            ..CallResult::default()
+        },
+    })
+    .unwrap();
+}
+
+fn end(id: u64, outcome: Outcome, fenced: &[&str]) -> Record {
+    Record::RefitEnd {
+        id,
+        outcome,
+        reason: "x".into(),
+        at_ms: 0,
+        recovered: false,
+        fenced: fenced.iter().map(|w| w.to_string()).collect(),
+        departed: vec![],
+    }
+}
+
+fn worker(st: &State, id: &str) -> crate::types::WorkerStatus {
+    st.fleet_status()
+        .workers
+        .into_iter()
+        .find(|w| w.worker_id == id)
+        .unwrap()
+}
+
+#[test]
+fn a_version_overwritten_in_place_is_retired() {
+    let (mut st, _) = ready_state();
+    assert_eq!(st.retired_by("v1"), None);
+    // Publishes one shard of `w` at `addr` as `label` from `slot` (agent `src<slot>`, or
+    // `agent` when given).
+    let publish = |st: &mut State, label: &str, slot: u32, addr: u64, agent: Option<&str>| {
+        let mut sh = shard("w", &[4, 2], bx(&[u64::from(slot) * 2, 0], &[2, 2]));
+        sh.addr = addr;
+        let mut m = manifest(slot, vec![sh]);
+        if let Some(a) = agent {
+            m.agent_name = a.into();
+        }
+        st.apply(Record::Publish {
+            label: label.into(),
+            manifest: m,
+        })
+        .unwrap();
+    };
+    for label in ["v2", "v3"] {
+        st.apply(Record::Declare {
+            label: label.into(),
+            trainer_layout: LAYOUT,
+            tensors: vec![spec("w", &[4, 2])],
+        })
+        .unwrap();
+    }
+    // v2 from slot 1's agent at other addresses (a double-buffering publisher): v1 stays.
+    publish(&mut st, "v2", 1, 1 << 20, None);
+    assert_eq!(st.retired_by("v1"), None);
+    // Slot 0's agent publishes v2 into the memory v1 used (4098.. overlaps v1's
+    // 4096..4104): v1 is retired for slot 0; v2 is not.
+    publish(&mut st, "v2", 0, 4098, None);
+    assert_eq!(st.retired_by("v1"), Some((0, "v2".to_string())));
+    assert_eq!(st.retired_by("v2"), None);
+    // Another agent at v2's slot-1 addresses (another process) retires nothing.
+    publish(&mut st, "v3", 1, 1 << 20, Some("other"));
+    assert_eq!(st.retired_by("v2"), None);
+    // Touching but not overlapping ranges (v2's slot 1 is 1 MiB..+8) retire nothing either.
+    publish(&mut st, "v3", 1, (1 << 20) + 8, None);
+    assert_eq!(st.retired_by("v2"), None);
+}
+
+#[test]
+fn a_fenced_worker_stays_gated_until_it_registers_again() {
+    let (mut st, d) = ready_state();
+    let target = crate::refit::version_id(&d);
+    let apply = || Action::Apply {
+        version: target.clone(),
+    };
+    // Refit 1 commits v1 on a and b.
+    st.apply(begin(&st, d)).unwrap();
+    for p in [Phase::Prepare, Phase::Apply] {
+        st.apply(phase(1, p)).unwrap();
+    }
+    for w in ["a", "b"] {
+        call(&mut st, 1, w, apply(), true);
+    }
+    for p in [Phase::Verify, Phase::Resume, Phase::Commit] {
+        st.apply(phase(1, p)).unwrap();
+    }
+    st.apply(end(1, Outcome::Committed, &[])).unwrap();
+    assert!(worker(&st, "a").admitted && worker(&st, "b").admitted);
+    // Refit 2 of the same version fails at APPLY and rolls back; b cannot be brought back
+    // (its engine is gone), a can.
+    st.apply(begin(&st, d)).unwrap();
+    for p in [Phase::Prepare, Phase::Apply] {
+        st.apply(phase(2, p)).unwrap();
+    }
+    call(&mut st, 2, "b", apply(), false);
+    st.apply(phase(2, Phase::Rollback)).unwrap();
+    call(&mut st, 2, "a", Action::Resume, true);
+    call(&mut st, 2, "b", Action::Pause, false);
+    // Only FENCED names fenced workers, and only workers of the set.
+    let err = st.check(&end(2, Outcome::RolledBack, &["b"])).unwrap_err();
+    assert!(err.to_string().contains("fences no worker"), "{err}");
+    let err = st.check(&end(2, Outcome::Fenced, &["zz"])).unwrap_err();
+    assert!(err.to_string().contains("fenced worker zz"), "{err}");
+    st.apply(end(2, Outcome::Fenced, &["b"])).unwrap();
+    // b's last known version is still the committed one, but it is not admitted.
+    let b = worker(&st, "b");
+    assert_eq!(b.resident_id.as_deref(), Some(target.as_str()));
+    assert!(
+        !b.admitted && b.admission.contains("fenced by refit 2"),
+        "{}",
+        b.admission
+    );
+    assert!(worker(&st, "a").admitted);
+    // A later refit that aborts before touching b does not lift the fence.
+    st.apply(begin(&st, d)).unwrap();
+    st.apply(phase(3, Phase::Abort)).unwrap();
+    st.apply(end(3, Outcome::Aborted, &[])).unwrap();
+    let b = worker(&st, "b");
+    assert!(!b.admitted && b.admission.contains("fenced by refit 2"));
+    // Registering again, with the committed version resident, lifts it.
+    st.apply(Record::Register {
+        worker_id: "b".into(),
+        instance: "b".into(),
+        ranks: vec![0],
+        layout: LAYOUT,
+        engine: None,
+        resident_version: Some(target.clone()),
+    })
+    .unwrap();
+    let b = worker(&st, "b");
+    assert!(b.admitted, "{}", b.admission);
+}
+
+#[test]
+fn refit_abort_restores_the_version_state_and_gaps_are_named() {
+    let (mut st, d) = ready_state();
+    st.apply(begin(&st, d)).unwrap();
+    st.apply(Record::WorkerCall {
+        id: 1,
+        worker_id: "a".into(),
+        action: Action::Pause,
+    })
+    .unwrap();
+    let gaps = st.refit(1).unwrap().journal_gaps();
+    assert_eq!(gaps.len(), 2, "{gaps:?}"); // no END, a call without result
+    st.apply(phase(1, Phase::Abort)).unwrap();
+    // END with a call in flight is refused.
+    let end = Record::RefitEnd {
+        id: 1,
+        outcome: Outcome::Aborted,
+        reason: "x".into(),
+        at_ms: 0,
+        recovered: false,
+        fenced: vec![],
+        departed: vec![],
+    };
+    assert!(st.check(&end).is_err());
+    st.apply(Record::WorkerDone {
+        id: 1,
+        worker_id: "a".into(),
+        result: CallResult::default(),
+    })
+    .unwrap();
+    st.apply(end).unwrap();
+    assert_eq!(st.version_state("v1"), Some(VersionState::Ready));
+    assert_eq!(st.fleet_status().fleet_version, None);
+}
+
+/// Drives refit `id` (already begun on `set`) through APPLY, VERIFY, RESUME and COMMIT.
+fn commit(st: &mut State, id: u64, set: &[&str], target: &str) {
+    for p in [Phase::Prepare, Phase::Apply] {
+        st.apply(phase(id, p)).unwrap();
+    }
+    for w in set {
+        let version = target.to_string();
+        call(st, id, w, Action::Apply { version }, true);
+    }
+    for p in [Phase::Verify, Phase::Resume, Phase::Commit] {
+        st.apply(phase(id, p)).unwrap();
+    }
+    st.apply(end(id, Outcome::Committed, &[])).unwrap();
+}
+
+/// Declares and publishes `label`: the same tensor as v1 with other bytes (another digest).
+fn second_version(st: &mut State, label: &str) -> Digest {
+    st.apply(Record::Declare {
+        label: label.into(),
+        trainer_layout: LAYOUT,
+        tensors: vec![spec("w", &[4, 2])],
+    })
+    .unwrap();
+    for slot in 0..2u32 {
+        let mut sh = shard("w", &[4, 2], bx(&[u64::from(slot) * 2, 0], &[2, 2]));
+        sh.digest = Digest::of(format!("{label}{slot}").as_bytes());
+        sh.addr = 1 << 20;
+        st.apply(Record::Publish {
+            label: label.into(),
+            manifest: manifest(slot, vec![sh]),
+        })
+        .unwrap();
+    }
+    st.version_info(label).unwrap().version_digest.unwrap()
+}
+
+#[test]
+fn regression_a_commit_makes_every_worker_not_on_it_stale() {
+    // Observed: after a refit committed V on a set, workers outside it that still held
+    // V-1 stayed admitted.
+    let (mut st, d1) = ready_state();
+    let v1 = crate::refit::version_id(&d1);
+    st.apply(begin(&st, d1)).unwrap();
+    commit(&mut st, 1, &["a", "b"], &v1);
+    assert!(worker(&st, "a").admitted && worker(&st, "b").admitted);
+    let d2 = second_version(&mut st, "v2");
+    let v2 = crate::refit::version_id(&d2);
+    st.apply(begin_on(&st, "v2", d2, &[("a", Some(&v1))]))
+        .unwrap();
+    // b is outside the refit: still admitted on v1 while v2 is not committed.
+    assert!(worker(&st, "b").admitted);
+    assert!(!worker(&st, "a").admitted);
+    commit(&mut st, 2, &["a"], &v2);
+    let (a, b) = (worker(&st, "a"), worker(&st, "b"));
+    assert!(a.admitted, "{}", a.admission);
+    assert_eq!(b.resident_id.as_deref(), Some(v1.as_str()));
+    assert!(
+        !b.admitted && b.admission.contains("stale") && b.admission.contains(&v2),
+        "{}",
+        b.admission
+    );
+    assert!(!st.worker_admitted("b") && st.worker_admitted("a"));
+}
+
+#[test]
+fn a_worker_registering_again_during_a_refit_is_recorded_in_it() {
+    let (mut st, d1) = ready_state();
+    st.apply(begin(&st, d1)).unwrap();
+    assert!(!st.refit(1).unwrap().workers["a"].lost_weights());
+    // a restarts empty during STAGE; b reconnects holding what it had.
+    for (w, resident) in [("a", None), ("b", Some("disk:/ckpt"))] {
+        st.apply(Record::Register {
+            worker_id: w.into(),
+            instance: w.into(),
+            ranks: vec![0],
+            layout: LAYOUT,
+            engine: None,
+            resident_version: resident.map(str::to_string),
+        })
+        .unwrap();
+    }
+    let r = st.refit(1).unwrap();
+    assert_eq!(
+        r.workers["a"].reregistered,
+        Some(crate::refit::Rejoined { resident: None })
+    );
+    assert!(r.workers["a"].lost_weights());
+    assert!(r.workers["b"].reregistered.is_some() && !r.workers["b"].lost_weights());
+    // Still in the refit, so not admitted; the refit still may abort.
+    assert!(worker(&st, "a").admission.contains("refit 1"));
+    assert!(st.check(&phase(1, Phase::Abort)).is_ok());
+}
+
+#[test]
+fn a_refit_of_the_held_version_is_verify_only() {
+    let (mut st, d1) = ready_state();
+    let v1 = crate::refit::version_id(&d1);
+    // A refit whose workers do not all hold the target cannot skip to VERIFY.
+    st.apply(begin(&st, d1)).unwrap();
+    assert!(!st.refit(1).unwrap().verify_only());
+    assert!(st.check(&phase(1, Phase::Verify)).is_err());
+    commit(&mut st, 1, &["a", "b"], &v1);
+    // Both hold v1 now: the refit of v1 goes STAGE -> VERIFY, and may still abort there
+    // (nothing was applied).
+    st.apply(begin_on(
+        &st,
+        "v1",
+        d1,
+        &[("a", Some(&v1)), ("b", Some(&v1))],
+    ))
+    .unwrap();
+    assert!(st.refit(2).unwrap().verify_only());
+    st.apply(phase(2, Phase::Verify)).unwrap();
+    assert!(st.check(&phase(2, Phase::Abort)).is_ok());
+    // b's engine reads back another version: learned, and b is not admitted after END.
+    st.apply(Record::WorkerCall {
+        id: 2,
+        worker_id: "b".into(),
+        action: Action::ReadVersion,
+    })
+    .unwrap();
+    st.apply(Record::WorkerDone {
+        id: 2,
+        worker_id: "b".into(),
+        result: CallResult {
+            ok: true,
+            version: Some("disk:/other".into()),
+            ..CallResult::default()
+        },
+    })
+    .unwrap();
+    st.apply(phase(2, Phase::Abort)).unwrap();
+    st.apply(end(2, Outcome::Aborted, &[])).unwrap();
+    let b = worker(&st, "b");
+    assert!(
+        !b.admitted && b.admission.contains("disk:/other"),
+        "{}",
+        b.admission
+    );
+    assert!(worker(&st, "a").admitted);
+}
+
+#[test]
+fn a_departed_worker_stays_gated_until_it_registers_again() {
+    let (mut st, d1) = ready_state();
+    let v1 = crate::refit::version_id(&d1);
+    st.apply(begin(&st, d1)).unwrap();
+    commit(&mut st, 1, &["a", "b"], &v1);
+    st.apply(begin_on(
+        &st,
+        "v1",
+        d1,
+        &[("a", Some(&v1)), ("b", Some(&v1))],
+    ))
+    .unwrap();
+    st.apply(phase(2, Phase::Abort)).unwrap();
+    let mut rec = end(2, Outcome::Aborted, &[]);
+    if let Record::RefitEnd { departed, .. } = &mut rec {
+        *departed = vec!["zz".into()];
+    }
+    let err = st.check(&rec).unwrap_err();
+    assert!(err.to_string().contains("departed worker zz"), "{err}");
+    if let Record::RefitEnd { departed, .. } = &mut rec {
+        *departed = vec!["b".into()];
+    }
+    st.apply(rec).unwrap();
+    let b = worker(&st, "b");
+    assert!(
+        !b.admitted && b.admission.contains("left during refit 2"),
+        "{}",
+        b.admission
+    );
+    st.apply(Record::Register {
+        worker_id: "b".into(),
+        instance: "b".into(),
+        ranks: vec![0],
+        layout: LAYOUT,
+        engine: None,
+        resident_version: Some(v1.clone()),
+    })
+    .unwrap();
+    assert!(worker(&st, "b").admitted);
+}
