@@ -447,3 +447,80 @@ async fn a_worker_serves_while_the_control_plane_is_away_and_cannot_be_taken_ove
     assert!(matches!(e, Error::ReconnectTimeout { .. }), "{e}");
     assert!(e.to_string().contains(&control), "{e}");
 }
+
+/// Regression (issue 13): a publisher exited when the control plane restarted just as it
+/// published, and refits then failed with an opaque NIXL load error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_publish_rides_out_a_control_plane_restart_and_a_gone_source_is_named() {
+    if !mx_nixl::nixl_or_skip("a_publish_rides_out_a_control_plane_restart") {
+        return;
+    }
+    let Some(dir) = model_dir("a_publish_rides_out_a_control_plane_restart") else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let (control, server) = control_plane(tmp.path(), "127.0.0.1:0").await;
+    let listen = control.trim_start_matches("http://").to_string();
+    let mut cfg = worker_config(&control, &dir, "w");
+    cfg.ranks = vec![1];
+    let w = Arc::new(Worker::start(cfg).await.unwrap());
+    let runner = tokio::spawn({
+        let w = Arc::clone(&w);
+        async move { w.run().await }
+    });
+    let mut pubs = Vec::new();
+    for rank in 0..2 {
+        pubs.push(
+            Publisher::start(PublisherConfig {
+                control: control.clone(),
+                model_dir: dir.clone(),
+                layout: "fsdp:2".parse().unwrap(),
+                rank,
+                pack: true,
+                fault_flip_byte: None,
+            })
+            .await
+            .unwrap(),
+        );
+    }
+    let specs = mx_checkpoint::Checkpoint::open(&dir).unwrap().specs();
+    let client = ControlClient::connect(&control).await.unwrap();
+    let fsdp2: LayoutSpec = "fsdp:2".parse().unwrap();
+    client
+        .declare_version("step-1", fsdp2, &specs)
+        .await
+        .unwrap();
+
+    // The control plane is away when the publishers publish; it comes back 1.5 s later on the
+    // same address and journal, and both publishes land.
+    server.shutdown().await.unwrap();
+    let publishing = tokio::spawn(async move {
+        for p in &mut pubs {
+            p.publish("step-1", Duration::from_secs(60)).await.unwrap();
+        }
+        pubs
+    });
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(!publishing.is_finished());
+    let (_, server2) = control_plane(tmp.path(), &listen).await;
+    let pubs = tokio::time::timeout(Duration::from_secs(30), publishing)
+        .await
+        .expect("the publishes did not land after the restart")
+        .unwrap();
+    let info = client
+        .wait_version("step-1", VersionState::Ready, WAIT)
+        .await
+        .unwrap();
+    let digest = info.version_digest.unwrap();
+    let agent0 = info.manifests[0].agent_name.clone();
+
+    // Slot 0's publisher goes away: staging names the source rather than a bare NIXL call.
+    drop(pubs);
+    let e = w.stage("step-1", digest).await.unwrap_err().to_string();
+    assert!(
+        e.contains("source slot 0") && e.contains(&agent0),
+        "the error must name the source: {e}"
+    );
+    runner.abort();
+    server2.shutdown().await.unwrap();
+}
