@@ -66,9 +66,9 @@ enum Cmd {
         /// waiting. A control plane that is away or restarting is retried either way.
         #[arg(long, default_value_t = 600)]
         wait_s: u64,
-        /// Never exit on its own: keep serving every version published (its registered memory)
-        /// until SIGTERM/Ctrl-C, also when a version does not commit within --wait-s (for
-        /// retried refits and workers that join later).
+        /// Never exit on its own: keep the registered memory (the version published last)
+        /// served until SIGTERM/Ctrl-C, also when a version does not commit within --wait-s
+        /// (for retried refits and workers that join later).
         #[arg(long)]
         stay: bool,
         /// Fault injection (tests): after publishing, flip one byte of this tensor's shard.

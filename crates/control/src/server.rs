@@ -592,12 +592,12 @@ impl ControlPlane for Service {
                 system_url,
             },
         );
-        if previous.incarnation != incarnation || incarnation == 0 {
-            tracing::info!(
+        if previous.incarnation != 0 && previous.incarnation != incarnation {
+            tracing::warn!(
                 worker = %id,
-                incarnation,
-                previous = previous.incarnation,
-                "worker id registered by a new process (the previous one's command stream is gone)"
+                incarnation = format_args!("{incarnation:#x}"),
+                previous = format_args!("{:#x}", previous.incarnation),
+                "worker id taken over by a new process: the previous one's command stream is gone, and it will be refused if it comes back"
             );
         }
         let mut map = lock(&self.shared.limits);
