@@ -61,11 +61,14 @@ enum Cmd {
         /// Disable source-side packing.
         #[arg(long)]
         no_pack: bool,
-        /// Seconds to wait for declarations and commits.
+        /// Seconds to wait for each declaration and commit. Without --stay the publisher exits
+        /// with status 75 when one does not come in time; with --stay it only warns and keeps
+        /// waiting. A control plane that is away or restarting is retried either way.
         #[arg(long, default_value_t = 600)]
         wait_s: u64,
-        /// After the last version committed, keep serving its bytes until SIGTERM/Ctrl-C (for
-        /// retried refits and workers that join later).
+        /// Never exit on its own: keep the registered memory (the version published last)
+        /// served until SIGTERM/Ctrl-C, also when a version does not commit within --wait-s
+        /// (for retried refits and workers that join later).
         #[arg(long)]
         stay: bool,
         /// Fault injection (tests): after publishing, flip one byte of this tensor's shard.
@@ -104,8 +107,9 @@ enum Cmd {
         /// Serve POST/GET /mx/failpoints (fault injection for tests).
         #[arg(long)]
         failpoints: bool,
-        /// Seconds to keep reconnecting to a lost control plane before exiting non-zero.
-        #[arg(long, default_value_t = 60)]
+        /// Exit (status 69) after the control plane stayed unreachable this many seconds. 0,
+        /// the default, retries forever while the engine keeps serving its weights.
+        #[arg(long, default_value_t = 0)]
         reconnect_timeout_s: u64,
         /// Checkpoint directory loaded as the initial live weights, before registering.
         #[arg(long)]
@@ -206,8 +210,46 @@ fn main() {
         .init();
     if let Err(e) = run(Cli::parse()) {
         eprintln!("mx: error: {}", error_chain(&e));
-        std::process::exit(1);
+        std::process::exit(exit_code(&e));
     }
+}
+
+/// `mx worker`: another live process holds the worker id (refused at start), or a newer
+/// process took it over while this one was away; the engine stopped serving first.
+const EXIT_DISPLACED: i32 = 3;
+/// `mx worker --reconnect-timeout-s N` (N > 0): the control plane stayed unreachable that long
+/// (sysexits' EX_UNAVAILABLE).
+const EXIT_CONTROL_UNREACHABLE: i32 = 69;
+/// `mx publish` without `--stay`: a version was not declared or committed within `--wait-s`
+/// (sysexits' EX_TEMPFAIL: nothing is wrong with the process; run it again).
+const EXIT_NOT_COMMITTED: i32 = 75;
+
+/// The exit status for `e`: the documented ones above for the errors that have one, 1
+/// otherwise. (`mx control` exits 74 itself when its journal cannot be written.)
+fn exit_code(e: &anyhow::Error) -> i32 {
+    for cause in e.chain() {
+        if let Some(w) = cause.downcast_ref::<mx_worker::Error>() {
+            match w {
+                mx_worker::Error::Displaced { .. } => return EXIT_DISPLACED,
+                mx_worker::Error::ReconnectTimeout { .. } => return EXIT_CONTROL_UNREACHABLE,
+                _ => {}
+            }
+        }
+        if let Some(mx_publisher::Error::Timeout { .. }) = cause.downcast_ref() {
+            return EXIT_NOT_COMMITTED;
+        }
+    }
+    1
+}
+
+/// Waits for SIGTERM or Ctrl-C.
+async fn terminated() -> anyhow::Result<()> {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+    Ok(())
 }
 
 /// `e` and its causes, joined by ": " (as anyhow's `{:#}`), leaving out a cause whose text the
@@ -271,12 +313,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 })?;
             }
             eprintln!("mx control listening on {addr}");
-            let mut term =
-                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-            tokio::select! {
-                _ = tokio::signal::ctrl_c() => {}
-                _ = term.recv() => {}
-            }
+            terminated().await?;
             handle.shutdown().await?;
             Ok(())
         }),
@@ -301,16 +338,22 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 fault_flip_byte,
             })
             .await?;
-            p.run_steps(&label_prefix, steps, Duration::from_secs(wait_s))
-                .await?;
-            if stay {
-                eprintln!("mx publish: {label_prefix}{steps} committed; serving until SIGTERM");
-                let mut term =
-                    tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-                tokio::select! {
-                    _ = tokio::signal::ctrl_c() => {}
-                    _ = term.recv() => {}
+            let wait = Duration::from_secs(wait_s);
+            if !stay {
+                p.run_steps(&label_prefix, steps, mx_publisher::Patience::GiveUpAfter(wait))
+                    .await?;
+                return Ok(());
+            }
+            // With --stay nothing but a signal ends the process (or a refusal by the control
+            // plane, e.g. a manifest that disagrees with the declaration): the arena, and every
+            // version published from it, stays served until then.
+            tokio::select! {
+                r = p.run_steps(&label_prefix, steps, mx_publisher::Patience::WarnEvery(wait)) => {
+                    r?;
+                    eprintln!("mx publish: {label_prefix}{steps} committed; serving until SIGTERM");
+                    terminated().await?;
                 }
+                r = terminated() => r?,
             }
             Ok(())
         }),
@@ -343,7 +386,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 http,
                 engine_api,
                 failpoints,
-                reconnect_timeout: Duration::from_secs(reconnect_timeout_s),
+                reconnect_timeout: (reconnect_timeout_s > 0)
+                    .then(|| Duration::from_secs(reconnect_timeout_s)),
                 load,
                 load_version,
             })

@@ -360,11 +360,23 @@ fn individual_commands_complete_a_refit_by_hand() {
             assert!(t.elapsed().as_secs() < 60, "stale worker did not register");
             std::thread::sleep(std::time::Duration::from_millis(50));
         }
-        // Regression: a second worker with the same id replaces the first, which must exit
-        // non-zero (it used to exit 0 silently).
-        kids.0.push(spawn(&stale_args));
-        let status = stale.wait().unwrap();
-        assert!(!status.success(), "a replaced worker must not exit 0");
+        // Regression (issue 13): a second worker under the live id used to take it over; it
+        // is refused and exits with the documented status 3, and the first one keeps it.
+        let second = Command::new(env!("CARGO_BIN_EXE_mx"))
+            .args(stale_args)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&second.stderr);
+        assert_eq!(second.status.code(), Some(3), "{err}");
+        assert!(err.contains("held by another process"), "{err}");
+        assert_eq!(
+            stale.try_wait().unwrap(),
+            None,
+            "the live worker must keep its id"
+        );
+        // The stale registration stays once its process is gone.
+        let _ = stale.kill();
+        let _ = stale.wait();
     }
     // One worker holding only TP rank 1 (one process per rank), registered before publishing.
     kids.0.push(spawn(&[
@@ -509,4 +521,257 @@ fn individual_commands_complete_a_refit_by_hand() {
         !ops.iter().any(|o| *o == "commit" || *o == "applied"),
         "{j}"
     );
+}
+
+/// Spawns `mx ARGS` with its stderr in `log`.
+fn spawn_logged(args: &[&str], log: &Path) -> std::process::Child {
+    Command::new(env!("CARGO_BIN_EXE_mx"))
+        .args(args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(log).unwrap())
+        .spawn()
+        .unwrap()
+}
+
+/// Waits until `log` has a line containing `needle`; returns that line.
+fn wait_log(log: &Path, needle: &str, secs: u64) -> String {
+    let t = std::time::Instant::now();
+    loop {
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        if let Some(l) = text.lines().find(|l| l.contains(needle)) {
+            return l.to_string();
+        }
+        assert!(
+            t.elapsed().as_secs() < secs,
+            "{} never said {needle:?}:\n{text}",
+            log.display()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
+/// One HTTP/1.1 POST of a JSON `body` to `url` (`http://host:port/path`): (status, body), or
+/// `None` when nothing listens there.
+fn http_post(url: &str, body: &str) -> Option<(u16, String)> {
+    use std::io::{Read, Write};
+    let rest = url.strip_prefix("http://").unwrap();
+    let (host, path) = rest.split_at(rest.find('/').unwrap());
+    let mut s = std::net::TcpStream::connect(host).ok()?;
+    write!(
+        s,
+        "POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .ok()?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).ok()?;
+    let code = out.split_whitespace().nth(1)?.parse().ok()?;
+    let body = out.split_once("\r\n\r\n").map(|x| x.1.to_string())?;
+    Some((code, body))
+}
+
+/// Starts `mx control` on `listen` with `journal` (a restart on the same address).
+fn control_at(journal: &Path, listen: &str) -> std::process::Child {
+    let c = spawn(&[
+        "control",
+        "--listen",
+        listen,
+        "--journal",
+        journal.to_str().unwrap(),
+    ]);
+    let t = std::time::Instant::now();
+    while std::net::TcpStream::connect(listen).is_err() {
+        assert!(
+            t.elapsed().as_secs() < 30,
+            "control plane did not come back"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    c
+}
+
+fn signal(child: &std::process::Child, sig: &str) {
+    let ok = Command::new("kill")
+        .args([sig, &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(ok.success());
+}
+
+/// Regression (issue 13): a worker that could not reach the control plane for 60 s exited and
+/// inference stopped with it; a publisher exited when its version did not commit within
+/// `--wait-s`, even with `--stay`; a registration under a connected worker's id took it over,
+/// the old process did not exit and the refit "committed" on the wrong engine.
+#[test]
+fn nothing_stops_serving_while_the_control_plane_is_away_and_a_live_worker_keeps_its_id() {
+    let Some(dir) = model("smollm2-135m") else {
+        return;
+    };
+    let md = dir.to_str().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let journal = tmp.path().join("j.jsonl");
+    let (mut cp, a) = start_control(tmp.path());
+    let listen = a.trim_start_matches("http://").to_string();
+    let wlog = tmp.path().join("w.log");
+    let worker = |load: bool| {
+        let mut v = vec![
+            "worker",
+            "--control",
+            &a,
+            "--model",
+            md,
+            "--layout",
+            "tp:3",
+            "--id",
+            "w",
+        ];
+        if load {
+            v.extend(["--load", md, "--load-version", "boot"]);
+        }
+        v.into_iter().map(String::from).collect::<Vec<_>>()
+    };
+    let args = worker(true);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut kids = Kids(vec![spawn_logged(&args, &wlog)]);
+    let line = wait_log(&wlog, "serving the engine routes at", 120);
+    let url = line
+        .split_whitespace()
+        .find(|w| w.starts_with("http://"))
+        .unwrap()
+        .to_string();
+    wait_status(&a, "resident boot", 60);
+    let (ok, out) = mx(&[
+        "declare",
+        "--control",
+        &a,
+        "--model",
+        md,
+        "--trainer-layout",
+        "fsdp:2",
+        "--label",
+        "step-1",
+    ]);
+    assert!(ok, "{out}");
+    for r in ["0", "1"] {
+        kids.0.push(spawn_logged(
+            &[
+                "publish",
+                "--control",
+                &a,
+                "--model",
+                md,
+                "--layout",
+                "fsdp:2",
+                "--rank",
+                r,
+                "--wait-s",
+                "1",
+                "--stay",
+            ],
+            &tmp.path().join(format!("p{r}.log")),
+        ));
+    }
+    wait_status(&a, "Ready", 120);
+    // Past --wait-s nothing committed: the publishers warn and keep serving.
+    wait_log(&tmp.path().join("p0.log"), "still waiting", 30);
+    let alive = |kids: &mut Kids, i: usize| kids.0[i].try_wait().unwrap().is_none();
+    assert!(
+        alive(&mut kids, 1) && alive(&mut kids, 2),
+        "a publisher exited"
+    );
+
+    // The control plane dies; for 4 s the worker answers its version and generates, and
+    // nobody exits.
+    let _ = cp.0[0].kill();
+    let _ = cp.0[0].wait();
+    let version = format!("{url}/engine/get_weight_version");
+    let t = std::time::Instant::now();
+    while t.elapsed().as_secs() < 4 {
+        let (code, v) = http_post(&version, "{}").unwrap();
+        assert_eq!(code, 200, "{v}");
+        assert!(v.contains("\"boot\""), "{v}");
+        std::thread::sleep(std::time::Duration::from_millis(500));
+    }
+    let gen = r#"{"input_ids":[504,3575,282,4649,314],"sampling_params":{"max_new_tokens":2,"temperature":0}}"#;
+    let (code, v) = http_post(&format!("{url}/generate"), gen).unwrap();
+    assert_eq!(code, 200, "{v}");
+    assert!(v.contains("[7042,30]"), "{v}");
+    for i in 0..3 {
+        assert!(
+            alive(&mut kids, i),
+            "process {i} exited with the control plane"
+        );
+    }
+
+    // Back on the same address and journal: the worker re-registers with its resident version.
+    cp.0[0] = control_at(&journal, &listen);
+    wait_status(&a, "connected stage Idle resident boot", 30);
+
+    // A second process under the live id is refused (status 3) and the id keeps its engine:
+    // the refit lands on the original worker, pulling from publishers past their --wait-s.
+    let second = Command::new(env!("CARGO_BIN_EXE_mx"))
+        .args(worker(false))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&second.stderr);
+    assert_eq!(second.status.code(), Some(3), "{err}");
+    assert!(err.contains("\"w\" is held by another process"), "{err}");
+    assert!(alive(&mut kids, 0));
+    let (ok, out) = mx(&[
+        "stage",
+        "--control",
+        &a,
+        "--label",
+        "step-1",
+        "--workers",
+        "w",
+    ]);
+    assert!(ok, "{out}");
+    let (ok, out) = mx(&[
+        "commit",
+        "--control",
+        &a,
+        "--label",
+        "step-1",
+        "--workers",
+        "w",
+    ]);
+    assert!(ok && out.contains("COMMITTED"), "{out}");
+    let digest = out.split_whitespace().last().unwrap().to_string();
+    let (code, v) = http_post(&version, "{}").unwrap();
+    assert_eq!(code, 200);
+    assert!(
+        v.contains(&format!("mx:{digest}")),
+        "the refit went elsewhere: {v}"
+    );
+
+    // The worker is frozen while the control plane restarts and a new process takes the id
+    // (its stream is gone). Thawed, the old one learns it was displaced and exits with 3.
+    signal(&kids.0[0], "-STOP");
+    let _ = cp.0[0].kill();
+    let _ = cp.0[0].wait();
+    cp.0[0] = control_at(&journal, &listen);
+    let args = worker(false);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    kids.0.push(spawn_logged(&args, &tmp.path().join("w2.log")));
+    wait_status(&a, "connected stage Idle resident -", 60);
+    signal(&kids.0[0], "-CONT");
+    let t = std::time::Instant::now();
+    let status = loop {
+        if let Some(s) = kids.0[0].try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            t.elapsed().as_secs() < 30,
+            "the displaced worker kept running"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    assert_eq!(status.code(), Some(3));
+    wait_log(&wlog, "was displaced", 5);
+    assert!(
+        http_post(&version, "{}").is_none(),
+        "the displaced engine still answers"
+    );
+    assert!(alive(&mut kids, 3), "the new worker must keep the id");
 }

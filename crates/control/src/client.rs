@@ -17,9 +17,68 @@ use crate::types::{
 use crate::Error;
 
 /// A connection to the control plane. Cheap to clone; methods take `&self`.
+///
+/// The channel reconnects by itself: after the control plane restarted, the next call connects
+/// again (calls made while it is away fail with a transient error, see
+/// [`Error::is_transient`]). HTTP/2 keepalive pings ([`KEEPALIVE_INTERVAL`]) find a control plane
+/// that vanished without closing the connection.
 #[derive(Debug, Clone)]
 pub struct ControlClient {
     inner: ControlPlaneClient<Channel>,
+    /// Sent with registrations and command streams (0: none, an older client's behaviour).
+    incarnation: u64,
+}
+
+/// How often an idle connection to the control plane is pinged (both ends), and how long a ping
+/// may go unanswered before the connection counts as broken.
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
+
+/// Capped exponential backoff with jitter, for retrying a control plane that is away: the
+/// `n`-th wait is drawn uniformly from `[d/2, d]` where `d = first * 2^n`, capped at `max`.
+/// Jitter keeps a fleet of workers that lost the same control plane from reconnecting in
+/// lockstep.
+#[derive(Debug, Clone)]
+pub struct Backoff {
+    next: Duration,
+    max: Duration,
+    rng: u64,
+}
+
+impl Backoff {
+    /// Starts at `first`, doubling up to `max`.
+    pub fn new(first: Duration, max: Duration) -> Backoff {
+        Backoff {
+            next: first,
+            max: max.max(first),
+            rng: random_u64() | 1,
+        }
+    }
+
+    /// The next wait (and doubles the one after, up to the cap).
+    pub fn next_wait(&mut self) -> Duration {
+        let d = self.next;
+        self.next = (self.next * 2).min(self.max);
+        // xorshift64: plenty for jitter.
+        self.rng ^= self.rng << 13;
+        self.rng ^= self.rng >> 7;
+        self.rng ^= self.rng << 17;
+        let frac = (self.rng >> 11) as f64 / (1u64 << 53) as f64;
+        d.mul_f64(0.5 + 0.5 * frac)
+    }
+}
+
+/// A random, non-zero `u64` from the operating system's randomness (through std's hash map
+/// keys, which are seeded from it), mixed with the time and process id; for incarnations and
+/// jitter, not for secrets.
+pub fn random_u64() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u32(std::process::id());
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    h.write_u128(now.as_nanos());
+    h.finish().max(1)
 }
 
 /// What a publish left the version as.
@@ -52,6 +111,23 @@ impl CommandStream {
     }
 }
 
+/// The endpoint of `addr` (`host:port` or `http://host:port`), with keepalive pings.
+fn endpoint(addr: &str) -> Result<Endpoint, Error> {
+    let uri = if addr.contains("://") {
+        addr.to_string()
+    } else {
+        format!("http://{addr}")
+    };
+    Ok(Endpoint::from_shared(uri)
+        .map_err(|e| Error::InvalidField {
+            field: "addr".into(),
+            reason: format!("{addr:?}: {e}"),
+        })?
+        .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
+        .keep_alive_timeout(KEEPALIVE_INTERVAL)
+        .keep_alive_while_idle(true))
+}
+
 fn ids(worker_ids: &[impl AsRef<str>]) -> Vec<String> {
     worker_ids.iter().map(|w| w.as_ref().to_string()).collect()
 }
@@ -62,27 +138,41 @@ impl ControlClient {
     /// # Errors
     /// [`Error::InvalidField`] for a malformed address; [`Error::Transport`] when it cannot connect.
     pub async fn connect(addr: &str) -> Result<ControlClient, Error> {
-        let uri = if addr.contains("://") {
-            addr.to_string()
-        } else {
-            format!("http://{addr}")
-        };
-        let endpoint = Endpoint::from_shared(uri).map_err(|e| Error::InvalidField {
-            field: "addr".into(),
-            reason: format!("{addr:?}: {e}"),
-        })?;
-        let channel = endpoint
+        let channel = endpoint(addr)?
             .connect()
             .await
             .map_err(|source| Error::Transport {
                 addr: addr.to_string(),
                 source,
             })?;
-        Ok(ControlClient {
+        Ok(ControlClient::over(channel))
+    }
+
+    /// A client for `addr` that connects at its first call (and again after the control plane
+    /// restarted), so it can be made while the control plane is away.
+    ///
+    /// # Errors
+    /// [`Error::InvalidField`] for a malformed address.
+    pub fn connect_lazy(addr: &str) -> Result<ControlClient, Error> {
+        Ok(ControlClient::over(endpoint(addr)?.connect_lazy()))
+    }
+
+    fn over(channel: Channel) -> ControlClient {
+        ControlClient {
             inner: ControlPlaneClient::new(channel)
                 .max_decoding_message_size(MAX_MESSAGE_BYTES)
                 .max_encoding_message_size(MAX_MESSAGE_BYTES),
-        })
+            incarnation: 0,
+        }
+    }
+
+    /// The same connection, sending `incarnation` with [`register`](Self::register) and
+    /// [`watch_commands`](Self::watch_commands): a worker process draws one at start (see
+    /// [`random_u64`]) and uses it for its whole life, so the control plane tells its own
+    /// re-registrations from another process's registration under the same id.
+    pub fn with_incarnation(mut self, incarnation: u64) -> ControlClient {
+        self.incarnation = incarnation;
+        self
     }
 
     fn rpc(&self) -> ControlPlaneClient<Channel> {
@@ -144,7 +234,10 @@ impl ControlClient {
     ///
     /// # Errors
     /// [`Error::Rpc`] with `InvalidArgument` for an empty id, ranks out of range or a bad
-    /// engine endpoint.
+    /// engine endpoint; with `AlreadyExists` ([`Error::is_worker_id_in_use`]) when the id's
+    /// command stream is connected under another incarnation (see
+    /// [`with_incarnation`](Self::with_incarnation)) or the engine URL is another connected
+    /// worker's.
     pub async fn register(&self, reg: &Registration) -> Result<(), Error> {
         self.rpc()
             .register_worker(pb::RegisterWorkerRequest {
@@ -155,6 +248,7 @@ impl ControlClient {
                 engine: reg.engine.as_ref().map(convert::engine_pb),
                 resident_version: reg.resident_version.clone().unwrap_or_default(),
                 model_limits: reg.model_limits.as_ref().map(convert::model_limits_pb),
+                incarnation: self.incarnation,
             })
             .await
             .map_err(|s| Error::rpc("RegisterWorker", s))?;
@@ -240,16 +334,18 @@ impl ControlClient {
             .collect()
     }
 
-    /// Opens the worker's command stream (replacing any older one). The outstanding command, if
-    /// any, arrives first.
+    /// Opens the worker's command stream (replacing any older one of the same incarnation). The
+    /// outstanding command, if any, arrives first.
     ///
     /// # Errors
-    /// [`Error::Rpc`] with `FailedPrecondition` when the worker is not registered.
+    /// [`Error::Rpc`] with `FailedPrecondition` when the worker is not registered; with
+    /// `AlreadyExists` when its last registration was another incarnation's.
     pub async fn watch_commands(&self, worker_id: &str) -> Result<CommandStream, Error> {
         let inner = self
             .rpc()
             .watch_commands(pb::WatchCommandsRequest {
                 worker_id: worker_id.to_string(),
+                incarnation: self.incarnation,
             })
             .await
             .map_err(|s| Error::rpc("WatchCommands", s))?

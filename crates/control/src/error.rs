@@ -37,6 +37,18 @@ pub enum Error {
         /// The worker id asked for.
         worker_id: String,
     },
+    /// A registration (or command stream) for a worker id that belongs to another live
+    /// process: the id's command stream is connected under another incarnation, or the
+    /// registration names the engine of another connected worker. Maps to `ALREADY_EXISTS`
+    /// (no other error of `RegisterWorker` or `WatchCommands` does), so the process refused
+    /// knows it must stop serving rather than retry.
+    #[error("worker id {worker_id:?} is held by another process: {reason}")]
+    WorkerIdInUse {
+        /// The worker id asked for.
+        worker_id: String,
+        /// Why (the live stream, or the engine URL already held by another worker).
+        reason: String,
+    },
     /// A manifest shard or piece names a tensor the version did not declare.
     #[error("version {label:?} slot {slot}: tensor {tensor} is not declared")]
     UndeclaredTensor {
@@ -215,7 +227,7 @@ impl Error {
             | Error::Mismatch { .. }
             | Error::BadManifest { .. } => Code::InvalidArgument,
             Error::UnknownVersion { .. } => Code::NotFound,
-            Error::VersionExists { .. } => Code::AlreadyExists,
+            Error::VersionExists { .. } | Error::WorkerIdInUse { .. } => Code::AlreadyExists,
             // A worker must register before it is staged, refitted, watched or reports.
             Error::UnknownWorker { .. }
             | Error::VersionState { .. }
@@ -229,6 +241,37 @@ impl Error {
             | Error::Replay { .. }
             | Error::Bind { .. }
             | Error::Task { .. } => Code::Internal,
+        }
+    }
+
+    /// True for an error a caller should retry after a pause: the control plane is unreachable,
+    /// restarting or shutting down (the transport failed, or a call ended `UNAVAILABLE`,
+    /// `UNKNOWN`, `CANCELLED` or `DEADLINE_EXCEEDED` on the wire). Refusals (invalid fields,
+    /// unknown versions, a worker id held by another process) are not transient, and neither
+    /// is [`Error::WaitNotReached`] (the caller's own deadline decides).
+    pub fn is_transient(&self) -> bool {
+        use tonic::Code;
+        match self {
+            Error::Transport { .. } => true,
+            Error::Rpc { code, .. } => matches!(
+                code,
+                Code::Unavailable | Code::Unknown | Code::Cancelled | Code::DeadlineExceeded
+            ),
+            _ => false,
+        }
+    }
+
+    /// True when the control plane refused a worker's registration or command stream because
+    /// its id belongs to another live process ([`Error::WorkerIdInUse`], `ALREADY_EXISTS` on
+    /// the wire): that worker was displaced and must stop serving.
+    pub fn is_worker_id_in_use(&self) -> bool {
+        match self {
+            Error::WorkerIdInUse { .. } => true,
+            Error::Rpc { rpc, code, .. } => {
+                *code == tonic::Code::AlreadyExists
+                    && matches!(*rpc, "RegisterWorker" | "WatchCommands")
+            }
+            _ => false,
         }
     }
 

@@ -48,7 +48,7 @@ struct Core {
     applied_seq: u64,
 }
 
-/// Per-worker wake-up for its command stream.
+/// Per-worker wake-up for its command stream, and which process holds the id.
 #[derive(Default)]
 struct Mailbox {
     notify: Notify,
@@ -56,6 +56,21 @@ struct Mailbox {
     stream_gen: AtomicU64,
     /// Command streams open now (a worker with none is not connected).
     open_streams: AtomicU64,
+    /// The process that registered the id last (in memory only: after a restart every worker
+    /// registers again, and the first registration of an id takes it).
+    owner: Mutex<Owner>,
+    /// Held by a registration from its checks until its owner is recorded, so two
+    /// registrations of one id cannot both pass the checks (other ids are not held up).
+    registering: tokio::sync::Mutex<()>,
+}
+
+/// The process holding a worker id, from its last accepted registration.
+#[derive(Default, Clone)]
+struct Owner {
+    /// Its incarnation (0: an older client that sends none).
+    incarnation: u64,
+    /// Its engine URL, if it registered one.
+    system_url: Option<String>,
 }
 
 /// Counts an open command stream for as long as it lives.
@@ -260,6 +275,53 @@ impl Shared {
             .entry(worker_id.to_string())
             .or_default()
             .clone()
+    }
+
+    /// Refuses a registration that would take over a live worker: `worker_id`'s command stream
+    /// is connected and the caller is not the process that opened it (another incarnation, or
+    /// an older client that sends none), or `system_url` is the engine of another connected
+    /// worker id (a refit of either would land on the other's engine).
+    fn check_takeover(
+        &self,
+        worker_id: &str,
+        mailbox: &Mailbox,
+        incarnation: u64,
+        system_url: Option<&str>,
+    ) -> Result<(), Error> {
+        let owner = lock(&mailbox.owner).clone();
+        let live = mailbox.open_streams.load(Ordering::SeqCst) > 0;
+        if live && (incarnation == 0 || owner.incarnation != incarnation) {
+            return Err(Error::WorkerIdInUse {
+                worker_id: worker_id.to_string(),
+                reason: format!(
+                    "its command stream is connected (incarnation {:#x}; this registration is {}): a registration takes a worker id over only once the old process's stream is gone",
+                    owner.incarnation,
+                    if incarnation == 0 {
+                        "an older client without one".to_string()
+                    } else {
+                        format!("incarnation {incarnation:#x}")
+                    }
+                ),
+            });
+        }
+        let Some(url) = system_url else {
+            return Ok(());
+        };
+        let other = lock(&self.mail).iter().find_map(|(id, m)| {
+            let holds = id != worker_id
+                && m.open_streams.load(Ordering::SeqCst) > 0
+                && lock(&m.owner).system_url.as_deref() == Some(url);
+            holds.then(|| id.clone())
+        });
+        match other {
+            Some(other) => Err(Error::WorkerIdInUse {
+                worker_id: worker_id.to_string(),
+                reason: format!(
+                    "its engine {url} is the engine of connected worker {other:?}: one engine cannot serve two worker ids"
+                ),
+            }),
+            None => Ok(()),
+        }
     }
 
     /// True while `worker_id` has an open command stream.
@@ -500,28 +562,41 @@ impl ControlPlane for Service {
         check_worker_id(&r.worker_id)?;
         let limits = r.model_limits.as_ref().map(convert::model_limits);
         let id = r.worker_id.clone();
-        if self.shared.connected(&r.worker_id) {
-            // The documented takeover: the newer process gets the id, the older one's command
-            // stream ends and it exits (it sees the id registered with another endpoint).
-            tracing::warn!(
-                worker = %r.worker_id,
-                "a new registration takes over worker id {:?} from a process still connected; the older process's command stream ends",
-                r.worker_id
-            );
-        }
+        let incarnation = r.incarnation;
+        let engine = r
+            .engine
+            .as_ref()
+            .map(|e| convert::engine(e, "engine"))
+            .transpose()?;
+        let system_url = engine.as_ref().map(|e| e.system_url.clone());
         let rec = Record::Register {
             layout: convert::req_layout(&r.layout, "layout")?,
-            engine: r
-                .engine
-                .as_ref()
-                .map(|e| convert::engine(e, "engine"))
-                .transpose()?,
+            engine,
             resident_version: (!r.resident_version.is_empty()).then_some(r.resident_version),
             worker_id: r.worker_id,
             instance: r.instance,
             ranks: r.ranks,
         };
+        let mailbox = self.shared.mailbox(&id);
+        let _one = mailbox.registering.lock().await;
+        self.shared
+            .check_takeover(&id, &mailbox, incarnation, system_url.as_deref())?;
         self.shared.mutate(rec).await?;
+        let previous = std::mem::replace(
+            &mut *lock(&mailbox.owner),
+            Owner {
+                incarnation,
+                system_url,
+            },
+        );
+        if previous.incarnation != 0 && previous.incarnation != incarnation {
+            tracing::warn!(
+                worker = %id,
+                incarnation = format_args!("{incarnation:#x}"),
+                previous = format_args!("{:#x}", previous.incarnation),
+                "worker id taken over by a new process: the previous one's command stream is gone, and it will be refused if it comes back"
+            );
+        }
         let mut map = lock(&self.shared.limits);
         match limits {
             Some(l) => map.insert(id, l),
@@ -546,11 +621,25 @@ impl ControlPlane for Service {
         &self,
         req: Request<pb::WatchCommandsRequest>,
     ) -> Result<Response<Self::WatchCommandsStream>, Status> {
-        let worker_id = req.into_inner().worker_id;
+        let r = req.into_inner();
+        let worker_id = r.worker_id;
         if !self.shared.read(|s| s.has_worker(&worker_id)) {
             return Err(Error::UnknownWorker { worker_id }.into());
         }
         let mailbox = self.shared.mailbox(&worker_id);
+        let owner = lock(&mailbox.owner).incarnation;
+        if owner != r.incarnation {
+            // Only the process of the last accepted registration may follow the id's commands
+            // (an older one that lost the id learns it here and stops serving).
+            return Err(Error::WorkerIdInUse {
+                worker_id,
+                reason: format!(
+                    "it was registered last by incarnation {owner:#x}, this stream is incarnation {:#x}",
+                    r.incarnation
+                ),
+            }
+            .into());
+        }
         let gen = mailbox.stream_gen.fetch_add(1, Ordering::SeqCst) + 1;
         // Wake (and so end) the stream this one replaces.
         mailbox.notify.notify_waiters();
@@ -864,6 +953,10 @@ async fn run(
     let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
     tonic::transport::Server::builder()
         .tcp_nodelay(true)
+        // A worker whose host vanished without closing its connection must not hold its id
+        // (and block its replacement) for longer than a missed ping.
+        .http2_keepalive_interval(Some(crate::client::KEEPALIVE_INTERVAL))
+        .http2_keepalive_timeout(Some(crate::client::KEEPALIVE_INTERVAL))
         .add_service(svc)
         .serve_with_incoming_shutdown(incoming, closing)
         .await

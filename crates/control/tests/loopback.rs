@@ -1005,3 +1005,129 @@ async fn a_post_update_check_the_engines_would_refuse_is_refused_before_anything
     let id = c.refit(&spec(vec![1, 99_999_999], 4)).await.unwrap();
     assert_eq!(id, 1);
 }
+
+/// Registers `id` as incarnation `inc` with a Dynamo engine at `url`.
+async fn register_as(c: &ControlClient, id: &str, inc: u64, url: &str) -> Result<(), Error> {
+    c.clone()
+        .with_incarnation(inc)
+        .register(&Registration {
+            worker_id: id.into(),
+            instance: id.into(),
+            ranks: vec![0],
+            layout: REP1,
+            engine: Some(EngineEndpoint {
+                api: EngineApi::Dynamo,
+                system_url: url.to_string(),
+            }),
+            resident_version: Some("disk:/ckpt".into()),
+            model_limits: None,
+        })
+        .await
+}
+
+/// The engine URL the control plane holds for `id` (what a refit of it calls).
+async fn engine_of(c: &ControlClient, id: &str) -> Option<String> {
+    let s = c.get_status().await.unwrap();
+    let w = s.workers.into_iter().find(|w| w.worker_id == id)?;
+    w.engine.map(|e| e.system_url)
+}
+
+/// Regression (issue 13): a registration under a connected worker's id with another worker's
+/// `system_url` was accepted, and the next refit went to the wrong engine.
+#[tokio::test]
+async fn a_registration_cannot_take_over_a_live_worker_id_or_engine() {
+    let dir = tempfile::tempdir().unwrap();
+    let (c, h) = start(&dir.path().join("journal.jsonl")).await;
+    let (a, b) = ("http://127.0.0.1:9001", "http://127.0.0.1:9002");
+    register_as(&c, "w0", 0xa, a).await.unwrap();
+    let s0 = c
+        .clone()
+        .with_incarnation(0xa)
+        .watch_commands("w0")
+        .await
+        .unwrap();
+    wait_connected(&c, "w0", true).await;
+
+    // Another process (incarnation 0xb) under the live id: refused, ALREADY_EXISTS, naming the
+    // id and why; the id keeps its engine.
+    let e = register_as(&c, "w0", 0xb, b).await.unwrap_err();
+    assert!(e.is_worker_id_in_use(), "{e}");
+    assert!(
+        matches!(
+            &e,
+            Error::Rpc {
+                code: tonic::Code::AlreadyExists,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let msg = e.to_string();
+    assert!(
+        msg.contains("\"w0\"") && msg.contains("command stream is connected"),
+        "{msg}"
+    );
+    assert_eq!(engine_of(&c, "w0").await.as_deref(), Some(a));
+    // An older client without an incarnation counts as another process too.
+    let e = register_as(&c, "w0", 0, b).await.unwrap_err();
+    assert!(e.is_worker_id_in_use(), "{e}");
+    // Another id claiming w0's engine: refused, naming w0.
+    let e = register_as(&c, "w1", 0xc, a).await.unwrap_err();
+    assert!(
+        e.is_worker_id_in_use() && e.to_string().contains("\"w0\""),
+        "{e}"
+    );
+    // Nor can the other process follow w0's commands.
+    let e = c
+        .clone()
+        .with_incarnation(0xb)
+        .watch_commands("w0")
+        .await
+        .unwrap_err();
+    assert!(e.is_worker_id_in_use(), "{e}");
+    // The same process registering again (a reconnect the server has not noticed yet) is fine.
+    register_as(&c, "w0", 0xa, a).await.unwrap();
+    assert!(!e.is_transient());
+
+    // Once the old stream is gone (its process died), a new incarnation takes the id over; the
+    // old one, coming back, is refused both ways and learns it was displaced.
+    drop(s0);
+    wait_connected(&c, "w0", false).await;
+    register_as(&c, "w0", 0xb, b).await.unwrap();
+    assert_eq!(engine_of(&c, "w0").await.as_deref(), Some(b));
+    let e = c
+        .clone()
+        .with_incarnation(0xa)
+        .watch_commands("w0")
+        .await
+        .unwrap_err();
+    assert!(e.is_worker_id_in_use(), "{e}");
+    let _s1 = c
+        .clone()
+        .with_incarnation(0xb)
+        .watch_commands("w0")
+        .await
+        .unwrap();
+    wait_connected(&c, "w0", true).await;
+    let e = register_as(&c, "w0", 0xa, a).await.unwrap_err();
+    assert!(e.is_worker_id_in_use(), "{e}");
+    assert_eq!(engine_of(&c, "w0").await.as_deref(), Some(b));
+    // The freed engine URL can be registered by another id now.
+    register_as(&c, "w1", 0xc, a).await.unwrap();
+    h.shutdown().await.unwrap();
+}
+
+async fn wait_connected(c: &ControlClient, id: &str, want: bool) {
+    let t = std::time::Instant::now();
+    loop {
+        let s = c.get_status().await.unwrap();
+        if s.workers
+            .iter()
+            .any(|w| w.worker_id == id && w.connected == want)
+        {
+            return;
+        }
+        assert!(t.elapsed() < T, "{id} never became connected={want}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

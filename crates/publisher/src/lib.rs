@@ -8,14 +8,21 @@
 //! typed [`SourceManifest`] with its NIXL agent metadata. [`Publisher::run_steps`] drives several
 //! versions, applying [`mx_layout::update::training_step`] between them as a training step would.
 //!
+//! A control plane that is away (restarting, or gone for a while) never ends a publisher: every
+//! call to it is retried with capped, jittered backoff, and waits ride out restarts. How long a
+//! publisher waits for a version to be declared or committed is its [`Patience`]: give up after
+//! a bound ([`Error::Timeout`]), or warn and keep waiting while its registered memory stays
+//! served (`mx publish --stay`).
+//!
 //! Left out: the training itself, GPU memory (the arena is DRAM), and peer re-publishing.
 #![forbid(unsafe_code)]
 
+use std::future::Future;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use mx_checkpoint::Checkpoint;
-use mx_control::client::ControlClient;
+use mx_control::client::{Backoff, ControlClient};
 use mx_control::VersionState;
 use mx_layout::plan::{cut_for_layout, decompose, pack_marks, Cut};
 use mx_layout::{
@@ -47,6 +54,19 @@ pub enum Error {
         /// The checkpoint directory.
         dir: PathBuf,
     },
+    /// A version did not reach the state waited for within the publisher's bound
+    /// ([`Patience::GiveUpAfter`]); control-plane outages during the wait were ridden out.
+    #[error("version {label:?} did not become {wanted} within {seconds:.0} s: {last}")]
+    Timeout {
+        /// Version label.
+        label: String,
+        /// The state waited for (DECLARED before publishing, COMMITTED after).
+        wanted: VersionState,
+        /// Seconds waited.
+        seconds: f64,
+        /// The last answer (or error) of the control plane.
+        last: String,
+    },
     /// Rank outside the layout.
     #[error("rank {rank} is outside layout {layout}")]
     BadRank {
@@ -55,6 +75,104 @@ pub enum Error {
         /// The layout.
         layout: LayoutSpec,
     },
+}
+
+/// How long a publisher waits for a version to be declared (before publishing it) or committed
+/// (before training the next step). Control-plane outages never end a wait early: they are
+/// retried with backoff either way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Patience {
+    /// Give up with [`Error::Timeout`] after this long.
+    GiveUpAfter(Duration),
+    /// Never give up; say so at warn level after each such period. The publisher keeps
+    /// serving what it published meanwhile.
+    WarnEvery(Duration),
+}
+
+impl Patience {
+    fn period(self) -> Duration {
+        match self {
+            Patience::GiveUpAfter(d) | Patience::WarnEvery(d) => d,
+        }
+    }
+}
+
+/// First wait before retrying the control plane; doubles (with jitter) up to [`MAX_BACKOFF`].
+const FIRST_BACKOFF: Duration = Duration::from_millis(100);
+/// Longest wait between retries of an unreachable control plane.
+const MAX_BACKOFF: Duration = Duration::from_secs(5);
+
+/// Calls `call(time_left)` until it succeeds. Transient control-plane errors (unreachable,
+/// restarting) and long polls that ended early (the server shut down mid-wait) are retried with
+/// backoff; other errors are returned. Once `patience`'s period has passed: an
+/// [`Error::Timeout`] for `label`/`wanted` ([`Patience::GiveUpAfter`]), or a warning and
+/// another period ([`Patience::WarnEvery`]).
+async fn persist<T, Fut>(
+    label: &str,
+    wanted: VersionState,
+    patience: Patience,
+    mut call: impl FnMut(Duration) -> Fut,
+) -> Result<T, Error>
+where
+    Fut: Future<Output = Result<T, mx_control::Error>>,
+{
+    let t0 = Instant::now();
+    let mut deadline = t0 + patience.period();
+    let mut backoff = Backoff::new(FIRST_BACKOFF, MAX_BACKOFF);
+    let mut away_since: Option<Instant> = None;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let e = match call(left).await {
+            Ok(v) => {
+                if let Some(t) = away_since {
+                    tracing::warn!(
+                        label,
+                        away_s = t.elapsed().as_secs_f64(),
+                        "control plane reachable again"
+                    );
+                }
+                return Ok(v);
+            }
+            Err(e) => e,
+        };
+        let transient = e.is_transient();
+        if !transient && !matches!(e, mx_control::Error::WaitNotReached { .. }) {
+            return Err(e.into());
+        }
+        if Instant::now() >= deadline {
+            match patience {
+                Patience::GiveUpAfter(_) => {
+                    return Err(Error::Timeout {
+                        label: label.to_string(),
+                        wanted,
+                        seconds: t0.elapsed().as_secs_f64(),
+                        last: e.to_string(),
+                    })
+                }
+                Patience::WarnEvery(p) => {
+                    tracing::warn!(
+                        label,
+                        waited_s = t0.elapsed().as_secs_f64(),
+                        "version {label} is not {wanted} yet ({e}); still waiting, and serving what was published"
+                    );
+                    deadline = Instant::now() + p;
+                }
+            }
+        }
+        if transient {
+            if away_since.is_none() {
+                away_since = Some(Instant::now());
+                tracing::warn!(
+                    label,
+                    "control plane unreachable ({e}); retrying with backoff"
+                );
+            }
+            tokio::time::sleep(backoff.next_wait()).await;
+        } else {
+            // A long poll that ended before its time: the server shut down mid-wait.
+            tokio::time::sleep(FIRST_BACKOFF).await;
+        }
+    }
 }
 
 /// What a publisher needs to start.
@@ -242,14 +360,35 @@ impl Publisher {
     }
 
     /// Digests, packs and publishes the current shard bytes as version `label` (which the
-    /// orchestrator must have declared; waits up to `wait` for the declaration).
+    /// orchestrator must have declared; waits up to `wait` for the declaration). A control
+    /// plane that is away or restarting is retried with backoff within `wait`.
     ///
     /// # Errors
-    /// [`Error::Control`] when the version is not declared in time or the manifest is refused.
+    /// [`Error::Timeout`] when the version is not declared in time, [`Error::Control`] when the
+    /// manifest is refused.
     pub async fn publish(&mut self, label: &str, wait: Duration) -> Result<SourceManifest, Error> {
-        self.client
-            .wait_version(label, VersionState::Declared, wait)
-            .await?;
+        self.publish_with(label, Patience::GiveUpAfter(wait)).await
+    }
+
+    /// [`Publisher::publish`] waiting for the declaration with `patience`.
+    ///
+    /// # Errors
+    /// As [`Publisher::publish`].
+    pub async fn publish_with(
+        &mut self,
+        label: &str,
+        patience: Patience,
+    ) -> Result<SourceManifest, Error> {
+        let client = self.client.clone();
+        persist(label, VersionState::Declared, patience, |left| {
+            let client = client.clone();
+            async move {
+                client
+                    .wait_version(label, VersionState::Declared, left)
+                    .await
+            }
+        })
+        .await?;
         let t0 = Instant::now();
         let base = self.arena.addr();
         let mut shards = self.rank_layout.shard_entries(base);
@@ -346,7 +485,13 @@ impl Publisher {
             pack_s = manifest.pack_seconds,
             "digested and packed"
         );
-        self.client.publish(label, &manifest).await?;
+        // Republishing the same manifest is idempotent, so a publish the control plane may
+        // have journaled just before it went away is simply sent again.
+        persist(label, VersionState::Publishing, patience, |_| {
+            let (client, manifest) = (&client, &manifest);
+            async move { client.publish(label, manifest).await }
+        })
+        .await?;
         tracing::info!(
             label,
             slot = self.cfg.rank,
@@ -358,73 +503,53 @@ impl Publisher {
 
     /// Publishes `steps` versions labelled `{prefix}{k}` for k in 1..=steps; before version k > 1
     /// waits until version k-1 is COMMITTED, then applies training step k. Returns after the last
-    /// version is COMMITTED (so its bytes stay served until every worker staged them).
+    /// version is COMMITTED (so its bytes stay served until every worker staged them). Every
+    /// wait (declaration, commit) follows `patience`; the control plane going away or
+    /// restarting meanwhile is ridden out.
     ///
     /// # Errors
-    /// As [`Publisher::publish`]; [`Error::Control`] when a version does not commit within `wait`.
+    /// As [`Publisher::publish`]; [`Error::Timeout`] when a version does not commit within
+    /// [`Patience::GiveUpAfter`].
     pub async fn run_steps(
         &mut self,
         prefix: &str,
         steps: u32,
-        wait: Duration,
+        patience: Patience,
     ) -> Result<(), Error> {
         for k in 1..=steps {
             if k > 1 {
                 let prev = format!("{prefix}{}", k - 1);
-                self.wait_across_restarts(&prev, VersionState::Committed, wait)
-                    .await?;
+                self.wait_committed(&prev, patience).await?;
                 self.train_step(k);
             }
-            self.publish(&format!("{prefix}{k}"), wait).await?;
+            self.publish_with(&format!("{prefix}{k}"), patience).await?;
             if let Some(t) = self.cfg.fault_flip_byte.clone() {
                 self.flip_byte(&t);
             }
         }
-        let last = format!("{prefix}{steps}");
-        self.wait_across_restarts(&last, VersionState::Committed, wait)
-            .await?;
-        Ok(())
+        self.wait_committed(&format!("{prefix}{steps}"), patience)
+            .await
     }
 
-    /// Waits until `label` reaches `state`, riding out control-plane restarts: a failed long
-    /// poll (the server went away) is retried until `wait` has passed, so a publisher keeps
-    /// serving its bytes while the control plane recovers from its journal.
+    /// Waits until `label` is COMMITTED, riding out control-plane restarts (a failed long poll
+    /// is retried with backoff), so a publisher keeps serving its bytes while the control plane
+    /// recovers from its journal.
     ///
     /// # Errors
-    /// The last error once `wait` has passed.
-    async fn wait_across_restarts(
-        &self,
-        label: &str,
-        state: VersionState,
-        wait: Duration,
-    ) -> Result<(), Error> {
-        let deadline = std::time::Instant::now() + wait;
-        loop {
-            let left = deadline.saturating_duration_since(std::time::Instant::now());
-            match self.client.wait_version(label, state, left).await {
-                Ok(_) => return Ok(()),
-                Err(mx_control::Error::Rpc { code, message, .. })
-                    if !left.is_zero()
-                        && matches!(
-                            code,
-                            tonic::Code::Unavailable
-                                | tonic::Code::Unknown
-                                | tonic::Code::Cancelled
-                        ) =>
-                {
-                    tracing::warn!(
-                        label,
-                        "control plane unreachable ({message}); waiting for it"
-                    );
-                    tokio::time::sleep(Duration::from_millis(200)).await;
-                }
-                Err(mx_control::Error::WaitNotReached { .. }) if !left.is_zero() => {
-                    // The server shut down mid-poll (a restart): poll again.
-                    tokio::time::sleep(Duration::from_millis(200)).await;
-                }
-                Err(e) => return Err(e.into()),
+    /// [`Error::Timeout`] past [`Patience::GiveUpAfter`]; [`Error::Control`] when the control
+    /// plane refuses the wait.
+    pub async fn wait_committed(&self, label: &str, patience: Patience) -> Result<(), Error> {
+        let client = self.client.clone();
+        persist(label, VersionState::Committed, patience, |left| {
+            let client = client.clone();
+            async move {
+                client
+                    .wait_version(label, VersionState::Committed, left)
+                    .await
             }
-        }
+        })
+        .await?;
+        Ok(())
     }
 
     /// Destination layouts this publisher cuts and packs for.

@@ -9,6 +9,9 @@
 //! the ranks held, or 503 `{"status": "error", "message": ...}` while no weights are live.
 //! Orchestrators check live bytes with it (`mx demo` compares them with slices of the
 //! checkpoint); it changes nothing, and holds the version store while it hashes (an apply waits).
+//!
+//! Once the instance is retired (its worker was displaced: another process holds its worker id,
+//! see [`Instance::retire`]) every route answers 410 Gone naming the worker and why.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -118,7 +121,12 @@ pub async fn serve(inst: Instance, addr: SocketAddr) -> Result<HttpServer, Error
     if failpoints {
         router = router.route("/mx/failpoints", get(failpoints_get).post(failpoints_set));
     }
-    let router = router.with_state(ctx);
+    let router = router
+        .route_layer(axum::middleware::from_fn_with_state(
+            ctx.clone(),
+            refuse_when_retired,
+        ))
+        .with_state(ctx);
     let (tx, rx) = oneshot::channel::<()>();
     let task = tokio::spawn(async move {
         let res = axum::serve(listener, router)
@@ -137,6 +145,22 @@ pub async fn serve(inst: Instance, addr: SocketAddr) -> Result<HttpServer, Error
     })
 }
 
+/// Every route answers 410 Gone once the instance is retired (another process holds its worker
+/// id): `{"status": "error", "message": "worker ... was displaced: ..."}`.
+async fn refuse_when_retired(
+    State(ctx): State<Ctx>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    match ctx.inst.retired() {
+        Some(reason) => error_reply(&Error::Displaced {
+            worker_id: ctx.inst.config().worker_id.clone(),
+            reason: reason.to_string(),
+        }),
+        None => next.run(req).await,
+    }
+}
+
 /// The HTTP status an error answers with.
 pub fn status_of(e: &Error) -> StatusCode {
     match e {
@@ -146,6 +170,7 @@ pub fn status_of(e: &Error) -> StatusCode {
         Error::Engine(mx_engine::Error::BadRequest { .. }) => StatusCode::BAD_REQUEST,
         Error::UnknownVersion { .. } => StatusCode::NOT_FOUND,
         Error::GenerationUnavailable { .. } => StatusCode::CONFLICT,
+        Error::Displaced { .. } => StatusCode::GONE,
         Error::NoWeights | Error::Paused | Error::Aborted => StatusCode::SERVICE_UNAVAILABLE,
         _ => StatusCode::INTERNAL_SERVER_ERROR,
     }

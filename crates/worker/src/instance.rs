@@ -242,6 +242,9 @@ pub(crate) struct Shared {
     versions: Mutex<Versions>,
     pub(crate) gate: Gate,
     pub(crate) failpoints: Failpoints,
+    /// Set once when this process lost its worker id to another process (see
+    /// [`Instance::retire`]); every engine route refuses from then on.
+    retired: std::sync::OnceLock<String>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -321,9 +324,28 @@ impl Instance {
                 versions: Mutex::new(Versions::default()),
                 gate: Gate::default(),
                 failpoints: Failpoints::default(),
+                retired: std::sync::OnceLock::new(),
                 cfg,
             }),
         })
+    }
+
+    /// Stops this instance from serving for good: every engine route (generation, pause,
+    /// resume, apply, version read-back, live digests) answers 410 Gone with `reason` from now
+    /// on. A worker calls it when another process took its worker id over, so that nothing
+    /// reaches weights the control plane no longer tracks. The first reason stays.
+    pub fn retire(&self, reason: String) {
+        if self.shared.retired.set(reason.clone()).is_ok() {
+            tracing::error!(
+                worker = self.shared.cfg.worker_id,
+                "engine retired: {reason}"
+            );
+        }
+    }
+
+    /// Why this instance stopped serving, once [`Instance::retire`]d.
+    pub fn retired(&self) -> Option<&str> {
+        self.shared.retired.get().map(String::as_str)
     }
 
     /// The limits of its model on generation requests, sent when it registers: `None` when it

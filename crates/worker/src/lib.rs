@@ -26,9 +26,12 @@
 //!   keep, wait and abort ([`PauseMode`]), `GET /mx/live_digests` (blake3 of every live
 //!   parameter per rank, for orchestrators that check live bytes), and failpoints for fleet tests
 //!   ([`failpoints`]).
-//! - **Reconnect**: when the command stream ends because the control plane went away, the worker
-//!   reconnects, re-registers with its current resident version and watches again, with backoff,
-//!   until [`WorkerConfig::reconnect_timeout`].
+//! - **Reconnect**: when the command stream ends because the control plane went away (or it
+//!   was unreachable at start), the worker keeps serving its engine and its weights and
+//!   reconnects with capped, jittered exponential backoff, by default forever: re-register with
+//!   its current resident version, watch again. It stops only when another process holds its
+//!   id ([`Error::Displaced`]: its engine is retired first) or after an explicit
+//!   [`WorkerConfig::reconnect_timeout`].
 //!
 //! Version ids: an mx policy version is [`mx_version_id`] (`mx:<64 hex>`); weights loaded from
 //! disk are named by the request's `weight_version`, or `disk:<path>`.
@@ -62,7 +65,7 @@ pub use instance::{
 };
 pub use staging::{StageOutcome, StageStats};
 pub use store::live_digests;
-pub use worker::{Worker, WorkerConfig, DEFAULT_RECONNECT_TIMEOUT};
+pub use worker::{Worker, WorkerConfig, MAX_BACKOFF};
 
 /// The version id of an mx policy version: `mx:<64 hex digits of the version digest>`.
 pub fn mx_version_id(d: &Digest) -> String {
@@ -181,16 +184,31 @@ pub enum Error {
         /// The I/O error.
         source: std::io::Error,
     },
-    /// The control plane ended this worker's command stream because another process
-    /// registered with the same worker id (it lists the id with another engine endpoint).
-    #[error(
-        "the control plane closed the command stream of worker {worker_id:?}: another process registered with the same id"
-    )]
-    StreamClosed {
+    /// Another live process holds this worker's id: the control plane refused its
+    /// registration or command stream ([`mx_control::Error::is_worker_id_in_use`]). At start it
+    /// means the id (or the engine URL) is taken; later, that a newer process took the id over
+    /// while this one was away. Either way this process must stop serving: its engine is
+    /// retired ([`Instance::retire`]) before this error is returned.
+    #[error("worker {worker_id:?} was displaced: {reason}")]
+    Displaced {
         /// This worker's id.
         worker_id: String,
+        /// The control plane's refusal.
+        reason: String,
     },
-    /// The control plane stayed unreachable for the whole reconnect timeout.
+    /// A source's NIXL metadata could not be loaded: the publisher behind it is gone or
+    /// unreachable (it exited, or republished from another process).
+    #[error("source slot {slot} (agent {agent}) is unreachable: loading its NIXL metadata failed: {source}")]
+    SourceUnreachable {
+        /// Source slot.
+        slot: u32,
+        /// Its NIXL agent, as its manifest names it.
+        agent: String,
+        /// The data-plane error.
+        source: mx_nixl::Error,
+    },
+    /// The control plane stayed unreachable for the whole reconnect timeout (only with an
+    /// explicit [`WorkerConfig::reconnect_timeout`]; by default a worker retries forever).
     #[error("worker {worker_id:?} lost the control plane at {control} and could not reconnect within {seconds} s: {last_error}")]
     ReconnectTimeout {
         /// This worker's id.

@@ -140,7 +140,7 @@ impl Staging {
         // Load every source's agent metadata (idempotent per agent name).
         let mut remotes = Vec::with_capacity(manifests.len());
         for m in manifests {
-            remotes.push(agent.load_remote(&m.agent_metadata)?);
+            remotes.push(load_source(agent, m)?);
         }
         if self.cost.is_none() {
             self.cost = Some(measure_costs(agent, manifests, &remotes));
@@ -224,7 +224,7 @@ impl Staging {
             } else {
                 manifests
                     .iter()
-                    .map(|m| lane.load_remote(&m.agent_metadata))
+                    .map(|m| load_source(lane, m))
                     .collect::<Result<_, _>>()?
             };
         }
@@ -460,6 +460,18 @@ fn pulled_digests(dest: &[RankLayout], p: &Plan, manifests: &[SourceManifest]) -
 
 /// Measures the cost model against the first source's largest shard; falls back to the
 /// reference numbers when the probe cannot run (tiny models).
+/// Loads source `m`'s NIXL metadata into `agent`; a failure names the slot and agent (the
+/// publisher behind them is gone or unreachable) instead of the bare NIXL call.
+fn load_source(agent: &Agent, m: &SourceManifest) -> Result<String, Error> {
+    agent
+        .load_remote(&m.agent_metadata)
+        .map_err(|source| Error::SourceUnreachable {
+            slot: m.slot,
+            agent: m.agent_name.clone(),
+            source,
+        })
+}
+
 fn measure_costs(agent: &Agent, manifests: &[SourceManifest], remotes: &[String]) -> CostModel {
     let Some((si, shard)) = manifests
         .iter()

@@ -3,10 +3,11 @@
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use mx_control::client::{CommandStream, ControlClient};
+use mx_control::client::{Backoff, CommandStream, ControlClient};
 use mx_control::{Command, EngineApi, EngineEndpoint, Registration, StagedReport};
 use mx_layout::{Digest, LayoutSpec};
 use mx_nixl::Agent;
@@ -16,16 +17,14 @@ use crate::instance::{ApplySource, Instance, InstanceConfig};
 use crate::staging::{StageOutcome, StageStats};
 use crate::Error;
 
-/// How long a worker keeps trying to reach a lost control plane, by default.
-pub const DEFAULT_RECONNECT_TIMEOUT: Duration = Duration::from_secs(60);
-
-/// First wait before a reconnect attempt; doubles up to [`MAX_BACKOFF`].
+/// First wait before a reconnect attempt; doubles (with jitter) up to [`MAX_BACKOFF`].
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);
-/// Longest wait between reconnect attempts.
-const MAX_BACKOFF: Duration = Duration::from_secs(1);
-/// How long the worker waits for the control plane's status after its stream ended, before it
-/// decides the control plane went away (rather than another process took its id over).
-const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
+/// Longest wait between reconnect attempts to a lost control plane.
+pub const MAX_BACKOFF: Duration = Duration::from_secs(5);
+/// Longest one reconnect attempt (connect, register, watch) may take.
+const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(10);
+/// How often a worker that keeps failing to reconnect says so at warn level (debug otherwise).
+const REPORT_EVERY: Duration = Duration::from_secs(30);
 
 /// What a worker needs to start.
 #[derive(Debug, Clone)]
@@ -49,8 +48,9 @@ pub struct WorkerConfig {
     pub engine_api: EngineApi,
     /// Serve `/mx/failpoints`.
     pub failpoints: bool,
-    /// How long to keep reconnecting to a lost control plane before giving up.
-    pub reconnect_timeout: Duration,
+    /// Give up ([`Error::ReconnectTimeout`]) after the control plane stayed unreachable this
+    /// long; `None` (the default) retries forever while the engine keeps serving.
+    pub reconnect_timeout: Option<Duration>,
     /// Checkpoint directory to load as the initial live weights, before registering.
     pub load: Option<PathBuf>,
     /// Version id of the initial weights (default `disk:<load>`).
@@ -63,6 +63,12 @@ pub struct Worker {
     inst: Instance,
     http: HttpServer,
     client: Mutex<ControlClient>,
+    /// Drawn once per process: the control plane tells this process's registrations from
+    /// another process's under the same worker id by it.
+    incarnation: u64,
+    /// Whether the control plane accepted a registration from this process since its last
+    /// (re)start: until it did, the worker registers before it watches.
+    registered: AtomicBool,
 }
 
 impl std::fmt::Debug for Worker {
@@ -70,28 +76,23 @@ impl std::fmt::Debug for Worker {
         f.debug_struct("Worker")
             .field("worker_id", &self.cfg.worker_id)
             .field("http", &self.http.url())
+            .field("incarnation", &format_args!("{:#x}", self.incarnation))
             .finish_non_exhaustive()
     }
-}
-
-/// How a command stream ended.
-enum StreamEnd {
-    /// The server ended it (a newer stream of the same worker replaced it, or the server shut
-    /// down gracefully).
-    Closed,
-    /// It failed (the connection broke: the control plane died).
-    Failed(mx_control::Error),
 }
 
 impl Worker {
     /// Computes the layout of its ranks, creates the NIXL agent, loads `load` if given, starts
     /// the HTTP server and registers with the control plane (engine endpoint and resident
-    /// version included).
+    /// version included). A control plane that is unreachable is not an error: the worker
+    /// serves its engine and [`Worker::run`] registers once it is back.
     ///
     /// # Errors
     /// [`Error::Layout`] when the layout cannot place the model (e.g. tp=2 over 9 heads),
     /// [`Error::Nixl`] when NIXL is missing, errors of a disk apply for `load`,
-    /// [`Error::Bind`], [`Error::Control`].
+    /// [`Error::Bind`], [`Error::Displaced`] when another live process holds the worker id (or
+    /// the engine URL), [`Error::Control`] when the control plane refuses the registration
+    /// (e.g. a malformed worker id).
     pub async fn start(cfg: WorkerConfig) -> Result<Worker, Error> {
         mx_nixl::nixl_available()?;
         let agent = Agent::new(&format!(
@@ -126,21 +127,36 @@ impl Worker {
             url = http.url(),
             "engine HTTP routes served"
         );
-        let client = ControlClient::connect(&cfg.control).await?;
-        register(&client, &cfg, &inst, &http).await?;
-        tracing::info!(
-            worker = cfg.worker_id,
-            layout = %cfg.layout,
-            ranks = ?cfg.ranks,
-            resident = ?inst.resident_version(),
-            "registered"
-        );
-        Ok(Worker {
+        let incarnation = mx_control::client::random_u64();
+        let client = ControlClient::connect_lazy(&cfg.control)?.with_incarnation(incarnation);
+        let w = Worker {
             cfg,
             inst,
             http,
-            client: Mutex::new(client),
-        })
+            client: Mutex::new(client.clone()),
+            incarnation,
+            registered: AtomicBool::new(false),
+        };
+        match w.register(&client).await {
+            Ok(()) => {
+                w.registered.store(true, Ordering::SeqCst);
+                tracing::info!(
+                    worker = w.cfg.worker_id,
+                    layout = %w.cfg.layout,
+                    ranks = ?w.cfg.ranks,
+                    resident = ?w.inst.resident_version(),
+                    incarnation = format_args!("{incarnation:#x}"),
+                    "registered"
+                );
+            }
+            Err(Error::Control(e)) if e.is_transient() => tracing::warn!(
+                worker = w.cfg.worker_id,
+                control = w.cfg.control,
+                "control plane unreachable at start ({e}); serving the engine and registering once it is back"
+            ),
+            Err(e) => return Err(e),
+        }
+        Ok(w)
     }
 
     /// The base URL of the engine routes, `http://host:port`.
@@ -153,6 +169,11 @@ impl Worker {
         &self.inst
     }
 
+    /// This process's incarnation, sent with its registrations and command streams.
+    pub fn incarnation(&self) -> u64 {
+        self.incarnation
+    }
+
     fn client(&self) -> ControlClient {
         self.client
             .lock()
@@ -160,118 +181,162 @@ impl Worker {
             .clone()
     }
 
+    /// Registers with `client`. A refusal because another live process holds the id retires
+    /// the engine and answers [`Error::Displaced`].
+    async fn register(&self, client: &ControlClient) -> Result<(), Error> {
+        let res = client
+            .register(&Registration {
+                worker_id: self.cfg.worker_id.clone(),
+                instance: self.cfg.instance.clone(),
+                ranks: self.cfg.ranks.clone(),
+                layout: self.cfg.layout,
+                engine: Some(EngineEndpoint {
+                    api: self.cfg.engine_api,
+                    system_url: self.http.url(),
+                }),
+                resident_version: self.inst.resident_version(),
+                model_limits: self.inst.model_limits(),
+            })
+            .await;
+        res.map_err(|e| self.displaced_or(e))
+    }
+
+    /// [`Error::Displaced`] (retiring the engine) when the control plane said another process
+    /// holds this worker id; `e` as it is otherwise.
+    fn displaced_or(&self, e: mx_control::Error) -> Error {
+        if !e.is_worker_id_in_use() {
+            return Error::Control(e);
+        }
+        let reason = e.to_string();
+        self.inst.retire(format!(
+            "another process holds worker id {:?}: {reason}",
+            self.cfg.worker_id
+        ));
+        Error::Displaced {
+            worker_id: self.cfg.worker_id.clone(),
+            reason,
+        }
+    }
+
     /// Follows the command stream. When the stream breaks or ends (the control plane died,
-    /// stopped or restarted), reconnects with backoff (100 ms
-    /// doubling to 1 s): connect, re-register with the current resident version, watch again.
+    /// stopped or restarted), the engine keeps serving and the worker reconnects with capped,
+    /// jittered exponential backoff ([`MAX_BACKOFF`]): connect, re-register with the current
+    /// resident version, watch again; by default without a time limit.
     ///
     /// # Errors
-    /// [`Error::StreamClosed`] when the stream ended because another process registered with the
-    /// same worker id (the control plane lists this id with another engine endpoint);
-    /// [`Error::ReconnectTimeout`] when the control plane stayed unreachable for
+    /// [`Error::Displaced`] when the control plane refuses the registration or stream because
+    /// another process holds this worker id (the engine is retired first: every route answers
+    /// 410); [`Error::ReconnectTimeout`] only with an explicit
     /// [`WorkerConfig::reconnect_timeout`]. Stage failures are reported to the control plane,
     /// not returned. (Applies do not come over the stream: a refit calls the engine routes.)
     pub async fn run(&self) -> Result<(), Error> {
-        let first = self.client().watch_commands(&self.cfg.worker_id).await;
-        let mut stream = match first {
-            Ok(s) => s,
-            Err(e) => self.reconnect(e.to_string()).await?,
+        let mut stream = if self.registered.load(Ordering::SeqCst) {
+            match self.client().watch_commands(&self.cfg.worker_id).await {
+                Ok(s) => s,
+                Err(e) => {
+                    let e = self.displaced_or(e);
+                    if matches!(e, Error::Displaced { .. }) {
+                        return Err(e);
+                    }
+                    self.reconnect(e.to_string()).await?
+                }
+            }
+        } else {
+            self.reconnect("not registered yet".into()).await?
         };
         loop {
             let why = match self.follow(&mut stream).await {
-                StreamEnd::Closed => "the control plane ended the command stream".to_string(),
-                StreamEnd::Failed(e) => e.to_string(),
+                None => "the control plane ended the command stream".to_string(),
+                Some(e) => e.to_string(),
             };
-            if self.replaced().await {
-                return Err(Error::StreamClosed {
-                    worker_id: self.cfg.worker_id.clone(),
-                });
-            }
             tracing::warn!(
                 worker = self.cfg.worker_id,
-                "lost the control plane: {why}; reconnecting"
+                "lost the control plane: {why}; serving on and reconnecting"
             );
             stream = self.reconnect(why).await?;
         }
     }
 
-    /// Handles commands until the stream ends.
-    async fn follow(&self, stream: &mut CommandStream) -> StreamEnd {
+    /// Handles commands until the stream ends (`None`: the server ended it) or fails.
+    async fn follow(&self, stream: &mut CommandStream) -> Option<mx_control::Error> {
         loop {
             match stream.next().await {
                 Ok(Some(cmd)) => self.handle(cmd).await,
-                Ok(None) => return StreamEnd::Closed,
-                Err(e) => return StreamEnd::Failed(e),
+                Ok(None) => return None,
+                Err(e) => return Some(e),
             }
         }
     }
 
-    /// True when the control plane answers (within [`PROBE_TIMEOUT`]) that this worker id is
-    /// now registered with another engine endpoint: a newer process took the id over, so this
-    /// one must not re-register (the two would replace each other forever). No answer, or this
-    /// worker's own registration, means the control plane went away or is restarting.
-    async fn replaced(&self) -> bool {
-        let probe = async {
-            let c = ControlClient::connect(&self.cfg.control).await?;
-            c.get_status().await
-        };
-        let Ok(Ok(status)) = tokio::time::timeout(PROBE_TIMEOUT, probe).await else {
-            return false;
-        };
-        let mine = self.http.url();
-        status
-            .workers
-            .iter()
-            .find(|w| w.worker_id == self.cfg.worker_id)
-            .is_some_and(|w| {
-                w.engine.as_ref().map(|e| e.system_url.as_str()) != Some(mine.as_str())
-            })
-    }
-
-    /// Connects, registers and opens the command stream, retrying with backoff until the
-    /// reconnect timeout.
+    /// Connects, registers and opens the command stream, retrying with backoff until it
+    /// succeeds, another process turns out to hold the id, or the optional reconnect timeout
+    /// passes.
     async fn reconnect(&self, why: String) -> Result<CommandStream, Error> {
         let t0 = Instant::now();
-        let limit = self.cfg.reconnect_timeout;
-        let mut backoff = FIRST_BACKOFF;
+        let mut backoff = Backoff::new(FIRST_BACKOFF, MAX_BACKOFF);
         let mut last = why;
+        let mut reported = Instant::now();
+        let mut attempts = 0u64;
         loop {
-            let left = limit.saturating_sub(t0.elapsed());
-            if left.is_zero() {
-                return Err(Error::ReconnectTimeout {
-                    worker_id: self.cfg.worker_id.clone(),
-                    control: self.cfg.control.clone(),
-                    seconds: limit.as_secs_f64(),
-                    last_error: last,
-                });
+            let wait = backoff.next_wait();
+            if let Some(limit) = self.cfg.reconnect_timeout {
+                if t0.elapsed() + wait > limit {
+                    return Err(Error::ReconnectTimeout {
+                        worker_id: self.cfg.worker_id.clone(),
+                        control: self.cfg.control.clone(),
+                        seconds: limit.as_secs_f64(),
+                        last_error: last,
+                    });
+                }
             }
-            tokio::time::sleep(backoff.min(left)).await;
-            backoff = (backoff * 2).min(MAX_BACKOFF);
-            let attempt = async {
-                let client = ControlClient::connect(&self.cfg.control).await?;
-                register(&client, &self.cfg, &self.inst, &self.http).await?;
-                let stream = client.watch_commands(&self.cfg.worker_id).await?;
-                Ok::<_, Error>((client, stream))
-            };
-            let left = limit.saturating_sub(t0.elapsed()).max(FIRST_BACKOFF);
-            match tokio::time::timeout(left, attempt).await {
+            tokio::time::sleep(wait).await;
+            attempts += 1;
+            match tokio::time::timeout(ATTEMPT_TIMEOUT, self.attempt()).await {
                 Ok(Ok((client, stream))) => {
                     *self.client.lock().unwrap_or_else(PoisonError::into_inner) = client;
+                    self.registered.store(true, Ordering::SeqCst);
                     tracing::warn!(
                         worker = self.cfg.worker_id,
                         after_s = t0.elapsed().as_secs_f64(),
+                        attempts,
                         resident = ?self.inst.resident_version(),
                         "reconnected and re-registered"
                     );
                     return Ok(stream);
                 }
+                Ok(Err(e @ Error::Displaced { .. })) => return Err(e),
                 Ok(Err(e)) => last = e.to_string(),
                 Err(_) => last = "connecting timed out".into(),
             }
-            tracing::debug!(
-                worker = self.cfg.worker_id,
-                "reconnect attempt failed: {last}"
-            );
+            if reported.elapsed() >= REPORT_EVERY {
+                reported = Instant::now();
+                tracing::warn!(
+                    worker = self.cfg.worker_id,
+                    control = self.cfg.control,
+                    away_s = t0.elapsed().as_secs_f64(),
+                    attempts,
+                    "control plane still unreachable, engine still serving: {last}"
+                );
+            } else {
+                tracing::debug!(
+                    worker = self.cfg.worker_id,
+                    "reconnect attempt failed: {last}"
+                );
+            }
         }
+    }
+
+    /// One reconnect attempt: a fresh connection, registration, command stream.
+    async fn attempt(&self) -> Result<(ControlClient, CommandStream), Error> {
+        let client = ControlClient::connect(&self.cfg.control)
+            .await?
+            .with_incarnation(self.incarnation);
+        self.register(&client).await?;
+        let stream = client
+            .watch_commands(&self.cfg.worker_id)
+            .await
+            .map_err(|e| self.displaced_or(e))?;
+        Ok((client, stream))
     }
 
     async fn handle(&self, cmd: Command) {
@@ -350,27 +415,4 @@ impl Worker {
         );
         self.inst.stage(label, digest, info.manifests).await
     }
-}
-
-async fn register(
-    client: &ControlClient,
-    cfg: &WorkerConfig,
-    inst: &Instance,
-    http: &HttpServer,
-) -> Result<(), Error> {
-    client
-        .register(&Registration {
-            worker_id: cfg.worker_id.clone(),
-            instance: cfg.instance.clone(),
-            ranks: cfg.ranks.clone(),
-            layout: cfg.layout,
-            engine: Some(EngineEndpoint {
-                api: cfg.engine_api,
-                system_url: http.url(),
-            }),
-            resident_version: inst.resident_version(),
-            model_limits: inst.model_limits(),
-        })
-        .await?;
-    Ok(())
 }
