@@ -55,6 +55,11 @@ enum Cmd {
         /// Versions to publish (a training step between each), at least 1.
         #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
         steps: u32,
+        /// First version to publish: training steps 2..=K are applied to the checkpoint
+        /// without publishing, then versions K..=--steps are published (a second trainer
+        /// serving a later step beside the first).
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+        first_step: u32,
         /// Version label prefix.
         #[arg(long, default_value = "step-")]
         label_prefix: String,
@@ -323,6 +328,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             layout,
             rank,
             steps,
+            first_step,
             label_prefix,
             no_pack,
             wait_s,
@@ -340,15 +346,20 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             .await?;
             let wait = Duration::from_secs(wait_s);
             if !stay {
-                p.run_steps(&label_prefix, steps, mx_publisher::Patience::GiveUpAfter(wait))
-                    .await?;
+                p.run_steps_from(
+                    &label_prefix,
+                    first_step,
+                    steps,
+                    mx_publisher::Patience::GiveUpAfter(wait),
+                )
+                .await?;
                 return Ok(());
             }
             // With --stay nothing but a signal ends the process (or a refusal by the control
             // plane, e.g. a manifest that disagrees with the declaration): the arena, and every
             // version published from it, stays served until then.
             tokio::select! {
-                r = p.run_steps(&label_prefix, steps, mx_publisher::Patience::WarnEvery(wait)) => {
+                r = p.run_steps_from(&label_prefix, first_step, steps, mx_publisher::Patience::WarnEvery(wait)) => {
                     r?;
                     eprintln!("mx publish: {label_prefix}{steps} committed; serving until SIGTERM");
                     terminated().await?;

@@ -33,8 +33,9 @@ use crate::refit_cmd::{print_refit, wait_end};
 /// Longest a fleet may take, from the kill, to have an admitted worker again.
 const RECOVERY_BOUND: Duration = Duration::from_secs(90);
 /// Longest delay between the start of a refit and the kill, in milliseconds (a refit of the
-/// embedded fleet takes 2-4 s, so kills land in every phase and between refits).
-const MAX_KILL_DELAY_MS: u64 = 4_000;
+/// embedded fleet takes 0.7-2 s, so most kills land inside one, in every phase, and some after
+/// it, between refits).
+const MAX_KILL_DELAY_MS: u64 = 1_500;
 
 /// A small deterministic generator (SplitMix64): the same seed gives the same schedule.
 struct SplitMix(u64);
@@ -64,7 +65,10 @@ struct Round {
     refit: Option<u64>,
     outcome: String,
     reason: String,
+    /// BEGIN to END, from the refit's record.
     refit_seconds: f64,
+    /// The kill came before the refit's END (otherwise between refits).
+    killed_during_refit: bool,
     recovery_seconds: f64,
     violations: Vec<String>,
 }
@@ -104,11 +108,16 @@ pub(super) async fn run(
         };
         *outcomes.entry(key).or_default() += 1;
         eprintln!(
-            "chaos {round}/{n}: refit {:?} to {} with {} killed after {} ms: {} ({:.1} s, recovered in {:.1} s){}",
+            "chaos {round}/{n}: refit {:?} to {} with {} killed after {} ms ({}): {} ({:.1} s, recovered in {:.1} s){}",
             r.refit,
             r.target,
             r.victim,
             r.kill_delay_ms,
+            if r.killed_during_refit {
+                "during the refit"
+            } else {
+                "after its end"
+            },
             r.outcome,
             r.refit_seconds,
             r.recovery_seconds,
@@ -128,12 +137,13 @@ pub(super) async fn run(
                 .map(move |v| format!("round {}: {v}", r.round))
         })
         .collect();
+    let during = rounds.iter().filter(|r| r.killed_during_refit).count();
     let recovery_max = rounds
         .iter()
         .map(|r| r.recovery_seconds)
         .fold(0.0f64, f64::max);
     println!(
-        "chaos: {n} refits, seed {seed}: {} committed, {} aborted, {} rolled back, {} fenced, {} refused; {} invariant violations; recovery at most {recovery_max:.1} s",
+        "chaos: {n} refits, seed {seed}, {during} kills during a refit: {} committed, {} aborted, {} rolled back, {} fenced, {} refused; {} invariant violations; recovery at most {recovery_max:.1} s",
         outcomes["committed"],
         outcomes["aborted"],
         outcomes["rolled_back"],
@@ -150,6 +160,7 @@ pub(super) async fn run(
                 "outcomes": outcomes,
                 "invariant_violations": violations,
                 "recovery_seconds_max": recovery_max,
+                "kills_during_refit": during,
                 "rounds": rounds,
             },
             "versions": f.versions.iter().map(|(l, (id, g))| json!({"label": l, "version": id, "golden_tokens": g})).collect::<Vec<_>>(),
@@ -185,6 +196,7 @@ async fn one_round(f: &mut Fleet, round: u32, victim: &str, delay: u64) -> anyho
     let started = f.client.refit(&spec).await;
     tokio::time::sleep(Duration::from_millis(delay)).await;
     let killed_at = Instant::now();
+    let killed_ms = mx_control::refit::now_ms();
     kill_and_restart(f, victim).await?;
     // The refit id: the answer, or (the control plane died before it answered) the journal.
     let id = match started {
@@ -211,10 +223,17 @@ async fn one_round(f: &mut Fleet, round: u32, victim: &str, delay: u64) -> anyho
         },
         None => None,
     };
-    let refit_seconds = t0.elapsed().as_secs_f64();
-    if let Some(r) = &refit {
-        print_refit(r);
-    }
+    let (refit_seconds, killed_during_refit) = match &refit {
+        Some(r) => {
+            print_refit(r);
+            let end = r.ended_ms.unwrap_or(u64::MAX);
+            (
+                end.saturating_sub(r.started_ms) as f64 / 1e3,
+                killed_ms < end,
+            )
+        }
+        None => (t0.elapsed().as_secs_f64(), true),
+    };
     let recovery = recover(f, killed_at).await;
     let recovery_seconds = match recovery {
         Ok(d) => d.as_secs_f64(),
@@ -237,6 +256,7 @@ async fn one_round(f: &mut Fleet, round: u32, victim: &str, delay: u64) -> anyho
             .map_or_else(|| s("REFUSED"), |o| o.to_string()),
         reason: refit.as_ref().map(|r| r.reason.clone()).unwrap_or_default(),
         refit_seconds,
+        killed_during_refit,
         recovery_seconds,
         violations,
     })

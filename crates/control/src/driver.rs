@@ -1056,8 +1056,15 @@ async fn settle_one(
         );
         let until = tokio::time::Instant::from_std(deadline);
         if let Some(why) = stage_and_wait(ctx, &label, &[w.to_string()], until).await? {
-            return Ok(Attempt::Fence(format!(
-                "its previous version {label} ({prev}) is not pinned and cannot be staged again: {why}"
+            // Sources that moved on will not serve it again: fence now. Otherwise (a source
+            // restarting, a worker that restarted again) try again until the deadline.
+            if let Some((slot, by)) = ctx.shared.read(|s| s.retired_by(&label)) {
+                return Ok(Attempt::Fence(format!(
+                    "its previous version {label} ({prev}) is not pinned and cannot be had: source slot {slot} now serves {by} from the same memory ({why})"
+                )));
+            }
+            return Ok(Attempt::Retry(format!(
+                "its previous version {label} ({prev}) is not pinned and staging it again failed: {why}"
             )));
         }
         r = ctx.call(w, apply).await?;

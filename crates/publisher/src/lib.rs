@@ -516,8 +516,28 @@ impl Publisher {
         steps: u32,
         patience: Patience,
     ) -> Result<(), Error> {
-        for k in 1..=steps {
-            if k > 1 {
+        self.run_steps_from(prefix, 1, steps, patience).await
+    }
+
+    /// [`Publisher::run_steps`] starting at version `first` (>= 1): training steps 2..=`first`
+    /// are applied without publishing (a trainer that joins at a later step), then versions
+    /// `first..=steps` are published as there. `first > steps` publishes nothing.
+    ///
+    /// # Errors
+    /// As [`Publisher::run_steps`].
+    pub async fn run_steps_from(
+        &mut self,
+        prefix: &str,
+        first: u32,
+        steps: u32,
+        patience: Patience,
+    ) -> Result<(), Error> {
+        let first = first.max(1);
+        for k in 2..=first.min(steps) {
+            self.train_step(k);
+        }
+        for k in first..=steps {
+            if k > first {
                 let prev = format!("{prefix}{}", k - 1);
                 self.wait_committed(&prev, patience).await?;
                 self.train_step(k);
@@ -526,6 +546,9 @@ impl Publisher {
             if let Some(t) = self.cfg.fault_flip_byte.clone() {
                 self.flip_byte(&t);
             }
+        }
+        if first > steps {
+            return Ok(());
         }
         self.wait_committed(&format!("{prefix}{steps}"), patience)
             .await
