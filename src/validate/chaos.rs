@@ -11,6 +11,9 @@
 //!   worker's resident version, the refit's outcome) and the refit's record is complete;
 //! - the fleet is back to at least one admitted worker within [`RECOVERY_BOUND`] of the kill.
 //!
+//! The victim is chosen uniformly; the kill comes uniformly within 1.2x the duration of the last
+//! committed refit after the refit starts, so most kills land inside a refit.
+//!
 //! The fleet runs [`super::Sources::EachVersionServed`]: step-1 and step-2 stay pullable from
 //! their own publishers, so a worker restarted empty can be brought to either and FENCED is
 //! expected only while V-1's publishers are themselves down. Each refit targets the version the
@@ -32,10 +35,11 @@ use crate::refit_cmd::{print_refit, wait_end};
 
 /// Longest a fleet may take, from the kill, to have an admitted worker again.
 const RECOVERY_BOUND: Duration = Duration::from_secs(90);
-/// Longest delay between the start of a refit and the kill, in milliseconds (a refit of the
-/// embedded fleet takes 0.7-2 s, so most kills land inside one, in every phase, and some after
-/// it, between refits).
-const MAX_KILL_DELAY_MS: u64 = 1_500;
+/// The kill comes uniformly within this share of the last refit's duration (BEGIN to END),
+/// in percent: most kills land inside a refit, in every phase, and some after it.
+const KILL_WINDOW_PERCENT: u64 = 120;
+/// The refit duration assumed before one was measured, in milliseconds.
+const FIRST_REFIT_MS: u64 = 1_000;
 
 /// A small deterministic generator (SplitMix64): the same seed gives the same schedule.
 struct SplitMix(u64);
@@ -95,10 +99,14 @@ pub(super) async fn run(
     ]
     .into_iter()
     .collect();
+    let mut last_refit_ms = FIRST_REFIT_MS;
     for round in 1..=n {
         let victim = victims[rng.below(victims.len() as u64) as usize].clone();
-        let delay = rng.below(MAX_KILL_DELAY_MS + 1);
+        let delay = rng.below(last_refit_ms * KILL_WINDOW_PERCENT / 100 + 1);
         let r = one_round(&mut f, round, &victim, delay).await?;
+        if r.outcome == "COMMITTED" {
+            last_refit_ms = (r.refit_seconds * 1e3) as u64;
+        }
         let key = match r.outcome.as_str() {
             "COMMITTED" => "committed",
             "ABORTED" => "aborted",
