@@ -13,19 +13,19 @@ use std::sync::Mutex;
 /// One fleet at a time: four fleets at once would fight over two cores and miss deadlines.
 static FLEET: Mutex<()> = Mutex::new(());
 
-/// Runs `mx validate --only <scenarios>` and checks every requested scenario ran, passed, left
-/// the fleet consistent and the journal complete; returns the report.
-fn validate(scenarios: &[&str]) -> Option<serde_json::Value> {
+/// Runs `mx validate <args> --model <smollm2> --report <tmp>`, one fleet at a time, and requires
+/// it to succeed: (stdout + stderr, the JSON report). `None` when the model is not installed.
+fn run_validate(args: &[&str]) -> Option<(String, serde_json::Value)> {
     let model = common::model("smollm2-135m")?;
     let _one = FLEET
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
     let report = tempfile::NamedTempFile::new().unwrap();
     let out = Command::new(env!("CARGO_BIN_EXE_mx"))
-        .args(["validate", "--model"])
+        .arg("validate")
+        .args(args)
+        .arg("--model")
         .arg(&model)
-        .arg("--only")
-        .arg(scenarios.join(","))
         .arg("--report")
         .arg(report.path())
         .output()
@@ -35,9 +35,17 @@ fn validate(scenarios: &[&str]) -> Option<serde_json::Value> {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(out.status.success(), "mx validate failed:\n{text}");
+    assert!(out.status.success(), "mx validate {args:?} failed:\n{text}");
     let json: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(report.path()).unwrap()).unwrap();
+    Some((text, json))
+}
+
+/// Runs `mx validate --only <scenarios>` and checks every requested scenario ran, passed, left
+/// the fleet consistent and the journal complete; returns the report.
+fn validate(scenarios: &[&str]) -> Option<serde_json::Value> {
+    let only = scenarios.join(",");
+    let (text, json) = run_validate(&["--only", &only])?;
     let rows = json["scenarios"].as_array().unwrap();
     let names: Vec<&str> = rows.iter().map(|r| r["name"].as_str().unwrap()).collect();
     assert_eq!(names, scenarios, "scenarios run, in order:\n{text}");
@@ -182,6 +190,7 @@ fn missing_and_stale_workers_are_not_admitted() {
 fn regression_restarts_and_changes_behind_the_control_plane() {
     let names = [
         "stale_outside_the_set",
+        "empty_worker_in_a_failed_refit",
         "worker_restarted_during_apply",
         "engine_changed_behind_the_control_plane",
         "worker_restarted_during_prepare",
@@ -195,6 +204,15 @@ fn regression_restarts_and_changes_behind_the_control_plane() {
         "{o}"
     );
     assert_eq!(after(&j, "stale_outside_the_set"), ["step-2", "step-2"]);
+    let o = row(&j, "empty_worker_in_a_failed_refit")["observed"]
+        .as_str()
+        .unwrap();
+    assert!(
+        o.starts_with("ROLLED_BACK")
+            && o.contains("w0 back on step-1: true")
+            && o.contains(r#"["read_version:true", "resume:true"]"#),
+        "{o}"
+    );
     let o = row(&j, "worker_restarted_during_apply")["observed"]
         .as_str()
         .unwrap();
@@ -224,28 +242,9 @@ fn regression_restarts_and_changes_behind_the_control_plane() {
 /// counts each outcome.
 #[test]
 fn chaos_ten_refits_keep_every_invariant() {
-    let Some(model) = common::model("smollm2-135m") else {
+    let Some((text, json)) = run_validate(&["--chaos", "10", "--seed", "3"]) else {
         return;
     };
-    let _one = FLEET
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
-    let report = tempfile::NamedTempFile::new().unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_mx"))
-        .args(["validate", "--chaos", "10", "--seed", "3", "--model"])
-        .arg(&model)
-        .arg("--report")
-        .arg(report.path())
-        .output()
-        .expect("running mx validate --chaos");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(out.status.success(), "mx validate --chaos failed:\n{text}");
-    let json: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(report.path()).unwrap()).unwrap();
     let c = &json["chaos"];
     assert_eq!(c["refits"], 10);
     assert_eq!(c["seed"], 3);

@@ -493,7 +493,8 @@ async fn run_async(args: ValidateArgs) -> anyhow::Result<()> {
         s("missing_worker"),
         s("missing_worker_allowed"),
         s("stale_worker_rejoins"),
-        // Last: these restart w0 empty, so it holds step-1 no more (its sources moved on).
+        // Last: these restart workers empty, so they hold step-1 no more (its sources moved on).
+        s("empty_worker_in_a_failed_refit"),
         s("worker_restarted_during_apply"),
         s("engine_changed_behind_the_control_plane"),
         s("worker_restarted_during_prepare"),
@@ -928,6 +929,7 @@ async fn scenario(f: &mut Fleet, name: &str) -> anyhow::Result<(String, String, 
                 r.reason.clone(),
             ))
         }
+        "empty_worker_in_a_failed_refit" => restarts::empty_worker_in_a_failed_refit(f).await,
         "worker_restarted_during_apply" => restarts::worker_restarted_during_apply(f).await,
         "engine_changed_behind_the_control_plane" => restarts::engine_changed(f).await,
         "worker_restarted_during_prepare" => restarts::worker_restarted_during_prepare(f).await,

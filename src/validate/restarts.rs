@@ -188,3 +188,53 @@ pub(super) async fn worker_restarted_during_prepare(
 pub(super) fn outcome_str(r: &Refit) -> String {
     r.outcome.map_or_else(|| s("OPEN"), |o| o.to_string())
 }
+
+/// A worker restarted empty (no version before the refit) in a refit that fails past APPLY: it
+/// has nothing to go back to, so the rollback reads its version back and resumes it (it is not
+/// admitted off the committed version anyway) instead of retrying until the deadline and
+/// fencing it, as it did before (FENCED after 60-70 s, on every later failing refit).
+pub(super) async fn empty_worker_in_a_failed_refit(
+    f: &mut Fleet,
+) -> anyhow::Result<(String, String, bool, String)> {
+    f.ensure("step-2").await?;
+    // w0 to step-1 alone (it holds step-1 pinned), so the refit of both to step-2 changes it.
+    let mut spec = f.spec("step-1")?;
+    spec.worker_ids = vec![s("w0")];
+    let id = f.client.refit(&spec).await?;
+    let r = wait_end(&f.client, id, Duration::from_secs(300)).await?;
+    if r.outcome != Some(Outcome::Committed) {
+        bail!("refit of w0 to step-1 did not commit: {}", r.reason);
+    }
+    restart_worker(f, "w1").await?;
+    f.failpoints("w1", json!({"generate.fail": true})).await?;
+    let t = Instant::now();
+    let r = f.refit("step-2").await?;
+    let secs = t.elapsed().as_secs_f64();
+    print_refit(&r);
+    f.failpoints("w1", json!({"generate.fail": null})).await?;
+    let w0_back = r.workers["w0"].resident.as_deref() == Some(f.versions["step-1"].0.as_str());
+    // w1's rollback: one read-back and one resume, both answered (no retry until a deadline).
+    let w1_rollback: Vec<String> = r.workers["w1"]
+        .calls
+        .iter()
+        .filter(|c| c.phase == mx_control::Phase::Rollback)
+        .map(|c| format!("{}:{}", c.action, c.result.as_ref().is_some_and(|x| x.ok)))
+        .collect();
+    let settled_once = w1_rollback == ["read_version:true", "resume:true"];
+    // Bring the fleet to one version again.
+    let again = f.refit("step-2").await?;
+    let ok = r.outcome == Some(Outcome::RolledBack)
+        && w0_back
+        && settled_once
+        && again.outcome == Some(Outcome::Committed);
+    Ok((
+        s("ROLLED_BACK within seconds: w0 back on step-1, w1 (empty before) read back, not FENCED; then COMMITTED"),
+        format!(
+            "{} in {secs:.1} s, w0 back on step-1: {w0_back}, w1's rollback calls {w1_rollback:?}; refit again {}",
+            outcome_str(&r),
+            outcome_str(&again)
+        ),
+        ok,
+        r.reason.clone(),
+    ))
+}
