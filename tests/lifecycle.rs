@@ -190,6 +190,7 @@ fn missing_and_stale_workers_are_not_admitted() {
 fn regression_restarts_and_changes_behind_the_control_plane() {
     let names = [
         "stale_outside_the_set",
+        "verify_only_check_fails",
         "empty_worker_in_a_failed_refit",
         "worker_restarted_during_apply",
         "engine_changed_behind_the_control_plane",
@@ -204,6 +205,14 @@ fn regression_restarts_and_changes_behind_the_control_plane() {
         "{o}"
     );
     assert_eq!(after(&j, "stale_outside_the_set"), ["step-2", "step-2"]);
+    let o = row(&j, "verify_only_check_fails")["observed"]
+        .as_str()
+        .unwrap();
+    assert!(
+        o.starts_with("FENCED; w0 admitted true, w1 admitted false (fenced by refit")
+            && o.ends_with("refit again COMMITTED, all admitted true"),
+        "{o}"
+    );
     let o = row(&j, "empty_worker_in_a_failed_refit")["observed"]
         .as_str()
         .unwrap();

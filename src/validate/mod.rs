@@ -490,6 +490,7 @@ async fn run_async(args: ValidateArgs) -> anyhow::Result<()> {
     );
     names.extend([
         s("stale_outside_the_set"),
+        s("verify_only_check_fails"),
         s("missing_worker"),
         s("missing_worker_allowed"),
         s("stale_worker_rejoins"),
@@ -929,6 +930,7 @@ async fn scenario(f: &mut Fleet, name: &str) -> anyhow::Result<(String, String, 
                 r.reason.clone(),
             ))
         }
+        "verify_only_check_fails" => restarts::verify_only_check_fails(f).await,
         "empty_worker_in_a_failed_refit" => restarts::empty_worker_in_a_failed_refit(f).await,
         "worker_restarted_during_apply" => restarts::worker_restarted_during_apply(f).await,
         "engine_changed_behind_the_control_plane" => restarts::engine_changed(f).await,

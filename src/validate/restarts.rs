@@ -238,3 +238,48 @@ pub(super) async fn empty_worker_in_a_failed_refit(
         r.reason.clone(),
     ))
 }
+
+/// A refit of the committed version (verify-only) whose post-update generation fails on w1: w1
+/// reports the version but cannot be trusted with it, so it is FENCED (gated) while w0 stays
+/// admitted; once its generation works again, the next refit of the version verifies it, commits
+/// and lifts the fence.
+pub(super) async fn verify_only_check_fails(
+    f: &mut Fleet,
+) -> anyhow::Result<(String, String, bool, String)> {
+    f.ensure("step-2").await?;
+    f.failpoints("w1", json!({"generate.fail": true})).await?;
+    let r = f.refit("step-2").await?;
+    print_refit(&r);
+    f.failpoints("w1", json!({"generate.fail": null})).await?;
+    let st = f.status().await?;
+    let admitted = |id: &str| {
+        st.workers
+            .iter()
+            .find(|w| w.worker_id == id)
+            .map(|w| (w.admitted, w.admission.clone()))
+    };
+    let (w0, w1) = (admitted("w0").context("w0")?, admitted("w1").context("w1")?);
+    let again = f.refit("step-2").await?;
+    let st = f.status().await?;
+    let all_admitted = st.workers.iter().all(|w| w.admitted);
+    let ok = r.outcome == Some(Outcome::Fenced)
+        && !r.past_no_return()
+        && w0.0
+        && !w1.0
+        && w1.1.contains("fenced")
+        && again.outcome == Some(Outcome::Committed)
+        && all_admitted;
+    Ok((
+        s("FENCED w1 only (nothing applied), w0 admitted; then verify-only COMMITTED, both admitted"),
+        format!(
+            "{}; w0 admitted {}, w1 admitted {} ({}); refit again {}, all admitted {all_admitted}",
+            outcome_str(&r),
+            w0.0,
+            w1.0,
+            w1.1,
+            outcome_str(&again)
+        ),
+        ok,
+        r.reason.clone(),
+    ))
+}

@@ -667,7 +667,7 @@ impl State {
             return (
                 false,
                 format!(
-                    "fenced by refit {id}: it could not be brought back, so what is resident is unknown; it is admitted again when it registers anew (restart it) and reports the committed version"
+                    "fenced by refit {id}: it could not be brought back, so what is resident is unknown; it is admitted again when it registers anew (restart it) and reports the committed version, or when a later refit of it commits or rolls back cleanly"
                 ),
             );
         }
