@@ -21,6 +21,10 @@ use crate::state::Record;
 use crate::types::WorkerState;
 use crate::Error;
 
+/// The result a recovered control plane journals for a call it died during.
+const CALL_LOST_IN_RESTART: &str =
+    "the control plane died during this call; its effect is unknown and is read back";
+
 /// The reason PREPARE and RESUME record when the orchestrator holds the safe point.
 const GATED: &str = "orchestrator-gated: no engine pause/resume calls";
 
@@ -832,8 +836,7 @@ async fn verify_only(ctx: &Ctx<'_>, refit: &Refit) -> Result<(), Error> {
     })
     .await?;
     if let Some(reason) = failure {
-        ctx.phase(Phase::Abort, reason.clone(), false).await?;
-        return ctx.end(Outcome::Aborted, reason).await;
+        return abort(ctx, reason, false).await;
     }
     ctx.phase(
         Phase::Resume,
@@ -849,29 +852,16 @@ async fn verify_only(ctx: &Ctx<'_>, refit: &Refit) -> Result<(), Error> {
         )
         .await?;
         let calls = ids.iter().map(|w| (w.clone(), Action::Generate)).collect();
-        let mut wrong = Vec::new();
-        ctx.call_many(calls, 0, |w, r| {
-            if !r.ok {
-                wrong.push((w.to_string(), r.error.clone()));
+        let mut wrong = None;
+        ctx.call_many(calls, 0, |_, r| {
+            if !r.ok && wrong.is_none() {
+                wrong = Some(r.error.clone());
             }
             true
         })
         .await?;
-        if let Some((_, first)) = wrong.first() {
-            let reason = first.clone();
-            ctx.phase(Phase::Abort, reason.clone(), false).await?;
-            let settled = Settled {
-                unsettled: wrong,
-                departed: Vec::new(),
-            };
-            return ctx
-                .end_settled(
-                    Outcome::Aborted,
-                    reason,
-                    "reports the version but fails its check",
-                    settled,
-                )
-                .await;
+        if let Some(reason) = wrong {
+            return abort(ctx, reason, false).await;
         }
     }
     ctx.phase(Phase::Commit, String::new(), false).await?;
@@ -890,7 +880,32 @@ async fn abort(ctx: &Ctx<'_>, reason: String, recovered: bool) -> Result<(), Err
         .filter(|(_, w)| w.calls.iter().any(|c| c.action == Action::Pause))
         .map(|(id, _)| id.clone())
         .collect();
-    let settled = settle_each(ctx, &paused, false).await?;
+    let mut settled = settle_each(ctx, &paused, false).await?;
+    if refit.verify_only() {
+        // Nothing was paused or applied. A worker whose read-back or check failed (as journaled,
+        // so a control plane that recovers this refit sees the same) reports a version it
+        // cannot be trusted with: fenced. One that read back another version is not: that
+        // version is recorded, so it is simply not admitted.
+        settled
+            .unsettled
+            .extend(refit.workers.iter().filter_map(|(id, w)| {
+                let c = w
+                    .calls
+                    .iter()
+                    .rev()
+                    .find(|c| matches!(c.action, Action::ReadVersion | Action::Generate))?;
+                let r = c.result.as_ref()?;
+                (!r.ok && r.error != CALL_LOST_IN_RESTART).then(|| (id.clone(), r.error.clone()))
+            }));
+        return ctx
+            .end_settled(
+                Outcome::Aborted,
+                reason,
+                "reports the version but failed its read-back or check",
+                settled,
+            )
+            .await;
+    }
     ctx.end_settled(Outcome::Aborted, reason, "could not resume", settled)
         .await
 }
@@ -967,6 +982,9 @@ async fn settle_each(ctx: &Ctx<'_>, ids: &[String], restore: bool) -> Result<Set
                 }
             }
         }
+        if !ctx.shared.connected(w) {
+            return Ok(Some(Err(w.clone())));
+        }
         Ok(Some(Ok((w.clone(), format!("worker {w}: {last}")))))
     });
     let mut out = Settled::default();
@@ -1014,7 +1032,8 @@ async fn settle_one(
     }) else {
         return Ok(Attempt::Fence("not in the refit's set".into()));
     };
-    let Some(prev) = previous else {
+    // A version not installed by mx (`disk:…`) cannot be applied again by mx: like no version.
+    let Some(prev) = previous.filter(|p| p.starts_with("mx:")) else {
         // It held nothing before the refit: there is nothing to go back to, and nothing to
         // guard either: it is admitted only on the fleet's committed version. Its version is
         // read back (so what it holds is known), then it resumes.
@@ -1102,7 +1121,7 @@ async fn recover(ctx: &Ctx<'_>) -> Result<(), Error> {
                     worker_id: w.clone(),
                     result: CallResult {
                         ok: false,
-                        error: "the control plane died during this call; its effect is unknown and is read back".into(),
+                        error: CALL_LOST_IN_RESTART.into(),
                         ..CallResult::default()
                     },
                 })

@@ -424,9 +424,11 @@ impl Refit {
     /// every engine's version back and runs the post-update check (STAGE -> VERIFY -> RESUME
     /// -> CHECK -> COMMIT), so a worker that only claims the version is caught.
     pub fn verify_only(&self) -> bool {
-        self.workers
-            .values()
-            .all(|w| w.previous.as_deref() == Some(self.target.as_str()))
+        !self.workers.is_empty()
+            && self
+                .workers
+                .values()
+                .all(|w| w.previous.as_deref() == Some(self.target.as_str()))
     }
 
     /// What is missing for this refit's journal to be complete: BEGIN and END recorded, every

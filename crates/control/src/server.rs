@@ -892,6 +892,15 @@ async fn start_refit(shared: &Arc<Shared>, mut spec: RefitSpec) -> Result<u64, E
             // A refit of the version every worker already holds is not skipped: it runs
             // verify-only (VERIFY reads each engine's version back, CHECK runs the post-update
             // generation), so a worker that only claims the version is caught.
+            if workers.is_empty() {
+                return Err(Error::InvalidField {
+                    field: "worker_ids".into(),
+                    reason: format!(
+                        "no worker of the set is connected ({} dropped): nothing to refit",
+                        dropped.len()
+                    ),
+                });
+            }
             spec.worker_ids = workers.keys().cloned().collect();
             Ok(Refit {
                 id: s.next_refit_id(),

@@ -132,8 +132,8 @@ pub enum Record {
         fenced: Vec<String>,
         /// Workers that left (their command stream closed and they did not register again
         /// within the grace period) before they could be settled: a process that is gone serves
-        /// nothing, so they do not make the refit FENCED, but they stay gated until they
-        /// register again and report what is resident.
+        /// nothing, so they do not make the refit FENCED, but they stay gated (their engine
+        /// may still be paused) until a later refit of them commits or rolls back cleanly.
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         departed: Vec<String>,
     },
@@ -193,7 +193,8 @@ struct Worker {
     /// refit of it commits or rolls back cleanly: what is resident is unknown meanwhile.
     fenced_by: Option<u64>,
     /// The refit it left (command stream closed, not back within the grace period) before
-    /// that refit could settle it, until it registers again: gated meanwhile.
+    /// that refit could settle it, until a later refit of it commits or rolls back cleanly:
+    /// gated meanwhile, registrations included (its engine may still be paused).
     departed_from: Option<u64>,
     /// Increases every time a command is issued to this worker (kept across re-registration), so
     /// a command stream knows whether the pending command is new to it.
@@ -419,6 +420,7 @@ impl State {
                 resident_version,
             } => {
                 let command_seq = self.workers.get(&worker_id).map_or(0, |w| w.command_seq);
+                let departed_from = self.workers.get(&worker_id).and_then(|w| w.departed_from);
                 // A new registration reports what is resident: a fence ends here, and the open
                 // refit holding the worker learns that it re-registered (its staged copy and
                 // its pinned previous version may be gone).
@@ -447,7 +449,9 @@ impl State {
                         engine,
                         resident_id: resident_version,
                         fenced_by: None,
-                        departed_from: None,
+                        // A departed worker's engine may still be paused (it left before it was
+                        // resumed): registering again does not lift this; a settled refit does.
+                        departed_from,
                         command_seq,
                     },
                 );
@@ -631,7 +635,11 @@ impl State {
                     } else if settled {
                         w.fenced_by = None;
                     }
-                    w.departed_from = departed.contains(&wid).then_some(id);
+                    if departed.contains(&wid) {
+                        w.departed_from = Some(id);
+                    } else if settled {
+                        w.departed_from = None;
+                    }
                 }
                 Effects::default()
             }
@@ -659,7 +667,7 @@ impl State {
             return (
                 false,
                 format!(
-                    "left during refit {id} before it could be settled; admitted again when it registers anew and reports the committed version"
+                    "left during refit {id} before it could be settled (its engine may still be paused); admitted again once a refit of it commits or rolls back cleanly"
                 ),
             );
         }
@@ -737,6 +745,12 @@ impl State {
                 state: v.state,
                 reason: "a refit needs a READY (or once committed) version with this digest"
                     .to_string(),
+            });
+        }
+        if r.workers.is_empty() {
+            return Err(Error::Refit {
+                id: r.id,
+                reason: "empty worker set: a refit that commits on no worker would leave every worker stale".into(),
             });
         }
         for id in r.workers.keys() {

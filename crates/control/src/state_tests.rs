@@ -717,7 +717,7 @@ fn a_refit_of_the_held_version_is_verify_only() {
 }
 
 #[test]
-fn a_departed_worker_stays_gated_until_it_registers_again() {
+fn a_departed_worker_stays_gated_until_a_later_refit_settles_it() {
     let (mut st, d1) = ready_state();
     let v1 = crate::refit::version_id(&d1);
     st.apply(begin(&st, d1)).unwrap();
@@ -740,12 +740,13 @@ fn a_departed_worker_stays_gated_until_it_registers_again() {
         *departed = vec!["b".into()];
     }
     st.apply(rec).unwrap();
-    let b = worker(&st, "b");
-    assert!(
-        !b.admitted && b.admission.contains("left during refit 2"),
-        "{}",
-        b.admission
-    );
+    let gated = |st: &State| {
+        let b = worker(st, "b");
+        !b.admitted && b.admission.contains("left during refit 2")
+    };
+    assert!(gated(&st), "{}", worker(&st, "b").admission);
+    // Registering again on the committed version does not lift it: its engine may still be
+    // paused (it left before it was resumed).
     st.apply(Record::Register {
         worker_id: "b".into(),
         instance: "b".into(),
@@ -755,5 +756,17 @@ fn a_departed_worker_stays_gated_until_it_registers_again() {
         resident_version: Some(v1.clone()),
     })
     .unwrap();
-    assert!(worker(&st, "b").admitted);
+    assert!(gated(&st));
+    // A later refit of b that commits (it pauses, applies, resumes b) does.
+    st.apply(begin_on(&st, "v1", d1, &[("b", Some(&v1))]))
+        .unwrap();
+    commit(&mut st, 3, &["b"], &v1);
+    assert!(worker(&st, "b").admitted, "{}", worker(&st, "b").admission);
+}
+
+#[test]
+fn a_refit_of_no_worker_is_refused() {
+    let (st, d1) = ready_state();
+    let err = st.check(&begin_on(&st, "v1", d1, &[])).unwrap_err();
+    assert!(err.to_string().contains("empty worker set"), "{err}");
 }
