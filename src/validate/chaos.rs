@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use mx_control::state::State;
-use mx_control::{EngineApi, Outcome, Refit};
+use mx_control::{EngineApi, Refit};
 use serde::Serialize;
 use serde_json::json;
 
@@ -407,14 +407,6 @@ async fn check_journal(f: &Fleet, refit: Option<&Refit>) -> anyhow::Result<Vec<S
                 }
                 out.extend(j.journal_gaps());
             }
-        }
-    }
-    if let Some(o) = refit.and_then(|r| r.outcome) {
-        if o == Outcome::Fenced {
-            tracing::warn!(
-                "refit fenced: {}",
-                refit.map(|r| r.reason.as_str()).unwrap_or("")
-            );
         }
     }
     Ok(out)

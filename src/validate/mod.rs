@@ -258,10 +258,15 @@ impl Fleet {
     }
 
     fn spec(&self, label: &str) -> anyhow::Result<RefitSpec> {
+        self.spec_on(label, &WORKERS)
+    }
+
+    /// The matrix's refit of `label` on `workers` only.
+    fn spec_on(&self, label: &str, workers: &[&str]) -> anyhow::Result<RefitSpec> {
         let (_, golden) = self.versions.get(label).context("unknown label")?;
         Ok(RefitSpec {
             label: s(label),
-            worker_ids: WORKERS.iter().map(|w| s(w)).collect(),
+            worker_ids: workers.iter().map(|w| s(w)).collect(),
             pause_mode: PauseMode::Wait,
             allow_partial: false,
             check: Some(GenerationCheck {
@@ -280,7 +285,12 @@ impl Fleet {
     }
 
     async fn refit(&self, label: &str) -> anyhow::Result<Refit> {
-        let id = self.client.refit(&self.spec(label)?).await?;
+        self.refit_on(label, &WORKERS).await
+    }
+
+    /// Refits `workers` only to `label` and waits for the end.
+    async fn refit_on(&self, label: &str, workers: &[&str]) -> anyhow::Result<Refit> {
+        let id = self.client.refit(&self.spec_on(label, workers)?).await?;
         wait_end(&self.client, id, Duration::from_secs(600)).await
     }
 
@@ -628,11 +638,6 @@ async fn wait_ready(f: &mut Fleet, label: &str) -> anyhow::Result<()> {
 
 /// Runs one scenario; returns (expected, observed, passed, detail).
 async fn scenario(f: &mut Fleet, name: &str) -> anyhow::Result<(String, String, bool, String)> {
-    let outcome = |r: &Refit| {
-        r.outcome
-            .map(|o| o.to_string())
-            .unwrap_or_else(|| s("OPEN"))
-    };
     let on = |r: &Refit, label: &str, f: &Fleet| -> bool {
         let v = &f.versions[label].0;
         r.workers
@@ -645,7 +650,12 @@ async fn scenario(f: &mut Fleet, name: &str) -> anyhow::Result<(String, String, 
             let r = f.refit("step-2").await?;
             print_refit(&r);
             let ok = r.outcome == Some(Outcome::Committed) && on(&r, "step-2", f);
-            Ok((s("COMMITTED on step-2"), outcome(&r), ok, r.reason.clone()))
+            Ok((
+                s("COMMITTED on step-2"),
+                outcome_str(&r),
+                ok,
+                r.reason.clone(),
+            ))
         }
         "same_version_twice" => {
             f.ensure("step-2").await?;
@@ -670,7 +680,7 @@ async fn scenario(f: &mut Fleet, name: &str) -> anyhow::Result<(String, String, 
                 s("verify-only COMMITTED: nothing paused or applied, every engine read back and checked"),
                 format!(
                     "{}: {changed} pause/apply calls, {reads} read-backs, {checks} checks",
-                    outcome(&r)
+                    outcome_str(&r)
                 ),
                 ok,
                 r.reason.clone(),
@@ -678,10 +688,7 @@ async fn scenario(f: &mut Fleet, name: &str) -> anyhow::Result<(String, String, 
         }
         "stale_outside_the_set" => {
             f.ensure("step-1").await?;
-            let mut spec = f.spec("step-2")?;
-            spec.worker_ids = vec![s("w0")];
-            let id = f.client.refit(&spec).await?;
-            let r = wait_end(&f.client, id, Duration::from_secs(300)).await?;
+            let r = f.refit_on("step-2", &["w0"]).await?;
             print_refit(&r);
             let st = f.status().await?;
             let w = |id: &str| st.workers.iter().find(|w| w.worker_id == id).cloned();
@@ -697,10 +704,10 @@ async fn scenario(f: &mut Fleet, name: &str) -> anyhow::Result<(String, String, 
                 s("w1 (outside the set, still on step-1) gated as stale; then COMMITTED on both"),
                 format!(
                     "{} on w0; w1 admitted {} ({}); refit of both {}",
-                    outcome(&r),
+                    outcome_str(&r),
                     w1.admitted,
                     w1.admission,
-                    outcome(&again)
+                    outcome_str(&again)
                 ),
                 ok,
                 r.reason.clone(),
@@ -728,7 +735,7 @@ async fn scenario(f: &mut Fleet, name: &str) -> anyhow::Result<(String, String, 
                 && r.reason.contains("verif");
             Ok((
                 s("ABORTED at STAGE (verification), all on step-1"),
-                outcome(&r),
+                outcome_str(&r),
                 ok,
                 format!(
                     "flipped byte {orig:#04x} of {} at {addr:#x}: {}",
@@ -744,7 +751,7 @@ async fn scenario(f: &mut Fleet, name: &str) -> anyhow::Result<(String, String, 
             let ok = r.outcome == Some(Outcome::RolledBack) && on(&r, "step-1", f);
             Ok((
                 s("ROLLED_BACK, all on step-1"),
-                outcome(&r),
+                outcome_str(&r),
                 ok,
                 r.reason.clone(),
             ))
@@ -762,7 +769,7 @@ async fn scenario(f: &mut Fleet, name: &str) -> anyhow::Result<(String, String, 
                 && r.reason.contains("golden");
             Ok((
                 s("ROLLED_BACK (golden mismatch), all on step-1"),
-                outcome(&r),
+                outcome_str(&r),
                 ok,
                 r.reason.clone(),
             ))
@@ -776,7 +783,7 @@ async fn scenario(f: &mut Fleet, name: &str) -> anyhow::Result<(String, String, 
             let ok = r.outcome == Some(Outcome::RolledBack) && on(&r, "step-1", f);
             Ok((
                 s("ROLLED_BACK after the deadline, all on step-1"),
-                outcome(&r),
+                outcome_str(&r),
                 ok,
                 r.reason.clone(),
             ))
@@ -817,7 +824,7 @@ async fn scenario(f: &mut Fleet, name: &str) -> anyhow::Result<(String, String, 
             }
             Ok((
                 format!("{expect} after restart, all on {label}"),
-                outcome(&r),
+                outcome_str(&r),
                 ok,
                 r.reason.clone(),
             ))
@@ -849,7 +856,7 @@ async fn scenario(f: &mut Fleet, name: &str) -> anyhow::Result<(String, String, 
             }
             Ok((
                 s("ABORTED at STAGE, all on step-1"),
-                outcome(&r),
+                outcome_str(&r),
                 ok,
                 r.reason.clone(),
             ))
@@ -869,7 +876,7 @@ async fn scenario(f: &mut Fleet, name: &str) -> anyhow::Result<(String, String, 
                     == Some(f.versions["step-1"].0.as_str());
             Ok((
                 s("ABORTED (missing w1), w0 stays on step-1"),
-                outcome(&r),
+                outcome_str(&r),
                 ok,
                 r.reason.clone(),
             ))
@@ -894,7 +901,7 @@ async fn scenario(f: &mut Fleet, name: &str) -> anyhow::Result<(String, String, 
                 s("COMMITTED on w0 only (w1 dropped), w0 on step-2"),
                 format!(
                     "{}, dropped {:?}",
-                    outcome(&r),
+                    outcome_str(&r),
                     r.dropped.iter().map(|d| &d.0).collect::<Vec<_>>()
                 ),
                 ok,
@@ -925,7 +932,7 @@ async fn scenario(f: &mut Fleet, name: &str) -> anyhow::Result<(String, String, 
                 gated && r.outcome == Some(Outcome::Committed) && admitted && on(&r, "step-2", f);
             Ok((
                 s("not admitted until refitted; then COMMITTED on step-2"),
-                format!("gated: {gated} ({admission}); refit {}", outcome(&r)),
+                format!("gated: {gated} ({admission}); refit {}", outcome_str(&r)),
                 ok,
                 r.reason.clone(),
             ))
@@ -1018,4 +1025,9 @@ fn print_table(f: &Fleet, rows: &[ScenarioReport]) {
             }
         );
     }
+}
+
+/// A refit's outcome as the rows print it (`OPEN` while it has none).
+fn outcome_str(r: &Refit) -> String {
+    r.outcome.map_or_else(|| s("OPEN"), |o| o.to_string())
 }

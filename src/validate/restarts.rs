@@ -8,7 +8,7 @@ use anyhow::{bail, Context};
 use mx_control::{Action, Outcome, Refit};
 use serde_json::json;
 
-use super::{s, Fleet};
+use super::{outcome_str, s, Fleet};
 use crate::refit_cmd::{print_refit, wait_end};
 
 /// Polls refit `id` until `ready` holds for it (or it ended, or a minute passed).
@@ -70,9 +70,7 @@ pub(super) async fn worker_restarted_during_apply(
 ) -> anyhow::Result<(String, String, bool, String)> {
     f.ensure("step-2").await?;
     f.failpoints("w0", json!({"apply.sleep_ms": 5_000})).await?;
-    let mut spec = f.spec("step-1")?;
-    spec.worker_ids = vec![s("w0")];
-    let id = f.client.refit(&spec).await?;
+    let id = f.client.refit(&f.spec_on("step-1", &["w0"])?).await?;
     wait_refit_until(f, id, "w0's apply in flight", |r| {
         r.workers["w0"]
             .calls
@@ -185,10 +183,6 @@ pub(super) async fn worker_restarted_during_prepare(
     ))
 }
 
-pub(super) fn outcome_str(r: &Refit) -> String {
-    r.outcome.map_or_else(|| s("OPEN"), |o| o.to_string())
-}
-
 /// A worker restarted empty (no version before the refit) in a refit that fails past APPLY: it
 /// has nothing to go back to, so the rollback reads its version back and resumes it (it is not
 /// admitted off the committed version anyway) instead of retrying until the deadline and
@@ -198,10 +192,7 @@ pub(super) async fn empty_worker_in_a_failed_refit(
 ) -> anyhow::Result<(String, String, bool, String)> {
     f.ensure("step-2").await?;
     // w0 to step-1 alone (it holds step-1 pinned), so the refit of both to step-2 changes it.
-    let mut spec = f.spec("step-1")?;
-    spec.worker_ids = vec![s("w0")];
-    let id = f.client.refit(&spec).await?;
-    let r = wait_end(&f.client, id, Duration::from_secs(300)).await?;
+    let r = f.refit_on("step-1", &["w0"]).await?;
     if r.outcome != Some(Outcome::Committed) {
         bail!("refit of w0 to step-1 did not commit: {}", r.reason);
     }

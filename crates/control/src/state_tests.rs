@@ -115,15 +115,7 @@ fn publish_then_ready_then_stage() {
     })
     .unwrap();
 
-    st.apply(Record::Register {
-        worker_id: "a".into(),
-        instance: "i0".into(),
-        ranks: vec![0],
-        layout: LAYOUT,
-        engine: None,
-        resident_version: None,
-    })
-    .unwrap();
+    register(&mut st, "a", None);
     assert_eq!(st.pending_command("a"), None);
     st.apply(Record::Stage {
         label: "v1".into(),
@@ -177,6 +169,19 @@ fn missing_tensor_keeps_publishing() {
     assert_eq!(info.state, VersionState::Publishing);
     assert_eq!(info.missing_tensors, vec!["b".to_string()]);
     assert_eq!(info.version_digest, None);
+}
+
+/// Registers worker `id` (rank 0 of LAYOUT, no engine) reporting `resident`.
+fn register(st: &mut State, id: &str, resident: Option<String>) {
+    st.apply(Record::Register {
+        worker_id: id.into(),
+        instance: id.into(),
+        ranks: vec![0],
+        layout: LAYOUT,
+        engine: None,
+        resident_version: resident,
+    })
+    .unwrap();
 }
 
 fn ready_state() -> (State, Digest) {
@@ -359,15 +364,7 @@ fn refit_commits_admits_and_refuses_illegal_steps() {
     assert_eq!(st.version_state("v1"), Some(VersionState::Committed));
     assert!(st.refit(1).unwrap().journal_gaps().is_empty());
     // A worker rejoining with other weights is not admitted.
-    st.apply(Record::Register {
-        worker_id: "b".into(),
-        instance: "b".into(),
-        ranks: vec![0],
-        layout: LAYOUT,
-        engine: None,
-        resident_version: Some("disk:/ckpt".into()),
-    })
-    .unwrap();
+    register(&mut st, "b", Some("disk:/ckpt".into()));
     let b = st
         .fleet_status()
         .workers
@@ -526,15 +523,7 @@ fn a_fenced_worker_stays_gated_until_it_registers_again() {
     let b = worker(&st, "b");
     assert!(!b.admitted && b.admission.contains("fenced by refit 2"));
     // Registering again, with the committed version resident, lifts it.
-    st.apply(Record::Register {
-        worker_id: "b".into(),
-        instance: "b".into(),
-        ranks: vec![0],
-        layout: LAYOUT,
-        engine: None,
-        resident_version: Some(target.clone()),
-    })
-    .unwrap();
+    register(&mut st, "b", Some(target.clone()));
     let b = worker(&st, "b");
     assert!(b.admitted, "{}", b.admission);
 }
@@ -645,15 +634,7 @@ fn a_worker_registering_again_during_a_refit_is_recorded_in_it() {
     assert!(!st.refit(1).unwrap().workers["a"].lost_weights());
     // a restarts empty during STAGE; b reconnects holding what it had.
     for (w, resident) in [("a", None), ("b", Some("disk:/ckpt"))] {
-        st.apply(Record::Register {
-            worker_id: w.into(),
-            instance: w.into(),
-            ranks: vec![0],
-            layout: LAYOUT,
-            engine: None,
-            resident_version: resident.map(str::to_string),
-        })
-        .unwrap();
+        register(&mut st, w, resident.map(str::to_string));
     }
     let r = st.refit(1).unwrap();
     assert_eq!(
@@ -747,15 +728,7 @@ fn a_departed_worker_stays_gated_until_a_later_refit_settles_it() {
     assert!(gated(&st), "{}", worker(&st, "b").admission);
     // Registering again on the committed version does not lift it: its engine may still be
     // paused (it left before it was resumed).
-    st.apply(Record::Register {
-        worker_id: "b".into(),
-        instance: "b".into(),
-        ranks: vec![0],
-        layout: LAYOUT,
-        engine: None,
-        resident_version: Some(v1.clone()),
-    })
-    .unwrap();
+    register(&mut st, "b", Some(v1.clone()));
     assert!(gated(&st));
     // A later refit of b that commits (it pauses, applies, resumes b) does.
     st.apply(begin_on(&st, "v1", d1, &[("b", Some(&v1))]))
