@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use mx_adapters::dynamo::DynamoWorkerClient;
 use mx_adapters::sglang::SglangClient;
-use mx_layout::Digest;
+use mx_layout::{Digest, VersionId};
 
 use crate::refit::{
     model_path, now_ms, Action, CallResult, EngineApi, EngineEndpoint, Outcome, Phase, Refit,
@@ -252,7 +252,7 @@ async fn perform(
 
 /// The digest inside an `mx:<hex>` version id.
 fn version_digest(version: &str) -> Option<Digest> {
-    version.strip_prefix("mx:").and_then(|h| h.parse().ok())
+    VersionId::from_engine(version).map(|v| v.digest())
 }
 
 /// Drives refit `id` to its end. Errors are journaling failures (the driver stops; a restart
@@ -1033,7 +1033,7 @@ async fn settle_one(
         return Ok(Attempt::Fence("not in the refit's set".into()));
     };
     // A version not installed by mx (`disk:…`) cannot be applied again by mx: like no version.
-    let Some(prev) = previous.filter(|p| p.starts_with("mx:")) else {
+    let Some(prev) = previous.filter(|p| VersionId::from_engine(p).is_some()) else {
         // It held nothing before the refit: there is nothing to go back to, and nothing to
         // guard either: it is admitted only on the fleet's committed version. Its version is
         // read back (so what it holds is known), then it resumes.

@@ -24,7 +24,7 @@
 use std::collections::BTreeMap;
 use std::fmt;
 
-use mx_layout::{Digest, LayoutSpec};
+use mx_layout::{Digest, LayoutSpec, VersionId};
 use serde::{Deserialize, Serialize};
 
 /// Which engine contract the control plane speaks to a worker (DESIGN.md "Engine contracts").
@@ -139,12 +139,12 @@ impl ModelLimits {
 /// The version id of an mx policy version as engines report it: `mx:<64 hex digits>` (the blake3
 /// version digest). Weights loaded any other way have some other id and never match.
 pub fn version_id(d: &Digest) -> String {
-    format!("mx:{d}")
+    VersionId(*d).to_string()
 }
 
 /// The `model_path` that asks an mx worker to apply a staged (or pinned) version: `mx://<hex>`.
 pub fn model_path(d: &Digest) -> String {
-    format!("mx://{d}")
+    VersionId(*d).model_path()
 }
 
 pub use mx_adapters::dynamo::PauseMode;

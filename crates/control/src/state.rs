@@ -8,7 +8,9 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use mx_layout::{version_digest, Digest, LayoutSpec, SourceManifest, TensorBox, TensorSpec};
+use mx_layout::{
+    version_digest, Digest, LayoutSpec, SourceManifest, TensorBox, TensorSpec, VersionId,
+};
 use serde::{Deserialize, Serialize};
 
 use crate::refit::{
@@ -1161,7 +1163,7 @@ impl State {
     /// The label of the version whose id ([`crate::refit::version_id`]) is `version`, `None`
     /// when no declared version has that digest.
     pub fn label_of(&self, version: &str) -> Option<String> {
-        let d: Digest = version.strip_prefix("mx:")?.parse().ok()?;
+        let d = VersionId::from_engine(version)?.digest();
         self.versions
             .iter()
             .find(|(_, v)| v.digest == Some(d))
@@ -1242,8 +1244,8 @@ impl State {
                     resident_version: w
                         .resident_id
                         .as_deref()
-                        .and_then(|v| v.strip_prefix("mx:"))
-                        .and_then(|h| h.parse().ok()),
+                        .and_then(VersionId::from_engine)
+                        .map(|v| v.digest()),
                     last_error: w.last_error.clone(),
                     last_staged: w.last_staged.clone(),
                     engine: w.engine.clone(),

@@ -16,6 +16,14 @@ pub enum Error {
         /// The value as given.
         value: String,
     },
+    /// A version id that is not `mx:<64 hex>` (or a `model_path` that is not `mx://<64 hex>`).
+    #[error(
+        "bad version id {value:?}: expected mx:<64 hex digits> (model_path mx://<64 hex digits>)"
+    )]
+    BadVersionId {
+        /// The value as given.
+        value: String,
+    },
     /// A layout spec that does not parse.
     #[error("bad layout spec {spec:?}: {reason}")]
     BadLayoutSpec {

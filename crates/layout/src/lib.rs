@@ -27,4 +27,4 @@ pub use manifest::{
     ShardEntry, SourceManifest, TensorSpec,
 };
 pub use model::{rank_layout, rank_layouts, ModelInfo, Param, Piece, RankLayout};
-pub use types::{Digest, LayoutSpec, Scheme, TensorBox};
+pub use types::{Digest, LayoutSpec, Scheme, TensorBox, VersionId};

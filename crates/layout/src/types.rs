@@ -90,6 +90,111 @@ impl<'de> Deserialize<'de> for Digest {
     }
 }
 
+/// The id of an mx policy version: the Merkle root ([`crate::version_digest`]) of the trainer's
+/// publication, written `mx:<64 lowercase hex>` wherever an engine reports its resident version,
+/// and `mx://<64 hex>` as the `model_path` that asks an mx-driven engine to install it. This type
+/// is the one place either form is parsed or printed.
+///
+/// Weights that did not come through mx (a checkpoint read from disk) carry some other id
+/// (`disk:<path>`, a trainer's label): [`VersionId::from_engine`] returns `None` for those, and
+/// they never equal an mx version.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct VersionId(pub Digest);
+
+impl VersionId {
+    /// The prefix of the engine-reported form.
+    pub const PREFIX: &'static str = "mx:";
+    /// The prefix of the `model_path` form.
+    pub const PATH_PREFIX: &'static str = "mx://";
+
+    /// The version digest (the Merkle root of the publication).
+    pub fn digest(&self) -> Digest {
+        self.0
+    }
+
+    /// The version an engine reports, when it is an mx version: `Some` for `mx:<64 hex>`, `None`
+    /// for every other id (a disk load's name, a malformed `mx:` string).
+    pub fn from_engine(id: &str) -> Option<VersionId> {
+        id.parse().ok()
+    }
+
+    /// True when `id` claims to be an mx version (starts with `mx:`), well-formed or not.
+    /// Engines refuse such ids on anything but an install from mx staging.
+    pub fn claims_mx(id: &str) -> bool {
+        id.starts_with(VersionId::PREFIX)
+    }
+
+    /// The `model_path` form, `mx://<64 hex>`.
+    pub fn model_path(&self) -> String {
+        format!("{}{}", VersionId::PATH_PREFIX, self.0)
+    }
+
+    /// Parses the `model_path` form: `Ok(None)` when `path` does not start with `mx://` (a
+    /// checkpoint directory).
+    ///
+    /// # Errors
+    /// [`Error::BadVersionId`] when `mx://` is not followed by exactly 64 hex digits.
+    pub fn from_model_path(path: &str) -> Result<Option<VersionId>, Error> {
+        match path.strip_prefix(VersionId::PATH_PREFIX) {
+            None => Ok(None),
+            Some(hex) => hex
+                .parse()
+                .map(|d| Some(VersionId(d)))
+                .map_err(|_| Error::BadVersionId {
+                    value: path.to_string(),
+                }),
+        }
+    }
+}
+
+impl From<Digest> for VersionId {
+    fn from(d: Digest) -> VersionId {
+        VersionId(d)
+    }
+}
+
+impl fmt::Display for VersionId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}{}", VersionId::PREFIX, self.0)
+    }
+}
+
+impl fmt::Debug for VersionId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "VersionId({self})")
+    }
+}
+
+impl FromStr for VersionId {
+    type Err = Error;
+
+    /// Parses `mx:<64 hex>`.
+    ///
+    /// # Errors
+    /// [`Error::BadVersionId`] naming the input.
+    fn from_str(s: &str) -> Result<VersionId, Error> {
+        s.strip_prefix(VersionId::PREFIX)
+            .and_then(|h| h.parse().ok())
+            .map(VersionId)
+            .ok_or_else(|| Error::BadVersionId {
+                value: s.to_string(),
+            })
+    }
+}
+
+impl Serialize for VersionId {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for VersionId {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<VersionId, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
 /// How a model's tensors are split over the ranks of one process group.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub enum Scheme {
@@ -252,5 +357,47 @@ impl fmt::Display for TensorBox {
             write!(f, "{o}..{}", o + self.local_shape[d])?;
         }
         f.write_str("]")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn version_id_round_trips_both_forms_and_refuses_others() {
+        let d = Digest::of(b"weights");
+        let v = VersionId(d);
+        let engine = v.to_string();
+        assert_eq!(engine, format!("mx:{d}"));
+        assert_eq!(engine.parse::<VersionId>().ok(), Some(v));
+        assert_eq!(VersionId::from_engine(&engine), Some(v));
+        assert_eq!(v.model_path(), format!("mx://{d}"));
+        assert_eq!(
+            VersionId::from_model_path(&v.model_path()).ok(),
+            Some(Some(v))
+        );
+        assert_eq!(VersionId::from_model_path("/ckpt/step-3").ok(), Some(None));
+        for bad in [
+            "mx:abc",
+            "disk:/x",
+            &format!("mx:{}", "g".repeat(64)),
+            &d.to_string(),
+        ] {
+            assert_eq!(VersionId::from_engine(bad), None, "{bad}");
+            assert!(matches!(
+                bad.parse::<VersionId>(),
+                Err(Error::BadVersionId { .. })
+            ));
+        }
+        assert!(VersionId::claims_mx("mx:abc") && !VersionId::claims_mx("disk:/x"));
+        assert!(matches!(
+            VersionId::from_model_path("mx://abc"),
+            Err(Error::BadVersionId { value }) if value == "mx://abc"
+        ));
+        let json = serde_json::to_string(&v).unwrap_or_default();
+        assert_eq!(json, format!("\"mx:{d}\""));
+        let back: Result<VersionId, _> = serde_json::from_str(&json);
+        assert_eq!(back.ok(), Some(v));
     }
 }

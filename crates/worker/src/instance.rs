@@ -12,6 +12,7 @@ use mx_engine::LlamaEngine;
 use mx_layout::model::Family;
 use mx_layout::{
     rank_layout, DType, Digest, LayoutSpec, ModelInfo, RankDigests, RankLayout, SourceManifest,
+    VersionId,
 };
 use mx_nixl::Agent;
 
@@ -71,12 +72,12 @@ impl ApplySource {
                 reason: "is empty".into(),
             });
         }
-        if let Some(hex) = model_path.strip_prefix("mx://") {
-            let d = hex.parse::<Digest>().map_err(|e| Error::BadRequest {
-                field: "model_path".into(),
-                reason: format!("{model_path:?} is not mx://<64 hex digest>: {e}"),
-            })?;
-            return Ok(ApplySource::Version(d));
+        let mx = VersionId::from_model_path(model_path).map_err(|e| Error::BadRequest {
+            field: "model_path".into(),
+            reason: e.to_string(),
+        })?;
+        if let Some(v) = mx {
+            return Ok(ApplySource::Version(v.digest()));
         }
         let version = if weight_version.is_empty() {
             format!("disk:{model_path}")
@@ -772,7 +773,7 @@ fn apply_blocking(
             // Only an apply of a staged, verified version makes an `mx:` version resident: a
             // checkpoint read from disk never carries one, or a refit would take it for the
             // version it names without ever checking its bytes.
-            if version.starts_with("mx:") {
+            if VersionId::claims_mx(version) {
                 return Err(Error::BadRequest {
                     field: "weight_version".into(),
                     reason: format!(

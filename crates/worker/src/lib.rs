@@ -67,14 +67,10 @@ pub use staging::{StageOutcome, StageStats};
 pub use store::live_digests;
 pub use worker::{Worker, WorkerConfig, MAX_BACKOFF};
 
-/// The version id of an mx policy version: `mx:<64 hex digits of the version digest>`.
+/// The version id of an mx policy version: `mx:<64 hex digits of the version digest>`
+/// ([`mx_layout::VersionId`], where the form is parsed and printed).
 pub fn mx_version_id(d: &Digest) -> String {
-    mx_control::version_id(d)
-}
-
-/// The digest in an mx version id (`mx:<64 hex>`); `None` for any other id (e.g. a disk load).
-pub fn parse_mx_version_id(id: &str) -> Option<Digest> {
-    id.strip_prefix("mx:")?.parse().ok()
+    mx_layout::VersionId(*d).to_string()
 }
 
 /// Errors of the worker. Each names the version, field, tensor, rank or source at fault.
