@@ -1790,6 +1790,19 @@ impl<'m> SourceIndex<'m> {
     /// [`Error::CoverageGap`] / [`Error::Overlap`] naming the parameter when the live bytes would
     /// not be written exactly once; [`Error::Overflow`].
     pub fn plan(&self, dest: &[RankLayout], cost: &CostModel) -> Result<Plan, Error> {
+        self.plan_with(dest, cost, PlanOptions::default())
+    }
+
+    /// [`SourceIndex::plan`] with [`PlanOptions`].
+    ///
+    /// # Errors
+    /// As [`SourceIndex::plan`].
+    pub fn plan_with(
+        &self,
+        dest: &[RankLayout],
+        cost: &CostModel,
+        opts: PlanOptions,
+    ) -> Result<Plan, Error> {
         let sources = self.sources;
         let layout0 = dest.first().map(|d| d.layout);
 
@@ -2077,13 +2090,15 @@ impl<'m> SourceIndex<'m> {
                 .max()
                 .unwrap_or_else(s_addr);
             let span = hi_end - lo;
-            cands[n_cands] = (
-                Strategy::Superset,
-                cost.seconds_with_segments(1, span, strided),
-                1,
-                span,
-            );
-            n_cands += 1;
+            if opts.superset {
+                cands[n_cands] = (
+                    Strategy::Superset,
+                    cost.seconds_with_segments(1, span, strided),
+                    1,
+                    span,
+                );
+                n_cands += 1;
+            }
             let cands = &cands[..n_cands];
             // On ties prefer exact (its reads stay contiguous with the neighbouring shards'
             // reads, which coalesce across tensors), then packed, then superset.
@@ -2432,6 +2447,42 @@ pub fn plan(
     SourceIndex::for_ranks(sources, dest)?.plan(dest, cost)
 }
 
+/// Choices the planner may make beyond the cost model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PlanOptions {
+    /// Allow [`Strategy::Superset`] reads (a contiguous span that also carries bytes no
+    /// destination rank needs, so staging holds more than the ranks' own bytes).
+    pub superset: bool,
+}
+
+impl Default for PlanOptions {
+    fn default() -> Self {
+        PlanOptions { superset: true }
+    }
+}
+
+/// [`plan`] whose staging holds at most `max_staging_bytes` when it can: the cheapest plan is
+/// kept when it fits; otherwise the plan without [`Strategy::Superset`] reads (whose staging is
+/// the useful bytes: every destination byte is read once, replicated pieces once for all the
+/// ranks sharing them) is returned, fitting or not; the caller compares
+/// [`Plan::staging_bytes`] with its bound.
+///
+/// # Errors
+/// As [`plan`].
+pub fn plan_within(
+    dest: &[RankLayout],
+    sources: &[SourceManifest],
+    cost: &CostModel,
+    max_staging_bytes: u64,
+) -> Result<Plan, Error> {
+    let index = SourceIndex::for_ranks(sources, dest)?;
+    let p = index.plan(dest, cost)?;
+    if p.staging_bytes <= max_staging_bytes {
+        return Ok(p);
+    }
+    index.plan_with(dest, cost, PlanOptions { superset: false })
+}
+
 fn gcd(a: u64, b: u64) -> u64 {
     if b == 0 {
         a.max(1)
@@ -2728,49 +2779,6 @@ pub fn pack_marks(cuts: &[Cut], rank_sets: &[Vec<u32>]) -> Vec<bool> {
     cuts.iter()
         .map(|c| c.run_offsets.len() > 1 && rank_sets.iter().any(|rs| rs.contains(&c.dest_rank)))
         .collect()
-}
-
-/// Executes a plan with plain memory copies, for tests and for checking plans without NIXL.
-///
-/// `memory(source, addr, len)` returns the source's bytes; `sources` are the manifests the plan
-/// was made from (the digests it checks). Returns the live buffers, one per rank of `dest`, or
-/// the first failed verification as `Err((tensor, dest_rank))`.
-pub fn execute_in_memory<'m>(
-    plan: &Plan,
-    sources: &[SourceManifest],
-    dest: &[RankLayout],
-    memory: impl Fn(usize, u64, u64) -> Option<&'m [u8]>,
-) -> Result<Vec<Vec<u8>>, (String, u32)> {
-    let mut staging = vec![0u8; plan.staging_bytes as usize];
-    for r in &plan.reads {
-        let src = memory(r.source, r.src_addr, r.len).ok_or_else(|| (format!("read {r:?}"), 0))?;
-        staging[r.staging_offset as usize..(r.staging_offset + r.len) as usize]
-            .copy_from_slice(src);
-    }
-    for v in &plan.verify {
-        let mut h = blake3::Hasher::new();
-        for (o, l) in v.byte_ranges() {
-            h.update(&staging[o as usize..(o + l) as usize]);
-        }
-        let expected = v.published(sources).map(|p| p.digest);
-        if Some(Digest::from(h.finalize())) != expected {
-            return Err((plan.tensor_name(v.tensor).to_string(), v.dest_rank));
-        }
-    }
-    let mut live: Vec<Vec<u8>> = dest
-        .iter()
-        .map(|d| vec![0xAA; d.total_bytes as usize])
-        .collect();
-    for c in &plan.copies {
-        for (s, l) in c.rows() {
-            live[c.rank_index][l as usize..(l + c.len) as usize]
-                .copy_from_slice(&staging[s as usize..(s + c.len) as usize]);
-        }
-    }
-    for z in &plan.zero_fills {
-        live[z.rank_index][z.live_offset as usize..(z.live_offset + z.len) as usize].fill(0);
-    }
-    Ok(live)
 }
 
 /// Manifests of every source rank of `trainer` as publishers would publish them for destination

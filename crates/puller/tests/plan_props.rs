@@ -1,4 +1,5 @@
-//! Property tests: executing a plan with memcpy equals slicing the full tensors independently.
+//! Property tests: executing a plan with the puller's executor (the code every puller runs, here
+//! over sources in this process's memory) equals slicing the full tensors independently.
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -8,12 +9,33 @@
 
 use std::collections::HashMap;
 
-use mx_layout::plan::{cut_for_layout, execute_in_memory, plan, CostModel, Strategy as Pull};
+use mx_layout::plan::{cut_for_layout, plan, plan_within, CostModel, Plan, Strategy as Pull};
 use mx_layout::{
     rank_layout, rank_layouts, DType, DestPiece, Digest, Error, LayoutSpec, MemDevice, ModelInfo,
     RankLayout, Scheme, ShardEntry, SourceManifest, TensorBox, TensorSpec,
 };
+use mx_puller::exec::{ExecOptions, Executor, MemorySources};
 use proptest::prelude::*;
+
+/// Stages `p` from in-process sources and applies it to fresh buffers (0xAA everywhere first,
+/// so a byte the plan misses shows), one per rank of `dest`.
+fn execute<'a>(
+    p: &Plan,
+    manifests: &[SourceManifest],
+    dest: &[RankLayout],
+    read: impl Fn(usize, u64, u64) -> Option<&'a [u8]> + Sync + 'a,
+) -> Result<Vec<Vec<u8>>, mx_puller::Error> {
+    let mut exec = Executor::new(MemorySources::new(read));
+    exec.stage(p, manifests, &ExecOptions::default())?;
+    let mut live: Vec<Vec<u8>> = dest
+        .iter()
+        .map(|d| vec![0xAA; d.total_bytes as usize])
+        .collect();
+    for (i, buf) in live.iter_mut().enumerate() {
+        exec.apply_rank(p, i, buf.as_mut_slice())?;
+    }
+    Ok(live)
+}
 
 /// Deterministic bytes of a global tensor.
 fn full_bytes(t: &TensorSpec) -> Vec<u8> {
@@ -159,12 +181,27 @@ fn run_case(
         .map(|&r| dst_layouts[r as usize].clone())
         .collect();
     let p = plan(&mine, &manifests, &cost)?;
-    let live = execute_in_memory(&p, &manifests, &mine, |si, addr, len| {
+    let live = execute(&p, &manifests, &mine, |si, addr, len| {
         let s = &sources[si];
         let o = addr.checked_sub(s.base)? as usize;
         s.mem.get(o..o + len as usize)
     })
     .expect("verification failed");
+    // The bounded plan stages at most the ranks' own bytes and writes the same bytes.
+    let bound: u64 = mine.iter().map(|d| d.total_bytes).sum();
+    let pb = plan_within(&mine, &manifests, &cost, bound)?;
+    assert!(
+        pb.staging_bytes <= bound,
+        "bounded plan stages {} > {bound}",
+        pb.staging_bytes
+    );
+    let live_b = execute(&pb, &manifests, &mine, |si, addr, len| {
+        let s = &sources[si];
+        let o = addr.checked_sub(s.base)? as usize;
+        s.mem.get(o..o + len as usize)
+    })
+    .expect("verification failed (bounded plan)");
+    assert_eq!(live, live_b, "the bounded plan writes other bytes");
     for (rl, buf) in mine.iter().zip(&live) {
         assert_eq!(
             buf,
@@ -293,7 +330,7 @@ proptest! {
         }).collect();
         let manifests: Vec<SourceManifest> = srcs.iter().map(|s| s.manifest.clone()).collect();
         let p = plan(&dst, &manifests, &CostModel { per_descriptor_s: per_desc, wire_gbps: 10.0, per_segment_s: 1e-8 }).unwrap();
-        let live = execute_in_memory(&p, &manifests, &dst, |si, addr, len| {
+        let live = execute(&p, &manifests, &dst, |si, addr, len| {
             let s = &srcs[si];
             let o = addr.checked_sub(s.base)? as usize;
             s.mem.get(o..o + len as usize)

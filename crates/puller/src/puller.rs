@@ -1,0 +1,745 @@
+//! [`Puller`]: one inference process's ranks, their registered destination memory, staging and
+//! the retained copy.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use mx_layout::plan::{plan_within, CostModel, Plan};
+use mx_layout::{
+    rank_layout, DType, Digest, LayoutSpec, ModelInfo, RankDigests, RankLayout, SourceManifest,
+    TensorBox, VersionId,
+};
+use mx_nixl::{Agent, ReadOptions};
+use rayon::prelude::*;
+
+use crate::dest::{DestMemory, DestTensor, HostSpans, RankMemory, Window};
+use crate::exec::{ExecOptions, Executor, NixlLanes};
+use crate::{costs, Error};
+
+/// What a [`Puller`] serves.
+#[derive(Debug, Clone)]
+pub struct PullerConfig {
+    /// The model (its tensors, dtypes and shapes; the family's fused packings).
+    pub model: ModelInfo,
+    /// The inference layout, e.g. `tp:3` (vLLM-style fused qkv / gate_up).
+    pub layout: LayoutSpec,
+    /// The ranks of `layout` this process holds (one for a vLLM worker process).
+    pub ranks: Vec<u32>,
+    /// Keep a host copy of the version applied before the current one (1x the ranks' bytes),
+    /// so [`Puller::rollback`] needs no source. Without it a rollback must stage the previous
+    /// version again.
+    pub retain: bool,
+}
+
+/// Timings, counts and digests of one [`Puller::stage`].
+#[derive(Debug, Clone, Default)]
+pub struct StageReport {
+    /// Seconds until the plan was at hand (metadata, the first stage's cost probe, planning).
+    pub plan_s: f64,
+    /// The previous plan was reused (same ranks, manifests of the same geometry).
+    pub plan_reused: bool,
+    /// Seconds in READs.
+    pub pull_s: f64,
+    /// Seconds of verification after the last READ.
+    pub verify_s: f64,
+    /// READ descriptors.
+    pub descriptors: u64,
+    /// Bytes on the wire.
+    pub wire_bytes: u64,
+    /// Destination bytes among them.
+    pub useful_bytes: u64,
+    /// Staging bytes the plan uses (<= the ranks' bytes unless no plan fits; see
+    /// [`mx_layout::plan::plan_within`]).
+    pub staging_bytes: u64,
+    /// Lanes pulled on.
+    pub lanes: usize,
+    /// Pieces per strategy (`exact`, `packed`, `superset`).
+    pub strategies: BTreeMap<String, u64>,
+    /// Per rank, per checkpoint tensor: blake3 over the digests of the regions verified for it,
+    /// in (tensor, region) order.
+    pub digests: Vec<RankDigests>,
+    /// No pull: the version is resident or retained already (digests are of those bytes).
+    pub resident: bool,
+}
+
+/// How an apply installed its version.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ApplyKind {
+    /// Copied from staging into the destination memory.
+    Staged,
+    /// Copied from the retained host copy (a rollback).
+    Restored,
+    /// Already resident: nothing copied.
+    AlreadyResident,
+    /// Host copies given by the caller written in (e.g. a checkpoint read from disk).
+    Installed,
+}
+
+/// What an apply did.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ApplyReport {
+    /// The version resident now.
+    pub version: String,
+    /// How.
+    pub kind: ApplyKind,
+    /// The version retained now, if any.
+    pub retained: Option<String>,
+    /// Seconds copying the resident version into the retained copy first (the first apply
+    /// after start or a disk load; later applies retain from staging, off the safe point).
+    pub retain_s: f64,
+    /// Seconds writing the destination memory.
+    pub copy_s: f64,
+}
+
+/// The versions a puller holds.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Versions {
+    /// In the destination memory.
+    pub resident: Option<String>,
+    /// In the retained host copy.
+    pub retained: Option<String>,
+    /// Pulled and verified in staging.
+    pub staged: Option<String>,
+}
+
+/// Memory a puller holds beside the engine's own, in bytes.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MemoryReport {
+    /// Per held rank: (rank, bytes of its layout).
+    pub rank_bytes: Vec<(u32, u64)>,
+    /// Staging buffers held now.
+    pub staging_bytes: u64,
+    /// The most staging held at once.
+    pub staging_bytes_peak: u64,
+    /// The retained host copy (0 without retention).
+    pub retained_bytes: u64,
+}
+
+/// One staged piece handed to an engine that installs weights through its own loader:
+/// the box `region` of checkpoint tensor `tensor` (row-major bytes of that box) for parameter
+/// `param` of `rank`.
+#[derive(Debug)]
+pub struct StagedPiece<'a> {
+    /// The rank.
+    pub rank: u32,
+    /// The engine parameter it lands in (e.g. `...qkv_proj.weight`).
+    pub param: &'a str,
+    /// The checkpoint tensor (HF name, e.g. `...k_proj.weight`).
+    pub tensor: &'a str,
+    /// Element type.
+    pub dtype: DType,
+    /// The checkpoint tensor's shape.
+    pub global_shape: &'a [u64],
+    /// The box of it these bytes are.
+    pub region: &'a TensorBox,
+    /// Row-major bytes of `region`.
+    pub bytes: &'a [u8],
+}
+
+/// The version in staging and the plan that pulled it.
+#[derive(Debug)]
+struct Staged {
+    version: VersionId,
+    plan: Arc<Plan>,
+}
+
+/// The last plan, reused while the ranks and the manifests' geometry hold.
+#[derive(Debug)]
+struct PlanCache {
+    geometry: Digest,
+    plan: Arc<Plan>,
+}
+
+/// The retained host copy: one buffer per held rank, laid out as its layout.
+#[derive(Debug)]
+struct Retained {
+    id: Option<String>,
+    ranks: Vec<Vec<u8>>,
+}
+
+/// An inference process's side of mx: stages versions into staging, verifies them, and applies
+/// them in place into memory the engine registered. See the crate docs.
+#[derive(Debug)]
+pub struct Puller {
+    dest: Vec<RankLayout>,
+    memory: Vec<RankMemory>,
+    exec: Option<Executor<NixlLanes>>,
+    cost: Option<CostModel>,
+    plan_cache: Option<PlanCache>,
+    staged: Option<Staged>,
+    resident: Option<String>,
+    retained: Option<Retained>,
+}
+
+impl Puller {
+    /// A puller for `cfg.ranks` of `cfg.layout`, pulling through `agent` (without one, staging
+    /// fails with [`Error::NoDataPlane`]; installs and rollbacks still work). No destination
+    /// memory is registered yet.
+    ///
+    /// # Errors
+    /// [`Error::Layout`] when the layout cannot place the model or a rank is outside it;
+    /// [`Error::UnknownRank`] for a repeated rank or none.
+    pub fn new(cfg: PullerConfig, agent: Option<Agent>) -> Result<Puller, Error> {
+        let mut seen = cfg.ranks.clone();
+        seen.sort_unstable();
+        seen.dedup();
+        if seen.len() != cfg.ranks.len() || seen.is_empty() {
+            return Err(Error::UnknownRank {
+                rank: cfg.ranks.first().copied().unwrap_or(0),
+                held: cfg.ranks.clone(),
+            });
+        }
+        let dest = cfg
+            .ranks
+            .iter()
+            .map(|&r| rank_layout(&cfg.model, cfg.layout, r))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Puller {
+            memory: dest.iter().map(RankMemory::new).collect(),
+            retained: cfg.retain.then(|| Retained {
+                id: None,
+                ranks: Vec::new(),
+            }),
+            dest,
+            exec: agent.map(|a| Executor::new(NixlLanes::new(a, ReadOptions::default(), true))),
+            cost: None,
+            plan_cache: None,
+            staged: None,
+            resident: None,
+        })
+    }
+
+    /// The held ranks' layouts (parameter names, dtypes, shapes and offsets), in the order of
+    /// [`PullerConfig::ranks`].
+    pub fn rank_layouts(&self) -> &[RankLayout] {
+        &self.dest
+    }
+
+    fn rank_index(&self, rank: u32) -> Result<usize, Error> {
+        self.dest
+            .iter()
+            .position(|d| d.rank == rank)
+            .ok_or_else(|| Error::UnknownRank {
+                rank,
+                held: self.dest.iter().map(|d| d.rank).collect(),
+            })
+    }
+
+    /// Registers the engine's memory for parameter `name` of `rank`. The memory must stay at its
+    /// address while the puller lives; applies write into it in place.
+    ///
+    /// # Errors
+    /// [`Error::UnknownRank`]; [`Error::BadDestination`] naming the parameter when the rank has
+    /// no such parameter, its dtype, shape or length differ from the layout's, or it is
+    /// registered twice.
+    pub fn register_param(&mut self, rank: u32, name: &str, t: DestTensor) -> Result<(), Error> {
+        let i = self.rank_index(rank)?;
+        self.memory[i].set_param(&self.dest[i], name, t)
+    }
+
+    /// Registers one buffer laid out as the whole [`RankLayout`] of `rank`.
+    ///
+    /// # Errors
+    /// [`Error::UnknownRank`]; [`Error::BadDestination`] when its length is not the layout's or
+    /// parameters of the rank are registered already.
+    pub fn register_rank(&mut self, rank: u32, memory: Box<dyn DestMemory>) -> Result<(), Error> {
+        let i = self.rank_index(rank)?;
+        self.memory[i].set_whole(memory)
+    }
+
+    /// Checks that every parameter of every held rank has memory.
+    ///
+    /// # Errors
+    /// [`Error::Unregistered`] naming the first parameter without.
+    pub fn check_registered(&self) -> Result<(), Error> {
+        for (m, rl) in self.memory.iter().zip(&self.dest) {
+            m.check_complete(rl)?;
+        }
+        Ok(())
+    }
+
+    /// Declares what the destination memory holds now (e.g. the weights the engine loaded at
+    /// start): `id` is resident. Nothing is copied.
+    pub fn set_resident(&mut self, id: Option<String>) {
+        self.resident = id;
+    }
+
+    /// The versions held.
+    pub fn versions(&self) -> Versions {
+        Versions {
+            resident: self.resident.clone(),
+            retained: self.retained.as_ref().and_then(|r| r.id.clone()),
+            staged: self.staged.as_ref().map(|s| s.version.to_string()),
+        }
+    }
+
+    /// The memory held beside the engine's own.
+    pub fn memory_report(&self) -> MemoryReport {
+        MemoryReport {
+            rank_bytes: self.dest.iter().map(|d| (d.rank, d.total_bytes)).collect(),
+            staging_bytes: self.exec.as_ref().map_or(0, Executor::staging_bytes),
+            staging_bytes_peak: self.exec.as_ref().map_or(0, Executor::staging_bytes_peak),
+            retained_bytes: self
+                .retained
+                .as_ref()
+                .map_or(0, |r| r.ranks.iter().map(|b| b.len() as u64).sum()),
+        }
+    }
+
+    /// (parameter, data pointer) of every registered memory of `rank`, in layout order.
+    ///
+    /// # Errors
+    /// [`Error::UnknownRank`].
+    pub fn addresses(&self, rank: u32) -> Result<Vec<(String, u64)>, Error> {
+        Ok(self.memory[self.rank_index(rank)?].addresses())
+    }
+
+    /// The bytes of the held rank at `rank_index` when it was registered as one host buffer
+    /// ([`Puller::register_rank`]).
+    pub fn host_rank(&self, rank_index: usize) -> Option<&[u8]> {
+        self.memory.get(rank_index)?.whole_host()
+    }
+
+    /// Releases the staged version (its buffers stay allocated for the next stage).
+    pub fn release_staged(&mut self) {
+        self.staged = None;
+    }
+
+    /// Frees the staging buffers (and deregisters them); the next stage allocates again.
+    pub fn free_staging(&mut self) {
+        self.staged = None;
+        if let Some(e) = self.exec.as_mut() {
+            e.free();
+        }
+    }
+
+    /// When `version` is resident or retained: digests of those bytes (per rank, per
+    /// parameter), and no pull is needed to apply it. `None` otherwise.
+    ///
+    /// # Errors
+    /// [`Error::Memory`] reading device memory.
+    pub fn resident_digests(&self, version: VersionId) -> Result<Option<Vec<RankDigests>>, Error> {
+        let id = version.to_string();
+        if self.resident.as_deref() == Some(id.as_str()) {
+            return self.live_digests().map(Some);
+        }
+        match &self.retained {
+            Some(r) if r.id.as_deref() == Some(id.as_str()) => {
+                Ok(Some(param_digests(&self.dest, |i| Ok(r.ranks[i].clone()))?))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// blake3 of every parameter's bytes in the destination memory, per rank.
+    ///
+    /// # Errors
+    /// [`Error::Unregistered`], [`Error::Memory`].
+    pub fn live_digests(&self) -> Result<Vec<RankDigests>, Error> {
+        self.check_registered()?;
+        param_digests(&self.dest, |i| {
+            let rl = &self.dest[i];
+            let mut buf = vec![0u8; rl.total_bytes as usize];
+            self.memory[i].read(0, &mut buf)?;
+            Ok(buf)
+        })
+    }
+
+    /// Plans, pulls and verifies `version` from `manifests` into staging. The destination
+    /// memory is not touched. The manifests must be `version`'s: the Merkle root of their shards
+    /// is the version id. The plan keeps staging within the held ranks' bytes where any plan
+    /// can. Before staging overwrites the previous version, a retained copy is brought up to the
+    /// resident version when that version came from staging (off the safe point).
+    ///
+    /// # Errors
+    /// [`Error::WrongManifests`], [`Error::NoDataPlane`], planning ([`Error::Layout`]), transport
+    /// ([`Error::SourceUnreachable`], [`Error::Pull`]) and [`Error::Verify`] errors. A failed
+    /// stage leaves nothing staged.
+    pub fn stage(
+        &mut self,
+        version: VersionId,
+        manifests: &[SourceManifest],
+        opts: &ExecOptions,
+    ) -> Result<StageReport, Error> {
+        let found = VersionId(mx_layout::version_digest(
+            manifests.iter().flat_map(|m| m.shards.iter()),
+        ));
+        if found != version {
+            return Err(Error::WrongManifests {
+                wanted: version.to_string(),
+                found: found.to_string(),
+            });
+        }
+        self.retain_from_staging()?;
+        self.staged = None;
+        let Some(exec) = self.exec.as_mut() else {
+            return Err(Error::NoDataPlane);
+        };
+        let t = Instant::now();
+        if self.cost.is_none() {
+            // Loads the sources' metadata into the first lane for the probe.
+            let lanes = exec.transport();
+            self.cost = Some(costs::measure(lanes.agent(), manifests));
+        }
+        let cost = self.cost.unwrap_or_default();
+        let geometry = mx_layout::geometry_digest(manifests);
+        let cached = self
+            .plan_cache
+            .as_ref()
+            .filter(|c| c.geometry == geometry)
+            .map(|c| Arc::clone(&c.plan));
+        let plan_reused = cached.is_some();
+        let plan = match cached {
+            Some(p) => p,
+            None => {
+                self.plan_cache = None;
+                let bound = self.dest.iter().map(|d| d.total_bytes).sum();
+                let p = Arc::new(plan_within(&self.dest, manifests, &cost, bound)?);
+                if p.staging_bytes > bound {
+                    tracing::warn!(
+                        staging = p.staging_bytes,
+                        ranks_bytes = bound,
+                        "no plan stages within the ranks' bytes"
+                    );
+                }
+                self.plan_cache = Some(PlanCache {
+                    geometry,
+                    plan: Arc::clone(&p),
+                });
+                p
+            }
+        };
+        let plan_s = t.elapsed().as_secs_f64();
+        let st = exec.stage(&plan, manifests, opts)?;
+        let report = StageReport {
+            plan_s,
+            plan_reused,
+            pull_s: st.pull_s,
+            verify_s: st.verify_tail_s,
+            descriptors: st.descriptors,
+            wire_bytes: plan.wire_bytes,
+            useful_bytes: plan.useful_bytes,
+            staging_bytes: plan.staging_bytes,
+            lanes: st.lanes,
+            strategies: plan.strategy_counts(),
+            digests: pulled_digests(&self.dest, &plan, manifests),
+            resident: false,
+        };
+        self.staged = Some(Staged { version, plan });
+        Ok(report)
+    }
+
+    /// When the resident version is the staged one (it was applied from staging) and the
+    /// retained copy holds something else, copies staging into the retained copy: after this
+    /// the retained copy is the resident version, ready to restore if the next apply fails.
+    fn retain_from_staging(&mut self) -> Result<(), Error> {
+        let (Some(r), Some(s), Some(exec)) = (self.retained.as_mut(), &self.staged, &self.exec)
+        else {
+            return Ok(());
+        };
+        let id = s.version.to_string();
+        if self.resident.as_deref() != Some(id.as_str()) || r.id.as_deref() == Some(id.as_str()) {
+            return Ok(());
+        }
+        let t = Instant::now();
+        ensure_buffers(&mut r.ranks, &self.dest);
+        r.id = None;
+        for (i, buf) in r.ranks.iter_mut().enumerate() {
+            exec.apply_rank(&s.plan, i, buf.as_mut_slice())?;
+        }
+        r.id = Some(id);
+        tracing::info!(
+            retain_s = t.elapsed().as_secs_f64(),
+            version = r.id.as_deref().unwrap_or(""),
+            "retained the resident version from staging"
+        );
+        Ok(())
+    }
+
+    /// Copies the resident version into the retained copy unless it holds it already.
+    fn retain_resident(&mut self) -> Result<f64, Error> {
+        let Some(r) = self.retained.as_mut() else {
+            return Ok(0.0);
+        };
+        if self.resident.is_none() || r.id == self.resident {
+            return Ok(0.0);
+        }
+        let t = Instant::now();
+        ensure_buffers(&mut r.ranks, &self.dest);
+        r.id = None;
+        for (m, buf) in self.memory.iter().zip(r.ranks.iter_mut()) {
+            m.read(0, buf)?;
+        }
+        r.id.clone_from(&self.resident);
+        Ok(t.elapsed().as_secs_f64())
+    }
+
+    /// Installs `version` into the destination memory in place: from staging, from the
+    /// retained copy (a rollback), or nothing when it is resident already. Addresses never
+    /// change. The version resident before is retained first (when retention is on).
+    ///
+    /// On [`Error::Memory`] mid-copy the destination holds a mix: restore with
+    /// [`Puller::rollback`] (the retained copy is complete) or apply again.
+    ///
+    /// # Errors
+    /// [`Error::UnknownVersion`] naming what is staged, retained and resident;
+    /// [`Error::Unregistered`]; [`Error::Memory`].
+    pub fn apply(&mut self, version: VersionId) -> Result<ApplyReport, Error> {
+        let id = version.to_string();
+        if self.resident.as_deref() == Some(id.as_str()) {
+            return Ok(self.report(ApplyKind::AlreadyResident, 0.0, 0.0));
+        }
+        self.check_registered()?;
+        if self.retained.as_ref().and_then(|r| r.id.as_deref()) == Some(id.as_str()) {
+            return self.restore();
+        }
+        let staged = self.staged.as_ref().filter(|s| s.version == version);
+        let Some(s) = staged else {
+            let v = self.versions();
+            let show = |x: Option<String>| x.unwrap_or_else(|| "nothing".into());
+            return Err(Error::UnknownVersion {
+                version: id,
+                staged: show(v.staged),
+                retained: show(v.retained),
+                resident: show(v.resident),
+            });
+        };
+        let plan = Arc::clone(&s.plan);
+        let retain_s = self.retain_resident()?;
+        let t = Instant::now();
+        self.resident = None;
+        self.copy_staged(&plan)?;
+        self.resident = Some(id);
+        Ok(self.report(ApplyKind::Staged, retain_s, t.elapsed().as_secs_f64()))
+    }
+
+    /// Writes the staged `plan` into every rank's destination memory: host memory directly,
+    /// device memory one parameter at a time through a host window of that parameter's size.
+    fn copy_staged(&mut self, plan: &Plan) -> Result<(), Error> {
+        let Some(exec) = self.exec.as_ref() else {
+            return Err(Error::NoDataPlane);
+        };
+        for (i, m) in self.memory.iter_mut().enumerate() {
+            exec.apply_rank(plan, i, &mut HostSpans(m))?;
+            for (lo, len) in m.device_spans() {
+                let mut buf = vec![0u8; len as usize];
+                exec.apply_rank(plan, i, &mut Window { lo, buf: &mut buf })?;
+                m.write_span(lo, &buf)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Restores the retained copy into the destination memory (a rollback to the version
+    /// applied before the current one).
+    ///
+    /// # Errors
+    /// [`Error::NoRollback`] when retention is off or nothing is retained; [`Error::Memory`].
+    pub fn rollback(&mut self) -> Result<ApplyReport, Error> {
+        self.check_registered()?;
+        self.restore()
+    }
+
+    fn restore(&mut self) -> Result<ApplyReport, Error> {
+        let Some(r) = self.retained.as_ref() else {
+            return Err(Error::NoRollback {
+                reason: "retention is off (PullerConfig::retain)".into(),
+            });
+        };
+        let Some(id) = r.id.clone() else {
+            return Err(Error::NoRollback {
+                reason: "no version is retained yet".into(),
+            });
+        };
+        let t = Instant::now();
+        self.resident = None;
+        for (m, buf) in self.memory.iter_mut().zip(&r.ranks) {
+            m.write_all(buf)?;
+        }
+        self.resident = Some(id);
+        Ok(self.report(ApplyKind::Restored, 0.0, t.elapsed().as_secs_f64()))
+    }
+
+    /// Writes host copies of every held rank (laid out as their layouts, in rank order) into
+    /// the destination memory as version `id` (e.g. a checkpoint read from disk). The resident
+    /// version is retained first.
+    ///
+    /// # Errors
+    /// [`Error::BadDestination`] when the copies do not match the ranks' sizes;
+    /// [`Error::Unregistered`]; [`Error::Memory`].
+    pub fn install(&mut self, id: String, ranks: &[Vec<u8>]) -> Result<ApplyReport, Error> {
+        self.check_registered()?;
+        if ranks.len() != self.dest.len() {
+            return Err(Error::BadDestination {
+                rank: self.dest.first().map_or(0, |d| d.rank),
+                param: "(whole rank)".into(),
+                reason: format!(
+                    "{} rank copies given for {} ranks",
+                    ranks.len(),
+                    self.dest.len()
+                ),
+            });
+        }
+        for (b, d) in ranks.iter().zip(&self.dest) {
+            if b.len() as u64 != d.total_bytes {
+                return Err(Error::BadDestination {
+                    rank: d.rank,
+                    param: "(whole rank)".into(),
+                    reason: format!(
+                        "copy of {} bytes; the layout has {}",
+                        b.len(),
+                        d.total_bytes
+                    ),
+                });
+            }
+        }
+        let retain_s = self.retain_resident()?;
+        let t = Instant::now();
+        self.resident = None;
+        for (m, buf) in self.memory.iter_mut().zip(ranks) {
+            m.write_all(buf)?;
+        }
+        self.resident = Some(id);
+        Ok(self.report(ApplyKind::Installed, retain_s, t.elapsed().as_secs_f64()))
+    }
+
+    fn report(&self, kind: ApplyKind, retain_s: f64, copy_s: f64) -> ApplyReport {
+        let v = self.versions();
+        ApplyReport {
+            version: v.resident.unwrap_or_default(),
+            kind,
+            retained: v.retained,
+            retain_s,
+            copy_s,
+        }
+    }
+
+    /// Hands the staged version to `f` piece by piece, for engines that install weights through
+    /// their own loaders instead of registering memory: every piece of every parameter of every
+    /// held rank, as row-major bytes of its box. Holds one parameter's bytes at a time.
+    ///
+    /// # Errors
+    /// [`Error::UnknownVersion`] when nothing is staged; `f`'s errors.
+    pub fn staged_tensors(
+        &self,
+        mut f: impl FnMut(StagedPiece<'_>) -> Result<(), Error>,
+    ) -> Result<(), Error> {
+        let (Some(s), Some(exec)) = (self.staged.as_ref(), self.exec.as_ref()) else {
+            let v = self.versions();
+            return Err(Error::UnknownVersion {
+                version: "(the staged version)".into(),
+                staged: "nothing".into(),
+                retained: v.retained.unwrap_or_else(|| "nothing".into()),
+                resident: v.resident.unwrap_or_else(|| "nothing".into()),
+            });
+        };
+        for (i, rl) in self.dest.iter().enumerate() {
+            for p in &rl.params {
+                let mut buf = vec![0u8; p.len as usize];
+                exec.apply_rank(
+                    &s.plan,
+                    i,
+                    &mut Window {
+                        lo: p.offset,
+                        buf: &mut buf,
+                    },
+                )?;
+                for piece in &p.pieces {
+                    let len = piece.region.numel().unwrap_or(0) * piece.dtype.size_bytes();
+                    let at = piece.offset.saturating_sub(p.offset) as usize;
+                    let bytes = buf.get(at..at + len as usize).ok_or_else(|| {
+                        Error::Task(format!("piece of {} lies outside {}", piece.tensor, p.name))
+                    })?;
+                    f(StagedPiece {
+                        rank: rl.rank,
+                        param: &p.name,
+                        tensor: &piece.tensor,
+                        dtype: piece.dtype,
+                        global_shape: &piece.global_shape,
+                        region: &piece.region,
+                        bytes,
+                    })?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Retained buffers sized for `dest` (reused when they fit).
+fn ensure_buffers(bufs: &mut Vec<Vec<u8>>, dest: &[RankLayout]) {
+    let fits = bufs.len() == dest.len()
+        && bufs
+            .iter()
+            .zip(dest)
+            .all(|(b, d)| b.len() as u64 == d.total_bytes);
+    if !fits {
+        *bufs = dest
+            .iter()
+            .map(|d| vec![0u8; d.total_bytes as usize])
+            .collect();
+    }
+}
+
+/// Per rank, blake3 of every parameter's bytes; `rank_bytes(i)` gives rank `i`'s bytes.
+fn param_digests(
+    dest: &[RankLayout],
+    rank_bytes: impl Fn(usize) -> Result<Vec<u8>, Error>,
+) -> Result<Vec<RankDigests>, Error> {
+    dest.iter()
+        .enumerate()
+        .map(|(i, rl)| {
+            let buf = rank_bytes(i)?;
+            Ok(digests_of(rl, &buf))
+        })
+        .collect()
+}
+
+/// blake3 of every parameter of `rl` in `buf` (the rank's bytes laid out as `rl`).
+pub fn digests_of(rl: &RankLayout, buf: &[u8]) -> RankDigests {
+    RankDigests {
+        rank: rl.rank,
+        tensors: rl
+            .params
+            .par_iter()
+            .map(|p| {
+                let bytes = buf
+                    .get(p.offset as usize..(p.offset + p.len) as usize)
+                    .unwrap_or_default();
+                (p.name.clone(), Digest::of(bytes))
+            })
+            .collect(),
+    }
+}
+
+/// Per rank, per checkpoint tensor: blake3 over the digests of the regions pulled and verified
+/// for it, in (tensor, region) order. `manifests` are those `p` was made from.
+fn pulled_digests(dest: &[RankLayout], p: &Plan, manifests: &[SourceManifest]) -> Vec<RankDigests> {
+    dest.iter()
+        .map(|rl| {
+            let mut items: Vec<(&str, &TensorBox, Digest)> = p
+                .verify
+                .iter()
+                .filter(|v| v.dest_rank == rl.rank || v.shared_with.contains(&rl.rank))
+                .filter_map(|v| v.published(manifests))
+                .map(|d| (d.tensor.as_str(), &d.region, d.digest))
+                .collect();
+            items.sort();
+            let mut tensors: BTreeMap<String, blake3::Hasher> = BTreeMap::new();
+            for (t, _, d) in items {
+                tensors
+                    .entry(t.to_string())
+                    .or_default()
+                    .update(d.as_bytes());
+            }
+            RankDigests {
+                rank: rl.rank,
+                tensors: tensors
+                    .into_iter()
+                    .map(|(k, h)| (k, h.finalize().into()))
+                    .collect(),
+            }
+        })
+        .collect()
+}
