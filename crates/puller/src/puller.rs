@@ -475,6 +475,28 @@ impl Puller {
         Ok(t.elapsed().as_secs_f64())
     }
 
+    /// `Ok` when [`Puller::apply`] of `version` would find it: resident, retained or staged.
+    ///
+    /// # Errors
+    /// [`Error::UnknownVersion`] naming what is staged, retained and resident.
+    pub fn can_apply(&self, version: VersionId) -> Result<(), Error> {
+        let id = version.to_string();
+        let v = self.versions();
+        if [&v.resident, &v.retained, &v.staged]
+            .iter()
+            .any(|x| x.as_deref() == Some(id.as_str()))
+        {
+            return Ok(());
+        }
+        let show = |x: Option<String>| x.unwrap_or_else(|| "nothing".into());
+        Err(Error::UnknownVersion {
+            version: id,
+            staged: show(v.staged),
+            retained: show(v.retained),
+            resident: show(v.resident),
+        })
+    }
+
     /// Installs `version` into the destination memory in place: from staging, from the
     /// retained copy (a rollback), or nothing when it is resident already. Addresses never
     /// change. The version resident before is retained first (when retention is on).
@@ -494,16 +516,9 @@ impl Puller {
         if self.retained.as_ref().and_then(|r| r.id.as_deref()) == Some(id.as_str()) {
             return self.restore();
         }
-        let staged = self.staged.as_ref().filter(|s| s.version == version);
-        let Some(s) = staged else {
-            let v = self.versions();
-            let show = |x: Option<String>| x.unwrap_or_else(|| "nothing".into());
-            return Err(Error::UnknownVersion {
-                version: id,
-                staged: show(v.staged),
-                retained: show(v.retained),
-                resident: show(v.resident),
-            });
+        self.can_apply(version)?;
+        let Some(s) = self.staged.as_ref().filter(|s| s.version == version) else {
+            return Err(Error::Task("the staged version changed".into()));
         };
         let plan = Arc::clone(&s.plan);
         let retain_s = self.retain_resident()?;

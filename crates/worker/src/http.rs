@@ -168,7 +168,7 @@ pub fn status_of(e: &Error) -> StatusCode {
             StatusCode::BAD_REQUEST
         }
         Error::Engine(mx_engine::Error::BadRequest { .. }) => StatusCode::BAD_REQUEST,
-        Error::UnknownVersion { .. } => StatusCode::NOT_FOUND,
+        Error::Puller(mx_puller::Error::UnknownVersion { .. }) => StatusCode::NOT_FOUND,
         Error::GenerationUnavailable { .. } => StatusCode::CONFLICT,
         Error::Displaced { .. } => StatusCode::GONE,
         Error::NoWeights | Error::Paused | Error::Aborted => StatusCode::SERVICE_UNAVAILABLE,

@@ -1,5 +1,7 @@
-//! The inference instance: version store (live, pinned previous, staged), the engine built from
-//! the live weights, generation behind the pause gate, and the failpoints.
+//! The inference instance: the live weights (one buffer per rank, registered with an
+//! [`mx_puller::Puller`] that stages versions, applies them in place and retains the previous
+//! one), the engine built from the live weights, generation behind the pause gate, and the
+//! failpoints.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -11,16 +13,15 @@ use mx_checkpoint::Checkpoint;
 use mx_engine::LlamaEngine;
 use mx_layout::model::Family;
 use mx_layout::{
-    rank_layout, DType, Digest, LayoutSpec, ModelInfo, RankDigests, RankLayout, SourceManifest,
-    VersionId,
+    DType, Digest, LayoutSpec, ModelInfo, RankDigests, RankLayout, SourceManifest, VersionId,
 };
 use mx_nixl::Agent;
+use mx_puller::{ApplyKind as PullKind, ExecOptions, Puller, PullerConfig, StageReport};
 
 use crate::failpoints::{FailpointValues, Failpoints};
 use crate::gate::{Gate, PauseMode, PauseOutcome, Step};
-use crate::staging::{StageOutcome, Staging};
-use crate::store::{live_digests, load_disk, Weights};
-use crate::{mx_version_id, Error};
+use crate::store::load_disk;
+use crate::Error;
 
 /// The cache tiers an apply clears: the engine's decode KV cache and its prefix cache.
 pub const CACHE_TIERS: [&str; 2] = ["kv_cache", "prefix_cache"];
@@ -94,13 +95,13 @@ impl ApplySource {
 /// How an apply installed its version.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ApplyKind {
-    /// Copied out of staging; the old live version became the pinned one.
+    /// Copied out of staging into the live weights in place; the old live version is retained.
     Staged,
-    /// Swapped with the pinned version (a rollback, no copy).
-    Swapped,
+    /// Copied from the retained host copy of the previous version (a rollback).
+    Restored,
     /// The version was live already: nothing installed (caches still cleared).
     AlreadyLive,
-    /// Loaded from a checkpoint directory; the old live version became the pinned one.
+    /// Loaded from a checkpoint directory; the old live version is retained.
     Disk,
 }
 
@@ -126,16 +127,11 @@ pub struct ApplyOutcome {
 pub struct Versions {
     /// Resident version.
     pub live: Option<String>,
-    /// Previous live version, kept so a rollback is a swap.
+    /// Previous live version, retained in a host copy so a rollback needs no source (`None`
+    /// when the retained copy is the live version itself, e.g. right after a rollback).
     pub pinned: Option<String>,
-    /// Staged version (pulled, or a resident copy named by a Stage command).
+    /// Staged version (pulled and verified).
     pub staged: Option<String>,
-}
-
-impl Versions {
-    fn describe(v: &Option<String>) -> String {
-        v.clone().unwrap_or_else(|| "nothing".into())
-    }
 }
 
 /// One generation request (greedy).
@@ -179,32 +175,29 @@ pub struct GenerateOutput {
     pub finish_reason: FinishReason,
 }
 
-/// What the store holds, behind one lock (stage and apply hold it for their whole run).
+/// What the store holds, behind one lock (stage and apply hold it for their whole run): the
+/// puller, which owns the live rank buffers (registered as whole-rank destination memory),
+/// staging and the retained copy.
 #[derive(Debug)]
 struct State {
-    live: Option<Weights>,
-    pinned: Option<Weights>,
-    staging: Staging,
-    /// A Stage command named a version already live or pinned: that copy is the staged one
-    /// (the pulled arenas are released).
-    staged_resident: Option<Digest>,
-    /// The buffers of the version an apply unpinned, kept to receive the next apply's copy:
-    /// reusing written pages avoids faulting in (and zeroing) a whole fresh copy of the model
-    /// on every apply.
-    spare: Option<Vec<Vec<u8>>>,
+    puller: Puller,
 }
 
 impl State {
     fn versions(&self) -> Versions {
-        let staged = match self.staged_resident {
-            Some(d) => Some(format!("{} (resident copy)", mx_version_id(&d))),
-            None => self.staging.pulled().map(|p| mx_version_id(&p.digest)),
-        };
+        let v = self.puller.versions();
         Versions {
-            live: self.live.as_ref().map(|w| w.id.clone()),
-            pinned: self.pinned.as_ref().map(|w| w.id.clone()),
-            staged,
+            pinned: v.retained.filter(|r| v.resident.as_ref() != Some(r)),
+            live: v.resident,
+            staged: v.staged,
         }
+    }
+
+    /// The live rank buffers.
+    fn live(&self) -> Vec<&[u8]> {
+        (0..self.puller.rank_layouts().len())
+            .filter_map(|i| self.puller.host_rank(i))
+            .collect()
     }
 }
 
@@ -270,7 +263,7 @@ impl Instance {
     /// Reads the model's config.json and headers and computes the layout of the held ranks.
     /// No weights are resident until an apply (or [`Instance::apply`] of a disk checkpoint).
     /// `agent` is the NIXL agent staging pulls through; without one, staging fails with
-    /// [`Error::NoDataPlane`] (disk loads and generation still work).
+    /// [`mx_puller::Error::NoDataPlane`] (disk loads and generation still work).
     ///
     /// # Errors
     /// [`Error::Checkpoint`], [`Error::NoConfig`], [`Error::Layout`] when the layout cannot
@@ -284,11 +277,20 @@ impl Instance {
             })?
             .clone();
         let model = ModelInfo::from_hf_config(&config, ckpt.specs())?;
-        let dest = cfg
-            .ranks
-            .iter()
-            .map(|&r| rank_layout(&model, cfg.layout, r))
-            .collect::<Result<Vec<_>, _>>()?;
+        let mut puller = Puller::new(
+            PullerConfig {
+                model: model.clone(),
+                layout: cfg.layout,
+                ranks: cfg.ranks.clone(),
+                retain: true,
+            },
+            agent,
+        )?;
+        let dest = puller.rank_layouts().to_vec();
+        for rl in &dest {
+            // The live weights: one buffer per rank, at a fixed address for the puller's life.
+            puller.register_rank(rl.rank, Box::new(vec![0u8; rl.total_bytes as usize]))?;
+        }
         let mut sorted = cfg.ranks.clone();
         sorted.sort_unstable();
         let all: Vec<u32> = (0..cfg.layout.world_size).collect();
@@ -314,13 +316,7 @@ impl Instance {
                 model,
                 dest,
                 generation,
-                state: Mutex::new(State {
-                    live: None,
-                    pinned: None,
-                    staging: Staging::new(agent),
-                    staged_resident: None,
-                    spare: None,
-                }),
+                state: Mutex::new(State { puller }),
                 engine: Mutex::new(EngineSlot::default()),
                 versions: Mutex::new(Versions::default()),
                 gate: Gate::default(),
@@ -408,12 +404,36 @@ impl Instance {
         let sh = Arc::clone(&self.shared);
         blocking(move || {
             let st = lock(&sh.state);
-            Ok(st
-                .live
-                .as_ref()
-                .map(|w| (w.id.clone(), live_digests(&sh.dest, &w.buffers))))
+            let Some(id) = st.puller.versions().resident else {
+                return Ok(None);
+            };
+            Ok(Some((id, st.puller.live_digests()?)))
         })
         .await
+    }
+
+    /// The data pointer of every held rank's live buffer, in rank order: applies write in
+    /// place, so these never change.
+    pub async fn live_addresses(&self) -> Vec<u64> {
+        let sh = Arc::clone(&self.shared);
+        blocking(move || {
+            let st = lock(&sh.state);
+            let mut out = Vec::new();
+            for rl in st.puller.rank_layouts() {
+                out.extend(st.puller.addresses(rl.rank)?.into_iter().map(|(_, p)| p));
+            }
+            Ok(out)
+        })
+        .await
+        .unwrap_or_default()
+    }
+
+    /// The memory the puller holds beside the live weights (staging, retained copy).
+    pub async fn memory_report(&self) -> mx_puller::MemoryReport {
+        let sh = Arc::clone(&self.shared);
+        blocking(move || Ok(lock(&sh.state).puller.memory_report()))
+            .await
+            .unwrap_or_default()
     }
 
     /// Installs new live weights from `source` (see [`ApplySource`]), rebuilds the engine from
@@ -470,54 +490,45 @@ impl Instance {
         .await
     }
 
-    /// When `digest` is the live or pinned version, makes that copy the staged one (releasing
-    /// pulled staging) and returns digests of its bytes; `None` otherwise (a pull is needed).
+    /// When `digest` is the live or the retained (pinned) version: digests of those bytes, and
+    /// applying it needs no pull. `None` otherwise (a pull is needed).
     pub(crate) async fn stage_resident(
         &self,
         digest: Digest,
     ) -> Result<Option<Vec<RankDigests>>, Error> {
         let sh = Arc::clone(&self.shared);
         blocking(move || {
-            let mut st = lock(&sh.state);
-            let id = mx_version_id(&digest);
-            let found = [st.live.as_ref(), st.pinned.as_ref()]
-                .into_iter()
-                .flatten()
-                .find(|w| w.id == id)
-                .map(|w| live_digests(&sh.dest, &w.buffers));
-            if found.is_some() {
-                st.staging.release();
-                st.staged_resident = Some(digest);
-                *lock(&sh.versions) = st.versions();
-            }
-            Ok(found)
+            let st = lock(&sh.state);
+            Ok(st.puller.resident_digests(VersionId(digest))?)
         })
         .await
     }
 
-    /// Plans, pulls and verifies version `label` (`digest`) from `manifests` into staging.
-    /// Live weights are not touched.
+    /// Plans, pulls and verifies version `digest` from `manifests` (which must be that
+    /// version's) into staging. Live weights are not touched.
     ///
     /// # Errors
-    /// [`Error::NoDataPlane`] without a NIXL agent; planning, NIXL and verification errors (a
-    /// failed stage leaves nothing staged).
+    /// [`Error::Puller`]: no NIXL agent, manifests of another version, planning, NIXL and
+    /// verification errors (a failed stage leaves nothing staged).
     pub async fn stage(
         &self,
         label: &str,
         digest: Digest,
         manifests: Vec<SourceManifest>,
-    ) -> Result<StageOutcome, Error> {
+    ) -> Result<StageReport, Error> {
         let sh = Arc::clone(&self.shared);
+        let opts = ExecOptions {
+            max_lanes: None,
+            sleep_between_sources: self.shared.failpoints.get().stage_sleep_between_sources,
+        };
         let label = label.to_string();
-        let sleep = self.shared.failpoints.get().stage_sleep_between_sources;
         blocking(move || {
             let mut st = lock(&sh.state);
-            st.staged_resident = None;
-            let res = st
-                .staging
-                .stage(&sh.dest, &label, digest, &manifests, sleep);
+            let res = st.puller.stage(VersionId(digest), &manifests, &opts);
             *lock(&sh.versions) = st.versions();
-            res
+            let r = res?;
+            tracing::info!(label, staging_bytes = r.staging_bytes, "staged");
+            Ok(r)
         })
         .await
     }
@@ -716,10 +727,9 @@ type EngineTensors = BTreeMap<String, (DType, Vec<u64>, Vec<u8>)>;
 fn engine_tensors(
     model: &ModelInfo,
     dest: &[RankLayout],
-    buffers: &[Vec<u8>],
+    live: &[&[u8]],
 ) -> Result<EngineTensors, Error> {
-    let live: Vec<&[u8]> = buffers.iter().map(Vec::as_slice).collect();
-    let full = mx_engine::reassemble(model, dest, &live)?;
+    let full = mx_engine::reassemble(model, dest, live)?;
     full.into_iter()
         .map(|(name, bytes)| {
             let spec = model.tensor(&name).ok_or_else(|| {
@@ -730,44 +740,17 @@ fn engine_tensors(
         .collect()
 }
 
-/// Which weights an apply installs.
-enum Install {
-    AlreadyLive,
-    Pinned,
-    New(Weights, ApplyKind),
-}
-
-fn apply_blocking(
-    sh: &Shared,
-    source: ApplySource,
-    clear_cache: bool,
-) -> Result<ApplyOutcome, Error> {
-    let t0 = Instant::now();
-    let fp = sh.failpoints.get();
-    let mut st = lock(&sh.state);
-    let install = match &source {
+/// Puts `source` into the live weights through the puller: a staged or retained version is
+/// copied in place, a disk checkpoint is sliced and written in.
+fn install(sh: &Shared, st: &mut State, source: &ApplySource) -> Result<ApplyKind, Error> {
+    match source {
         ApplySource::Version(d) => {
-            let id = mx_version_id(d);
-            if st.live.as_ref().is_some_and(|w| w.id == id) {
-                Install::AlreadyLive
-            } else if st.pinned.as_ref().is_some_and(|w| w.id == id) {
-                Install::Pinned
-            } else if st.staging.pulled().is_some_and(|p| p.digest == *d) {
-                let spare = st.spare.take();
-                let buffers = st
-                    .staging
-                    .copy_out(&sh.dest, spare)
-                    .ok_or_else(|| Error::Task("staging lost".into()))?;
-                Install::New(Weights { id, buffers }, ApplyKind::Staged)
-            } else {
-                let v = st.versions();
-                return Err(Error::UnknownVersion {
-                    version: id,
-                    staged: Versions::describe(&v.staged),
-                    pinned: Versions::describe(&v.pinned),
-                    live: Versions::describe(&v.live),
-                });
-            }
+            let r = st.puller.apply(VersionId(*d))?;
+            Ok(match r.kind {
+                PullKind::AlreadyResident => ApplyKind::AlreadyLive,
+                PullKind::Restored => ApplyKind::Restored,
+                PullKind::Staged | PullKind::Installed => ApplyKind::Staged,
+            })
         }
         ApplySource::Disk { path, version } => {
             // Only an apply of a staged, verified version makes an `mx:` version resident: a
@@ -784,21 +767,66 @@ fn apply_blocking(
             }
             let t = Instant::now();
             let buffers = load_disk(path, &sh.model, &sh.dest)?;
+            st.puller.install(version.clone(), &buffers)?;
             tracing::info!(
                 path = %path.display(),
                 version,
                 load_s = t.elapsed().as_secs_f64(),
                 "loaded weights from disk"
             );
-            Install::New(
-                Weights {
-                    id: version.clone(),
-                    buffers,
-                },
-                ApplyKind::Disk,
-            )
+            Ok(ApplyKind::Disk)
         }
-    };
+    }
+}
+
+/// Rebuilds the engine from the live weights (when this instance runs one) and clears its
+/// caches when asked; returns the tiers cleared.
+fn rebuild_engine(
+    sh: &Shared,
+    st: &State,
+    rebuild: bool,
+    clear_cache: bool,
+) -> Result<Vec<String>, Error> {
+    let fp = sh.failpoints.get();
+    let mut slot = lock(&sh.engine);
+    if rebuild && sh.generation.is_ok() {
+        let id = st.puller.versions().resident.unwrap_or_default();
+        let tensors = engine_tensors(&sh.model, &sh.dest, &st.live())?;
+        let t = Instant::now();
+        match slot.engine.as_mut() {
+            Some(e) => e.install_weights(&tensors)?,
+            None => slot.engine = Some(LlamaEngine::new(&sh.config, &tensors)?),
+        }
+        slot.version = id;
+        tracing::info!(
+            build_s = t.elapsed().as_secs_f64(),
+            "engine weights installed"
+        );
+    }
+    if !clear_cache || slot.engine.is_none() {
+        // Not asked, or this instance runs no engine (it does not hold every rank, or the model
+        // cannot generate): it has no cache tier, so it reports none.
+        return Ok(Vec::new());
+    }
+    if fp.apply_skip_cache_clear {
+        tracing::warn!("failpoint apply.skip_cache_clear: caches NOT cleared (reported cleared)");
+    } else {
+        slot.clear_caches();
+    }
+    Ok(CACHE_TIERS.iter().map(|s| s.to_string()).collect())
+}
+
+fn apply_blocking(
+    sh: &Shared,
+    source: ApplySource,
+    clear_cache: bool,
+) -> Result<ApplyOutcome, Error> {
+    let t0 = Instant::now();
+    let mut st = lock(&sh.state);
+    if let ApplySource::Version(d) = &source {
+        // An unknown version is refused before the failpoint sleeps.
+        st.puller.can_apply(VersionId(*d))?;
+    }
     if let Some(d) = sh.failpoints.take_apply_sleep() {
         tracing::warn!(
             ms = d.as_millis(),
@@ -806,63 +834,20 @@ fn apply_blocking(
         );
         std::thread::sleep(d);
     }
-    let incoming: Option<&Weights> = match &install {
-        Install::AlreadyLive => None,
-        Install::Pinned => st.pinned.as_ref(),
-        Install::New(w, _) => Some(w),
-    };
-    // Everything fallible happens before the store changes.
-    let tiers = {
-        let tensors = match (incoming, &sh.generation) {
-            (Some(w), Ok(())) => Some((
-                w.id.clone(),
-                engine_tensors(&sh.model, &sh.dest, &w.buffers)?,
-            )),
-            _ => None,
-        };
-        let mut slot = lock(&sh.engine);
-        if let Some((id, tensors)) = tensors {
-            let t = Instant::now();
-            match slot.engine.as_mut() {
-                Some(e) => e.install_weights(&tensors)?,
-                None => slot.engine = Some(LlamaEngine::new(&sh.config, &tensors)?),
+    let before = st.puller.versions().resident;
+    let kind = install(sh, &mut st, &source)?;
+    let tiers = match rebuild_engine(sh, &st, kind != ApplyKind::AlreadyLive, clear_cache) {
+        Ok(t) => t,
+        Err(e) => {
+            // The engine refused the new weights: put the previous version back (the retained
+            // copy holds it) so live weights and engine agree again.
+            if let Some(prev) = before.as_deref().and_then(VersionId::from_engine) {
+                if let Err(e2) = st.puller.apply(prev) {
+                    tracing::error!("restoring {prev} after the engine refused failed: {e2}");
+                }
             }
-            slot.version = id;
-            tracing::info!(
-                build_s = t.elapsed().as_secs_f64(),
-                "engine weights installed"
-            );
-        }
-        if !clear_cache {
-            Vec::new()
-        } else if slot.engine.is_none() {
-            // This instance runs no engine (it does not hold every rank, or the model cannot
-            // generate): it has no cache tier, so it reports none.
-            Vec::new()
-        } else {
-            if fp.apply_skip_cache_clear {
-                tracing::warn!(
-                    "failpoint apply.skip_cache_clear: caches NOT cleared (reported cleared)"
-                );
-            } else {
-                slot.clear_caches();
-            }
-            CACHE_TIERS.iter().map(|s| s.to_string()).collect()
-        }
-    };
-    let kind = match install {
-        Install::AlreadyLive => ApplyKind::AlreadyLive,
-        Install::Pinned => {
-            let st = &mut *st;
-            std::mem::swap(&mut st.live, &mut st.pinned);
-            ApplyKind::Swapped
-        }
-        Install::New(w, kind) => {
-            let st = &mut *st;
-            let unpinned = std::mem::replace(&mut st.pinned, st.live.take());
-            st.spare = unpinned.map(|w| w.buffers);
-            st.live = Some(w);
-            kind
+            *lock(&sh.versions) = st.versions();
+            return Err(e);
         }
     };
     let versions = st.versions();

@@ -49,7 +49,6 @@ pub mod failpoints;
 mod gate;
 pub mod http;
 mod instance;
-mod staging;
 mod store;
 mod worker;
 
@@ -63,8 +62,7 @@ pub use instance::{
     ApplyKind, ApplyOutcome, ApplySource, FinishReason, GenerateOutput, GenerateRequest, Instance,
     InstanceConfig, Versions, CACHE_TIERS,
 };
-pub use staging::{StageOutcome, StageStats};
-pub use store::live_digests;
+pub use mx_puller::StageReport;
 pub use worker::{Worker, WorkerConfig, MAX_BACKOFF};
 
 /// The version id of an mx policy version: `mx:<64 hex digits of the version digest>`
@@ -86,46 +84,17 @@ pub enum Error {
     /// The data plane failed.
     #[error("nixl: {0}")]
     Nixl(#[from] mx_nixl::Error),
+    /// Staging, applying or rolling back through the puller failed: no data plane, manifests
+    /// of another version, an unreachable source, a failed READ or verification, an apply of a
+    /// version that is neither staged, retained nor live.
+    #[error(transparent)]
+    Puller(#[from] mx_puller::Error),
     /// The control plane failed.
     #[error("control plane: {0}")]
     Control(#[from] mx_control::Error),
     /// The engine refused the weights or the request.
     #[error("engine: {0}")]
     Engine(#[from] mx_engine::Error),
-    /// A NIXL READ from one source failed.
-    #[error("pull from source slot {slot} (agent {agent}) failed: {source}")]
-    Pull {
-        /// Source slot.
-        slot: u32,
-        /// Its NIXL agent.
-        agent: String,
-        /// The data-plane error.
-        source: mx_nixl::Error,
-    },
-    /// A pulled region did not match its source's digest.
-    #[error("verification failed: tensor {tensor} region {region} for rank {rank} from source slot {slot}")]
-    Verify {
-        /// Tensor.
-        tensor: String,
-        /// Region.
-        region: String,
-        /// Destination rank.
-        rank: u32,
-        /// Source slot.
-        slot: u32,
-    },
-    /// Apply named a version that is neither staged, pinned nor live.
-    #[error("cannot apply {version}: it is not staged (staged: {staged}), not pinned (pinned: {pinned}) and not live (live: {live})")]
-    UnknownVersion {
-        /// The version asked for.
-        version: String,
-        /// What is staged.
-        staged: String,
-        /// What is pinned.
-        pinned: String,
-        /// What is live.
-        live: String,
-    },
     /// A disk checkpoint does not fit the model this worker serves.
     #[error("checkpoint {path}: tensor {tensor}: {reason}")]
     DiskMismatch {
@@ -169,9 +138,6 @@ pub enum Error {
     /// The `generate.fail` failpoint is set.
     #[error("failpoint generate.fail is set")]
     FailpointGenerate,
-    /// Staging needs a NIXL agent and this instance has none.
-    #[error("this instance has no NIXL agent: it cannot stage")]
-    NoDataPlane,
     /// The HTTP listen address could not be bound.
     #[error("cannot serve HTTP on {addr}: {source}")]
     Bind {
@@ -191,17 +157,6 @@ pub enum Error {
         worker_id: String,
         /// The control plane's refusal.
         reason: String,
-    },
-    /// A source's NIXL metadata could not be loaded: the publisher behind it is gone or
-    /// unreachable (it exited, or republished from another process).
-    #[error("source slot {slot} (agent {agent}) is unreachable: loading its NIXL metadata failed: {source}")]
-    SourceUnreachable {
-        /// Source slot.
-        slot: u32,
-        /// Its NIXL agent, as its manifest names it.
-        agent: String,
-        /// The data-plane error.
-        source: mx_nixl::Error,
     },
     /// The control plane stayed unreachable for the whole reconnect timeout (only with an
     /// explicit [`WorkerConfig::reconnect_timeout`]; by default a worker retries forever).

@@ -1,42 +1,12 @@
-//! The version store's data: one set of rank buffers per version, and loading a set from a
-//! safetensors checkpoint on disk.
+//! Loading rank buffers from a safetensors checkpoint on disk.
 
 use std::path::Path;
 
 use mx_checkpoint::Checkpoint;
-use mx_layout::{Digest, ModelInfo, RankDigests, RankLayout, TensorBox};
+use mx_layout::{ModelInfo, RankLayout, TensorBox};
 use rayon::prelude::*;
 
 use crate::Error;
-
-/// One version's weights for this worker's ranks.
-#[derive(Debug)]
-pub(crate) struct Weights {
-    /// Version id: `mx:<digest hex>` or a disk load's name.
-    pub(crate) id: String,
-    /// One buffer per held rank, laid out as that rank's [`RankLayout`].
-    pub(crate) buffers: Vec<Vec<u8>>,
-}
-
-/// blake3 of every parameter's bytes in `buffers`, per rank.
-pub fn live_digests(dest: &[RankLayout], buffers: &[Vec<u8>]) -> Vec<RankDigests> {
-    dest.iter()
-        .zip(buffers)
-        .map(|(rl, buf)| RankDigests {
-            rank: rl.rank,
-            tensors: rl
-                .params
-                .par_iter()
-                .map(|p| {
-                    (
-                        p.name.clone(),
-                        Digest::of(&buf[p.offset as usize..(p.offset + p.len) as usize]),
-                    )
-                })
-                .collect(),
-        })
-        .collect()
-}
 
 /// Appends the row-major box `region` of a tensor of `shape` (elements of `es` bytes, bytes in
 /// `full`) to `out`. The caller checked that `region` fits in `shape` and `full` holds the

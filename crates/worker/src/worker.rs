@@ -1,6 +1,5 @@
 //! The control-plane side of a worker: registration, the command stream and reconnection.
 
-use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -14,8 +13,8 @@ use mx_nixl::Agent;
 
 use crate::http::{self, HttpServer};
 use crate::instance::{ApplySource, Instance, InstanceConfig};
-use crate::staging::{StageOutcome, StageStats};
 use crate::Error;
+use mx_puller::StageReport;
 
 /// First wait before a reconnect attempt; doubles (with jitter) up to [`MAX_BACKOFF`].
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);
@@ -347,7 +346,7 @@ impl Worker {
             } => {
                 let t0 = Instant::now();
                 let report = match self.stage(&label, version_digest).await {
-                    Ok((stats, strategies, ranks)) => {
+                    Ok(stats) => {
                         tracing::info!(
                             worker = self.cfg.worker_id,
                             label,
@@ -363,11 +362,11 @@ impl Worker {
                             label: label.clone(),
                             ok: true,
                             error: String::new(),
-                            ranks,
+                            ranks: stats.digests,
                             bytes: stats.useful_bytes,
                             descriptors: stats.descriptors,
                             seconds: t0.elapsed().as_secs_f64(),
-                            strategies,
+                            strategies: stats.strategies,
                         }
                     }
                     Err(e) => {
@@ -391,20 +390,24 @@ impl Worker {
         }
     }
 
-    /// Stages version `label` (`digest`): reported at once when it is already live or pinned
-    /// (that copy becomes the staged one; the digests are of its live bytes), otherwise planned,
-    /// pulled and verified into staging. Live weights are not touched.
+    /// Stages version `label` (`digest`): reported at once when it is already live or retained
+    /// (the digests are of those bytes; applying it needs no pull), otherwise planned, pulled
+    /// and verified into staging. Live weights are not touched.
     ///
     /// # Errors
     /// [`Error::Control`] fetching the manifests; planning, NIXL and verification errors.
-    pub async fn stage(&self, label: &str, digest: Digest) -> Result<StageOutcome, Error> {
+    pub async fn stage(&self, label: &str, digest: Digest) -> Result<StageReport, Error> {
         if let Some(ranks) = self.inst.stage_resident(digest).await? {
             tracing::info!(
                 worker = self.cfg.worker_id,
                 label,
                 "version already resident (live or pinned): staged without pulling"
             );
-            return Ok((StageStats::default(), BTreeMap::new(), ranks));
+            return Ok(StageReport {
+                digests: ranks,
+                resident: true,
+                ..StageReport::default()
+            });
         }
         let t = Instant::now();
         let info = self.client().get_version(label).await?;

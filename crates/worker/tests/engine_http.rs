@@ -461,7 +461,7 @@ async fn sglang_contract_updates_pauses_and_continues() {
     assert_eq!(raw["success"], false);
     let msg = raw["message"].as_str().unwrap();
     assert!(
-        msg.contains(&format!("mx:{}", "0".repeat(64))) && msg.contains("live: s2"),
+        msg.contains(&format!("mx:{}", "0".repeat(64))) && msg.contains("resident: s2"),
         "{msg}"
     );
     assert_eq!(inst.resident_version().as_deref(), Some("s2"));

@@ -234,7 +234,9 @@ async fn staged_pinned_and_live_versions_apply_swap_and_refuse_byte_exactly() {
     let out2 = ids(&body);
     assert_eq!(body["meta_info"]["weight_version"], id2);
 
-    // Rollback over the Dynamo route: a swap with the pinned version, byte-exact.
+    // Rollback over the Dynamo route: the retained copy of step-1 is written back in place,
+    // byte-exact, at the same addresses.
+    let addrs = inst.live_addresses().await;
     let update = format!("{base}/engine/update_weights_from_disk");
     let (status, r) = post(
         &update,
@@ -248,7 +250,14 @@ async fn staged_pinned_and_live_versions_apply_swap_and_refuse_byte_exactly() {
         json!(["kv_cache", "prefix_cache"])
     );
     assert_eq!(digests(&inst).await, (id1.clone(), v1.clone()));
-    assert_eq!(inst.versions().pinned, Some(id2.clone()));
+    assert_eq!(
+        inst.live_addresses().await,
+        addrs,
+        "apply moved the live weights"
+    );
+    // The retained copy is the live version now; step-2 stays staged.
+    assert_eq!(inst.versions().pinned, None);
+    assert_eq!(inst.versions().staged, Some(id2.clone()));
     assert_eq!(inst.cached_positions(), Some(0));
     let (_, body) = generate(&base, &PROMPT, 2).await;
     assert_eq!(ids(&body), PARIS);
@@ -258,16 +267,21 @@ async fn staged_pinned_and_live_versions_apply_swap_and_refuse_byte_exactly() {
     assert_eq!(status, 200, "{r}");
     assert_eq!(r["version"], id1);
     assert_eq!(digests(&inst).await, (id1.clone(), v1.clone()));
-    assert_eq!(inst.versions().pinned, Some(id2.clone()));
 
-    // And forward again.
+    // And forward again, from staging (step-1 is retained).
     let (status, r) = post(&update, json!({"model_path": format!("mx://{d2}")})).await;
     assert_eq!(status, 200, "{r}");
     assert_eq!(digests(&inst).await, (id2.clone(), v2.clone()));
+    assert_eq!(inst.versions().pinned, Some(id1.clone()));
+    assert_eq!(
+        inst.live_addresses().await,
+        addrs,
+        "apply moved the live weights"
+    );
     let (_, body) = generate(&base, &PROMPT, 4).await;
     assert_eq!(ids(&body), out2, "step-2 generates as before the rollback");
 
-    // An unknown version is refused, naming what is staged, pinned and live; nothing changes.
+    // An unknown version is refused, naming what is staged, retained and live; nothing changes.
     let unknown = Digest([7u8; 32]);
     let (status, r) = post(&update, json!({"model_path": format!("mx://{unknown}")})).await;
     assert_eq!(status, 404, "{r}");
@@ -277,28 +291,26 @@ async fn staged_pinned_and_live_versions_apply_swap_and_refuse_byte_exactly() {
     for needle in [
         mx_version_id(&unknown),
         format!("staged: {id2}"),
-        format!("pinned: {id1}"),
-        format!("live: {id2}"),
+        format!("retained: {id1}"),
+        format!("resident: {id2}"),
     ] {
         assert!(msg.contains(&needle), "{needle:?} not in {msg}");
     }
     assert_eq!(digests(&inst).await, (id2.clone(), v2.clone()));
     assert_eq!(inst.versions().pinned, Some(id1.clone()));
 
-    // Staging a version that is already pinned reports at once, without pulling, and applying
-    // it then swaps it in.
+    // Staging a version that is already retained reports at once, without pulling (staging
+    // keeps step-2), and applying it then restores it.
     let t = Instant::now();
-    let (stats, _, ranks) = w.stage("step-1", d1).await.unwrap();
+    let stats = w.stage("step-1", d1).await.unwrap();
+    assert!(stats.resident, "{stats:?}");
     assert_eq!((stats.descriptors, stats.useful_bytes), (0, 0));
     assert!(t.elapsed() < Duration::from_secs(5));
     assert_eq!(
-        ranks, v1,
-        "the staged copy's digests are step-1's live digests"
+        stats.digests, v1,
+        "the retained copy's digests are step-1's live digests"
     );
-    assert_eq!(
-        inst.versions().staged,
-        Some(format!("{id1} (resident copy)"))
-    );
+    assert_eq!(inst.versions().staged, Some(id2.clone()));
     let (status, r) = post(&update, json!({"model_path": format!("mx://{d1}")})).await;
     assert_eq!(status, 200, "{r}");
     assert_eq!(digests(&inst).await, (id1.clone(), v1.clone()));
@@ -310,16 +322,26 @@ async fn staged_pinned_and_live_versions_apply_swap_and_refuse_byte_exactly() {
         p.train_step(3);
     }
     let d3 = publish(&client, &mut pubs, &specs, "step-3").await;
-    let (stats, _, staged3) = w.stage("step-3", d3).await.unwrap();
+    let stats = w.stage("step-3", d3).await.unwrap();
     assert!(stats.plan_reused, "{stats:?}");
     assert!(stats.descriptors > 0 && stats.useful_bytes > 0, "{stats:?}");
-    assert_eq!(staged3.len(), 3);
+    assert_eq!(stats.digests.len(), 3);
+    // Staging stays within the ranks' own bytes; the retained copy is one more copy of them.
+    let mem = inst.memory_report().await;
+    let rank_bytes: u64 = mem.rank_bytes.iter().map(|r| r.1).sum();
+    assert!(mem.staging_bytes_peak <= rank_bytes, "{mem:?}");
+    assert_eq!(mem.retained_bytes, rank_bytes, "{mem:?}");
     let (status, r) = post(&update, json!({"model_path": format!("mx://{d3}")})).await;
     assert_eq!(status, 200, "{r}");
     let (id3, v3) = digests(&inst).await;
     assert_eq!(id3, mx_version_id(&d3));
     assert_ne!(v3, v1);
     assert_ne!(v3, v2);
+    assert_eq!(
+        inst.live_addresses().await,
+        addrs,
+        "apply moved the live weights"
+    );
 
     runner.abort();
     server.shutdown().await.unwrap();
