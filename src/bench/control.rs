@@ -594,6 +594,7 @@ pub(crate) async fn sim_workers(a: SimArgs) -> anyhow::Result<()> {
                 engine: Some(EngineEndpoint {
                     api: EngineApi::Dynamo,
                     system_url: format!("http://{addr}/w/{id}"),
+                    no_model: false,
                 }),
                 resident_version: None,
                 model_limits: None,

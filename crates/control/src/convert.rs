@@ -515,6 +515,7 @@ pub(crate) fn engine_pb(e: &EngineEndpoint) -> pb::EngineEndpoint {
             EngineApi::Sglang => pb::EngineApi::Sglang as i32,
         },
         system_url: e.system_url.clone(),
+        no_model: e.no_model,
     }
 }
 
@@ -555,6 +556,7 @@ pub(crate) fn engine(p: &pb::EngineEndpoint, field: &str) -> Result<EngineEndpoi
     Ok(EngineEndpoint {
         api,
         system_url: p.system_url.clone(),
+        no_model: p.no_model,
     })
 }
 

@@ -358,6 +358,13 @@ impl Ctx<'_> {
                         let t0 = Instant::now();
                         let mut result = match &endpoint {
                             None => failed(format!("worker {w} has no engine endpoint")),
+                            Some(ep) if ep.no_model && matches!(action, Action::Generate) => {
+                                CallResult {
+                                    ok: true,
+                                    message: "skipped: the engine declared no model (it only holds weights)".into(),
+                                    ..CallResult::default()
+                                }
+                            }
                             Some(ep) => {
                                 let engine = Engine::new(&self.http, ep, timeout);
                                 tokio::select! {

@@ -66,6 +66,11 @@ pub struct EngineEndpoint {
     pub api: EngineApi,
     /// Base URL of the worker's system server, e.g. `http://127.0.0.1:8081`.
     pub system_url: String,
+    /// The engine holds weights but runs no model the control plane can generate with (e.g.
+    /// an engine embedding mx-puller with only its parameter memory): refits record its
+    /// post-update generation as skipped instead of calling it.
+    #[serde(default)]
+    pub no_model: bool,
 }
 
 /// What a worker says about itself when it (re-)registers.

@@ -209,6 +209,7 @@ fn ready_state() -> (State, Digest) {
             engine: Some(EngineEndpoint {
                 api: crate::refit::EngineApi::Dynamo,
                 system_url: "http://127.0.0.1:1".into(),
+                no_model: false,
             }),
             resident_version: Some("disk:/ckpt".into()),
         })

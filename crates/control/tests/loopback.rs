@@ -541,6 +541,7 @@ async fn register_dynamo(c: &ControlClient, id: &str, url: &str) {
         engine: Some(EngineEndpoint {
             api: EngineApi::Dynamo,
             system_url: url.to_string(),
+            no_model: false,
         }),
         resident_version: Some("disk:/ckpt".into()),
         model_limits: None,
@@ -956,6 +957,7 @@ async fn a_post_update_check_the_engines_would_refuse_is_refused_before_anything
         engine: Some(EngineEndpoint {
             api: EngineApi::Dynamo,
             system_url: url.clone(),
+            no_model: false,
         }),
         resident_version: Some("disk:/ckpt".into()),
         model_limits: Some(mx_control::ModelLimits {
@@ -1018,6 +1020,7 @@ async fn register_as(c: &ControlClient, id: &str, inc: u64, url: &str) -> Result
             engine: Some(EngineEndpoint {
                 api: EngineApi::Dynamo,
                 system_url: url.to_string(),
+                no_model: false,
             }),
             resident_version: Some("disk:/ckpt".into()),
             model_limits: None,

@@ -239,6 +239,8 @@ pub(crate) struct Shared {
     /// Set once when this process lost its worker id to another process (see
     /// [`Instance::retire`]); every engine route refuses from then on.
     retired: std::sync::OnceLock<String>,
+    /// Over another engine's memory: no model, no disk loads ([`Instance::over_puller`]).
+    no_model: bool,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -322,9 +324,76 @@ impl Instance {
                 gate: Gate::default(),
                 failpoints: Failpoints::default(),
                 retired: std::sync::OnceLock::new(),
+                no_model: false,
                 cfg,
             }),
         })
+    }
+
+    /// An instance over memory another engine owns: `puller` has that engine's parameter
+    /// memory registered (see [`Puller::register_param`]) and declares what it holds
+    /// ([`Puller::set_resident`]). There is no reference engine: the instance serves the same
+    /// HTTP contracts (pause, resume, apply of staged or retained versions, version read-back)
+    /// but no generation, and it declares no model, so refits skip its post-update generation.
+    /// Checkpoint loads from disk are refused (the engine loads its own).
+    ///
+    /// # Errors
+    /// [`Error::Puller`] ([`mx_puller::Error::Unregistered`]) when a parameter has no memory.
+    pub fn over_puller(
+        puller: Puller,
+        model: ModelInfo,
+        worker_id: String,
+        failpoints: bool,
+    ) -> Result<Instance, Error> {
+        puller.check_registered()?;
+        let dest = puller.rank_layouts().to_vec();
+        let layout = dest.first().map(|d| d.layout).unwrap_or(LayoutSpec {
+            scheme: mx_layout::Scheme::Replicated,
+            world_size: 1,
+        });
+        let versions = State { puller };
+        let snapshot = versions.versions();
+        Ok(Instance {
+            shared: Arc::new(Shared {
+                max_positions: None,
+                config: serde_json::Value::Null,
+                model,
+                generation: Err(
+                    "this engine declared no model: it holds weights only, and mx runs no generation on it"
+                        .into(),
+                ),
+                cfg: InstanceConfig {
+                    model_dir: PathBuf::new(),
+                    layout,
+                    ranks: dest.iter().map(|d| d.rank).collect(),
+                    failpoints,
+                    worker_id,
+                },
+                dest,
+                state: Mutex::new(versions),
+                engine: Mutex::new(EngineSlot::default()),
+                versions: Mutex::new(snapshot),
+                gate: Gate::default(),
+                failpoints: Failpoints::default(),
+                retired: std::sync::OnceLock::new(),
+                no_model: true,
+            }),
+        })
+    }
+
+    /// True for an instance over another engine's memory ([`Instance::over_puller`]): no
+    /// model, no generation.
+    pub fn no_model(&self) -> bool {
+        self.shared.no_model
+    }
+
+    /// Runs `f` on the puller (behind the store's lock; blocks while a stage or apply runs).
+    /// For engines that drive staging and applying themselves (the bindings).
+    pub fn with_puller<T>(&self, f: impl FnOnce(&mut Puller) -> T) -> T {
+        let mut st = lock(&self.shared.state);
+        let out = f(&mut st.puller);
+        *lock(&self.shared.versions) = st.versions();
+        out
     }
 
     /// Stops this instance from serving for good: every engine route (generation, pause,
@@ -752,6 +821,13 @@ fn install(sh: &Shared, st: &mut State, source: &ApplySource) -> Result<ApplyKin
                 PullKind::Staged | PullKind::Installed => ApplyKind::Staged,
             })
         }
+        ApplySource::Disk { path, .. } if sh.no_model => Err(Error::BadRequest {
+            field: "model_path".into(),
+            reason: format!(
+                "{}: this engine declared no model; it loads its own checkpoints, mx installs only mx://<digest> versions",
+                path.display()
+            ),
+        }),
         ApplySource::Disk { path, version } => {
             // Only an apply of a staged, verified version makes an `mx:` version resident: a
             // checkpoint read from disk never carries one, or a refit would take it for the

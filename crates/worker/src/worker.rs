@@ -120,6 +120,17 @@ impl Worker {
             })
             .await?;
         }
+        Worker::serve(cfg, inst).await
+    }
+
+    /// Serves `inst` (e.g. [`Instance::over_puller`], an engine's own memory) as worker
+    /// `cfg.worker_id`: starts the HTTP server for the engine contracts and registers with the
+    /// control plane; `cfg.model_dir`, `load` and `load_version` are not used (the instance
+    /// holds what it holds). [`Worker::run`] then follows the command stream.
+    ///
+    /// # Errors
+    /// As [`Worker::start`], after the instance exists.
+    pub async fn serve(cfg: WorkerConfig, inst: Instance) -> Result<Worker, Error> {
         let http = http::serve(inst.clone(), cfg.http).await?;
         tracing::info!(
             worker = cfg.worker_id,
@@ -192,6 +203,7 @@ impl Worker {
                 engine: Some(EngineEndpoint {
                     api: self.cfg.engine_api,
                     system_url: self.http.url(),
+                    no_model: self.inst.no_model(),
                 }),
                 resident_version: self.inst.resident_version(),
                 model_limits: self.inst.model_limits(),
