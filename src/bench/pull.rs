@@ -10,14 +10,15 @@
 //! progress thread.
 
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{bail, Context};
 use mx_checkpoint::Checkpoint;
 use mx_control::VersionState;
 use mx_layout::plan::{CostModel, Plan};
 use mx_layout::{LayoutSpec, ModelInfo, SourceManifest};
-use mx_nixl::{Agent, Arena, ReadOp, ReadOptions};
+use mx_nixl::{Agent, ReadOptions};
+use mx_puller::exec::{ExecOptions, Executor, NixlLanes};
 use serde::Serialize;
 
 use crate::fleet::{default_model, median, wait_until, Procs, WorkDir};
@@ -118,38 +119,12 @@ impl Knobs {
     }
 }
 
-/// Read ops per source for `plan`, offsets relative to the start of that source's staging range
-/// (each source's reads fill one contiguous range), each read split to at most `max` bytes.
-/// Returns the ops and each source's range length.
-fn ops_per_source(plan: &Plan, sources: usize, max: Option<u64>) -> Vec<(Vec<ReadOp>, u64)> {
-    let mut out: Vec<(Vec<ReadOp>, u64, u64)> = vec![(Vec::new(), u64::MAX, 0); sources];
-    for r in &plan.reads {
-        let e = &mut out[r.source];
-        e.1 = e.1.min(r.staging_offset);
-        e.2 = e.2.max(r.staging_offset + r.len);
-    }
-    for r in &plan.reads {
-        let lo = out[r.source].1;
-        let step = max.unwrap_or(r.len).max(1);
-        let mut off = 0;
-        while off < r.len {
-            let len = step.min(r.len - off);
-            out[r.source].0.push(ReadOp {
-                remote_addr: r.src_addr + off,
-                len,
-                local_offset: r.staging_offset - lo + off,
-            });
-            off += len;
-        }
-    }
-    out.into_iter()
-        .map(|(ops, lo, hi)| (ops, hi.saturating_sub(lo)))
-        .collect()
-}
-
-/// Pulls `plan` `reps` times with `knobs` (after one warm-up), the sources spread over
-/// `knobs.threads` threads, each with its own NIXL agent and one staging arena per source (as
-/// `mx worker` stages); returns (descriptors, median seconds).
+/// Pulls `plan` `reps` times with `knobs` (after one warm-up) through the puller's own plan
+/// executor ([`mx_puller::exec::Executor`] over NIXL lanes: the sources spread over
+/// `knobs.threads` lanes, each with its own NIXL agent unless `shared_agent`, one registered
+/// staging arena per source, as a worker stages). Verification is off here: only the READs are
+/// timed (`mx bench disk`, `mx demo` and the tests check the bytes a real stage verifies).
+/// Returns (descriptors, median seconds).
 fn measure(
     manifests: &[SourceManifest],
     plan: &Plan,
@@ -157,76 +132,49 @@ fn measure(
     reps: u32,
     tag: &str,
 ) -> anyhow::Result<(u64, f64)> {
-    let per_source = ops_per_source(plan, manifests.len(), knobs.max_descriptor);
     let threads = knobs.threads.clamp(1, manifests.len().max(1));
-    let opts = ReadOptions {
+    let read = ReadOptions {
         batch: knobs.batch,
         ..ReadOptions::default()
     };
-    // Per thread: its agent, and (source, remote name, ops, arena) for the sources it pulls.
-    let mut lanes = Vec::new();
     let options = mx_nixl::AgentOptions {
         progress_thread: knobs.progress_thread,
         ucx_workers: knobs.ucx_workers,
     };
-    let shared = Agent::with_options(
+    let first = Agent::with_options(
         &format!("mx-bench-pull-{}-{tag}", std::process::id()),
         options,
     )?;
-    for t in 0..threads {
-        let agent = if knobs.shared_agent || t == 0 {
-            shared.clone()
+    let mut more = Vec::new();
+    for t in 1..threads {
+        more.push(if knobs.shared_agent {
+            first.clone()
         } else {
             Agent::with_options(
                 &format!("mx-bench-pull-{}-{tag}-{t}", std::process::id()),
                 options,
             )?
-        };
-        let mut mine = Vec::new();
-        for (s, (ops, len)) in per_source.iter().enumerate() {
-            if s % threads != t || ops.is_empty() {
-                continue;
-            }
-            let remote = agent.load_remote(&manifests[s].agent_metadata)?;
-            let arena = Arena::with_pages(&agent, (*len).max(1), knobs.huge_pages)?;
-            mine.push((s, remote, ops, arena));
-        }
-        lanes.push((agent, mine));
+        });
     }
+    let mut exec = Executor::new(NixlLanes::with_agents(first, more, read, knobs.huge_pages));
+    let opts = ExecOptions {
+        max_lanes: Some(threads),
+        max_read_bytes: knobs.max_descriptor,
+        verify: false,
+        ..ExecOptions::default()
+    };
     let mut times = Vec::new();
+    let mut descriptors = 0;
     for rep in 0..=reps {
-        let t = Instant::now();
-        std::thread::scope(|sc| -> anyhow::Result<()> {
-            let handles: Vec<_> = lanes
-                .iter_mut()
-                .map(|(agent, mine)| {
-                    let opts = &opts;
-                    sc.spawn(move || -> anyhow::Result<()> {
-                        for (s, remote, ops, arena) in mine.iter_mut() {
-                            agent.read(remote, ops, arena, opts).with_context(|| {
-                                format!("pulling from source slot {}", manifests[*s].slot)
-                            })?;
-                        }
-                        Ok(())
-                    })
-                })
-                .collect();
-            for h in handles {
-                h.join()
-                    .map_err(|_| anyhow::anyhow!("pull thread panicked"))??;
-            }
-            Ok(())
-        })?;
+        let st = exec
+            .stage(plan, manifests, &opts)
+            .with_context(|| format!("pulling ({})", knobs.name))?;
+        descriptors = st.descriptors;
         if rep > 0 {
-            times.push(t.elapsed().as_secs_f64());
+            times.push(st.pull_s);
         }
     }
-    // Only the READs are timed here; what they bring is verified by the staging path
-    // (`mx bench disk`, `mx demo` and the tests check the live bytes).
-    Ok((
-        per_source.iter().map(|(o, _)| o.len() as u64).sum(),
-        median(&times),
-    ))
+    Ok((descriptors, median(&times)))
 }
 
 /// Runs `mx bench pull`.

@@ -90,8 +90,21 @@ impl NixlLanes {
     /// Lanes whose first agent is `agent`; READs batched as `opts`; staging arenas on huge
     /// pages when `huge_pages`.
     pub fn new(agent: Agent, opts: ReadOptions, huge_pages: bool) -> NixlLanes {
+        NixlLanes::with_agents(agent, Vec::new(), opts, huge_pages)
+    }
+
+    /// As [`NixlLanes::new`] with the agents of lanes 1.. given (e.g. agents configured for a
+    /// benchmark, or the same agent again to share it); more are created as needed.
+    pub fn with_agents(
+        first: Agent,
+        more: Vec<Agent>,
+        opts: ReadOptions,
+        huge_pages: bool,
+    ) -> NixlLanes {
+        let mut lanes = vec![first];
+        lanes.extend(more);
         NixlLanes {
-            lanes: vec![agent],
+            lanes,
             remotes: Vec::new(),
             names: Vec::new(),
             opts,
@@ -299,13 +312,30 @@ fn out_of_range(offset: u64, len: u64) -> Error {
 }
 
 /// Knobs of one [`Executor::stage`].
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct ExecOptions {
     /// Most lanes to pull on (`None`: one per core). At most one per source is used.
     pub max_lanes: Option<usize>,
     /// Failpoint: sleep this long after each source's bytes are in (then one lane pulls, so
     /// "between sources" is one moment).
     pub sleep_between_sources: Option<Duration>,
+    /// Split every read into descriptors of at most this many bytes (`None`: as planned). For
+    /// benchmarks of the per-descriptor cost.
+    pub max_read_bytes: Option<u64>,
+    /// Verify every pulled region (default). Only benchmarks that time the data plane alone
+    /// turn it off; [`crate::Puller::stage`] always verifies.
+    pub verify: bool,
+}
+
+impl Default for ExecOptions {
+    fn default() -> Self {
+        ExecOptions {
+            max_lanes: None,
+            sleep_between_sources: None,
+            max_read_bytes: None,
+            verify: true,
+        }
+    }
 }
 
 /// What one [`Executor::stage`] did.
@@ -436,12 +466,17 @@ impl<T: Transport> Executor<T> {
         let transport = &self.transport;
         let buffers = &mut self.buffers;
         let sleep = opts.sleep_between_sources;
+        let max_read = opts.max_read_bytes;
+        let verify = opts.verify;
         let (descriptors, pull_s, verify_tail_s, bad) =
             std::thread::scope(|sc| -> Result<_, Error> {
                 let (tx, rx) = std::sync::mpsc::channel::<(usize, &SourceBuffer<T::Buffer>)>();
                 let items = &items;
                 let verifier = sc.spawn(move || {
                     for (k, b) in rx {
+                        if !verify {
+                            continue;
+                        }
                         if let Some(v) = first_bad(items[k].as_slice(), b, sources) {
                             return Some(v);
                         }
@@ -458,9 +493,12 @@ impl<T: Transport> Executor<T> {
                     .enumerate()
                     .map(|(lane, mine)| {
                         let tx = tx.clone();
-                        sc.spawn(move || {
-                            pull_lane(transport, plan, sources, lane, mine, sleep, &tx)
-                        })
+                        let work = LaneJob {
+                            lane,
+                            sleep,
+                            max_read,
+                        };
+                        sc.spawn(move || pull_lane(transport, plan, sources, work, mine, &tx))
                     })
                     .collect();
                 drop(tx);
@@ -611,28 +649,44 @@ fn first_bad<'p, B: StagingBuffer>(
         .copied()
 }
 
+/// How one lane pulls.
+#[derive(Debug, Clone, Copy)]
+struct LaneJob {
+    lane: usize,
+    sleep: Option<Duration>,
+    max_read: Option<u64>,
+}
+
 /// Pulls the buffers of one lane in order, handing each to the verifier once its bytes are in.
 fn pull_lane<'s, T: Transport>(
     transport: &T,
     plan: &Plan,
     sources: &[SourceManifest],
-    lane: usize,
+    job: LaneJob,
     mine: LaneWork<'s, T::Buffer>,
-    sleep: Option<Duration>,
     tx: &std::sync::mpsc::Sender<(usize, &'s SourceBuffer<T::Buffer>)>,
 ) -> Result<u64, Error> {
+    let LaneJob {
+        lane,
+        sleep,
+        max_read,
+    } = job;
     let mut descriptors = 0;
     for (k, b) in mine {
-        let ops: Vec<ReadOp> = plan
-            .reads
-            .iter()
-            .filter(|r| r.source == b.source)
-            .map(|r| ReadOp {
-                remote_addr: r.src_addr,
-                len: r.len,
-                local_offset: r.staging_offset - b.lo,
-            })
-            .collect();
+        let mut ops: Vec<ReadOp> = Vec::new();
+        for r in plan.reads.iter().filter(|r| r.source == b.source) {
+            let step = max_read.unwrap_or(r.len).max(1);
+            let mut off = 0;
+            while off < r.len {
+                let len = step.min(r.len - off);
+                ops.push(ReadOp {
+                    remote_addr: r.src_addr + off,
+                    len,
+                    local_offset: r.staging_offset - b.lo + off,
+                });
+                off += len;
+            }
+        }
         descriptors += transport.pull(lane, b.source, &ops, &mut b.buf)?;
         if let Some(d) = sleep {
             tracing::warn!(

@@ -411,7 +411,11 @@ impl Puller {
             }
         };
         let plan_s = t.elapsed().as_secs_f64();
-        let st = exec.stage(&plan, manifests, opts)?;
+        let opts = ExecOptions {
+            verify: true,
+            ..opts.clone()
+        };
+        let st = exec.stage(&plan, manifests, &opts)?;
         let report = StageReport {
             plan_s,
             plan_reused,

@@ -587,8 +587,8 @@ impl Instance {
     ) -> Result<StageReport, Error> {
         let sh = Arc::clone(&self.shared);
         let opts = ExecOptions {
-            max_lanes: None,
             sleep_between_sources: self.shared.failpoints.get().stage_sleep_between_sources,
+            ..ExecOptions::default()
         };
         let label = label.to_string();
         blocking(move || {
