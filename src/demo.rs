@@ -527,7 +527,7 @@ async fn run_async(args: DemoArgs) -> anyhow::Result<()> {
         versions,
     };
     if let Some(p) = &args.report {
-        std::fs::write(p, serde_json::to_string_pretty(&report)?)?;
+        crate::provenance::write_report(p, &report)?;
         println!("report written to {}", p.display());
     }
     if args.keep {

@@ -5,6 +5,7 @@ mod bench;
 mod demo;
 mod fleet;
 mod plan_cmd;
+mod provenance;
 mod refit_cmd;
 mod slice;
 mod validate;
@@ -18,7 +19,7 @@ use mx_layout::LayoutSpec;
 
 /// mx: resharded trainer->inference weight refit over NIXL, committed over gRPC.
 #[derive(Parser)]
-#[command(name = "mx", version, about)]
+#[command(name = "mx", version, long_version = provenance::LONG_VERSION, about)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,

@@ -172,7 +172,7 @@ pub(crate) async fn run(a: RefitArgs) -> anyhow::Result<()> {
     let refit = wait_end(&client, id, Duration::from_secs(3600)).await?;
     print_refit(&refit);
     if let Some(p) = &a.json {
-        std::fs::write(p, serde_json::to_vec_pretty(&refit)?)
+        crate::provenance::write_report(p, &refit)
             .with_context(|| format!("writing {}", p.display()))?;
     }
     if refit.outcome != Some(Outcome::Committed) {

@@ -112,7 +112,7 @@ struct AllReport {
 
 fn write_json(path: &Option<PathBuf>, value: &impl serde::Serialize) -> anyhow::Result<()> {
     if let Some(p) = path {
-        std::fs::write(p, serde_json::to_vec_pretty(value)?)?;
+        crate::provenance::write_report(p, value)?;
         eprintln!("report written to {}", p.display());
     }
     Ok(())

@@ -173,8 +173,7 @@ pub(super) async fn run(
             },
             "versions": f.versions.iter().map(|(l, (id, g))| json!({"label": l, "version": id, "golden_tokens": g})).collect::<Vec<_>>(),
         });
-        std::fs::write(p, serde_json::to_vec_pretty(&doc)?)
-            .with_context(|| format!("writing {}", p.display()))?;
+        crate::provenance::write_report(p, &doc)?;
     }
     if let Some(v) = violations.first() {
         bail!(

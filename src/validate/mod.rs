@@ -563,15 +563,14 @@ async fn run_async(args: ValidateArgs) -> anyhow::Result<()> {
     print_table(&f, &reports);
     if let Some(p) = &args.report {
         let all = reports.iter().all(|r| r.passed);
-        std::fs::write(
+        crate::provenance::write_report(
             p,
-            serde_json::to_vec_pretty(&json!({
+            &json!({
                 "passed": all,
                 "scenarios": reports,
                 "versions": f.versions.iter().map(|(l, (id, g))| json!({"label": l, "version": id, "golden_tokens": g})).collect::<Vec<_>>(),
-            }))?,
-        )
-        .with_context(|| format!("writing {}", p.display()))?;
+            }),
+        )?;
     }
     if let Some(bad) = reports.iter().find(|r| !r.passed) {
         bail!(
