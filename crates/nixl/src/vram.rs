@@ -35,6 +35,45 @@ pub fn cuda_available() -> Result<(), Error> {
     }
 }
 
+/// The primary context of CUDA device `device`, retained once per process and kept (a trainer's
+/// framework holds it too; releasing it here could tear down its allocations).
+pub(crate) fn context(device: u32) -> Result<Arc<CudaContext>, Error> {
+    use std::collections::BTreeMap;
+    use std::sync::{Mutex, OnceLock};
+    static CONTEXTS: OnceLock<Mutex<BTreeMap<u32, Arc<CudaContext>>>> = OnceLock::new();
+    cuda_available()?;
+    let mut map = CONTEXTS
+        .get_or_init(|| Mutex::new(BTreeMap::new()))
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if let Some(c) = map.get(&device) {
+        return Ok(Arc::clone(c));
+    }
+    let c = CudaContext::new(device as usize).map_err(cuda_err("CudaContext::new"))?;
+    map.insert(device, Arc::clone(&c));
+    Ok(c)
+}
+
+/// Copies `out.len()` bytes from device address `addr` of device `device` to `out`, in
+/// synchronous copies of at most [`crate::DTOH_CHUNK`] bytes.
+///
+/// The caller (a [`crate::ForeignMemory`] of kind `Cuda`) guarantees `addr .. addr + out.len()`
+/// lies in a live device allocation of `device`.
+pub(crate) fn read_device(device: u32, addr: u64, out: &mut [u8]) -> Result<(), Error> {
+    let ctx = context(device)?;
+    ctx.bind_to_thread().map_err(cuda_err("bind_to_thread"))?;
+    let mut at = addr;
+    for chunk in out.chunks_mut(crate::DTOH_CHUNK) {
+        // SAFETY: `chunk` is a valid host slice; `at .. at + chunk.len()` lies inside a live
+        // device allocation on `device` (the ForeignMemory constructor's contract, range checked
+        // by read_into), whose context is current on this thread.
+        unsafe { cudarc::driver::result::memcpy_dtoh_sync(chunk, at) }
+            .map_err(cuda_err("cuMemcpyDtoH"))?;
+        at += chunk.len() as u64;
+    }
+    Ok(())
+}
+
 /// A zeroed device buffer on GPU `device`, registered with an [`Agent`] as NIXL VRAM (device id =
 /// the CUDA ordinal). Dropping it deregisters first, then frees the device memory.
 pub struct VramBuffer {
