@@ -53,9 +53,9 @@ impl DemoTrainer {
     /// Loads this rank's shards and connects its publisher.
     pub(crate) async fn start(cfg: TrainerConfig) -> anyhow::Result<DemoTrainer> {
         let ckpt = Checkpoint::open(&cfg.model_dir)?;
-        let config = ckpt
-            .config()
-            .with_context(|| format!("checkpoint {} has no config.json", cfg.model_dir.display()))?;
+        let config = ckpt.config().with_context(|| {
+            format!("checkpoint {} has no config.json", cfg.model_dir.display())
+        })?;
         let model = ModelInfo::from_hf_config(config, ckpt.specs())?;
         anyhow::ensure!(
             cfg.rank < cfg.layout.world_size,
@@ -88,7 +88,8 @@ impl DemoTrainer {
         // first: field order). It is written only by `train_step`, which `run_steps_from`
         // calls only after `wait_committed` handed the previous version back, and by the
         // fault injection, whose whole point is a write the verification must catch.
-        let mem = unsafe { ForeignMemory::register_host(publisher.agent(), buf.addr(), buf.len()) }?;
+        let mem =
+            unsafe { ForeignMemory::register_host(publisher.agent(), buf.addr(), buf.len()) }?;
         let id = publisher.register(mem)?;
         let specs = rl
             .params
@@ -176,7 +177,9 @@ impl DemoTrainer {
                 self.publisher.wait_committed(&prev, patience).await?;
                 self.train_step(k);
             }
-            self.publisher.publish(&format!("{prefix}{k}"), opts).await?;
+            self.publisher
+                .publish(&format!("{prefix}{k}"), opts)
+                .await?;
             if let Some(t) = self.fault_flip_byte.clone() {
                 self.flip_byte(&t);
             }

@@ -51,7 +51,7 @@ pub use mx_layout::VersionId;
 use mx_layout::{DType, LayoutSpec, TensorBox};
 pub use mx_nixl::ForeignMemory;
 
-pub use publisher::{Published, Publisher, PublisherConfig, PublishOptions};
+pub use publisher::{PublishOptions, Published, Publisher, PublisherConfig};
 pub use spec::{MemoryId, ShardSpec};
 
 /// How many snapshot arenas copy mode keeps at most: 2 (the version being staged and the next

@@ -228,7 +228,9 @@ async fn watch(shared: Arc<Shared>) {
         };
         match shared.client.publish(&label, &m).await {
             Ok(_) => shared.sent(&label, m.pieces.len()),
-            Err(e) => tracing::warn!(label, error = %e, "republishing with more pieces failed; retrying"),
+            Err(e) => {
+                tracing::warn!(label, error = %e, "republishing with more pieces failed; retrying")
+            }
         }
     }
 }
@@ -240,6 +242,10 @@ struct Snapshot {
     /// Publish sequence number of its version (the oldest is waited for first).
     seq: u64,
 }
+
+/// What cuts depend on besides the shard specs: each destination layout and the rank sets of
+/// its registered workers (which cuts are packed).
+type CutKey = Vec<(LayoutSpec, Vec<Vec<u32>>)>;
 
 /// Alignment of shards in a snapshot arena, in bytes.
 const SNAPSHOT_ALIGN: u64 = 64;
@@ -255,7 +261,7 @@ pub struct Publisher {
     memories: Vec<Arc<ForeignMemory>>,
     specs: Vec<ShardSpec>,
     /// Cuts for the layouts (with their workers' rank sets) they were made for.
-    cut_cache: Option<(Vec<(LayoutSpec, Vec<Vec<u32>>)>, Vec<Cuts>)>,
+    cut_cache: Option<(CutKey, Vec<Cuts>)>,
     /// In-place mode's packing arena (grown by replacement).
     pack: Option<Arena>,
     ring: Vec<Snapshot>,
@@ -393,7 +399,10 @@ impl Publisher {
     ) -> Result<(Vec<DestLayout>, Vec<LayoutSpec>), Error> {
         let client = &self.shared.client;
         let (layouts, status) = persist(label, "listed", patience, |_| async move {
-            Ok(Some((client.list_layouts().await?, client.get_status().await?)))
+            Ok(Some((
+                client.list_layouts().await?,
+                client.get_status().await?,
+            )))
         })
         .await?;
         let mut dests = Vec::new();
@@ -443,7 +452,7 @@ impl Publisher {
     }
 
     fn cuts(&mut self, shards: &[ShardEntry], dests: &[DestLayout]) -> Result<Vec<Cuts>, Error> {
-        let key: Vec<(LayoutSpec, Vec<Vec<u32>>)> = dests
+        let key: CutKey = dests
             .iter()
             .map(|d| (d.layout, d.rank_sets.clone()))
             .collect();
@@ -531,8 +540,11 @@ impl Publisher {
                     .for_each(|(out, b)| out.copy_from_slice(b));
             }
             copy_s = t_copy.elapsed().as_secs_f64();
-            let ranges: Vec<(u64, u64)> =
-                shards.iter().zip(&offsets).map(|(s, &o)| (o, s.len)).collect();
+            let ranges: Vec<(u64, u64)> = shards
+                .iter()
+                .zip(&offsets)
+                .map(|(s, &o)| (o, s.len))
+                .collect();
             for (s, &o) in shards.iter_mut().zip(&offsets) {
                 s.addr = base + o;
                 s.device = MemDevice::Dram;

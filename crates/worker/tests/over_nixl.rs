@@ -23,11 +23,11 @@ use mx_control::{
     ControlPlaneConfig, EngineApi, GenerationCheck, Outcome, PauseMode, RefitSpec, VersionState,
 };
 use mx_layout::{Digest, LayoutSpec, RankDigests};
-use trainer::TestTrainer;
 use mx_worker::{
     mx_version_id, ApplySource, Error, Instance, InstanceConfig, Worker, WorkerConfig,
 };
 use serde_json::json;
+use trainer::TestTrainer;
 
 const WAIT: Duration = Duration::from_secs(180);
 
@@ -84,10 +84,7 @@ async fn publish(
 async fn train(pubs: &mut [TestTrainer], label: &str, step: u32) {
     for p in pubs {
         let why = p.publisher.wait_staged(label, WAIT).await.unwrap();
-        assert!(
-            matches!(why, mx_control::Release::Staged { .. }),
-            "{why}"
-        );
+        assert!(matches!(why, mx_control::Release::Staged { .. }), "{why}");
         p.train_step(step);
     }
 }

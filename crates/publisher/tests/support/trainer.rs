@@ -54,8 +54,8 @@ pub(crate) async fn start(control: &str, dir: &Path, layout: LayoutSpec, rank: u
     .unwrap();
     // SAFETY: `buf` outlives the registration (TestTrainer drops the publisher first) and the
     // tests write it only after a version was handed back, or in copy mode.
-    let mem = unsafe { ForeignMemory::register_host(publisher.agent(), buf.addr(), buf.len()) }
-        .unwrap();
+    let mem =
+        unsafe { ForeignMemory::register_host(publisher.agent(), buf.addr(), buf.len()) }.unwrap();
     let memory = publisher.register(mem).unwrap();
     publisher.set_shards(specs(&rl, memory)).unwrap();
     TestTrainer {
@@ -94,7 +94,11 @@ impl TestTrainer {
 
 /// Publishes `label` from every trainer at once (a publish returns once the version is READY,
 /// which needs every slot).
-pub(crate) async fn publish_all(pubs: &mut [TestTrainer], label: &str, copy: bool) -> Vec<Published> {
+pub(crate) async fn publish_all(
+    pubs: &mut [TestTrainer],
+    label: &str,
+    copy: bool,
+) -> Vec<Published> {
     let opts = PublishOptions {
         copy,
         patience: Patience::GiveUpAfter(std::time::Duration::from_secs(120)),
