@@ -235,4 +235,52 @@ mod tests {
             }
         }
     }
+
+    #[test]
+    fn foreign_device_memory_reads_back_in_chunks_or_skips() {
+        if let Err(e) = cuda_available() {
+            eprintln!("SKIPPED foreign device memory test: {e}");
+            return;
+        }
+        if crate::nixl_available().is_err() {
+            eprintln!("SKIPPED foreign device memory test: NIXL missing");
+            return;
+        }
+        let owner = Agent::new(&format!("mx-vram-owner-{}", std::process::id()))
+            .unwrap_or_else(|e| panic!("agent: {e}"));
+        let len = crate::DTOH_CHUNK + 4096 + 3;
+        let mut buf = match VramBuffer::new(&owner, 0, len as u64) {
+            Ok(b) => b,
+            Err(e @ (Error::Cuda { .. } | Error::Nixl { .. })) => {
+                eprintln!("SKIPPED foreign device memory test: {e}");
+                return;
+            }
+            Err(e) => panic!("unexpected {e}"),
+        };
+        let data: Vec<u8> = (0..len).map(|i| (i % 253) as u8).collect();
+        buf.copy_from_host(&data)
+            .unwrap_or_else(|e| panic!("htod: {e}"));
+        // The device memory as a caller (a torch tensor) would hand it over.
+        let other = Agent::new(&format!("mx-vram-foreign-{}", std::process::id()))
+            .unwrap_or_else(|e| panic!("agent: {e}"));
+        // SAFETY: `buf` is a live device allocation of `len` bytes on device 0 that outlives
+        // `mem` (dropped first) and is not written meanwhile.
+        let mem = match unsafe {
+            crate::ForeignMemory::register_cuda(&other, 0, buf.addr(), buf.len())
+        } {
+            Ok(m) => m,
+            Err(e @ Error::Nixl { .. }) => {
+                eprintln!("SKIPPED foreign device memory test: {e}");
+                return;
+            }
+            Err(e) => panic!("unexpected {e}"),
+        };
+        assert_eq!(mem.kind(), crate::MemoryKind::Cuda { device: 0 });
+        assert!(mem.as_slice().is_none());
+        let mut back = vec![0u8; len - 7];
+        mem.read_into(7, &mut back)
+            .unwrap_or_else(|e| panic!("dtoh: {e}"));
+        assert_eq!(back, data[7..]);
+        drop(mem);
+    }
 }

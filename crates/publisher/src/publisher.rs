@@ -65,7 +65,8 @@ pub struct Published {
     pub manifest: SourceManifest,
     /// Bytes of this rank's shards.
     pub shard_bytes: u64,
-    /// Seconds snapshotting the shards (copy mode; 0 in place).
+    /// Seconds copying the shards into the snapshot (copy mode; 0 in place), not counting
+    /// finding or mapping the snapshot arena.
     pub copy_s: f64,
     /// Seconds hashing the shards.
     pub digest_s: f64,
@@ -209,6 +210,9 @@ impl Shared {
 async fn watch(shared: Arc<Shared>) {
     loop {
         tokio::time::sleep(WATCH_INTERVAL).await;
+        if lock(&shared.served).is_none() {
+            continue;
+        }
         let Ok(layouts) = shared.client.list_layouts().await else {
             continue;
         };
@@ -510,7 +514,6 @@ impl Publisher {
         let cuts = self.cuts(&shards, &dests)?;
         let packed = packed_bytes(&cuts);
         let shard_bytes: u64 = shards.iter().map(|s| s.len).sum();
-        let t_copy = Instant::now();
         let (held, digest_s, cut_s, pack_s, copy_s, pieces);
         if opts.copy {
             let mut offsets = Vec::with_capacity(shards.len());
@@ -520,6 +523,7 @@ impl Publisher {
                 end = (end + s.len).next_multiple_of(SNAPSHOT_ALIGN);
             }
             let slot = self.free_snapshot(label, end + packed, patience).await?;
+            let t_copy = Instant::now();
             let arena = Arc::clone(&self.ring[slot].arena);
             let mut a = lock(&arena);
             let base = a.addr();
