@@ -8,6 +8,7 @@ mod plan_cmd;
 mod provenance;
 mod refit_cmd;
 mod slice;
+mod trainer;
 mod validate;
 
 use std::path::PathBuf;
@@ -336,7 +337,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             stay,
             fault_flip_byte,
         } => runtime()?.block_on(async move {
-            let mut p = mx_publisher::Publisher::start(mx_publisher::PublisherConfig {
+            let mut p = trainer::DemoTrainer::start(trainer::TrainerConfig {
                 control,
                 model_dir: model,
                 layout,

@@ -12,7 +12,8 @@ use crate::pb::control_plane_client::ControlPlaneClient;
 use crate::refit::{Refit, RefitSpec, Registration};
 use crate::server::MAX_MESSAGE_BYTES;
 use crate::types::{
-    Command, FleetStatus, StagedReport, VersionInfo, VersionState, WorkerBrief, WorkerState,
+    Command, FleetStatus, Release, StagedReport, VersionInfo, VersionState, WorkerBrief,
+    WorkerState,
 };
 use crate::Error;
 
@@ -483,5 +484,50 @@ impl ControlClient {
                 })
             }
         }
+    }
+
+    /// Waits (server-side long poll) until the sources of `label` may stop serving it, and
+    /// returns why ([`Release`]): every worker of its last stage staged it, a refit to it ended
+    /// without committing first, a later version committed, or a source released it. `None`
+    /// when `timeout` passed first (an undeclared label is waited for too).
+    ///
+    /// # Errors
+    /// [`Error::Rpc`] when the call fails (e.g. the server shut down mid-wait: transient);
+    /// [`Error::InvalidField`] for a malformed answer.
+    pub async fn wait_released(
+        &self,
+        label: &str,
+        timeout: Duration,
+    ) -> Result<Option<Release>, Error> {
+        let r = self
+            .rpc()
+            .wait_released(pb::WaitReleasedRequest {
+                label: label.to_string(),
+                timeout_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
+            })
+            .await
+            .map_err(|s| Error::rpc("WaitReleased", s))?
+            .into_inner();
+        r.release
+            .as_ref()
+            .map(|x| convert::release(x, "release"))
+            .transpose()
+    }
+
+    /// Says source `slot` no longer serves `label` (journaled; a no-op once the version is
+    /// released for any reason).
+    ///
+    /// # Errors
+    /// [`Error::Rpc`]: `NotFound` for an undeclared label, `InvalidArgument` for a slot outside
+    /// the trainer layout.
+    pub async fn release_version(&self, label: &str, slot: u32) -> Result<(), Error> {
+        self.rpc()
+            .release_version(pb::ReleaseVersionRequest {
+                label: label.to_string(),
+                slot,
+            })
+            .await
+            .map_err(|s| Error::rpc("ReleaseVersion", s))?;
+        Ok(())
     }
 }

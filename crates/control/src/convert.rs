@@ -11,11 +11,11 @@ use mx_layout::{
 use crate::limits;
 use crate::pb;
 use crate::refit::{
-    EngineApi, EngineEndpoint, GenerationCheck, ModelLimits, PauseMode, Refit, RefitSpec,
+    EngineApi, EngineEndpoint, GenerationCheck, ModelLimits, Outcome, PauseMode, Refit, RefitSpec,
 };
 use crate::types::{
-    Command, CoverageGap, FleetStatus, StagedReport, VersionInfo, VersionState, VersionSummary,
-    WorkerState, WorkerStatus,
+    Command, CoverageGap, FleetStatus, Release, StagedReport, VersionInfo, VersionState,
+    VersionSummary, WorkerState, WorkerStatus,
 };
 use crate::Error;
 
@@ -425,7 +425,69 @@ pub(crate) fn version_info_pb(v: &VersionInfo) -> pb::VersionInfo {
             .collect(),
         manifests: v.manifests.iter().map(manifest_pb).collect(),
         commit_workers: v.commit_workers.clone(),
+        release: v.release.as_ref().map(release_pb),
     }
+}
+
+/// Encodes a release.
+pub(crate) fn release_pb(r: &Release) -> pb::Release {
+    let mut out = pb::Release::default();
+    match r {
+        Release::Staged { refit, workers } => {
+            out.kind = pb::ReleaseKind::Staged.into();
+            out.refit_id = refit.unwrap_or(0);
+            out.workers = workers.clone();
+        }
+        Release::RefitEnded { refit, outcome } => {
+            out.kind = pb::ReleaseKind::RefitEnded.into();
+            out.refit_id = *refit;
+            out.outcome = outcome.to_string();
+        }
+        Release::Superseded { by } => {
+            out.kind = pb::ReleaseKind::Superseded.into();
+            out.by_label = by.clone();
+        }
+        Release::Source { slot } => {
+            out.kind = pb::ReleaseKind::Source.into();
+            out.slot = *slot;
+        }
+    }
+    out
+}
+
+/// Decodes a release.
+pub(crate) fn release(p: &pb::Release, field: &str) -> Result<Release, Error> {
+    Ok(match pb::ReleaseKind::try_from(p.kind) {
+        Ok(pb::ReleaseKind::Staged) => Release::Staged {
+            refit: (p.refit_id != 0).then_some(p.refit_id),
+            workers: p.workers.clone(),
+        },
+        Ok(pb::ReleaseKind::RefitEnded) => Release::RefitEnded {
+            refit: p.refit_id,
+            outcome: match p.outcome.as_str() {
+                "COMMITTED" => Outcome::Committed,
+                "ABORTED" => Outcome::Aborted,
+                "ROLLED_BACK" => Outcome::RolledBack,
+                "FENCED" => Outcome::Fenced,
+                o => {
+                    return Err(invalid(
+                        &format!("{field}.outcome"),
+                        format!("unknown outcome {o:?}"),
+                    ))
+                }
+            },
+        },
+        Ok(pb::ReleaseKind::Superseded) => Release::Superseded {
+            by: non_empty(&p.by_label, &format!("{field}.by_label"))?,
+        },
+        Ok(pb::ReleaseKind::Source) => Release::Source { slot: p.slot },
+        Ok(pb::ReleaseKind::Unspecified) | Err(_) => {
+            return Err(invalid(
+                &format!("{field}.kind"),
+                format!("unknown release kind {}", p.kind),
+            ))
+        }
+    })
 }
 
 /// Decodes a version info.
@@ -457,6 +519,11 @@ pub(crate) fn version_info(p: &pb::VersionInfo) -> Result<VersionInfo, Error> {
             .map(|(i, m)| manifest(m, &format!("manifests[{i}]")))
             .collect::<Result<_, _>>()?,
         commit_workers: p.commit_workers.clone(),
+        release: p
+            .release
+            .as_ref()
+            .map(|r| release(r, "release"))
+            .transpose()?,
     })
 }
 

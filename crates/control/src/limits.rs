@@ -68,6 +68,12 @@ pub const MAX_MANIFEST_BYTES: usize = MAX_MESSAGE_BYTES;
 /// and each republish adds a manifest to the journal.
 pub const MAX_REPUBLISHES: u32 = 32;
 
+/// Most times one slot of one version may be published again with only more destination pieces
+/// (the same shards, agent and metadata; the held pieces first): 64. A publisher does that when a
+/// destination layout registers after it published (workers of a new inference layout join);
+/// fleets run a handful of layouts, and each extension journals the manifest again.
+pub const MAX_PIECE_EXTENSIONS: u32 = 64;
+
 /// Largest journal line, in bytes: 1 GiB. A manifest's JSON form is about 2-3x its protobuf form
 /// (field names, hex digests), so every manifest under [`MAX_MANIFEST_BYTES`] fits.
 pub const MAX_JOURNAL_LINE_BYTES: usize = 1 << 30;

@@ -808,6 +808,37 @@ impl ControlPlane for Service {
             version: info.as_ref().map(convert::version_info_pb),
         }))
     }
+
+    async fn wait_released(
+        &self,
+        req: Request<pb::WaitReleasedRequest>,
+    ) -> Result<Response<pb::WaitReleasedResponse>, Status> {
+        let r = req.into_inner();
+        convert::label(&r.label, "label")?;
+        let release = self
+            .shared
+            .long_poll(r.timeout_ms, |s| {
+                let release = s.release_of(&r.label);
+                (release.is_some(), release)
+            })
+            .await?;
+        Ok(Response::new(pb::WaitReleasedResponse {
+            release: release.as_ref().map(convert::release_pb),
+        }))
+    }
+
+    async fn release_version(
+        &self,
+        req: Request<pb::ReleaseVersionRequest>,
+    ) -> Result<Response<pb::ReleaseVersionResponse>, Status> {
+        let r = req.into_inner();
+        let rec = Record::Release {
+            label: convert::label(&r.label, "label")?,
+            slot: r.slot,
+        };
+        self.shared.mutate(rec).await?;
+        Ok(Response::new(pb::ReleaseVersionResponse {}))
+    }
 }
 
 /// Validates a refit request, journals its BEGIN and starts its driver; returns its id. A refit

@@ -16,6 +16,7 @@ use serde::{Deserialize, Serialize};
 use crate::refit::{
     Action, CallResult, EngineEndpoint, Outcome, Phase, Refit, Rejoined, WorkerCall,
 };
+use crate::types::Release;
 use crate::types::{
     Command, CoverageGap, FleetStatus, StagedReport, VersionInfo, VersionState, VersionSummary,
     WorkerState, WorkerStatus,
@@ -46,6 +47,13 @@ pub enum Record {
         label: String,
         /// The manifest (its `slot` names the slot).
         manifest: SourceManifest,
+    },
+    /// A source says it no longer serves a version (its memory may hold other bytes now).
+    Release {
+        /// Version label.
+        label: String,
+        /// The releasing slot.
+        slot: u32,
     },
     /// A worker registers (or re-registers, which resets it to IDLE).
     Register {
@@ -174,6 +182,10 @@ struct Version {
     /// Slots whose memory a later version of the same NIXL agent was published in (slot ->
     /// that version's label): this version can no longer be pulled from them.
     retired: BTreeMap<u32, String>,
+    /// The worker set of the last Stage of it, sorted (a refit's STAGE journals one too).
+    stage_set: Vec<String>,
+    /// Whether its sources may stop serving it (the first reason reached sticks).
+    release: Option<Release>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -216,6 +228,9 @@ pub struct State {
     /// How many times each (version, slot) was published again with a different manifest
     /// (bounded by [`crate::limits::MAX_REPUBLISHES`]).
     republishes: BTreeMap<(String, u32), u32>,
+    /// How many times each (version, slot) was extended with pieces for more destination
+    /// layouts (bounded by [`crate::limits::MAX_PIECE_EXTENSIONS`]).
+    extensions: BTreeMap<(String, u32), u32>,
 }
 
 fn invalid(field: impl Into<String>, reason: impl Into<String>) -> Error {
@@ -270,6 +285,23 @@ impl State {
                 tensors,
             } => self.check_declare(label, trainer_layout, tensors),
             Record::Publish { label, manifest } => self.check_publish(label, manifest),
+            Record::Release { label, slot } => {
+                let v = self.version(label)?;
+                if *slot >= v.trainer_layout.world_size {
+                    return Err(invalid(
+                        "slot",
+                        format!(
+                            "slot {slot} is out of range 0..{} of trainer layout {}",
+                            v.trainer_layout.world_size, v.trainer_layout
+                        ),
+                    ));
+                }
+                Ok(if v.release.is_some() {
+                    Check::Noop
+                } else {
+                    Check::Apply
+                })
+            }
             Record::Register {
                 worker_id,
                 ranks,
@@ -395,6 +427,8 @@ impl State {
                         commit_set: Vec::new(),
                         before_refit: None,
                         retired: BTreeMap::new(),
+                        stage_set: Vec::new(),
+                        release: None,
                     },
                 );
                 Effects::default()
@@ -402,14 +436,22 @@ impl State {
             Record::Publish { label, manifest } => {
                 self.retire_overwritten(&label, &manifest);
                 if let Some(v) = self.versions.get_mut(&label) {
-                    if v.slots.contains_key(&manifest.slot) {
-                        *self
-                            .republishes
-                            .entry((label.clone(), manifest.slot))
-                            .or_default() += 1;
+                    if let Some(held) = v.slots.get(&manifest.slot) {
+                        let counter = if is_extension(held, &manifest) {
+                            &mut self.extensions
+                        } else {
+                            &mut self.republishes
+                        };
+                        *counter.entry((label.clone(), manifest.slot)).or_default() += 1;
                     }
                     v.slots.insert(manifest.slot, manifest);
                     v.evaluate();
+                }
+                Effects::default()
+            }
+            Record::Release { label, slot } => {
+                if let Some(v) = self.versions.get_mut(&label) {
+                    v.release.get_or_insert(Release::Source { slot });
                 }
                 Effects::default()
             }
@@ -463,6 +505,11 @@ impl State {
             }
             Record::Stage { label, worker_ids } => {
                 let digest = self.versions.get(&label).and_then(|v| v.digest);
+                if let Some(v) = self.versions.get_mut(&label) {
+                    let mut set = worker_ids.clone();
+                    set.sort();
+                    v.stage_set = set;
+                }
                 for id in &worker_ids {
                     if let Some(w) = self.workers.get_mut(id) {
                         w.state = WorkerState::Staging;
@@ -477,6 +524,7 @@ impl State {
                 }
             }
             Record::Staged { report } => {
+                let label_of_report = report.label.clone();
                 let retired = self.retired_by(&report.label);
                 if let Some(w) = self.workers.get_mut(&report.worker_id) {
                     if report.ok {
@@ -511,6 +559,7 @@ impl State {
                     }
                     w.last_staged = Some(report);
                 }
+                self.note_staged(&label_of_report);
                 Effects::default()
             }
             Record::RefitBegin { refit } => {
@@ -531,13 +580,28 @@ impl State {
                 reason,
                 recovered,
             } => {
+                let mut staged_by = None;
                 if let Some(r) = self.refits.get_mut(&id) {
+                    if r.phase == Phase::Stage && phase != Phase::Abort {
+                        let mut set = r.spec.worker_ids.clone();
+                        set.sort();
+                        staged_by = Some((r.spec.label.clone(), set));
+                    }
                     r.phase = phase;
                     r.phases.push((phase, at_ms));
                     if !reason.is_empty() {
                         r.reason = reason;
                     }
                     r.recovered |= recovered;
+                }
+                // Leaving STAGE for anything but ABORT: every worker of the set holds it.
+                if let Some((label, workers)) = staged_by {
+                    if let Some(v) = self.versions.get_mut(&label) {
+                        v.release.get_or_insert(Release::Staged {
+                            refit: Some(id),
+                            workers,
+                        });
+                    }
                 }
                 Effects::default()
             }
@@ -616,6 +680,7 @@ impl State {
                 if outcome == Outcome::Committed {
                     self.fleet_version = Some((label.clone(), target));
                 }
+                self.note_refit_end(&label, id, outcome);
                 if let Some(v) = self.versions.get_mut(&label) {
                     let before = v.before_refit.take().unwrap_or(VersionState::Ready);
                     v.state = if outcome == Outcome::Committed {
@@ -647,6 +712,59 @@ impl State {
             }
         };
         Ok(effects)
+    }
+
+    /// After a staged report for `label`: when every worker of its last Stage is STAGED for it,
+    /// its sources are released ([`Release::Staged`], with the open refit staging it, if any).
+    fn note_staged(&mut self, label: &str) {
+        let Some(v) = self.versions.get(label) else {
+            return;
+        };
+        if v.release.is_some() || v.stage_set.is_empty() {
+            return;
+        }
+        let all = v.stage_set.iter().all(|w| {
+            self.workers.get(w).is_some_and(|w| {
+                w.state == WorkerState::Staged && w.label.as_deref() == Some(label)
+            })
+        });
+        if !all {
+            return;
+        }
+        let refit = self
+            .refits
+            .values()
+            .find(|r| r.outcome.is_none() && r.phase == Phase::Stage && r.spec.label == label)
+            .map(|r| r.id);
+        let workers = v.stage_set.clone();
+        if let Some(v) = self.versions.get_mut(label) {
+            v.release = Some(Release::Staged { refit, workers });
+        }
+    }
+
+    /// After refit `id` to `label` ended with `outcome`: a refit that did not commit releases
+    /// the version (unless a stage of it completed before); a commit supersedes every version
+    /// declared before it.
+    fn note_refit_end(&mut self, label: &str, id: u64, outcome: Outcome) {
+        let Some(order) = self.versions.get(label).map(|v| v.order) else {
+            return;
+        };
+        if outcome == Outcome::Committed {
+            for v in self.versions.values_mut().filter(|v| v.order < order) {
+                v.release.get_or_insert_with(|| Release::Superseded {
+                    by: label.to_string(),
+                });
+            }
+        } else if let Some(v) = self.versions.get_mut(label) {
+            v.release
+                .get_or_insert(Release::RefitEnded { refit: id, outcome });
+        }
+    }
+
+    /// Whether (and why) the sources of `label` may stop serving it; `None` when not declared
+    /// or not released.
+    pub fn release_of(&self, label: &str) -> Option<Release> {
+        self.versions.get(label)?.release.clone()
     }
 
     /// Whether worker `worker_id` may take rollouts as far as the durable state knows, and why
@@ -1071,6 +1189,25 @@ impl State {
         if held == m && !v.retired.contains_key(&m.slot) {
             return Ok(Some(Check::Noop));
         }
+        if is_extension(held, m) {
+            let n = self
+                .extensions
+                .get(&(label.to_string(), m.slot))
+                .copied()
+                .unwrap_or(0);
+            if n >= crate::limits::MAX_PIECE_EXTENSIONS {
+                return Err(Error::VersionState {
+                    label: label.to_string(),
+                    state: v.state,
+                    reason: format!(
+                        "slot {} was already extended {n} times with pieces for more layouts, the limit",
+                        m.slot
+                    ),
+                });
+            }
+            // Checked as a new publish (its pieces), without counting as a republish.
+            return Ok(None);
+        }
         let n = self
             .republishes
             .get(&(label.to_string(), m.slot))
@@ -1196,6 +1333,7 @@ impl State {
             coverage_gaps: v.gaps.clone(),
             manifests: v.slots.values().cloned().collect(),
             commit_workers: v.commit_set.clone(),
+            release: v.release.clone(),
         })
     }
 
@@ -1266,6 +1404,20 @@ impl State {
         let set: BTreeSet<LayoutSpec> = self.workers.values().map(|w| w.layout).collect();
         set.into_iter().collect()
     }
+}
+
+/// Whether `m` only extends `held`: the same source (slot, layout, agent name and metadata),
+/// identical shards (so the same version digest) and pack time, and `held`'s pieces followed by
+/// at least one more (pieces for a destination layout that registered after the publish).
+fn is_extension(held: &SourceManifest, m: &SourceManifest) -> bool {
+    m.pieces.len() > held.pieces.len()
+        && m.slot == held.slot
+        && m.layout == held.layout
+        && m.agent_name == held.agent_name
+        && m.agent_metadata == held.agent_metadata
+        && m.pack_seconds.to_bits() == held.pack_seconds.to_bits()
+        && m.shards == held.shards
+        && m.pieces[..held.pieces.len()] == held.pieces[..]
 }
 
 fn check_register(worker_id: &str, ranks: &[u32], layout: &LayoutSpec) -> Result<Check, Error> {

@@ -744,3 +744,159 @@ fn a_refit_of_no_worker_is_refused() {
     let err = st.check(&begin_on(&st, "v1", d1, &[])).unwrap_err();
     assert!(err.to_string().contains("empty worker set"), "{err}");
 }
+
+fn staged_ok(st: &mut State, w: &str, label: &str) {
+    st.apply(Record::Staged {
+        report: StagedReport {
+            worker_id: w.into(),
+            label: label.into(),
+            ok: true,
+            ..Default::default()
+        },
+    })
+    .unwrap();
+}
+
+#[test]
+fn a_version_is_released_once_staged_everywhere_or_never_to_be_staged() {
+    // A plain Stage: released once every worker of the set reported STAGED, not before.
+    let (mut st, d) = ready_state();
+    st.apply(Record::Stage {
+        label: "v1".into(),
+        worker_ids: vec!["b".into(), "a".into()],
+    })
+    .unwrap();
+    staged_ok(&mut st, "a", "v1");
+    assert_eq!(st.release_of("v1"), None);
+    staged_ok(&mut st, "b", "v1");
+    let staged = Release::Staged {
+        refit: None,
+        workers: vec!["a".into(), "b".into()],
+    };
+    assert_eq!(st.release_of("v1"), Some(staged.clone()));
+    assert_eq!(st.version_info("v1").unwrap().release, Some(staged.clone()));
+
+    // A refit: released when it leaves STAGE (for PREPARE), naming the refit; a refit that
+    // aborts in STAGE releases it as RefitEnded instead.
+    let (mut st, d2) = ready_state();
+    assert_eq!(d2, d);
+    st.apply(begin(&st, d)).unwrap();
+    assert_eq!(st.release_of("v1"), None);
+    st.apply(phase(1, Phase::Prepare)).unwrap();
+    assert_eq!(
+        st.release_of("v1"),
+        Some(Release::Staged {
+            refit: Some(1),
+            workers: vec!["a".into(), "b".into()],
+        })
+    );
+    let (mut st, _) = ready_state();
+    st.apply(begin(&st, d)).unwrap();
+    st.apply(phase(1, Phase::Abort)).unwrap();
+    assert_eq!(st.release_of("v1"), None);
+    st.apply(end(1, Outcome::Aborted, &[])).unwrap();
+    assert_eq!(
+        st.release_of("v1"),
+        Some(Release::RefitEnded {
+            refit: 1,
+            outcome: Outcome::Aborted,
+        })
+    );
+
+    // A later version committed: an earlier one never staged is superseded.
+    let (mut st, _) = ready_state();
+    let d3 = second_version(&mut st, "v2");
+    st.apply(begin_on(
+        &st,
+        "v2",
+        d3,
+        &[("a", Some("disk:/ckpt")), ("b", Some("disk:/ckpt"))],
+    ))
+    .unwrap();
+    commit(&mut st, 1, &["a", "b"], &crate::refit::version_id(&d3));
+    assert_eq!(
+        st.release_of("v1"),
+        Some(Release::Superseded { by: "v2".into() })
+    );
+    // A source's release is a no-op once released; on a fresh version it sticks.
+    let rel = Record::Release {
+        label: "v1".into(),
+        slot: 0,
+    };
+    assert_eq!(st.check(&rel).unwrap(), Check::Noop);
+    let (mut st, _) = ready_state();
+    let bad = Record::Release {
+        label: "v1".into(),
+        slot: 2,
+    };
+    assert!(matches!(st.check(&bad), Err(Error::InvalidField { .. })));
+    st.apply(rel).unwrap();
+    assert_eq!(st.release_of("v1"), Some(Release::Source { slot: 0 }));
+}
+
+#[test]
+fn a_republish_that_only_adds_pieces_is_accepted_without_counting() {
+    let (mut st, d) = ready_state();
+    let held = st.version_info("v1").unwrap().manifests[0].clone();
+    let piece = |rank: u32| mx_layout::DestPiece {
+        layout: LayoutSpec {
+            scheme: Scheme::VllmTp,
+            world_size: 2,
+        },
+        dest_rank: rank,
+        tensor: "w".into(),
+        region: bx(&[0, 0], &[2, 1]),
+        digest: Digest::of(b"piece"),
+        packed_addr: None,
+    };
+    let mut m = held.clone();
+    for n in 0..crate::limits::MAX_REPUBLISHES + 5 {
+        m.pieces.push(piece(n % 2));
+        st.apply(Record::Publish {
+            label: "v1".into(),
+            manifest: m.clone(),
+        })
+        .unwrap();
+    }
+    let info = st.version_info("v1").unwrap();
+    assert_eq!(info.version_digest, Some(d));
+    assert_eq!(info.manifests[0].pieces.len(), m.pieces.len());
+    // Past the extension limit, refused naming it.
+    for _ in crate::limits::MAX_REPUBLISHES + 5..crate::limits::MAX_PIECE_EXTENSIONS {
+        m.pieces.push(piece(0));
+        st.apply(Record::Publish {
+            label: "v1".into(),
+            manifest: m.clone(),
+        })
+        .unwrap();
+    }
+    m.pieces.push(piece(1));
+    let e = st
+        .apply(Record::Publish {
+            label: "v1".into(),
+            manifest: m.clone(),
+        })
+        .unwrap_err();
+    assert!(e.to_string().contains("extended 64 times"), "{e}");
+    // Dropping or reordering held pieces is no extension: it counts as a republish; changed
+    // shard bytes stay refused.
+    let mut fewer = held.clone();
+    fewer.pieces.clear();
+    fewer.agent_metadata = vec![9];
+    st.apply(Record::Publish {
+        label: "v1".into(),
+        manifest: fewer,
+    })
+    .unwrap();
+    assert_eq!(st.republishes.get(&("v1".to_string(), 0)), Some(&1));
+    let mut changed = held;
+    changed.shards[0].digest = Digest::of(b"other bytes");
+    changed.pieces.push(piece(0));
+    assert!(matches!(
+        st.apply(Record::Publish {
+            label: "v1".into(),
+            manifest: changed,
+        }),
+        Err(Error::VersionState { .. })
+    ));
+}

@@ -112,6 +112,62 @@ pub struct StagedReport {
     pub strategies: BTreeMap<String, u64>,
 }
 
+/// Why a version's sources may stop serving it: their memory may be written again (a trainer
+/// that updates in place takes its next optimizer step). Derived from journaled records, so a
+/// restarted control plane answers the same; the first one reached sticks.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Release {
+    /// Every worker of the version's last stage reported it STAGED and verified: either a refit
+    /// to it left its STAGE phase (`refit` set; its set may not need the sources any more),
+    /// or every worker of a plain `Stage` reported STAGED (`refit` unset).
+    Staged {
+        /// The refit whose STAGE completed, if it was a refit.
+        refit: Option<u64>,
+        /// The workers that staged it (the stage's set), sorted.
+        workers: Vec<String>,
+    },
+    /// A refit to it ended ABORTED, ROLLED_BACK or FENCED before any stage of it completed:
+    /// nobody will pull it from this refit. (An orchestrator that refits it again after this
+    /// must expect the sources to hold other bytes: publish a new version instead.)
+    RefitEnded {
+        /// The refit.
+        refit: u64,
+        /// How it ended.
+        outcome: crate::refit::Outcome,
+    },
+    /// A version declared after it was committed: the fleet moved past it.
+    Superseded {
+        /// The committed version's label.
+        by: String,
+    },
+    /// A source released it ([`crate::client::ControlClient::release_version`]): that slot's
+    /// memory no longer holds it, so the version can no longer be pulled whole.
+    Source {
+        /// The slot that released it.
+        slot: u32,
+    },
+}
+
+impl fmt::Display for Release {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Release::Staged {
+                refit: Some(id),
+                workers,
+            } => write!(f, "staged by refit {id} on {}", workers.join(",")),
+            Release::Staged {
+                refit: None,
+                workers,
+            } => write!(f, "staged on {}", workers.join(",")),
+            Release::RefitEnded { refit, outcome } => {
+                write!(f, "refit {refit} ended {outcome} before staging it")
+            }
+            Release::Superseded { by } => write!(f, "superseded: {by} was committed"),
+            Release::Source { slot } => write!(f, "released by source slot {slot}"),
+        }
+    }
+}
+
 /// A region of a declared tensor that no published shard covers.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CoverageGap {
@@ -146,6 +202,8 @@ pub struct VersionInfo {
     pub manifests: Vec<SourceManifest>,
     /// The commit's worker set, sorted, once committing.
     pub commit_workers: Vec<String>,
+    /// Whether (and why) its sources may stop serving it; see [`Release`].
+    pub release: Option<Release>,
 }
 
 /// One line of the fleet status per version.

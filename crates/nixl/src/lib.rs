@@ -4,7 +4,7 @@
 //! Layering (after cudarc): `nixl-sys` (raw FFI, resolved with `dlopen` at run time) -> one
 //! private `check(call, result)` that turns every NIXL failure into [`Error::Nixl`] naming the
 //! call -> the safe RAII types here. The `unsafe` blocks are the `dlopen` of the library, the
-//! arena's `mmap`/`madvise`/`munmap` and its slices, and (feature `cuda`) the libcuda probe.
+//! arena's `mmap`/`madvise`/`munmap` and its slices, the slice over a [`ForeignMemory`], and (feature `cuda`) the libcuda probe.
 //!
 //! Main types:
 //! - [`Agent`]: one NIXL agent with the UCX backend and the progress thread OFF (transfers are
@@ -16,6 +16,11 @@
 //! - [`Arena`]: one huge-page-backed DRAM buffer (anonymous `mmap`, 2 MiB aligned, `MADV_HUGEPAGE`,
 //!   pre-faulted) registered with the agent. Register one large arena per process rather than one
 //!   region per tensor. Dropping it deregisters first, then unmaps.
+//! - [`ForeignMemory`]: memory the caller owns (a trainer's tensors), registered through an
+//!   `unsafe` constructor whose contract (valid for reads while registered, not written while mx
+//!   reads it or peers may READ it) makes its safe methods sound; host ranges always, CUDA device
+//!   pointers with feature `cuda` (read back for digesting in chunked device-to-host copies).
+//!   [`HostBuffer`] is an unregistered huge-page buffer for callers without memory of their own.
 //! - [`Agent::read`]: executes a list of [`ReadOp`]s (remote address, length -> local offset) as
 //!   batched NIXL READ descriptor lists, several requests in flight, every op validated before
 //!   anything is posted.
@@ -64,6 +69,7 @@
 
 mod agent;
 mod arena;
+mod foreign;
 mod loader;
 mod probe;
 mod read;
@@ -72,6 +78,7 @@ pub mod vram;
 
 pub use agent::{Agent, AgentOptions, ProgressThread};
 pub use arena::Arena;
+pub use foreign::{ForeignMemory, HostBuffer, MemoryKind, DTOH_CHUNK};
 pub use loader::{nixl_available, nixl_or_skip, NIXL_DIR_ENV, REQUIRE_NIXL_ENV};
 pub use probe::{memcpy_gbps, probe_costs, CostModel};
 pub use read::{ReadOp, ReadOptions, XferStats};

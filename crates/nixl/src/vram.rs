@@ -35,6 +35,45 @@ pub fn cuda_available() -> Result<(), Error> {
     }
 }
 
+/// The primary context of CUDA device `device`, retained once per process and kept (a trainer's
+/// framework holds it too; releasing it here could tear down its allocations).
+pub(crate) fn context(device: u32) -> Result<Arc<CudaContext>, Error> {
+    use std::collections::BTreeMap;
+    use std::sync::{Mutex, OnceLock};
+    static CONTEXTS: OnceLock<Mutex<BTreeMap<u32, Arc<CudaContext>>>> = OnceLock::new();
+    cuda_available()?;
+    let mut map = CONTEXTS
+        .get_or_init(|| Mutex::new(BTreeMap::new()))
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if let Some(c) = map.get(&device) {
+        return Ok(Arc::clone(c));
+    }
+    let c = CudaContext::new(device as usize).map_err(cuda_err("CudaContext::new"))?;
+    map.insert(device, Arc::clone(&c));
+    Ok(c)
+}
+
+/// Copies `out.len()` bytes from device address `addr` of device `device` to `out`, in
+/// synchronous copies of at most [`crate::DTOH_CHUNK`] bytes.
+///
+/// The caller (a [`crate::ForeignMemory`] of kind `Cuda`) guarantees `addr .. addr + out.len()`
+/// lies in a live device allocation of `device`.
+pub(crate) fn read_device(device: u32, addr: u64, out: &mut [u8]) -> Result<(), Error> {
+    let ctx = context(device)?;
+    ctx.bind_to_thread().map_err(cuda_err("bind_to_thread"))?;
+    let mut at = addr;
+    for chunk in out.chunks_mut(crate::DTOH_CHUNK) {
+        // SAFETY: `chunk` is a valid host slice; `at .. at + chunk.len()` lies inside a live
+        // device allocation on `device` (the ForeignMemory constructor's contract, range checked
+        // by read_into), whose context is current on this thread.
+        unsafe { cudarc::driver::result::memcpy_dtoh_sync(chunk, at) }
+            .map_err(cuda_err("cuMemcpyDtoH"))?;
+        at += chunk.len() as u64;
+    }
+    Ok(())
+}
+
 /// A zeroed device buffer on GPU `device`, registered with an [`Agent`] as NIXL VRAM (device id =
 /// the CUDA ordinal). Dropping it deregisters first, then frees the device memory.
 pub struct VramBuffer {
@@ -195,5 +234,53 @@ mod tests {
                 assert_eq!(buf.to_host().unwrap_or_else(|e| panic!("dtoh: {e}")), data);
             }
         }
+    }
+
+    #[test]
+    fn foreign_device_memory_reads_back_in_chunks_or_skips() {
+        if let Err(e) = cuda_available() {
+            eprintln!("SKIPPED foreign device memory test: {e}");
+            return;
+        }
+        if crate::nixl_available().is_err() {
+            eprintln!("SKIPPED foreign device memory test: NIXL missing");
+            return;
+        }
+        let owner = Agent::new(&format!("mx-vram-owner-{}", std::process::id()))
+            .unwrap_or_else(|e| panic!("agent: {e}"));
+        let len = crate::DTOH_CHUNK + 4096 + 3;
+        let mut buf = match VramBuffer::new(&owner, 0, len as u64) {
+            Ok(b) => b,
+            Err(e @ (Error::Cuda { .. } | Error::Nixl { .. })) => {
+                eprintln!("SKIPPED foreign device memory test: {e}");
+                return;
+            }
+            Err(e) => panic!("unexpected {e}"),
+        };
+        let data: Vec<u8> = (0..len).map(|i| (i % 253) as u8).collect();
+        buf.copy_from_host(&data)
+            .unwrap_or_else(|e| panic!("htod: {e}"));
+        // The device memory as a caller (a torch tensor) would hand it over.
+        let other = Agent::new(&format!("mx-vram-foreign-{}", std::process::id()))
+            .unwrap_or_else(|e| panic!("agent: {e}"));
+        // SAFETY: `buf` is a live device allocation of `len` bytes on device 0 that outlives
+        // `mem` (dropped first) and is not written meanwhile.
+        let mem = match unsafe {
+            crate::ForeignMemory::register_cuda(&other, 0, buf.addr(), buf.len())
+        } {
+            Ok(m) => m,
+            Err(e @ Error::Nixl { .. }) => {
+                eprintln!("SKIPPED foreign device memory test: {e}");
+                return;
+            }
+            Err(e) => panic!("unexpected {e}"),
+        };
+        assert_eq!(mem.kind(), crate::MemoryKind::Cuda { device: 0 });
+        assert!(mem.as_slice().is_none());
+        let mut back = vec![0u8; len - 7];
+        mem.read_into(7, &mut back)
+            .unwrap_or_else(|e| panic!("dtoh: {e}"));
+        assert_eq!(back, data[7..]);
+        drop(mem);
     }
 }

@@ -10,6 +10,8 @@
 )]
 
 mod common;
+#[path = "../../publisher/tests/support/trainer.rs"]
+mod trainer;
 
 use std::path::Path;
 use std::sync::Arc;
@@ -21,11 +23,11 @@ use mx_control::{
     ControlPlaneConfig, EngineApi, GenerationCheck, Outcome, PauseMode, RefitSpec, VersionState,
 };
 use mx_layout::{Digest, LayoutSpec, RankDigests};
-use mx_publisher::{Publisher, PublisherConfig};
 use mx_worker::{
     mx_version_id, ApplySource, Error, Instance, InstanceConfig, Worker, WorkerConfig,
 };
 use serde_json::json;
+use trainer::TestTrainer;
 
 const WAIT: Duration = Duration::from_secs(180);
 
@@ -56,25 +58,35 @@ async fn control_plane(dir: &Path, listen: &str) -> (String, mx_control::ServerH
     (format!("http://{addr}"), handle)
 }
 
-/// Declares and publishes `label` from the fsdp:2 publishers `pubs`; returns its version digest
+/// Declares and publishes `label` from the fsdp:2 trainers `pubs`; returns its version digest
 /// once READY.
 async fn publish(
     client: &ControlClient,
-    pubs: &mut [Publisher],
+    pubs: &mut [TestTrainer],
     specs: &[mx_layout::TensorSpec],
     label: &str,
 ) -> Digest {
     let fsdp2: LayoutSpec = "fsdp:2".parse().unwrap();
     client.declare_version(label, fsdp2, specs).await.unwrap();
-    for p in pubs.iter_mut() {
-        p.publish(label, WAIT).await.unwrap();
-    }
-    client
+    let published = trainer::publish_all(pubs, label, false).await;
+    let d = client
         .wait_version(label, VersionState::Ready, WAIT)
         .await
         .unwrap()
         .version_digest
-        .unwrap()
+        .unwrap();
+    assert!(published.iter().all(|p| p.version.digest() == d));
+    d
+}
+
+/// Hands `label` back on every trainer (it was staged everywhere), then applies training step
+/// `step` in place.
+async fn train(pubs: &mut [TestTrainer], label: &str, step: u32) {
+    for p in pubs {
+        let why = p.publisher.wait_staged(label, WAIT).await.unwrap();
+        assert!(matches!(why, mx_control::Release::Staged { .. }), "{why}");
+        p.train_step(step);
+    }
 }
 
 /// Declares and publishes (both fsdp:2 publishers) `label`, then commits it on worker `w` with a
@@ -83,7 +95,7 @@ async fn publish(
 /// (any 2 tokens when empty). Returns the version digest.
 async fn refit(
     client: &ControlClient,
-    pubs: &mut [Publisher],
+    pubs: &mut [TestTrainer],
     specs: &[mx_layout::TensorSpec],
     label: &str,
     golden: &[u32],
@@ -156,18 +168,7 @@ async fn staged_pinned_and_live_versions_apply_swap_and_refuse_byte_exactly() {
     let client = ControlClient::connect(&control).await.unwrap();
     let mut pubs = Vec::new();
     for rank in 0..2 {
-        pubs.push(
-            Publisher::start(PublisherConfig {
-                control: control.clone(),
-                model_dir: dir.clone(),
-                layout: "fsdp:2".parse().unwrap(),
-                rank,
-                pack: true,
-                fault_flip_byte: None,
-            })
-            .await
-            .unwrap(),
-        );
+        pubs.push(trainer::start(&control, &dir, "fsdp:2".parse().unwrap(), rank).await);
     }
     let specs = mx_checkpoint::Checkpoint::open(&dir).unwrap().specs();
 
@@ -222,9 +223,7 @@ async fn staged_pinned_and_live_versions_apply_swap_and_refuse_byte_exactly() {
     assert_eq!(body["meta_info"]["weight_version"], id1);
 
     // step-2 (one training step later): step-1 becomes the pinned version.
-    for p in &mut pubs {
-        p.train_step(2);
-    }
+    train(&mut pubs, "step-1", 2).await;
     let d2 = refit(&client, &mut pubs, &specs, "step-2", &[]).await;
     let (id2, v2) = digests(&inst).await;
     assert_eq!(id2, mx_version_id(&d2));
@@ -318,9 +317,7 @@ async fn staged_pinned_and_live_versions_apply_swap_and_refuse_byte_exactly() {
     // step-3, published from the same arenas: the stage keeps step-2's plan (same geometry,
     // new digests). Every region it pulls is checked against step-3's digests (the stage fails
     // otherwise), and applying it makes step-3 live, with bytes unlike step-1's and step-2's.
-    for p in &mut pubs {
-        p.train_step(3);
-    }
+    train(&mut pubs, "step-2", 3).await;
     let d3 = publish(&client, &mut pubs, &specs, "step-3").await;
     let stats = w.stage("step-3", d3).await.unwrap();
     assert!(stats.plan_reused, "{stats:?}");
@@ -492,18 +489,7 @@ async fn a_publish_rides_out_a_control_plane_restart_and_a_gone_source_is_named(
     });
     let mut pubs = Vec::new();
     for rank in 0..2 {
-        pubs.push(
-            Publisher::start(PublisherConfig {
-                control: control.clone(),
-                model_dir: dir.clone(),
-                layout: "fsdp:2".parse().unwrap(),
-                rank,
-                pack: true,
-                fault_flip_byte: None,
-            })
-            .await
-            .unwrap(),
-        );
+        pubs.push(trainer::start(&control, &dir, "fsdp:2".parse().unwrap(), rank).await);
     }
     let specs = mx_checkpoint::Checkpoint::open(&dir).unwrap().specs();
     let client = ControlClient::connect(&control).await.unwrap();
@@ -517,9 +503,7 @@ async fn a_publish_rides_out_a_control_plane_restart_and_a_gone_source_is_named(
     // same address and journal, and both publishes land.
     server.shutdown().await.unwrap();
     let publishing = tokio::spawn(async move {
-        for p in &mut pubs {
-            p.publish("step-1", Duration::from_secs(60)).await.unwrap();
-        }
+        trainer::publish_all(&mut pubs, "step-1", false).await;
         pubs
     });
     tokio::time::sleep(Duration::from_millis(1500)).await;
