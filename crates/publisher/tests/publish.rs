@@ -75,7 +75,7 @@ fn instance(dir: &Path, l: &str, ranks: Vec<u32>, agent: Option<Agent>) -> Insta
 async fn stage_and_apply(client: &ControlClient, inst: &Instance, label: &str) -> Vec<RankDigests> {
     let info = client.get_version(label).await.unwrap();
     let d = info.version_digest.unwrap();
-    let (stats, _, _) = inst.stage(label, d, info.manifests).await.unwrap();
+    let stats = inst.stage(label, d, info.manifests).await.unwrap();
     assert!(stats.useful_bytes > 0, "{stats:?}");
     inst.apply(ApplySource::Version(d)).await.unwrap();
     let (id, live) = inst.live_digests().await.unwrap().unwrap();
