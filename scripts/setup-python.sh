@@ -42,7 +42,7 @@ fi
 pip_install() {
     # PyPI's answers here are not always cacheable; where they are, pip keeps them in .mx/cache.
     PIP_CACHE_DIR="$MX/cache/pip" PIP_DISABLE_PIP_VERSION_CHECK=1 \
-        "$PY" -m pip install --progress-bar off "$@"
+        "$PY" -m pip install --quiet --progress-bar off "$@"
 }
 
 # --- pinned packages ---------------------------------------------------------------------------
@@ -120,4 +120,4 @@ else
     log "package mx built and installed in $((SECONDS - b0)) s"
 fi
 
-log "ready in $((SECONDS - t0)) s: $("$PY" -c 'import mx, torch; print(f"mx {mx.__version__}, torch {torch.__version__}")')"
+log "ready in $((SECONDS - t0)) s: $("$PY" -c 'import importlib.metadata as m; print(", ".join(f"{n} {m.version(n)}" for n in ("mx", "torch", "nixl-cu12")))')"
