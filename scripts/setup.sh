@@ -3,7 +3,10 @@
 #   - Debian packages: protobuf-compiler (protoc, for tonic), libclang-dev (bindgen in nixl-sys),
 #     pkg-config, unzip, and python3 / python3-venv when the system python cannot make a venv;
 #   - the model checkpoints and the Python venv ($REPO/.mx/models, $REPO/.mx/venv): setup-models.sh;
-#   - the NIXL 1.5.1 runtime libraries ($REPO/.mx/nixl): install-nixl.sh.
+#   - the NIXL 1.5.1 runtime libraries ($REPO/.mx/nixl): install-nixl.sh;
+#   - the Python package `mx` with torch==2.13.0, nixl-cu12==1.5.1, maturin, pytest and ruff in
+#     $REPO/.mx/venv: setup-python.sh (checks for ~8 GB free disk before torch's download;
+#     builds the package only when its sources changed).
 # apt-get runs only when something is missing. A second run changes nothing and takes seconds.
 set -euo pipefail
 
@@ -50,4 +53,8 @@ bash "$SCRIPT_DIR/setup-models.sh" >/dev/null
 log "NIXL: scripts/install-nixl.sh"
 PATH="$REPO/.mx/venv/bin:$PATH" bash "$SCRIPT_DIR/install-nixl.sh" >/dev/null
 
-log "ready: models in $REPO/.mx/models, NIXL in $REPO/.mx/nixl"
+# --- the Python package mx and its tools ------------------------------------------------------------
+log "Python: scripts/setup-python.sh"
+bash "$SCRIPT_DIR/setup-python.sh"
+
+log "ready: models in $REPO/.mx/models, NIXL in $REPO/.mx/nixl, the package mx in $REPO/.mx/venv"

@@ -3,7 +3,11 @@
 #
 #   scripts/test.sh                 the whole workspace, release profile
 #   scripts/test.sh -p mx-layout    arguments go to `cargo test` unchanged
-#   MX_LINT=1 scripts/test.sh       also `cargo fmt --check` and clippy -D warnings, first (CI does)
+#   MX_LINT=1 scripts/test.sh       also `cargo fmt --check`, clippy -D warnings and ruff, first (CI does)
+#
+# After the Rust tests, the Python package's tests (python/tests, pytest in .mx/venv, against the
+# package scripts/setup.sh installed); a skipped Python test fails the suite. They are left out
+# when arguments select Rust packages (`-p ...`), or with MX_PYTHON_TESTS=0.
 #
 # NIXL tests fail (instead of skipping) when the NIXL libraries are missing: MX_REQUIRE_NIXL=1.
 set -euo pipefail
@@ -34,6 +38,10 @@ if [[ "${MX_LINT:-0}" == 1 ]]; then
     step="cargo clippy"
     log "cargo clippy --workspace --all-targets -- -D warnings"
     cargo clippy --workspace --all-targets -- -D warnings
+    step="ruff"
+    log "ruff check + ruff format --check (python/, pyproject.toml [tool.ruff])"
+    "$REPO/.mx/venv/bin/ruff" check --no-cache python
+    "$REPO/.mx/venv/bin/ruff" format --no-cache --check python
 fi
 
 step="cargo build"
@@ -58,6 +66,14 @@ test_cmd=(cargo test --release --no-fail-fast "${scope[@]}" "$@")
 step="${test_cmd[*]}"
 log "$step"
 "${test_cmd[@]}"
+
+if ((${#scope[@]})) && (($# == 0)) && [[ "${MX_PYTHON_TESTS:-1}" != 0 ]]; then
+    # conftest.py turns any skip into a failure; -p no:cacheprovider keeps the tree clean.
+    py_cmd=("$REPO/.mx/venv/bin/python" -m pytest python/tests -q -rs -p no:cacheprovider)
+    step="pytest python/tests"
+    log "${py_cmd[*]}"
+    "${py_cmd[@]}"
+fi
 
 trap - EXIT
 echo "mx tests: PASSED ($step)"

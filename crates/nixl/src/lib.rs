@@ -79,7 +79,7 @@ pub mod vram;
 pub use agent::{Agent, AgentOptions, ProgressThread};
 pub use arena::Arena;
 pub use foreign::{ForeignMemory, HostBuffer, MemoryKind, DTOH_CHUNK};
-pub use loader::{nixl_available, nixl_or_skip, NIXL_DIR_ENV, REQUIRE_NIXL_ENV};
+pub use loader::{loaded_from, nixl_available, nixl_or_skip, NIXL_DIR_ENV, REQUIRE_NIXL_ENV};
 pub use probe::{memcpy_gbps, probe_costs, CostModel};
 pub use read::{ReadOp, ReadOptions, XferStats};
 

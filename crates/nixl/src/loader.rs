@@ -74,8 +74,9 @@ pub fn nixl_or_skip(test: &str) -> bool {
     }
 }
 
-/// Where the NIXL C API was loaded from, when it was.
-pub(crate) fn loaded_from() -> Option<&'static str> {
+/// Where the NIXL C API was loaded from (a path, or the loader search path), once
+/// [`nixl_available`] succeeded; `None` before that or when it failed.
+pub fn loaded_from() -> Option<&'static str> {
     LOADED
         .get()
         .and_then(|r| r.as_ref().ok())

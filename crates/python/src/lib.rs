@@ -1,0 +1,88 @@
+//! mx-python: the PyO3 extension module `mx._mx` behind the Python package `mx`
+//! (`python/mx/`, built by maturin from the root `pyproject.toml`).
+//!
+//! This crate is deliberately thin: it turns Python arguments into mx types, runs the Rust call
+//! with the GIL released and a deadline, and turns the answer into JSON text or plain tuples that
+//! the pure-Python layer (`python/mx/_types.py`) makes into typed, documented objects. What is
+//! idiomatic in Python (dataclasses, accepting torch tensors or numpy arrays as tensor
+//! descriptions, locating NIXL inside the installed `nixl-cu12` wheel) lives in Python.
+//!
+//! Main types:
+//! - [`control::ControlPlane`]: the Rust control plane (`mx_control::spawn`) on its own tokio
+//!   runtime inside the Python process.
+//! - [`control::ControlClient`]: the orchestrator's client (declare, refit, wait, status).
+//! - [`errors`]: `mx.MxError`, the one exception type every Rust error becomes, carrying the
+//!   whole error chain as its message and the gRPC status name as `code`.
+//! - `nixl_status`: whether the NIXL libraries load in this process, and from where.
+//!
+//! What it leaves out (for now): the trainer's publisher and the engine's puller (their Rust
+//! APIs are being rebuilt; their bindings come next), DLPack and the buffer protocol.
+//!
+//! No panic crosses into Python: PyO3 turns one into `pyo3_runtime.PanicException`, and the code
+//! here returns errors instead of panicking (the workspace lints forbid `unwrap`/`expect`).
+
+mod control;
+mod errors;
+
+use std::time::Duration;
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+/// The longest deadline accepted anywhere, in seconds (about 115 days): larger values are almost
+/// certainly a unit mistake.
+const MAX_SECONDS: f64 = 1e7;
+
+/// A positive, finite number of seconds as a [`Duration`].
+///
+/// # Errors
+/// `ValueError` naming the argument for a negative, zero, NaN, infinite or absurd value.
+pub(crate) fn seconds(name: &str, value: f64) -> PyResult<Duration> {
+    if !(value.is_finite() && value > 0.0 && value <= MAX_SECONDS) {
+        return Err(PyValueError::new_err(format!(
+            "{name} must be a positive number of seconds (at most {MAX_SECONDS:e}), got {value}"
+        )));
+    }
+    Ok(Duration::from_secs_f64(value))
+}
+
+/// Whether the NIXL C API can be loaded in this process, and from where.
+///
+/// Returns `(available, loaded_from, reason)`: `loaded_from` is the library path (or
+/// "loader search path") when it loaded, `reason` says what was tried when it did not. With
+/// `probe`, it also creates (and drops) a NIXL agent with the UCX backend, which loads the UCX
+/// plugin and the bundled UCX libraries, so a broken plugin directory shows up here too. The
+/// library is searched once per process (see `mx_nixl::nixl_available`): set `MX_NIXL_DIR`
+/// before the first call.
+#[pyfunction]
+#[pyo3(signature = (probe = false))]
+fn nixl_status(py: Python<'_>, probe: bool) -> (bool, Option<String>, Option<String>) {
+    py.detach(|| {
+        if let Err(e) = mx_nixl::nixl_available() {
+            return (false, None, Some(errors::chain(&e)));
+        }
+        let from = mx_nixl::loaded_from().map(str::to_string);
+        if probe {
+            if let Err(e) = mx_nixl::Agent::new("mx-python-probe") {
+                return (false, from, Some(errors::chain(&e)));
+            }
+        }
+        (true, from, None)
+    })
+}
+
+/// The extension module `mx._mx`. Its names are re-exported (and documented) by the package
+/// `mx`; import that instead.
+#[pymodule]
+fn _mx(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    let mx_error = py.get_type::<errors::MxError>();
+    // The gRPC status name of the failure, when there is one (see errors::mx_error).
+    mx_error.setattr("code", py.None())?;
+    m.add("MxError", mx_error)?;
+    m.add_function(wrap_pyfunction!(nixl_status, m)?)?;
+    m.add_class::<control::ControlPlane>()?;
+    m.add_class::<control::ControlClient>()?;
+    Ok(())
+}

@@ -1,0 +1,343 @@
+"""The typed answers of the control plane: versions, workers, refits.
+
+Built from the JSON the extension returns; every object keeps the decoded record as ``raw``
+for fields not surfaced here. Times are seconds (floats), sizes bytes, timestamps Unix seconds.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class VersionState(str, enum.Enum):
+    """Lifecycle of a policy version:
+    DECLARED -> PUBLISHING -> READY -> COMMITTING -> COMMITTED."""
+
+    DECLARED = "DECLARED"
+    PUBLISHING = "PUBLISHING"
+    READY = "READY"
+    COMMITTING = "COMMITTING"
+    COMMITTED = "COMMITTED"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Outcome(str, enum.Enum):
+    """How a refit ended."""
+
+    #: Every worker of the set runs the version; rollouts admitted.
+    COMMITTED = "COMMITTED"
+    #: Failed before any apply: every worker kept its version.
+    ABORTED = "ABORTED"
+    #: Failed after some applies: every worker is back on its previous version.
+    ROLLED_BACK = "ROLLED_BACK"
+    #: A worker could not be brought back in time; it stays gated until refitted again.
+    FENCED = "FENCED"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor of a version as declared: global name, dtype (safetensors spelling such as
+    ``"BF16"``, or a torch/numpy name such as ``"bfloat16"``/``"float32"``), global shape."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class GenerationCheck:
+    """The post-update generation a refit runs on every worker after applying: greedy decoding
+    of ``prompt_tokens`` for ``max_new_tokens`` (>= 1) tokens. With ``expected_tokens`` (golden
+    tokens computed outside mx) the output must equal them; without, it must only succeed."""
+
+    prompt_tokens: tuple[int, ...]
+    max_new_tokens: int
+    expected_tokens: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class VersionSummary:
+    """One version in :class:`FleetStatus`."""
+
+    label: str
+    state: VersionState
+    #: 64 hex digits (the version's identity) once READY, else None.
+    version_digest: str | None
+
+
+@dataclass(frozen=True)
+class WorkerStatus:
+    """One registered worker in :class:`FleetStatus`."""
+
+    worker_id: str
+    instance: str
+    ranks: tuple[int, ...]
+    #: Its inference layout, e.g. ``"tp:3"``.
+    layout: str
+    #: Stage state for ``label``: IDLE, STAGING, STAGED or FAILED.
+    state: str
+    label: str | None
+    version_digest: str | None
+    #: Version id resident in its live weights (``mx:<hex>`` for mx versions).
+    resident_id: str | None
+    last_error: str | None
+    #: Rollouts may be sent to it.
+    admitted: bool
+    #: Why it is not admitted ("" when admitted).
+    admission: str
+    #: It has a command stream open to the control plane now.
+    connected: bool
+    #: ``{"api": "dynamo"|"sglang", "system_url": ...}`` or None.
+    engine: Mapping[str, Any] | None
+    #: Its last stage report (bytes, seconds, digests...) or None.
+    last_staged: Mapping[str, Any] | None
+
+
+@dataclass(frozen=True)
+class FleetStatus:
+    """Every version (in declaration order) and every registered worker (by id)."""
+
+    versions: tuple[VersionSummary, ...]
+    workers: tuple[WorkerStatus, ...]
+    #: The version the fleet last committed, as ``(label, version_id)``.
+    fleet_version: tuple[str, str] | None
+    #: Id of the refit in progress, if any.
+    open_refit: int | None
+    raw: Mapping[str, Any] = field(repr=False, compare=False, default_factory=dict)
+
+    def version(self, label: str) -> VersionSummary | None:
+        """The version with this label, or None."""
+        return next((v for v in self.versions if v.label == label), None)
+
+    def worker(self, worker_id: str) -> WorkerStatus | None:
+        """The worker with this id, or None."""
+        return next((w for w in self.workers if w.worker_id == worker_id), None)
+
+    @property
+    def admitted(self) -> tuple[str, ...]:
+        """Ids of the workers rollouts may be sent to."""
+        return tuple(w.worker_id for w in self.workers if w.admitted)
+
+    @classmethod
+    def _from_json(cls, d: Mapping[str, Any]) -> FleetStatus:
+        fv = d.get("fleet_version")
+        return cls(
+            versions=tuple(
+                VersionSummary(v["label"], VersionState(v["state"]), v["version_digest"])
+                for v in d["versions"]
+            ),
+            workers=tuple(
+                WorkerStatus(
+                    worker_id=w["worker_id"],
+                    instance=w["instance"],
+                    ranks=tuple(w["ranks"]),
+                    layout=w["layout"],
+                    state=w["state"],
+                    label=w["label"],
+                    version_digest=w["version_digest"],
+                    resident_id=w["resident_id"],
+                    last_error=w["last_error"],
+                    admitted=w["admitted"],
+                    admission=w["admission"],
+                    connected=w["connected"],
+                    engine=w["engine"],
+                    last_staged=w["last_staged"],
+                )
+                for w in d["workers"]
+            ),
+            fleet_version=(fv["label"], fv["version_id"]) if fv else None,
+            open_refit=d.get("open_refit"),
+            raw=d,
+        )
+
+
+@dataclass(frozen=True)
+class VersionInfo:
+    """Everything known about one version (manifests counted, not listed)."""
+
+    label: str
+    state: VersionState
+    #: Layout of the sources, e.g. ``"fsdp:2"`` (source slots ``0..N``).
+    trainer_layout: str
+    tensors: tuple[TensorSpec, ...]
+    #: 64 hex digits once READY, else None.
+    version_digest: str | None
+    published_slots: tuple[int, ...]
+    missing_slots: tuple[int, ...]
+    missing_tensors: tuple[str, ...]
+    #: Number of published manifests.
+    manifests: int
+    #: The worker set of the refit committing it, once committing.
+    commit_workers: tuple[str, ...]
+    raw: Mapping[str, Any] = field(repr=False, compare=False, default_factory=dict)
+
+    @property
+    def version_id(self) -> str | None:
+        """``mx:<hex>``, the id engines report for this version, once READY."""
+        return f"mx:{self.version_digest}" if self.version_digest else None
+
+    @classmethod
+    def _from_json(cls, d: Mapping[str, Any]) -> VersionInfo:
+        return cls(
+            label=d["label"],
+            state=VersionState(d["state"]),
+            trainer_layout=d["trainer_layout"],
+            tensors=tuple(
+                TensorSpec(t["name"], t["dtype"], tuple(t["shape"])) for t in d["tensors"]
+            ),
+            version_digest=d["version_digest"],
+            published_slots=tuple(d["published_slots"]),
+            missing_slots=tuple(d["missing_slots"]),
+            missing_tensors=tuple(d["missing_tensors"]),
+            manifests=d["manifests"],
+            commit_workers=tuple(d["commit_workers"]),
+            raw=d,
+        )
+
+
+@dataclass(frozen=True)
+class Call:
+    """One engine call a refit made to one worker."""
+
+    #: ``pause``, ``apply``, ``read_version``, ``resume`` or ``generate``.
+    action: str
+    #: The phase it belongs to (``STAGE`` ... ``ROLLBACK``).
+    phase: str
+    #: True/False once it finished; None while in flight (or lost in a control-plane crash).
+    ok: bool | None
+    error: str
+    seconds: float
+    #: The version the engine reported resident (apply, read_version), if any.
+    version: str | None
+    #: Generated tokens (generate).
+    tokens: tuple[int, ...]
+    message: str
+
+
+@dataclass(frozen=True)
+class WorkerOutcome:
+    """What a refit did to one worker of its set."""
+
+    worker_id: str
+    #: Resident version id when the refit began (the rollback target).
+    previous: str | None
+    #: Resident version id now, as last learned.
+    resident: str | None
+    #: ``resident`` is the refit's target version.
+    on_target: bool
+    #: An apply was issued to it (its weights may have changed).
+    applied: bool
+    #: STAGE seconds as the worker reported them, and useful bytes pulled.
+    stage_seconds: float
+    stage_bytes: int
+    calls: tuple[Call, ...]
+    #: The first failed call's error, or None.
+    error: str | None
+    #: It registered again during the refit (restart or reconnect).
+    rejoined: bool
+
+
+@dataclass(frozen=True)
+class RefitResult:
+    """A refit as the control plane recorded it: how it ended (or that it has not yet), each
+    worker's outcome and calls, and how long each phase took."""
+
+    refit_id: int
+    label: str
+    #: ``mx:<hex>``, the version id the refit moves the set to.
+    target: str
+    #: The target's 64-hex digest.
+    version_digest: str
+    #: False while the refit is still open (then ``outcome`` is None).
+    ended: bool
+    outcome: Outcome | None
+    #: Why it did not commit ("" when it did or is open).
+    reason: str
+    #: Current (or last) phase.
+    phase: str
+    #: Phase name -> seconds spent in it, in order (the open phase counts up to now: absent).
+    phase_seconds: Mapping[str, float]
+    workers: Mapping[str, WorkerOutcome]
+    #: Workers left out (not connected) -> why, when ``allow_partial``.
+    dropped: Mapping[str, str]
+    #: Unix seconds of BEGIN and END (None while open); ``seconds`` is END - BEGIN.
+    started: float
+    ended_at: float | None
+    seconds: float | None
+    #: A control plane recovered this refit after a restart.
+    recovered: bool
+    raw: Mapping[str, Any] = field(repr=False, compare=False, default_factory=dict)
+
+    @property
+    def committed(self) -> bool:
+        """True when the refit ended COMMITTED."""
+        return self.outcome is Outcome.COMMITTED
+
+    @classmethod
+    def _from_json(cls, d: Mapping[str, Any]) -> RefitResult:
+        phases = [(str(p).upper(), int(ms)) for p, ms in d["phases"]]
+        ended_ms = d.get("ended_ms")
+        phase_seconds: dict[str, float] = {}
+        for i, (name, start) in enumerate(phases):
+            end = phases[i + 1][1] if i + 1 < len(phases) else ended_ms
+            if end is not None:
+                phase_seconds[name] = phase_seconds.get(name, 0.0) + max(0, end - start) / 1000
+        workers = {}
+        for wid, w in d["workers"].items():
+            calls = []
+            for c in w["calls"]:
+                action = c["action"]
+                r = c.get("result")
+                calls.append(
+                    Call(
+                        action=action["call"],
+                        phase=str(c["phase"]).upper(),
+                        ok=None if r is None else bool(r["ok"]),
+                        error="" if r is None else r["error"],
+                        seconds=0.0 if r is None else float(r["seconds"]),
+                        version=None if r is None else r.get("version"),
+                        tokens=() if r is None else tuple(r.get("tokens", ())),
+                        message="" if r is None else r.get("message", ""),
+                    )
+                )
+            failed = next((c for c in calls if c.ok is False), None)
+            workers[wid] = WorkerOutcome(
+                worker_id=wid,
+                previous=w["previous"],
+                resident=w["resident"],
+                on_target=w["resident"] == d["target"],
+                applied=any(c.action == "apply" for c in calls),
+                stage_seconds=float(w["stage_seconds"]),
+                stage_bytes=int(w["stage_bytes"]),
+                calls=tuple(calls),
+                error=failed.error if failed else None,
+                rejoined=w.get("reregistered") is not None,
+            )
+        outcome = d.get("outcome")
+        started_ms = int(d["started_ms"])
+        return cls(
+            refit_id=int(d["id"]),
+            label=d["spec"]["label"],
+            target=d["target"],
+            version_digest=d["digest"],
+            ended=bool(d.get("ended", outcome is not None)),
+            outcome=Outcome(str(outcome).upper()) if outcome else None,
+            reason=d["reason"],
+            phase=str(d["phase"]).upper(),
+            phase_seconds=phase_seconds,
+            workers=workers,
+            dropped={w: why for w, why in d["dropped"]},
+            started=started_ms / 1000,
+            ended_at=None if ended_ms is None else ended_ms / 1000,
+            seconds=None if ended_ms is None else max(0, ended_ms - started_ms) / 1000,
+            recovered=bool(d["recovered"]),
+            raw=d,
+        )

@@ -1,0 +1,193 @@
+"""The control plane embedded in Python, driven over real gRPC by mx.Control."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+import mx
+
+TENSORS = {"w": ("BF16", (4, 8)), "b": ("F32", (8,))}
+
+
+def test_declare_then_status_shows_the_version(control_plane, control):
+    assert control_plane.running
+    assert control_plane.url.startswith("http://127.0.0.1:")
+    assert not control_plane.url.endswith(":0")
+    control.declare("v1", TENSORS, trainer_layout="fsdp:2")
+    s = control.status()
+    assert isinstance(s, mx.FleetStatus)
+    v = s.version("v1")
+    assert v == mx.VersionSummary("v1", mx.VersionState.DECLARED, None)
+    assert s.workers == () and s.admitted == ()
+    assert s.fleet_version is None and s.open_refit is None
+    info = control.version("v1")
+    assert info.state is mx.VersionState.DECLARED
+    assert info.missing_slots == (0, 1) and info.published_slots == ()
+    assert info.version_id is None
+    # Identical again: idempotent. Different: refused, naming what differs.
+    control.declare("v1", TENSORS, trainer_layout="fsdp:2")
+    with pytest.raises(mx.MxError, match="already declared differently") as e:
+        control.declare("v1", {"w": ("BF16", (4, 9))}, trainer_layout="fsdp:2")
+    assert e.value.code == "AlreadyExists"
+
+
+def test_refit_with_an_empty_worker_set_is_refused(control):
+    control.declare("v1", TENSORS, trainer_layout="fsdp:1")
+    with pytest.raises(mx.MxError, match="empty worker set") as e:
+        control.refit("v1", [])
+    assert e.value.code == "InvalidArgument"
+    assert "worker_ids" in str(e.value)
+
+
+def test_refit_of_a_version_that_is_not_ready_is_refused(control):
+    control.declare("v1", TENSORS, trainer_layout="fsdp:1")
+    with pytest.raises(mx.MxError, match="a refit needs a READY version") as e:
+        control.refit("v1", ["w0"])
+    assert e.value.code == "FailedPrecondition"
+    with pytest.raises(mx.MxError, match='"nope" is not declared') as e:
+        control.refit("nope", ["w0"])
+    assert e.value.code == "NotFound"
+    with pytest.raises(mx.MxError, match="no refit was started") as e:
+        control.wait_refit(timeout=0.5)
+    assert e.value.code == "NotFound"
+
+
+def test_bad_arguments_raise_clear_errors(control_plane, control):
+    with pytest.raises(ValueError, match="timeout must be a positive number of seconds"):
+        control.status(timeout=-1)
+    with pytest.raises(ValueError, match="timeout must be a positive number of seconds"):
+        control.wait_version("v1", timeout=0)
+    with pytest.raises(ValueError, match="timeout must be a positive number of seconds"):
+        mx.Control(control_plane.url, timeout=float("nan"))
+    with pytest.raises(ValueError, match="stage_timeout must be a positive"):
+        control.refit("v1", ["w0"], stage_timeout=-5)
+    with pytest.raises(ValueError, match="pause_mode"):
+        control.refit("v1", ["w0"], pause_mode="sometimes")
+    with pytest.raises(TypeError, match="not one str"):
+        control.refit("v1", "w0")
+    with pytest.raises(TypeError, match="worker id must be a str"):
+        control.refit("v1", ["w0", 7])
+    with pytest.raises(TypeError):
+        control.status(timeout="soon")
+    with pytest.raises(TypeError, match="url must be a str"):
+        mx.Control(8080)
+    with pytest.raises(ValueError, match="label must be a non-empty string"):
+        control.declare("", TENSORS, trainer_layout="fsdp:1")
+    with pytest.raises(TypeError, match="not a str"):
+        control.declare("v1", "w", trainer_layout="fsdp:1")
+    with pytest.raises(TypeError, match="shape must be a sequence of ints"):
+        control.declare("v1", {"w": ("BF16", 4)}, trainer_layout="fsdp:1")
+    with pytest.raises(ValueError, match="negative dimension"):
+        control.declare("v1", {"w": ("BF16", (4, -1))}, trainer_layout="fsdp:1")
+    with pytest.raises(ValueError, match="refit_id must be >= 0"):
+        control.wait_refit(-1)
+    with pytest.raises(ValueError, match="state must be one of"):
+        control.wait_version("v1", "DONE", timeout=1)
+    with pytest.raises(mx.MxError, match='tensor w: dtype: unknown dtype "bf17"') as e:
+        control.declare("v1", {"w": ("bf17", (4,))}, trainer_layout="fsdp:1")
+    assert e.value.code == "InvalidArgument"
+    with pytest.raises(mx.MxError, match="trainer_layout") as e:
+        control.declare("v1", TENSORS, trainer_layout="fsdp")
+    with pytest.raises(ValueError, match="listen must be HOST:PORT"):
+        mx.ControlPlane(journal="/tmp/unused", listen="no port here")
+    # Nothing was declared by any of the above.
+    assert control.status().versions == ()
+
+
+def test_wait_version_times_out_with_the_state_it_saw(control):
+    control.declare("v1", TENSORS, trainer_layout="fsdp:1")
+    t = time.monotonic()
+    with pytest.raises(mx.MxError, match=r'"v1" did not reach READY \(now DECLARED\)') as e:
+        control.wait_version("v1", mx.VersionState.READY, timeout=1.5)
+    assert e.value.code == "DeadlineExceeded"
+    assert 1.2 < time.monotonic() - t < 8
+
+
+def test_the_gil_is_released_during_a_blocking_wait(control):
+    control.declare("v1", TENSORS, trainer_layout="fsdp:1")
+    ticks = 0
+    stop = threading.Event()
+
+    def count():
+        nonlocal ticks
+        while not stop.is_set():
+            ticks += 1
+            time.sleep(0.005)
+
+    th = threading.Thread(target=count)
+    th.start()
+    try:
+        time.sleep(0.05)
+        before = ticks
+        t = time.monotonic()
+        with pytest.raises(mx.MxError):
+            control.wait_version("v1", "COMMITTED", timeout=2.0)
+        waited = time.monotonic() - t
+        during = ticks - before
+    finally:
+        stop.set()
+        th.join()
+    assert waited >= 1.5
+    # ~400 ticks of 5 ms in 2 s when the GIL is free; a held GIL would allow about none.
+    assert during > 100, f"only {during} ticks in {waited:.2f} s: the GIL was held"
+
+
+def test_calls_from_several_threads_at_once(control):
+    control.declare("v1", TENSORS, trainer_layout="fsdp:1")
+    errors: list[BaseException] = []
+
+    def work():
+        try:
+            for _ in range(20):
+                assert control.status().version("v1") is not None
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=60)
+    assert not errors, errors
+
+
+def test_the_journal_survives_a_restart(tmp_path):
+    journal = tmp_path / "j" / "journal.jsonl"
+    with mx.ControlPlane(journal=journal) as cp:
+        mx.Control(cp.url).declare("v1", TENSORS, trainer_layout="fsdp:2")
+        url = cp.url
+    assert not cp.running
+    cp.stop()  # idempotent
+    assert journal.stat().st_size > 0
+    with pytest.raises(mx.MxError) as e:
+        mx.Control(url, timeout=3).status()
+    assert e.value.code in ("Unavailable", "DeadlineExceeded"), e.value
+    with mx.ControlPlane(journal=journal) as cp2:
+        s = mx.Control(cp2.url).status()
+        assert [v.label for v in s.versions] == ["v1"]
+
+
+def test_a_corrupt_journal_refuses_the_start(tmp_path):
+    journal = tmp_path / "journal.jsonl"
+    journal.write_text("this is not a journal line\nnor this\n")
+    with pytest.raises(mx.MxError, match="journal") as e:
+        mx.ControlPlane(journal=journal)
+    assert str(journal) in str(e.value)
+
+
+def test_a_busy_port_is_an_mx_error(control_plane, tmp_path):
+    with pytest.raises(mx.MxError, match="cannot listen on") as e:
+        mx.ControlPlane(journal=tmp_path / "other.jsonl", listen=control_plane.address)
+    assert "in use" in str(e.value).lower()
+
+
+def test_connecting_to_nothing_fails_fast():
+    t = time.monotonic()
+    with pytest.raises(mx.MxError) as e:
+        mx.Control("http://127.0.0.1:1", timeout=3).status()
+    assert e.value.code in ("Unavailable", "DeadlineExceeded"), e.value
+    assert "127.0.0.1:1" in str(e.value)
+    assert time.monotonic() - t < 10
