@@ -4,6 +4,7 @@
 #   scripts/test.sh                 the whole workspace, release profile
 #   scripts/test.sh -p mx-layout    arguments go to `cargo test` unchanged
 #   MX_LINT=1 scripts/test.sh       also `cargo fmt --check` and clippy -D warnings, first (CI does)
+#   scripts/test_ffi_c.sh           only the C ABI test (run here after the Rust tests)
 #
 # NIXL tests fail (instead of skipping) when the NIXL libraries are missing: MX_REQUIRE_NIXL=1.
 set -euo pipefail
@@ -58,6 +59,24 @@ test_cmd=(cargo test --release --no-fail-fast "${scope[@]}" "$@")
 step="${test_cmd[*]}"
 log "$step"
 "${test_cmd[@]}"
+
+# The C ABI from C (ffi/tests/c/refit.c against ffi/include/mx.h and libmx.so; the header's
+# drift check is a cargo test above): with the whole workspace, or when mx-ffi is among the
+# packages given.
+run_c=1
+if ((${#scope[@]} == 0)); then
+    run_c=0
+    for arg in "$@"; do
+        case "$arg" in
+            mx-ffi | -pmx-ffi | --package=mx-ffi) run_c=1 ;;
+        esac
+    done
+fi
+if ((run_c)); then
+    step="C ABI test (scripts/test_ffi_c.sh)"
+    log "$step"
+    bash "$SCRIPT_DIR/test_ffi_c.sh"
+fi
 
 trap - EXIT
 echo "mx tests: PASSED ($step)"
