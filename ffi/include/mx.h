@@ -54,6 +54,11 @@ typedef struct mx_puller mx_puller;
 typedef int32_t mx_status;
 
 /**
+ * How a refit ended (`mx_control_refit`): one of the `MX_REFIT_*` values.
+ */
+typedef int32_t mx_refit_outcome;
+
+/**
  * One checkpoint tensor, as given to `mx_model_from_config`.
  */
 typedef struct {
@@ -208,11 +213,6 @@ typedef struct {
 } mx_memory_report;
 
 /**
- * How a refit ended (`mx_control_refit`): one of the `MX_REFIT_*` values.
- */
-typedef int32_t mx_refit_outcome;
-
-/**
  * Success.
  */
 #define MX_OK 0
@@ -336,6 +336,121 @@ void mx_string_free(char *s);
  * `filter` is NULL or a NUL-terminated string.
  */
 mx_status mx_log_init(const char *filter);
+
+/**
+ * Starts a control plane in this process, listening on `listen` (`"127.0.0.1:0"` picks a
+ * free port) with its durable journal at `journal_path` (created if missing, replayed if
+ * present). Writes its URL (`"http://127.0.0.1:PORT"`) to `*url` when not NULL (free it with
+ * `mx_string_free`). Thread-safe.
+ *
+ * Errors: `MX_ERR_INVALID_ARGUMENT` (NULL, a bad address), `MX_ERR_CONTROL` (cannot bind, a
+ * corrupt journal).
+ *
+ * # Safety
+ * Strings are NULL or NUL-terminated; `out` and `url` are NULL or valid for a write.
+ */
+mx_status mx_control_plane_start(const char *listen,
+                                 const char *journal_path,
+                                 mx_control_plane **out,
+                                 char **url);
+
+/**
+ * Stops a control plane started by `mx_control_plane_start` (waits until its journal is
+ * closed) and frees it. NULL is ignored.
+ *
+ * # Safety
+ * `plane` is NULL or a live control plane, with no call on it in flight.
+ */
+void mx_control_plane_free(mx_control_plane *plane);
+
+/**
+ * Connects to the control plane at `addr` (`"http://host:port"` or `"host:port"`). Blocks
+ * until connected. Thread-safe.
+ *
+ * Errors: `MX_ERR_INVALID_ARGUMENT` (NULL, malformed), `MX_ERR_CONTROL` (unreachable).
+ *
+ * # Safety
+ * `addr` is NULL or NUL-terminated; `out` is NULL or valid for a write.
+ */
+mx_status mx_control_connect(const char *addr, mx_control **out);
+
+/**
+ * Declares version `label`: source slots `0..N` of trainer layout `trainer_layout` (e.g.
+ * `"fsdp:2"`: two publishers) and the model's tensors. Idempotent when identical. Thread-safe.
+ *
+ * Errors: `MX_ERR_INVALID_ARGUMENT` (NULL, a bad layout), `MX_ERR_CONTROL` (declared
+ * differently before, or refused).
+ *
+ * # Safety
+ * `control` and `model` are NULL or live; strings are NULL or NUL-terminated.
+ */
+mx_status mx_control_declare(const mx_control *control,
+                             const char *label,
+                             const char *trainer_layout,
+                             const mx_model *model);
+
+/**
+ * The state of version `label` (`"DECLARED"`, `"PUBLISHING"`, `"READY"`, `"COMMITTED"`, ...)
+ * and its id (`"mx:<hex>"`, once READY; NULL before). Each output that is not NULL receives
+ * an owned string (free it with `mx_string_free`). Thread-safe.
+ *
+ * Errors: `MX_ERR_UNKNOWN_VERSION`, `MX_ERR_CONTROL`.
+ *
+ * # Safety
+ * `control` is NULL or live; `label` is NULL or NUL-terminated; outputs are NULL or valid for
+ * a write.
+ */
+mx_status mx_control_version(const mx_control *control,
+                             const char *label,
+                             char **state,
+                             char **version_id);
+
+/**
+ * Refits workers `worker_ids[0..n_workers]` to version `label` (READY) and blocks until the
+ * refit ended: STAGE on every worker, then the safe point (pause), APPLY, read-back, RESUME,
+ * CHECK and COMMIT, or ABORT / ROLLBACK. `check` != 0 runs a post-update generation on every
+ * worker (one token; it only has to succeed; engines that declared no model skip it).
+ * `timeout_ms` bounds the wait (0: 600 s); the refit's own deadlines are the control plane's
+ * defaults. On `MX_OK` the refit ended: `*outcome` is one of `MX_REFIT_*` (COMMITTED or not),
+ * and `*result_json` (when not NULL; free it with `mx_string_free`) is the refit's record
+ * (phases, per-worker calls and timings, `reason` when it did not commit). Thread-safe
+ * (blocks).
+ *
+ * Errors: `MX_ERR_TIMEOUT` (not ended in time: it goes on), `MX_ERR_UNKNOWN_VERSION`,
+ * `MX_ERR_CONTROL` (refused: another refit is open, the version is not READY, ...).
+ *
+ * # Safety
+ * `control` is NULL or live; `label` is NULL or NUL-terminated; `worker_ids` points to
+ * `n_workers` NUL-terminated strings; outputs are NULL or valid for a write.
+ */
+mx_status mx_control_refit(const mx_control *control,
+                           const char *label,
+                           const char *const *worker_ids,
+                           size_t n_workers,
+                           int32_t check,
+                           uint64_t timeout_ms,
+                           mx_refit_outcome *outcome,
+                           char **result_json);
+
+/**
+ * The fleet's status as JSON (versions with state and id; workers with layout, ranks, state,
+ * resident version and admission; the committed version; the open refit), written to
+ * `*json` (free it with `mx_string_free`). Thread-safe.
+ *
+ * Errors: `MX_ERR_CONTROL`.
+ *
+ * # Safety
+ * `control` is NULL or live; `json` is NULL or valid for a write.
+ */
+mx_status mx_control_status(const mx_control *control, char **json);
+
+/**
+ * Frees a control-plane client. NULL is ignored.
+ *
+ * # Safety
+ * `control` is NULL or a live client, with no call on it in flight.
+ */
+void mx_control_free(mx_control *control);
 
 /**
  * Reads a model from an HF checkpoint directory: its `config.json` and the headers of its
@@ -757,121 +872,6 @@ mx_status mx_puller_serve(const mx_puller *puller,
  * flight.
  */
 void mx_puller_free(mx_puller *puller);
-
-/**
- * Starts a control plane in this process, listening on `listen` (`"127.0.0.1:0"` picks a
- * free port) with its durable journal at `journal_path` (created if missing, replayed if
- * present). Writes its URL (`"http://127.0.0.1:PORT"`) to `*url` when not NULL (free it with
- * `mx_string_free`). Thread-safe.
- *
- * Errors: `MX_ERR_INVALID_ARGUMENT` (NULL, a bad address), `MX_ERR_CONTROL` (cannot bind, a
- * corrupt journal).
- *
- * # Safety
- * Strings are NULL or NUL-terminated; `out` and `url` are NULL or valid for a write.
- */
-mx_status mx_control_plane_start(const char *listen,
-                                 const char *journal_path,
-                                 mx_control_plane **out,
-                                 char **url);
-
-/**
- * Stops a control plane started by `mx_control_plane_start` (waits until its journal is
- * closed) and frees it. NULL is ignored.
- *
- * # Safety
- * `plane` is NULL or a live control plane, with no call on it in flight.
- */
-void mx_control_plane_free(mx_control_plane *plane);
-
-/**
- * Connects to the control plane at `addr` (`"http://host:port"` or `"host:port"`). Blocks
- * until connected. Thread-safe.
- *
- * Errors: `MX_ERR_INVALID_ARGUMENT` (NULL, malformed), `MX_ERR_CONTROL` (unreachable).
- *
- * # Safety
- * `addr` is NULL or NUL-terminated; `out` is NULL or valid for a write.
- */
-mx_status mx_control_connect(const char *addr, mx_control **out);
-
-/**
- * Declares version `label`: source slots `0..N` of trainer layout `trainer_layout` (e.g.
- * `"fsdp:2"`: two publishers) and the model's tensors. Idempotent when identical. Thread-safe.
- *
- * Errors: `MX_ERR_INVALID_ARGUMENT` (NULL, a bad layout), `MX_ERR_CONTROL` (declared
- * differently before, or refused).
- *
- * # Safety
- * `control` and `model` are NULL or live; strings are NULL or NUL-terminated.
- */
-mx_status mx_control_declare(const mx_control *control,
-                             const char *label,
-                             const char *trainer_layout,
-                             const mx_model *model);
-
-/**
- * The state of version `label` (`"DECLARED"`, `"PUBLISHING"`, `"READY"`, `"COMMITTED"`, ...)
- * and its id (`"mx:<hex>"`, once READY; NULL before). Each output that is not NULL receives
- * an owned string (free it with `mx_string_free`). Thread-safe.
- *
- * Errors: `MX_ERR_UNKNOWN_VERSION`, `MX_ERR_CONTROL`.
- *
- * # Safety
- * `control` is NULL or live; `label` is NULL or NUL-terminated; outputs are NULL or valid for
- * a write.
- */
-mx_status mx_control_version(const mx_control *control,
-                             const char *label,
-                             char **state,
-                             char **version_id);
-
-/**
- * Refits workers `worker_ids[0..n_workers]` to version `label` (READY) and blocks until the
- * refit ended: STAGE on every worker, then the safe point (pause), APPLY, read-back, RESUME,
- * CHECK and COMMIT, or ABORT / ROLLBACK. `check` != 0 runs a post-update generation on every
- * worker (one token; it only has to succeed; engines that declared no model skip it).
- * `timeout_ms` bounds the wait (0: 600 s); the refit's own deadlines are the control plane's
- * defaults. On `MX_OK` the refit ended: `*outcome` is one of `MX_REFIT_*` (COMMITTED or not),
- * and `*result_json` (when not NULL; free it with `mx_string_free`) is the refit's record
- * (phases, per-worker calls and timings, `reason` when it did not commit). Thread-safe
- * (blocks).
- *
- * Errors: `MX_ERR_TIMEOUT` (not ended in time: it goes on), `MX_ERR_UNKNOWN_VERSION`,
- * `MX_ERR_CONTROL` (refused: another refit is open, the version is not READY, ...).
- *
- * # Safety
- * `control` is NULL or live; `label` is NULL or NUL-terminated; `worker_ids` points to
- * `n_workers` NUL-terminated strings; outputs are NULL or valid for a write.
- */
-mx_status mx_control_refit(const mx_control *control,
-                           const char *label,
-                           const char *const *worker_ids,
-                           size_t n_workers,
-                           int32_t check,
-                           uint64_t timeout_ms,
-                           mx_refit_outcome *outcome,
-                           char **result_json);
-
-/**
- * The fleet's status as JSON (versions with state and id; workers with layout, ranks, state,
- * resident version and admission; the committed version; the open refit), written to
- * `*json` (free it with `mx_string_free`). Thread-safe.
- *
- * Errors: `MX_ERR_CONTROL`.
- *
- * # Safety
- * `control` is NULL or live; `json` is NULL or valid for a write.
- */
-mx_status mx_control_status(const mx_control *control, char **json);
-
-/**
- * Frees a control-plane client. NULL is ignored.
- *
- * # Safety
- * `control` is NULL or a live client, with no call on it in flight.
- */
-void mx_control_free(mx_control *control);
 
 #ifdef __cplusplus
 }  // extern "C"

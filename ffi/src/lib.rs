@@ -35,7 +35,7 @@
 //! loaders, and publishing from a puller as a peer source.
 #![deny(unsafe_op_in_unsafe_fn)]
 
-// The header lists these modules' items in this order.
+// The header lists lib.rs's items, then these modules' in this order.
 pub mod control;
 pub mod model;
 pub mod publisher;
