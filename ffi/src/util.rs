@@ -399,3 +399,51 @@ pub(crate) fn parse_layout(s: &str, field: &str) -> FfiResult<mx_layout::LayoutS
     s.parse()
         .map_err(|e: mx_layout::Error| FfiError::arg(field, e))
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, reason = "tests: panics are failures")]
+
+    use super::*;
+
+    fn last() -> String {
+        // SAFETY: last_error_ptr points to this thread's NUL-terminated last error.
+        unsafe { CStr::from_ptr(last_error_ptr()) }
+            .to_string_lossy()
+            .into_owned()
+    }
+
+    #[test]
+    fn a_panic_becomes_a_status_and_poisons_its_handle() {
+        let m = Mutex::new(0u32);
+        let st = call("mx_test", || {
+            let _g = lock(&m, "thing")?;
+            panic!("boom");
+        });
+        assert_eq!(st, MX_ERR_PANIC);
+        assert_eq!(last(), "mx_test: panic: boom");
+        let st = call("mx_test", || lock(&m, "thing").map(drop));
+        assert_eq!(st, MX_ERR_PANIC);
+        assert!(
+            last().contains("an earlier call on this handle panicked"),
+            "{}",
+            last()
+        );
+        assert_eq!(call("mx_test", || Ok(())), MX_OK);
+        assert_eq!(last(), "");
+        call_void("mx_test_free", || panic!("in free"));
+        assert_eq!(last(), "mx_test_free: panic: in free");
+    }
+
+    #[test]
+    fn chains_skip_sources_the_message_already_holds() {
+        let e = mx_publisher::Error::Nixl(mx_nixl::Error::BadLength {
+            len: 0,
+            reason: "zero",
+        });
+        let c = chain(&e);
+        assert_eq!(c.matches("zero").count(), 1, "{c}");
+        let e = FfiError::from(e);
+        assert_eq!(e.status, MX_ERR_NIXL);
+    }
+}

@@ -589,6 +589,8 @@ int main(int argc, char **argv) {
     mx_model_free(model);
     mx_control_plane_free(plane);
     mx_string_free(url);
+    unlink(journal_path);
+    rmdir(journal);
     for (size_t i = 0; i < n_params; i++)
         free(params[i].mem);
     free(params);
