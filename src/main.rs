@@ -1,15 +1,12 @@
 //! `mx`: live policy-weight refit for RL. The binary is thin: each subcommand parses its flags
 //! and calls into the crates (see README.md for the architecture).
 
-mod bench;
-mod demo;
-mod fleet;
 mod plan_cmd;
 mod provenance;
 mod refit_cmd;
-mod slice;
-mod trainer;
-mod validate;
+
+use mx_harness::refits::{print_refit, wait_end};
+use mx_harness::{bench, demo, runtime, trainer, validate};
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -208,6 +205,7 @@ enum Cmd {
 
 fn main() {
     use std::io::IsTerminal;
+    mx_harness::report::set_build(provenance::BUILD);
     tracing_subscriber::fmt()
         .with_ansi(std::io::stderr().is_terminal())
         .with_env_filter(
@@ -285,14 +283,6 @@ fn parse_listen(s: &str) -> Result<std::net::SocketAddr, String> {
         .map_err(|e| format!("{s}: {e}"))?
         .next()
         .ok_or_else(|| format!("{s}: resolves to no address"))
-}
-
-fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .context("starting tokio")
 }
 
 fn run(cli: Cli) -> anyhow::Result<()> {
@@ -517,8 +507,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 verify_from_apply_answer: false,
             };
             let id = c.refit(&spec).await?;
-            let r = refit_cmd::wait_end(&c, id, Duration::from_secs(wait_s.saturating_add(900))).await?;
-            refit_cmd::print_refit(&r);
+            let r = wait_end(&c, id, Duration::from_secs(wait_s.saturating_add(900))).await?;
+            print_refit(&r);
             if r.outcome != Some(mx_control::Outcome::Committed) {
                 anyhow::bail!(
                     "refit {id} of {label} ended {}: {}",
@@ -592,7 +582,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     .with_context(|| format!("replaying line {} of {}", i + 1, path.display()))?;
             }
             for r in st.refits() {
-                refit_cmd::print_refit(r);
+                print_refit(r);
                 let gaps = r.journal_gaps();
                 if gaps.is_empty() {
                     println!("  journal: complete");

@@ -1,26 +1,8 @@
 //! The build's provenance, stamped by the root `build.rs`: printed by `mx --version` and
-//! written into every JSON report as `"build"`.
+//! handed to the harness at start ([`mx_harness::report::set_build`]), which writes it into
+//! every JSON report as `"build"`.
 
-use std::path::Path;
-
-use serde::Serialize;
-
-/// Which build produced a result.
-#[derive(Debug, Clone, Serialize)]
-pub(crate) struct Build {
-    /// The `mx` package version.
-    pub(crate) version: &'static str,
-    /// `git rev-parse HEAD` at build time (`unknown` outside a git checkout).
-    pub(crate) commit: &'static str,
-    /// Whether tracked files differed from that commit (`true`, `false` or `unknown`).
-    pub(crate) dirty: &'static str,
-    /// `rustc --version` of the compiler.
-    pub(crate) rustc: &'static str,
-    /// Cargo profile (`release`, `debug`).
-    pub(crate) profile: &'static str,
-    /// Enabled features of the `mx` package, comma-separated (e.g. `cuda`).
-    pub(crate) features: &'static str,
-}
+use mx_harness::report::Build;
 
 /// This binary's build.
 pub(crate) const BUILD: Build = Build {
@@ -48,25 +30,6 @@ pub(crate) const LONG_VERSION: &str = concat!(
     "]"
 );
 
-/// Writes `value` as pretty JSON to `path`, with `"build": BUILD` added at the top level (a
-/// report that is not a JSON object is wrapped as `{"build": ..., "report": value}`).
-///
-/// # Errors
-/// Serialization or I/O errors, naming the file.
-pub(crate) fn write_report(path: &Path, value: &impl Serialize) -> anyhow::Result<()> {
-    use anyhow::Context;
-    let build = serde_json::to_value(BUILD)?;
-    let v = match serde_json::to_value(value)? {
-        serde_json::Value::Object(mut m) => {
-            m.insert("build".into(), build);
-            serde_json::Value::Object(m)
-        }
-        other => serde_json::json!({"build": build, "report": other}),
-    };
-    std::fs::write(path, serde_json::to_vec_pretty(&v)?)
-        .with_context(|| format!("writing report {}", path.display()))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -75,7 +38,9 @@ mod tests {
     fn reports_carry_the_build_and_keep_their_fields() {
         let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
         let p = dir.path().join("r.json");
-        write_report(&p, &serde_json::json!({"ratio": 0.83})).unwrap_or_else(|e| panic!("{e:#}"));
+        mx_harness::report::set_build(BUILD);
+        mx_harness::report::write_report(&p, &serde_json::json!({"ratio": 0.83}))
+            .unwrap_or_else(|e| panic!("{e:#}"));
         let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&p).unwrap_or_default())
             .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(v["ratio"], 0.83);

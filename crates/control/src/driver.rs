@@ -45,6 +45,9 @@ const DEPARTURE_GRACE: Duration = Duration::from_secs(10);
 /// and the second worker), or `apply-sent:<n>` right after the intent of apply call `n` is
 /// journaled but before it is sent.
 fn failpoint(point: &str) {
+    if !cfg!(feature = "failpoints") {
+        return;
+    }
     if std::env::var("MX_CONTROL_CRASH_AT").is_ok_and(|p| p == point) {
         tracing::warn!(point, "failpoint: control plane SIGKILLs itself");
         let pid = std::process::id().to_string();

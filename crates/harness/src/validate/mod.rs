@@ -23,34 +23,34 @@ use serde::Serialize;
 use serde_json::json;
 
 use crate::fleet::{connect, default_model, Procs, WorkDir};
-use crate::refit_cmd::{golden, print_refit, wait_end};
+use crate::refits::{golden, print_refit, wait_end};
 
 mod chaos;
 mod restarts;
 
 /// Flags of `mx validate`.
 #[derive(clap::Args, Debug, Clone)]
-pub(crate) struct ValidateArgs {
+pub struct ValidateArgs {
     /// HF checkpoint directory (llama family).
     #[arg(long)]
-    pub(crate) model: Option<PathBuf>,
+    pub model: Option<PathBuf>,
     /// Run only these scenarios (comma-separated names; see the table).
     #[arg(long, value_delimiter = ',')]
-    pub(crate) only: Vec<String>,
+    pub only: Vec<String>,
     /// Write the JSON report here.
     #[arg(long)]
-    pub(crate) report: Option<PathBuf>,
+    pub report: Option<PathBuf>,
     /// Keep the work directory (logs, journal).
     #[arg(long)]
-    pub(crate) keep: bool,
+    pub keep: bool,
     /// Chaos mode instead of the matrix: N refits in a row, each with a SIGKILL of a randomly
     /// chosen process (control plane, a worker, a publisher) at a random moment, restarted as a
     /// supervisor would, and the lifecycle's invariants checked from the engines after each.
     #[arg(long, value_name = "N")]
-    pub(crate) chaos: Option<u32>,
+    pub chaos: Option<u32>,
     /// Seed of the chaos schedule (the same seed gives the same victims and delays).
     #[arg(long, default_value_t = 1)]
-    pub(crate) seed: u64,
+    pub seed: u64,
 }
 
 /// One scenario's row.
@@ -367,7 +367,12 @@ fn flip_byte(pid: u32, addr: u64) -> anyhow::Result<u8> {
     Ok(b[0])
 }
 
-pub(crate) fn run(args: ValidateArgs) -> anyhow::Result<()> {
+/// Runs `mx validate`: every scenario of the fault matrix (or `--chaos N` random kills)
+/// against a real local fleet; prints the table and writes the report.
+///
+/// # Errors
+/// When a scenario fails (naming it and what was observed) or the fleet cannot start.
+pub fn run(args: ValidateArgs) -> anyhow::Result<()> {
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?
@@ -563,7 +568,7 @@ async fn run_async(args: ValidateArgs) -> anyhow::Result<()> {
     print_table(&f, &reports);
     if let Some(p) = &args.report {
         let all = reports.iter().all(|r| r.passed);
-        crate::provenance::write_report(
+        crate::report::write_report(
             p,
             &json!({
                 "passed": all,

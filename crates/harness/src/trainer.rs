@@ -15,23 +15,23 @@ use rayon::prelude::*;
 
 /// What the demo trainer needs.
 #[derive(Debug, Clone)]
-pub(crate) struct TrainerConfig {
+pub struct TrainerConfig {
     /// Control plane address.
-    pub(crate) control: String,
+    pub control: String,
     /// HF checkpoint directory (config.json + safetensors).
-    pub(crate) model_dir: std::path::PathBuf,
+    pub model_dir: std::path::PathBuf,
     /// Trainer layout.
-    pub(crate) layout: LayoutSpec,
+    pub layout: LayoutSpec,
     /// This trainer rank.
-    pub(crate) rank: u32,
+    pub rank: u32,
     /// Source-side packing.
-    pub(crate) pack: bool,
+    pub pack: bool,
     /// Fault injection: after each publish, flip one byte of this tensor's shard.
-    pub(crate) fault_flip_byte: Option<String>,
+    pub fault_flip_byte: Option<String>,
 }
 
 /// One trainer rank: its publisher and the memory its shards live in.
-pub(crate) struct DemoTrainer {
+pub struct DemoTrainer {
     // Field order is drop order: the publisher (and its registration of `buf`) goes first.
     publisher: Publisher,
     buf: HostBuffer,
@@ -51,7 +51,7 @@ fn copy_box(full: &[u8], shape: &[u64], region: &TensorBox, elem: u64, out: &mut
 
 impl DemoTrainer {
     /// Loads this rank's shards and connects its publisher.
-    pub(crate) async fn start(cfg: TrainerConfig) -> anyhow::Result<DemoTrainer> {
+    pub async fn start(cfg: TrainerConfig) -> anyhow::Result<DemoTrainer> {
         let ckpt = Checkpoint::open(&cfg.model_dir)?;
         let config = ckpt.config().with_context(|| {
             format!("checkpoint {} has no config.json", cfg.model_dir.display())
@@ -114,7 +114,7 @@ impl DemoTrainer {
     }
 
     /// Applies `training_step(step)` to every shard in place.
-    pub(crate) fn train_step(&mut self, step: u32) {
+    pub fn train_step(&mut self, step: u32) {
         let mut rest: &mut [u8] = self.buf.as_mut_slice();
         let mut chunks = Vec::new();
         let mut pos = 0u64;
@@ -133,7 +133,7 @@ impl DemoTrainer {
     /// Fault injection: flips the middle byte of this rank's shard of `tensor` in the
     /// registered memory, after its digests were published. Returns the flipped address, or
     /// `None` when this rank holds none of `tensor`.
-    pub(crate) fn flip_byte(&mut self, tensor: &str) -> Option<u64> {
+    pub fn flip_byte(&mut self, tensor: &str) -> Option<u64> {
         let piece = self
             .rank_layout
             .params
@@ -156,7 +156,7 @@ impl DemoTrainer {
     /// k > `first` it waits until k-1 is COMMITTED (which hands the memory back), then applies
     /// training step k. Returns once the last version is COMMITTED. Every wait follows
     /// `patience`.
-    pub(crate) async fn run_steps_from(
+    pub async fn run_steps_from(
         &mut self,
         prefix: &str,
         first: u32,

@@ -9,42 +9,42 @@ use serde::Serialize;
 
 /// `mx bench plan` arguments.
 #[derive(clap::Args, Debug, Clone)]
-pub(crate) struct PlanArgs {
+pub struct PlanArgs {
     /// Trainer ranks.
     #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
-    pub(crate) trainer_ranks: u32,
+    pub trainer_ranks: u32,
     /// Trainer expert parallelism (experts of an EP group are FSDP-sharded over its ranks).
     #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..))]
-    pub(crate) trainer_ep: u32,
+    pub trainer_ep: u32,
     /// Inference tensor parallelism per instance.
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..))]
-    pub(crate) tp: u32,
+    pub tp: u32,
     /// Inference expert parallelism per instance.
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..))]
-    pub(crate) ep: u32,
+    pub ep: u32,
     /// Inference instances.
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
-    pub(crate) instances: u32,
+    pub instances: u32,
     /// Only Kimi-K2 (skip DeepSeek-V3), for a quick run.
     #[arg(long)]
-    pub(crate) quick: bool,
+    pub quick: bool,
     /// NIC line rate per GPU, Gb/s (8 x 400 Gb/s per 8-GPU node).
     #[arg(long, default_value_t = 400.0)]
-    pub(crate) nic_gbit: f64,
+    pub nic_gbit: f64,
     /// Fraction of line rate one-sided RDMA READs of large messages reach.
     #[arg(long, default_value_t = 0.9)]
-    pub(crate) rdma_efficiency: f64,
+    pub rdma_efficiency: f64,
     /// Fixed cost per READ descriptor on an RDMA NIC (seconds), for the projection.
     #[arg(long, default_value_t = 1e-6)]
-    pub(crate) rdma_per_descriptor_s: f64,
+    pub rdma_per_descriptor_s: f64,
     /// Commit round of the fleet (ms), for the projection (default: measured by `mx bench
     /// control` at 1,000 simulated workers on the reference machine; `mx bench all` passes its
     /// own measurement).
     #[arg(long, default_value_t = 300.0)]
-    pub(crate) commit_ms: f64,
+    pub commit_ms: f64,
     /// Write the result as JSON here.
     #[arg(long)]
-    pub(crate) json: Option<PathBuf>,
+    pub json: Option<PathBuf>,
 }
 
 /// The projection of one refit onto real hardware, for one weight format.

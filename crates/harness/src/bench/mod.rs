@@ -2,10 +2,10 @@
 //! BENCHMARKS.md). Each part prints a table; `mx bench all --report PATH` runs them all and
 //! writes one JSON report.
 
-pub(crate) mod control;
-pub(crate) mod disk;
-pub(crate) mod plan;
-pub(crate) mod pull;
+pub mod control;
+pub mod disk;
+pub mod plan;
+pub mod pull;
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -15,7 +15,7 @@ use serde::Serialize;
 
 /// `mx bench` parts.
 #[derive(Subcommand, Debug)]
-pub(crate) enum BenchCmd {
+pub enum BenchCmd {
     /// Every part below, then one JSON report (quick by default: about 35 s of measuring here).
     All(AllArgs),
     /// NIXL pull bandwidth against a memcpy of the same bytes, with the knobs that move it.
@@ -34,7 +34,7 @@ pub(crate) enum BenchCmd {
 
 /// `mx bench all` arguments.
 #[derive(clap::Args, Debug)]
-pub(crate) struct AllArgs {
+pub struct AllArgs {
     /// Write the combined JSON report here.
     #[arg(long)]
     report: PathBuf,
@@ -112,14 +112,14 @@ struct AllReport {
 
 fn write_json(path: &Option<PathBuf>, value: &impl serde::Serialize) -> anyhow::Result<()> {
     if let Some(p) = path {
-        crate::provenance::write_report(p, value)?;
+        crate::report::write_report(p, value)?;
         eprintln!("report written to {}", p.display());
     }
     Ok(())
 }
 
 /// Runs one `mx bench` part.
-pub(crate) fn run(cmd: BenchCmd) -> anyhow::Result<()> {
+pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;

@@ -9,7 +9,7 @@ use mx_control::{Action, Outcome, Refit};
 use serde_json::json;
 
 use super::{outcome_str, s, Fleet};
-use crate::refit_cmd::{print_refit, wait_end};
+use crate::refits::{print_refit, wait_end};
 
 /// Polls refit `id` until `ready` holds for it (or it ended, or a minute passed).
 pub(super) async fn wait_refit_until(

@@ -30,19 +30,19 @@ use crate::fleet::{default_model, median, wait_until, Procs, WorkDir};
 
 /// `mx bench disk` arguments.
 #[derive(clap::Args, Debug, Clone)]
-pub(crate) struct DiskArgs {
+pub struct DiskArgs {
     /// HF checkpoint directory (default: the SmolLM2 checkpoint scripts/setup.sh prepares).
     #[arg(long)]
-    pub(crate) model: Option<PathBuf>,
+    pub model: Option<PathBuf>,
     /// Pairs (disk path, mx) measured, each on a new version.
     #[arg(long, default_value_t = 3)]
-    pub(crate) reps: u32,
+    pub reps: u32,
     /// Keep the work directory (logs, checkpoints).
     #[arg(long)]
-    pub(crate) keep: bool,
+    pub keep: bool,
     /// Write the result as JSON here.
     #[arg(long)]
-    pub(crate) json: Option<PathBuf>,
+    pub json: Option<PathBuf>,
 }
 
 /// One (disk, mx) pair.
@@ -288,7 +288,7 @@ async fn mx_refit(
             verify_from_apply_answer: false,
         })
         .await?;
-    let refit = crate::refit_cmd::wait_end(client, id, Duration::from_secs(600)).await?;
+    let refit = crate::refits::wait_end(client, id, Duration::from_secs(600)).await?;
     if refit.outcome != Some(Outcome::Committed) {
         bail!(
             "refit to {label} ended {:?}: {}",

@@ -198,7 +198,8 @@ pub(crate) async fn connect(addr: &str, timeout: Duration) -> anyhow::Result<Con
 
 /// The SmolLM2 checkpoint `scripts/setup.sh` prepares.
 pub(crate) fn default_model() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join(".mx/models/smollm2-135m")
+    // The checkout this crate was compiled in: crates/harness/../../.mx.
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../.mx/models/smollm2-135m")
 }
 
 /// Median of `v` (0 when empty; the mean of the middle two for an even count).

@@ -23,7 +23,7 @@ use crate::slice::Reference;
 
 /// Flags of `mx demo`.
 #[derive(clap::Args, Debug)]
-pub(crate) struct DemoArgs {
+pub struct DemoArgs {
     /// HF checkpoint directory (default: the SmolLM2-135M checkpoint made by scripts/setup.sh).
     #[arg(long)]
     model: Option<PathBuf>,
@@ -163,10 +163,9 @@ async fn check_for(
     }
     let dir = model_dir.to_path_buf();
     let prompt = mx_engine::golden::CHECK_PROMPT.to_vec();
-    let expected = tokio::task::spawn_blocking(move || {
-        crate::refit_cmd::golden(&dir, k, &prompt, CHECK_TOKENS)
-    })
-    .await??;
+    let expected =
+        tokio::task::spawn_blocking(move || crate::refits::golden(&dir, k, &prompt, CHECK_TOKENS))
+            .await??;
     Ok(Some(GenerationCheck {
         prompt_tokens: mx_engine::golden::CHECK_PROMPT.to_vec(),
         max_new_tokens: CHECK_TOKENS,
@@ -174,7 +173,13 @@ async fn check_for(
     }))
 }
 
-pub(crate) fn run(args: DemoArgs) -> anyhow::Result<()> {
+/// Runs `mx demo`: starts the fleet, refits it through the versions, checks every worker's
+/// bytes and post-update tokens, prints the tables and writes the report.
+///
+/// # Errors
+/// The first failed step, with its context (a process that died, a refit that did not
+/// commit, bytes that differ from the checkpoint).
+pub fn run(args: DemoArgs) -> anyhow::Result<()> {
     let per_instance = if args.process_per_rank {
         args.inference_layout.world_size
     } else {
@@ -399,7 +404,7 @@ async fn run_async(args: DemoArgs) -> anyhow::Result<()> {
                 verify_from_apply_answer: false,
             })
             .await?;
-        let refit = crate::refit_cmd::wait_end(&client, refit_id, Duration::from_secs(900)).await?;
+        let refit = crate::refits::wait_end(&client, refit_id, Duration::from_secs(900)).await?;
         if refit.outcome != Some(Outcome::Committed) {
             procs.check(&work)?;
             bail!(
@@ -527,7 +532,7 @@ async fn run_async(args: DemoArgs) -> anyhow::Result<()> {
         versions,
     };
     if let Some(p) = &args.report {
-        crate::provenance::write_report(p, &report)?;
+        crate::report::write_report(p, &report)?;
         println!("report written to {}", p.display());
     }
     if args.keep {

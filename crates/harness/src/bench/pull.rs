@@ -25,28 +25,28 @@ use crate::fleet::{default_model, median, wait_until, Procs, WorkDir};
 
 /// `mx bench pull` arguments.
 #[derive(clap::Args, Debug, Clone)]
-pub(crate) struct PullArgs {
+pub struct PullArgs {
     /// HF checkpoint directory (default: the SmolLM2 checkpoint scripts/setup.sh prepares).
     #[arg(long)]
-    pub(crate) model: Option<PathBuf>,
+    pub model: Option<PathBuf>,
     /// Trainer layout of the publishers.
     #[arg(long, default_value = "fsdp:4")]
-    pub(crate) trainer_layout: LayoutSpec,
+    pub trainer_layout: LayoutSpec,
     /// Inference layout pulled (every rank of one instance, in this process).
     #[arg(long, default_value = "tp:3")]
-    pub(crate) inference_layout: LayoutSpec,
+    pub inference_layout: LayoutSpec,
     /// Timed repetitions per variant (median reported).
     #[arg(long, default_value_t = 5)]
-    pub(crate) reps: u32,
+    pub reps: u32,
     /// Only the headline rows (layout and identity), for a quick run.
     #[arg(long)]
-    pub(crate) quick: bool,
+    pub quick: bool,
     /// Keep the work directory (logs).
     #[arg(long)]
-    pub(crate) keep: bool,
+    pub keep: bool,
     /// Write the result as JSON here.
     #[arg(long)]
-    pub(crate) json: Option<PathBuf>,
+    pub json: Option<PathBuf>,
 }
 
 /// One measured variant.

@@ -31,7 +31,7 @@ use serde_json::json;
 
 use super::{connect, next_refit_id, s, Fleet, WORKERS};
 use crate::fleet::WorkDir;
-use crate::refit_cmd::{print_refit, wait_end};
+use crate::refits::{print_refit, wait_end};
 
 /// Longest a fleet may take, from the kill, to have an admitted worker again.
 const RECOVERY_BOUND: Duration = Duration::from_secs(90);
@@ -173,7 +173,7 @@ pub(super) async fn run(
             },
             "versions": f.versions.iter().map(|(l, (id, g))| json!({"label": l, "version": id, "golden_tokens": g})).collect::<Vec<_>>(),
         });
-        crate::provenance::write_report(p, &doc)?;
+        crate::report::write_report(p, &doc)?;
     }
     if let Some(v) = violations.first() {
         bail!(

@@ -29,42 +29,42 @@ use crate::fleet::{median, Procs, WorkDir};
 
 /// `mx bench control` arguments.
 #[derive(clap::Args, Debug, Clone)]
-pub(crate) struct ControlArgs {
+pub struct ControlArgs {
     /// Simulated workers.
     #[arg(long, default_value_t = 1000)]
-    pub(crate) workers: u32,
+    pub workers: u32,
     /// Processes the simulated workers are spread over (at most one per worker).
     #[arg(long, default_value_t = 4)]
-    pub(crate) procs: u32,
+    pub procs: u32,
     /// Stage/commit rounds (each to a new version), at least 2: the first is reported apart as
     /// warm-up, the median of the others is the result.
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(2..))]
-    pub(crate) rounds: u32,
+    pub rounds: u32,
     /// Workers applying at once in the commit round (0 = all; 1 = one after the other, for a
     /// side-by-side with the sequential apply of earlier versions).
     #[arg(long, default_value_t = 0)]
-    pub(crate) apply_parallelism: u32,
+    pub apply_parallelism: u32,
     /// The orchestrator holds the safe point: no pause/resume engine calls.
     #[arg(long)]
-    pub(crate) orchestrator_gated: bool,
+    pub orchestrator_gated: bool,
     /// VERIFY takes the resident version from each APPLY answer (no get_weight_version calls).
     #[arg(long)]
-    pub(crate) verify_from_apply_answer: bool,
+    pub verify_from_apply_answer: bool,
     /// After the rounds, one more refit in which one worker's APPLY fails: measures the rollback
     /// of the whole set to the committed version (refit request until ROLLED_BACK).
     #[arg(long)]
-    pub(crate) rollback: bool,
+    pub rollback: bool,
     /// Keep the work directory (journal, logs).
     #[arg(long)]
-    pub(crate) keep: bool,
+    pub keep: bool,
     /// Write the result as JSON here.
     #[arg(long)]
-    pub(crate) json: Option<PathBuf>,
+    pub json: Option<PathBuf>,
 }
 
 /// `mx bench sim-workers`: one process of simulated workers (started by `mx bench control`).
 #[derive(clap::Args, Debug, Clone)]
-pub(crate) struct SimArgs {
+pub struct SimArgs {
     /// Control plane address.
     #[arg(long)]
     control: String,
@@ -270,7 +270,7 @@ async fn rollback_round(
     let id = client
         .refit(&refit_spec(a, label, ids, u64::from(a.rounds) + 1))
         .await?;
-    let refit = crate::refit_cmd::wait_end(client, id, Duration::from_secs(600)).await?;
+    let refit = crate::refits::wait_end(client, id, Duration::from_secs(600)).await?;
     let ms = t.elapsed().as_secs_f64() * 1e3;
     std::fs::remove_file(fail_file)?;
     if refit.outcome != Some(Outcome::RolledBack) {
@@ -375,7 +375,7 @@ pub(crate) async fn run(a: &ControlArgs) -> anyhow::Result<ControlReport> {
         let spec = refit_spec(a, &label, &ids, u64::from(r) + 1);
         let t1 = Instant::now();
         let id = client.refit(&spec).await?;
-        let refit = crate::refit_cmd::wait_end(&client, id, Duration::from_secs(600)).await?;
+        let refit = crate::refits::wait_end(&client, id, Duration::from_secs(600)).await?;
         let commit_ms = t1.elapsed().as_secs_f64() * 1e3;
         let c2 = cpu_seconds(control_pid)?;
         let j2 = std::fs::metadata(&journal)?.len();
