@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs everything mx needs to build, test and run the demo, idempotently:
 #   - Debian packages: protobuf-compiler (protoc, for tonic), libclang-dev (bindgen in nixl-sys),
-#     pkg-config, unzip, and python3 / python3-venv when the system python cannot make a venv;
+#     pkg-config, unzip, gcc (the C ABI test, scripts/test_ffi_c.sh), and python3 / python3-venv
+#     when the system python cannot make a venv;
 #   - the model checkpoints and the Python venv ($REPO/.mx/models, $REPO/.mx/venv): setup-models.sh;
 #   - the NIXL 1.5.1 runtime libraries ($REPO/.mx/nixl): install-nixl.sh;
 #   - the Python package `mx` with torch==2.13.0, nixl-cu12==1.5.1, maturin, pytest and ruff in
@@ -23,6 +24,7 @@ command -v protoc >/dev/null 2>&1 || missing+=(protobuf-compiler)
 installed libclang-dev || missing+=(libclang-dev)
 command -v unzip >/dev/null 2>&1 || missing+=(unzip)
 command -v pkg-config >/dev/null 2>&1 || missing+=(pkg-config)
+command -v cc >/dev/null 2>&1 || missing+=(gcc)
 if ! command -v python3 >/dev/null 2>&1; then
     missing+=(python3 python3-venv)
 elif ! python3 -c 'import venv, ensurepip' >/dev/null 2>&1; then
@@ -40,7 +42,7 @@ if ((${#missing[@]})); then
     "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive \
         apt-get install -y --no-install-recommends "${missing[@]}" >&2
 else
-    log "Debian packages present (protoc, libclang-dev, unzip, pkg-config, python3 venv)"
+    log "Debian packages present (protoc, libclang-dev, unzip, pkg-config, gcc, python3 venv)"
 fi
 
 # --- models and the Python venv --------------------------------------------------------------------

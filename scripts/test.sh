@@ -4,10 +4,12 @@
 #   scripts/test.sh                 the whole workspace, release profile
 #   scripts/test.sh -p mx-layout    arguments go to `cargo test` unchanged
 #   MX_LINT=1 scripts/test.sh       also `cargo fmt --check`, clippy -D warnings and ruff, first (CI does)
+#   scripts/test_ffi_c.sh           only the C ABI test (run here after the Rust tests)
 #
-# After the Rust tests, the Python package's tests (python/tests, pytest in .mx/venv, against the
-# package scripts/setup.sh installed); a skipped Python test fails the suite. They are left out
-# when arguments select Rust packages (`-p ...`), or with MX_PYTHON_TESTS=0.
+# After the Rust tests, the C ABI test (scripts/test_ffi_c.sh) and the Python package's tests
+# (python/tests, pytest in .mx/venv, against the package scripts/setup.sh installed); a skipped
+# Python test fails the suite. Python tests are left out when arguments select Rust packages
+# (`-p ...`), or with MX_PYTHON_TESTS=0.
 #
 # NIXL tests fail (instead of skipping) when the NIXL libraries are missing: MX_REQUIRE_NIXL=1.
 set -euo pipefail
@@ -66,6 +68,24 @@ test_cmd=(cargo test --release --no-fail-fast "${scope[@]}" "$@")
 step="${test_cmd[*]}"
 log "$step"
 "${test_cmd[@]}"
+
+# The C ABI from C (ffi/tests/c/refit.c against ffi/include/mx.h and libmx.so; the header's
+# drift check is a cargo test above): with the whole workspace, or when mx-ffi is among the
+# packages given.
+run_c=1
+if ((${#scope[@]} == 0)); then
+    run_c=0
+    for arg in "$@"; do
+        case "$arg" in
+            mx-ffi | -pmx-ffi | --package=mx-ffi) run_c=1 ;;
+        esac
+    done
+fi
+if ((run_c)); then
+    step="C ABI test (scripts/test_ffi_c.sh)"
+    log "$step"
+    bash "$SCRIPT_DIR/test_ffi_c.sh"
+fi
 
 if ((${#scope[@]})) && (($# == 0)) && [[ "${MX_PYTHON_TESTS:-1}" != 0 ]]; then
     # conftest.py turns any skip into a failure; -p no:cacheprovider keeps the tree clean.
