@@ -21,31 +21,19 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{model_dir, tp3};
+use common::{control_plane, disk_reference, model_dir, tp3};
 use mx_checkpoint::Checkpoint;
 use mx_control::client::ControlClient;
-use mx_control::{
-    ControlPlaneConfig, EngineApi, GenerationCheck, Outcome, RefitSpec, VersionState,
-};
+use mx_control::{EngineApi, GenerationCheck, Outcome, RefitSpec, VersionState};
 use mx_layout::plan::decompose;
-use mx_layout::{DType, Digest, LayoutSpec, RankDigests, TensorBox, VersionId};
+use mx_layout::{DType, Digest, LayoutSpec, TensorBox, VersionId};
 use mx_nixl::Agent;
 use mx_publisher::Patience;
 use mx_puller::{ApplyKind, DestTensor, ExecOptions, Puller, PullerConfig};
-use mx_worker::{ApplySource, Instance, InstanceConfig, Worker, WorkerConfig};
+use mx_worker::{ApplySource, Instance, Worker, WorkerConfig};
 use trainer::TestTrainer;
 
 const WAIT: Duration = Duration::from_secs(180);
-
-async fn control_plane(dir: &Path) -> (String, mx_control::ServerHandle) {
-    let (addr, handle) = mx_control::spawn(ControlPlaneConfig {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        journal_path: dir.join("journal.jsonl"),
-    })
-    .await
-    .unwrap();
-    (format!("http://{addr}"), handle)
-}
 
 /// Declares and publishes `label` from the fsdp:2 trainers; returns its version once READY.
 async fn publish(
@@ -98,29 +86,6 @@ fn engine_puller(dir: &Path, name: &str) -> Puller {
     p
 }
 
-/// Live digests of the same checkpoint sliced from disk by an independent instance.
-async fn disk_reference(dir: &Path) -> Vec<RankDigests> {
-    let reference = Instance::open(
-        InstanceConfig {
-            model_dir: dir.to_path_buf(),
-            layout: tp3(),
-            ranks: vec![0, 1, 2],
-            failpoints: false,
-            worker_id: "reference".into(),
-        },
-        None,
-    )
-    .unwrap();
-    reference
-        .apply(ApplySource::Disk {
-            path: dir.to_path_buf(),
-            version: "disk".into(),
-        })
-        .await
-        .unwrap();
-    reference.live_digests().await.unwrap().unwrap().1
-}
-
 /// Every parameter's data pointer, per rank.
 fn addresses(p: &Puller) -> Vec<Vec<(String, u64)>> {
     [0, 1, 2].iter().map(|&r| p.addresses(r).unwrap()).collect()
@@ -135,7 +100,7 @@ async fn per_parameter_engine_memory_is_written_in_place_and_rolled_back() {
         return;
     };
     let tmp = tempfile::tempdir().unwrap();
-    let (control, server) = control_plane(tmp.path()).await;
+    let (control, server) = control_plane(tmp.path(), "127.0.0.1:0").await;
     let client = ControlClient::connect(&control).await.unwrap();
     // The engine's layout is registered before the trainers start, as a fleet's workers are.
     client
@@ -396,7 +361,7 @@ async fn an_engine_with_no_model_is_refitted_and_its_generation_skipped() {
         return;
     };
     let tmp = tempfile::tempdir().unwrap();
-    let (control, server) = control_plane(tmp.path()).await;
+    let (control, server) = control_plane(tmp.path(), "127.0.0.1:0").await;
     let client = ControlClient::connect(&control).await.unwrap();
     let puller = engine_puller(&dir, "engine-nomodel");
     let before = addresses(&puller);

@@ -17,15 +17,11 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{generate, ids, model_dir, post, tp3, PARIS, PROMPT};
+use common::{control_plane, generate, ids, model_dir, post, tp3, PARIS, PROMPT};
 use mx_control::client::ControlClient;
-use mx_control::{
-    ControlPlaneConfig, EngineApi, GenerationCheck, Outcome, PauseMode, RefitSpec, VersionState,
-};
+use mx_control::{EngineApi, GenerationCheck, Outcome, PauseMode, RefitSpec, VersionState};
 use mx_layout::{Digest, LayoutSpec, RankDigests};
-use mx_worker::{
-    mx_version_id, ApplySource, Error, Instance, InstanceConfig, Worker, WorkerConfig,
-};
+use mx_worker::{mx_version_id, Error, Instance, Worker, WorkerConfig};
 use serde_json::json;
 use trainer::TestTrainer;
 
@@ -46,16 +42,6 @@ fn worker_config(control: &str, dir: &Path, id: &str) -> WorkerConfig {
         load: None,
         load_version: None,
     }
-}
-
-async fn control_plane(dir: &Path, listen: &str) -> (String, mx_control::ServerHandle) {
-    let (addr, handle) = mx_control::spawn(ControlPlaneConfig {
-        listen: listen.parse().unwrap(),
-        journal_path: dir.join("journal.jsonl"),
-    })
-    .await
-    .unwrap();
-    (format!("http://{addr}"), handle)
 }
 
 /// Declares and publishes `label` from the fsdp:2 trainers `pubs`; returns its version digest
@@ -173,26 +159,7 @@ async fn staged_pinned_and_live_versions_apply_swap_and_refuse_byte_exactly() {
     let specs = mx_checkpoint::Checkpoint::open(&dir).unwrap().specs();
 
     // Reference: the same checkpoint sliced from disk by an independent instance.
-    let reference = Instance::open(
-        InstanceConfig {
-            model_dir: dir.clone(),
-            layout: tp3(),
-            ranks: vec![0, 1, 2],
-            failpoints: false,
-            worker_id: "reference".into(),
-        },
-        None,
-    )
-    .unwrap();
-    reference
-        .apply(ApplySource::Disk {
-            path: dir.clone(),
-            version: "disk".into(),
-        })
-        .await
-        .unwrap();
-    let (_, disk) = digests(&reference).await;
-    drop(reference);
+    let disk = common::disk_reference(&dir).await;
 
     // step-1 over NIXL, applied by a refit: byte-identical to the disk slicing, and the same
     // bytes the worker's GET /mx/live_digests reports.

@@ -1,12 +1,13 @@
-//! Helpers shared by the worker's integration tests: the real SmolLM2 checkpoint, an instance
-//! serving HTTP on loopback, and raw JSON calls.
+//! Helpers shared by the worker's integration tests: the real SmolLM2 checkpoint, a control
+//! plane in process, the checkpoint's tp:3 digests sliced from disk, an instance serving HTTP on
+//! loopback, and raw JSON calls.
 #![allow(dead_code, reason = "each test binary uses a subset")]
 
 use std::path::PathBuf;
 
-use mx_layout::LayoutSpec;
+use mx_layout::{LayoutSpec, RankDigests};
 use mx_worker::http::HttpServer;
-use mx_worker::{Instance, InstanceConfig};
+use mx_worker::{ApplySource, Instance, InstanceConfig};
 use serde_json::Value;
 
 /// "The capital of France is" in SmolLM2's vocabulary.
@@ -30,6 +31,49 @@ pub(crate) fn model_dir(test: &str) -> Option<PathBuf> {
 /// `tp:3`.
 pub(crate) fn tp3() -> LayoutSpec {
     "tp:3".parse().expect("tp:3 parses")
+}
+
+/// A control plane in this process listening on `listen`, journaling into `dir`; its URL.
+pub(crate) async fn control_plane(
+    dir: &std::path::Path,
+    listen: &str,
+) -> (String, mx_control::ServerHandle) {
+    let (addr, handle) = mx_control::spawn(mx_control::ControlPlaneConfig {
+        listen: listen.parse().expect("listen address parses"),
+        journal_path: dir.join("journal.jsonl"),
+    })
+    .await
+    .expect("control plane starts");
+    (format!("http://{addr}"), handle)
+}
+
+/// Live digests of tp:3 ranks 0..3 of the checkpoint at `dir`, sliced from disk by an
+/// independent instance (no mx pull involved).
+pub(crate) async fn disk_reference(dir: &std::path::Path) -> Vec<RankDigests> {
+    let reference = Instance::open(
+        InstanceConfig {
+            model_dir: dir.to_path_buf(),
+            layout: tp3(),
+            ranks: vec![0, 1, 2],
+            failpoints: false,
+            worker_id: "reference".into(),
+        },
+        None,
+    )
+    .expect("reference instance opens");
+    reference
+        .apply(ApplySource::Disk {
+            path: dir.to_path_buf(),
+            version: "disk".into(),
+        })
+        .await
+        .expect("disk load");
+    reference
+        .live_digests()
+        .await
+        .expect("digests")
+        .expect("weights are live")
+        .1
 }
 
 /// An instance without NIXL holding `ranks` of tp:3, serving HTTP on 127.0.0.1:0.
