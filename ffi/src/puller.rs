@@ -2,28 +2,25 @@
 //! them in place, and (optionally) served as a control-plane-driven worker.
 
 use std::ffi::{c_char, c_void, CString};
-use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 
-use mx_control::client::ControlClient;
-use mx_layout::{DType, LayoutSpec, ModelInfo, SourceManifest, VersionId};
-use mx_puller::{DestMemory, DestTensor, ExecOptions, PullerConfig};
-use mx_worker::{Instance, Worker, WorkerConfig};
+use mx_layout::{DType, SourceManifest, VersionId};
+use mx_puller::{DestTensor, ExecOptions, HostRegion};
+use mx_worker::embedded::{EmbeddedConfig, EmbeddedPuller};
 
 use crate::model::{free_handle, write_handle, Model};
 use crate::util::{
     self, call, call_void, cstr, dims, dtype_cstr, lock, opt_cstr, parse_dtype, parse_layout,
     runtime, slice, write_opt_string, write_out, write_string, FfiError, FfiResult,
 };
-use crate::{Status, MX_ERR_INVALID_ARGUMENT, MX_ERR_STATE, MX_ERR_UNKNOWN_VERSION};
+use crate::{Status, MX_ERR_INVALID_ARGUMENT};
 
 /// An inference process's puller (mx-puller) over host memory the engine owns: its ranks of
 /// one inference layout, their registered parameters, staging and the retained copy of the
 /// previous version. Calls on one handle serialize (stage and apply block while they hold it);
 /// once served (`mx_puller_serve`), the control plane's commands take the same lock.
 pub struct Puller {
-    inner: Mutex<PullerInner>,
+    inner: Mutex<EmbeddedPuller>,
     /// Parameter and piece descriptions per held rank (immutable; pointers into it are handed
     /// to C).
     ranks: Vec<RankInfo>,
@@ -32,48 +29,6 @@ pub struct Puller {
 impl std::fmt::Debug for Puller {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Puller").finish_non_exhaustive()
-    }
-}
-
-struct PullerInner {
-    state: State,
-    control: Option<(String, ControlClient)>,
-    model: ModelInfo,
-    layout: LayoutSpec,
-    ranks: Vec<u32>,
-}
-
-enum State {
-    /// Driven by the caller alone.
-    Bare(Box<mx_puller::Puller>),
-    /// Wrapped in an instance served to the control plane (the worker, when it started).
-    Served {
-        inst: Instance,
-        worker: Option<(Arc<Worker>, tokio::task::JoinHandle<()>)>,
-    },
-    /// Only while switching from `Bare` to `Served`.
-    Switching,
-}
-
-impl PullerInner {
-    fn with<T>(&mut self, f: impl FnOnce(&mut mx_puller::Puller) -> T) -> FfiResult<T> {
-        match &mut self.state {
-            State::Bare(p) => Ok(f(p)),
-            State::Served { inst, .. } => Ok(inst.with_puller(f)),
-            State::Switching => Err(FfiError::new(
-                crate::MX_ERR_PANIC,
-                "the puller was lost while starting to serve it; free the handle",
-            )),
-        }
-    }
-
-    fn client(&self) -> FfiResult<&ControlClient> {
-        self.control.as_ref().map(|(_, c)| c).ok_or_else(|| {
-            FfiError::new(
-                MX_ERR_STATE,
-                "this puller has no control plane (it was created with control = NULL)",
-            )
-        })
     }
 }
 
@@ -187,62 +142,14 @@ pub struct MemoryReportC {
     pub retained_bytes: u64,
 }
 
-/// Host memory the engine registered for one parameter or rank.
-struct HostMemory {
-    ptr: NonNull<u8>,
-    len: usize,
+/// The engine's host range `addr .. addr + len` for a puller, the error naming `field`.
+///
+/// # Safety
+/// As `mx_puller_register_param`'s contract for `addr`/`len` (which is `HostRegion::new`'s).
+unsafe fn host_region(addr: *mut c_void, len: u64, field: &str) -> FfiResult<HostRegion> {
+    // SAFETY: the caller's contract.
+    unsafe { HostRegion::new(addr as u64, len) }.map_err(|e| FfiError::arg(field, e))
 }
-
-// SAFETY: the registration contract (mx_puller_register_param / _rank) makes the range valid
-// for reads and writes from any thread while the puller lives, and reserves it to the puller
-// during stage/apply/rollback calls; the puller accesses it only under its own lock.
-unsafe impl Send for HostMemory {}
-// SAFETY: see Send; shared access only reads.
-unsafe impl Sync for HostMemory {}
-
-impl HostMemory {
-    /// # Safety
-    /// As `mx_puller_register_param`'s contract for `addr`/`len`.
-    unsafe fn new(addr: *mut c_void, len: u64, field: &str) -> FfiResult<HostMemory> {
-        let len = usize::try_from(len)
-            .ok()
-            .filter(|&l| l <= isize::MAX as usize)
-            .ok_or_else(|| FfiError::arg(field, format!("length {len} is too large")))?;
-        let ptr = match NonNull::new(addr.cast::<u8>()) {
-            Some(p) => p,
-            None if len == 0 => NonNull::dangling(),
-            None => return Err(FfiError::arg(field, "NULL pointer")),
-        };
-        if (ptr.as_ptr() as usize).checked_add(len).is_none() {
-            return Err(FfiError::arg(field, "address + length overflows"));
-        }
-        Ok(HostMemory { ptr, len })
-    }
-}
-
-impl DestMemory for HostMemory {
-    fn len(&self) -> u64 {
-        self.len as u64
-    }
-
-    fn data_ptr(&self) -> u64 {
-        self.ptr.as_ptr() as u64
-    }
-
-    fn host(&self) -> Option<&[u8]> {
-        // SAFETY: non-null, len <= isize::MAX and in one allocation, readable while registered
-        // (HostMemory::new's checks and the registration contract).
-        Some(unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) })
-    }
-
-    fn host_mut(&mut self) -> Option<&mut [u8]> {
-        // SAFETY: as host(), and writable; the contract reserves the range to the puller while
-        // it writes (no other reference exists during stage/apply/rollback).
-        Some(unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) })
-    }
-}
-
-static AGENTS: AtomicU64 = AtomicU64::new(0);
 
 /// Creates a puller for ranks `ranks[0..n_ranks]` of inference layout `layout` (`"tp:3"`,
 /// `"fsdp:2"`, `"replicated:1"`) of `model` (copied), with a NIXL agent to pull through.
@@ -284,48 +191,25 @@ pub unsafe extern "C" fn mx_puller_create(
         if out.is_null() {
             return Err(FfiError::arg("out", "NULL output pointer"));
         }
-        mx_nixl::nixl_available()?;
-        let agent = mx_nixl::Agent::new(&format!(
-            "mx-ffi-puller-{}-{}",
-            std::process::id(),
-            AGENTS.fetch_add(1, Ordering::Relaxed)
-        ))?;
-        let puller = mx_puller::Puller::new(
-            PullerConfig {
-                model: model.info.clone(),
-                layout,
-                ranks: ranks.clone(),
-                retain: retain != 0,
-            },
-            Some(agent),
-        )
-        .map_err(|e| match e {
-            mx_puller::Error::UnknownRank { .. } => {
-                FfiError::new(MX_ERR_INVALID_ARGUMENT, format!("ranks: {e}"))
-            }
-            e => e.into(),
-        })?;
-        let control = match control {
-            Some(url) => {
-                let rt = runtime()?;
-                let client = rt.block_on(ControlClient::connect(url))?;
-                if let Some(id) = worker_id {
-                    rt.block_on(client.register_worker(id, id, &ranks, layout))?;
-                }
-                Some((url.to_string(), client))
-            }
-            None => None,
-        };
-        let info = puller.rank_layouts().iter().map(rank_info).collect();
-        let p = Puller {
-            inner: Mutex::new(PullerInner {
-                state: State::Bare(Box::new(puller)),
-                control,
-                model: model.info.clone(),
+        let puller = runtime()?
+            .block_on(EmbeddedPuller::connect(EmbeddedConfig {
+                control: control.map(str::to_string),
+                worker_id: worker_id.map(str::to_string),
                 layout,
                 ranks,
-            }),
-            ranks: info,
+                model: model.info.clone(),
+                retain: retain != 0,
+                agent_prefix: "mx-ffi-puller".into(),
+            }))
+            .map_err(|e| match e {
+                mx_worker::Error::Puller(e @ mx_puller::Error::UnknownRank { .. }) => {
+                    FfiError::new(MX_ERR_INVALID_ARGUMENT, format!("ranks: {e}"))
+                }
+                e => e.into(),
+            })?;
+        let p = Puller {
+            ranks: puller.rank_layouts().iter().map(rank_info).collect(),
+            inner: Mutex::new(puller),
         };
         // SAFETY: the caller's contract.
         unsafe { write_handle(out, p) }
@@ -484,7 +368,7 @@ pub unsafe extern "C" fn mx_puller_register_param(
         // SAFETY: as above.
         let shape = unsafe { dims(shape, ndim, &field("shape")) }?;
         // SAFETY: as above: the range's validity for the puller's life is the contract.
-        let memory = unsafe { HostMemory::new(addr, len, &field("addr/len")) }?;
+        let memory = unsafe { host_region(addr, len, &field("addr/len")) }?;
         let mut g = lock(&h.inner, "puller")?;
         g.with(|p| {
             p.register_param(
@@ -521,43 +405,11 @@ pub unsafe extern "C" fn mx_puller_register_rank(
         // SAFETY: the caller's contract.
         let h = unsafe { util::handle(puller, "puller") }?;
         // SAFETY: the caller's contract for the range.
-        let memory = unsafe { HostMemory::new(addr, len, &format!("addr/len (rank {rank})")) }?;
+        let memory = unsafe { host_region(addr, len, &format!("addr/len (rank {rank})")) }?;
         let mut g = lock(&h.inner, "puller")?;
         g.with(|p| p.register_rank(rank, Box::new(memory)))??;
         Ok(())
     })
-}
-
-/// The label of `version`: itself, or for an id (`mx:<hex>`) the label of the version with that
-/// digest in the control plane's status.
-fn resolve_label(
-    rt: &tokio::runtime::Runtime,
-    c: &ControlClient,
-    version: &str,
-) -> FfiResult<String> {
-    let Ok(id) = version.parse::<VersionId>() else {
-        return Ok(version.to_string());
-    };
-    let status = rt.block_on(c.get_status())?;
-    status
-        .versions
-        .iter()
-        .find(|v| v.version_digest == Some(id.digest()))
-        .map(|v| v.label.clone())
-        .ok_or_else(|| {
-            FfiError::new(
-                MX_ERR_UNKNOWN_VERSION,
-                format!("no READY version of the control plane has id {id}"),
-            )
-        })
-}
-
-fn stage(
-    g: &mut PullerInner,
-    id: VersionId,
-    manifests: &[SourceManifest],
-) -> FfiResult<mx_puller::StageReport> {
-    Ok(g.with(|p| p.stage(id, manifests, &ExecOptions::default()))??)
 }
 
 /// Stages `version` (a label, or a version id `"mx:<hex>"`) from the control plane's manifests:
@@ -586,18 +438,9 @@ pub unsafe extern "C" fn mx_puller_stage(
         // SAFETY: the caller's contract.
         let version = unsafe { cstr(version, "version") }?;
         let mut g = lock(&h.inner, "puller")?;
-        let rt = runtime()?;
-        let client = g.client()?.clone();
-        let label = resolve_label(rt, &client, version)?;
-        let info = rt.block_on(client.get_version(&label))?;
-        let Some(d) = info.version_digest else {
-            return Err(FfiError::new(
-                MX_ERR_STATE,
-                format!("version {label:?} is {} (not READY yet)", info.state),
-            ));
-        };
-        let id = VersionId(d);
-        stage(&mut g, id, &info.manifests).map_err(|e| e.context(format!("version {label:?}")))?;
+        let (label, id, manifests) = runtime()?.block_on(g.resolve(version))?;
+        g.stage(id, &manifests, &ExecOptions::default())
+            .map_err(|e| FfiError::from(e).context(format!("version {label:?}")))?;
         // SAFETY: the caller's contract.
         unsafe { write_opt_string(version_id, Some(&id.to_string())) }
     })
@@ -630,7 +473,7 @@ pub unsafe extern "C" fn mx_puller_stage_manifests(
         let manifests: Vec<SourceManifest> =
             serde_json::from_str(text).map_err(|e| FfiError::arg("manifests_json", e))?;
         let mut g = lock(&h.inner, "puller")?;
-        stage(&mut g, id, &manifests)?;
+        g.stage(id, &manifests, &ExecOptions::default())?;
         Ok(())
     })
 }
@@ -657,20 +500,11 @@ pub unsafe extern "C" fn mx_puller_apply(
         // SAFETY: the caller's contract.
         let given = unsafe { opt_cstr(version_id, "version_id") }?;
         let mut g = lock(&h.inner, "puller")?;
-        let id: VersionId = match given {
-            Some(s) => s.parse().map_err(|e| FfiError::arg("version_id", e))?,
-            None => {
-                let staged = g.with(|p| p.versions().staged)?;
-                let Some(s) = staged else {
-                    return Err(FfiError::new(
-                        MX_ERR_STATE,
-                        "nothing is staged (version_id = NULL applies the staged version)",
-                    ));
-                };
-                s.parse().map_err(|e| FfiError::arg("staged version", e))?
-            }
-        };
-        g.with(|p| p.apply(id))??;
+        let id = given
+            .map(|s| s.parse::<VersionId>())
+            .transpose()
+            .map_err(|e| FfiError::arg("version_id", e))?;
+        g.apply(id)?;
         Ok(())
     })
 }
@@ -808,60 +642,8 @@ pub unsafe extern "C" fn mx_puller_serve(
             .parse()
             .map_err(|e| FfiError::arg("listen", format!("{listen:?}: {e}")))?;
         let mut g = lock(&h.inner, "puller")?;
-        g.client()?;
-        let control_url = g
-            .control
-            .as_ref()
-            .map(|(u, _)| u.clone())
-            .unwrap_or_default();
-        match &g.state {
-            State::Bare(p) => p.check_registered()?,
-            State::Served {
-                worker: Some(_), ..
-            } => return Err(FfiError::new(MX_ERR_STATE, "this puller is served already")),
-            State::Served { worker: None, .. } => {}
-            State::Switching => return Err(FfiError::new(crate::MX_ERR_PANIC, "puller lost")),
-        }
-        let inst = match std::mem::replace(&mut g.state, State::Switching) {
-            State::Bare(p) => {
-                Instance::over_puller(*p, g.model.clone(), worker_id.to_string(), false)?
-            }
-            State::Served { inst, .. } => inst,
-            State::Switching => return Err(FfiError::new(crate::MX_ERR_PANIC, "puller lost")),
-        };
-        g.state = State::Served {
-            inst: inst.clone(),
-            worker: None,
-        };
-        let rt = runtime()?;
-        let cfg = WorkerConfig {
-            control: control_url,
-            model_dir: std::path::PathBuf::new(),
-            layout: g.layout,
-            ranks: g.ranks.clone(),
-            worker_id: worker_id.to_string(),
-            instance: worker_id.to_string(),
-            http,
-            engine_api: mx_control::EngineApi::Dynamo,
-            failpoints: false,
-            reconnect_timeout: None,
-            load: None,
-            load_version: None,
-        };
-        let w = Arc::new(rt.block_on(Worker::serve(cfg, inst.clone()))?);
-        let served_url = w.http_url();
-        let runner = rt.spawn({
-            let w = Arc::clone(&w);
-            async move {
-                if let Err(e) = w.run().await {
-                    tracing::error!(error = %e, "the served puller's worker stopped");
-                }
-            }
-        });
-        g.state = State::Served {
-            inst,
-            worker: Some((w, runner)),
-        };
+        let served_url =
+            runtime()?.block_on(g.serve(worker_id, http, mx_control::EngineApi::Dynamo))?;
         // SAFETY: the caller's contract.
         unsafe { write_opt_string(url, Some(&served_url)) }
     })
@@ -883,20 +665,12 @@ pub unsafe extern "C" fn mx_puller_free(puller: *mut Puller) {
         // SAFETY: the caller's contract: a live handle with no call in flight.
         let h = unsafe { &*puller };
         let rt = runtime().ok();
-        {
+        if let Some(rt) = rt {
             let mut g = h
                 .inner
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
-            if let State::Served { inst, worker } = &mut g.state {
-                inst.retire("the engine freed its puller".into());
-                if let (Some((w, runner)), Some(rt)) = (worker.take(), rt) {
-                    runner.abort();
-                    let _ = rt.block_on(runner);
-                    let _guard = rt.enter();
-                    drop(w);
-                }
-            }
+            rt.block_on(g.stop_serving("the engine freed its puller"));
         }
         let _guard = rt.map(|rt| rt.enter());
         // SAFETY: the caller's contract.

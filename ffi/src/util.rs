@@ -149,6 +149,13 @@ impl From<mx_worker::Error> for FfiError {
             mx_worker::Error::Control(c) => control_status(c),
             mx_worker::Error::Nixl(_) => MX_ERR_NIXL,
             mx_worker::Error::Layout(_) => MX_ERR_LAYOUT,
+            mx_worker::Error::UnknownVersionId { .. } => MX_ERR_UNKNOWN_VERSION,
+            mx_worker::Error::NoControlPlane
+            | mx_worker::Error::VersionNotReady { .. }
+            | mx_worker::Error::NothingStaged
+            | mx_worker::Error::AlreadyServed => MX_ERR_STATE,
+            mx_worker::Error::Bind { .. } => MX_ERR_INVALID_ARGUMENT,
+            mx_worker::Error::Task(_) => MX_ERR_PANIC,
             _ => MX_ERR_CONTROL,
         };
         FfiError::new(status, chain(&e))

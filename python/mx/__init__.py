@@ -16,7 +16,14 @@ What exists now:
 - :class:`MxError`: every failure mx reports (message: the whole Rust error chain; ``code``:
   the gRPC status name, when there is one).
 
-The trainer's publisher and the engine's puller come next.
+- :class:`Model`: the model shards and parameters are checked against (from an HF
+  checkpoint directory, or a config and tensor list).
+- :class:`Publisher`: a trainer rank's side: publishes the shards it holds (:class:`Shard`:
+  torch tensors, numpy arrays, DLPack objects, buffers) from their own memory, in place or
+  as a snapshot; :meth:`~Publisher.wait_staged` says when they may be written again.
+- :class:`Puller`: an inference rank's side: registers the engine's parameter tensors,
+  stages a version (pull + verify), applies it in place (addresses never change), rolls back
+  from a retained copy, or serves the control plane as a worker.
 
 Importing ``mx`` sets ``MX_NIXL_DIR`` to the ``nixl-cu12`` wheel's library directory (unless the
 environment sets it) and ``UCX_MODULES=^efa`` (unless set): see :mod:`mx._nixl`.
@@ -33,6 +40,18 @@ _nixl.configure()
 
 from . import _mx  # noqa: E402
 from ._control import Control, ControlPlane  # noqa: E402
+from ._model import Model  # noqa: E402
+from ._publisher import Publisher, Shard  # noqa: E402
+from ._puller import (  # noqa: E402
+    ApplyReport,
+    MemoryReport,
+    ParamInfo,
+    Piece,
+    Puller,
+    StagedPiece,
+    StageReport,
+    Versions,
+)
 from ._types import (  # noqa: E402
     Call,
     FleetStatus,
@@ -88,19 +107,30 @@ def nixl_available(*, probe: bool = False) -> NixlStatus:
 
 
 __all__ = [
+    "ApplyReport",
     "Call",
     "Control",
     "ControlPlane",
     "FleetStatus",
     "GenerationCheck",
+    "MemoryReport",
+    "Model",
     "MxError",
     "NixlStatus",
     "Outcome",
+    "ParamInfo",
+    "Piece",
+    "Publisher",
+    "Puller",
     "RefitResult",
+    "Shard",
+    "StagedPiece",
+    "StageReport",
     "TensorSpec",
     "VersionInfo",
     "VersionState",
     "VersionSummary",
+    "Versions",
     "WorkerOutcome",
     "WorkerStatus",
     "__version__",

@@ -89,6 +89,76 @@ impl DestMemory for Vec<u8> {
     }
 }
 
+/// Host memory the engine owns, given to the puller as a raw pointer and length (a torch
+/// tensor's `data_ptr()`, a C `malloc`): the C ABI and the Python package register parameters
+/// through it. The puller never frees or moves it.
+#[derive(Debug)]
+pub struct HostRegion {
+    ptr: std::ptr::NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: `HostRegion::new`'s contract makes the range valid for reads and writes from any
+// thread while the puller holds it, and reserves it to the puller during stage/apply/rollback;
+// the puller accesses destination memory only through `&mut self` or under its owner's lock.
+#[allow(unsafe_code)]
+unsafe impl Send for HostRegion {}
+// SAFETY: see Send; shared access only reads.
+#[allow(unsafe_code)]
+unsafe impl Sync for HostRegion {}
+
+#[allow(unsafe_code)]
+impl HostRegion {
+    /// Wraps `len` bytes at `addr`.
+    ///
+    /// # Errors
+    /// A message (to be prefixed with the parameter's name) for a NULL `addr` with a non-zero
+    /// `len`, a `len` above `isize::MAX`, or a range that wraps the address space.
+    ///
+    /// # Safety
+    /// Until the region is dropped (the puller that holds it is dropped), `addr .. addr + len`
+    /// stays allocated, readable and writable, and nothing else writes it while the puller
+    /// writes it (during apply and rollback) or reads it while the puller writes it.
+    pub unsafe fn new(addr: u64, len: u64) -> Result<HostRegion, String> {
+        let len = usize::try_from(len)
+            .ok()
+            .filter(|&l| l <= isize::MAX as usize)
+            .ok_or_else(|| format!("length {len} is too large"))?;
+        let ptr = match std::ptr::NonNull::new(addr as usize as *mut u8) {
+            Some(p) => p,
+            None if len == 0 => std::ptr::NonNull::dangling(),
+            None => return Err("NULL pointer".into()),
+        };
+        if (ptr.as_ptr() as usize).checked_add(len).is_none() {
+            return Err(format!("address {addr:#x} + length {len} overflows"));
+        }
+        Ok(HostRegion { ptr, len })
+    }
+}
+
+#[allow(unsafe_code)]
+impl DestMemory for HostRegion {
+    fn len(&self) -> u64 {
+        self.len as u64
+    }
+
+    fn data_ptr(&self) -> u64 {
+        self.ptr.as_ptr() as u64
+    }
+
+    fn host(&self) -> Option<&[u8]> {
+        // SAFETY: non-null (or dangling with len 0), len <= isize::MAX, one allocation that
+        // stays readable while held (HostRegion::new's checks and contract).
+        Some(unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) })
+    }
+
+    fn host_mut(&mut self) -> Option<&mut [u8]> {
+        // SAFETY: as host(), and writable; the contract reserves the range to the puller while
+        // it writes, so no other reference to it is used meanwhile.
+        Some(unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) })
+    }
+}
+
 /// One destination tensor as an engine registers it: the parameter's dtype and shape (checked
 /// against the layout) and its memory.
 pub struct DestTensor {

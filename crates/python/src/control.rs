@@ -31,7 +31,7 @@ const WAIT_SLICE: Duration = Duration::from_secs(1);
 const POLL_SLACK: Duration = Duration::from_secs(10);
 
 /// A multi-thread runtime with `workers` worker threads named `name`.
-fn runtime(py: Python<'_>, name: &str, workers: usize) -> PyResult<Runtime> {
+pub(crate) fn runtime(py: Python<'_>, name: &str, workers: usize) -> PyResult<Runtime> {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(workers)
         .thread_name(name)
@@ -42,7 +42,7 @@ fn runtime(py: Python<'_>, name: &str, workers: usize) -> PyResult<Runtime> {
 
 /// Refuses use of an object in a process other than the one that made it: after `fork` the
 /// child has none of the parent's threads, so its runtime would never answer.
-fn same_process(py: Python<'_>, pid: u32, what: &str) -> PyResult<()> {
+pub(crate) fn same_process(py: Python<'_>, pid: u32, what: &str) -> PyResult<()> {
     if std::process::id() == pid {
         return Ok(());
     }

@@ -15,14 +15,24 @@
 //!   whole error chain as its message and the gRPC status name as `code`.
 //! - `nixl_status`: whether the NIXL libraries load in this process, and from where.
 //!
-//! What it leaves out (for now): the trainer's publisher and the engine's puller (their Rust
-//! APIs are being rebuilt; their bindings come next), DLPack and the buffer protocol.
+//! - [`model::Model`]: the model description shards and parameters are checked against.
+//! - [`publisher::Publisher`]: a trainer rank's publisher over memory it owns (addresses and
+//!   lengths; `python/mx/_publisher.py` takes them from torch tensors, numpy arrays and buffers
+//!   and keeps those alive).
+//! - [`puller::Puller`]: an engine's puller over its parameter memory
+//!   (`mx_worker::embedded::EmbeddedPuller`), optionally served to the control plane.
+//!
+//! What it leaves out (for now): CUDA memory (the Rust libraries take it behind the `cuda`
+//! feature; the Python layer refuses device tensors with a message saying so).
 //!
 //! No panic crosses into Python: PyO3 turns one into `pyo3_runtime.PanicException`, and the code
 //! here returns errors instead of panicking (the workspace lints forbid `unwrap`/`expect`).
 
 mod control;
 mod errors;
+mod model;
+mod publisher;
+mod puller;
 
 use std::time::Duration;
 
@@ -84,5 +94,8 @@ fn _mx(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(nixl_status, m)?)?;
     m.add_class::<control::ControlPlane>()?;
     m.add_class::<control::ControlClient>()?;
+    m.add_class::<model::Model>()?;
+    m.add_class::<publisher::Publisher>()?;
+    m.add_class::<puller::Puller>()?;
     Ok(())
 }

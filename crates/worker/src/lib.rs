@@ -45,6 +45,7 @@
 //! engine's CUDA graphs need them; this worker swaps buffers so a rollback needs no copy).
 #![forbid(unsafe_code)]
 
+pub mod embedded;
 pub mod failpoints;
 mod gate;
 pub mod http;
@@ -174,4 +175,28 @@ pub enum Error {
     /// A background task died.
     #[error("task failed: {0}")]
     Task(String),
+    /// An embedded puller was asked for something that needs a control plane, and was made
+    /// without one.
+    #[error("this puller has no control plane (it was created without one)")]
+    NoControlPlane,
+    /// No READY version of the control plane has this id.
+    #[error("no READY version of the control plane has id {id}")]
+    UnknownVersionId {
+        /// The id asked for.
+        id: String,
+    },
+    /// The version is known but not READY (not every trainer slot published it yet).
+    #[error("version {label:?} is {state} (not READY yet)")]
+    VersionNotReady {
+        /// The version's label.
+        label: String,
+        /// Its state.
+        state: String,
+    },
+    /// Apply of "the staged version" with nothing staged.
+    #[error("nothing is staged (stage a version first, or name the version to apply)")]
+    NothingStaged,
+    /// An embedded puller is served already.
+    #[error("this puller is served already")]
+    AlreadyServed,
 }

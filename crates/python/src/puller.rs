@@ -1,0 +1,466 @@
+//! `mx._mx.Puller`: an inference rank staging versions into memory the engine owns (torch
+//! tensors; `mx.Puller` in `python/mx/_puller.py` turns them into addresses, checks them
+//! against the layout and keeps them alive), applying in place, and optionally served to the
+//! control plane as a worker (`mx_worker::embedded`).
+#![allow(
+    clippy::result_large_err,
+    reason = "mx_worker::Error crosses once per call, into a Python exception"
+)]
+
+use std::net::SocketAddr;
+use std::sync::Mutex;
+
+use mx_control::EngineApi;
+use mx_layout::{DType, LayoutSpec, SourceManifest, VersionId};
+use mx_puller::{ApplyKind, ApplyReport, DestTensor, ExecOptions, HostRegion, StageReport};
+use mx_worker::embedded::{EmbeddedConfig, EmbeddedPuller};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use serde_json::{json, Value};
+use tokio::runtime::Runtime;
+
+use crate::control::{runtime, same_process};
+use crate::errors::{chain, control_error, layout_error, mx_error};
+use crate::model::Model;
+
+/// The `MxError` for an error of the embedded puller, with a gRPC-style code.
+fn worker_error(py: Python<'_>, e: &mx_worker::Error) -> PyErr {
+    use mx_worker::Error as E;
+    let code = match e {
+        E::Control(c) => return control_error(py, c),
+        E::Puller(p) => puller_code(p),
+        E::Layout(_) | E::Bind { .. } => Some("InvalidArgument"),
+        E::UnknownVersionId { .. } => Some("NotFound"),
+        E::NoControlPlane | E::VersionNotReady { .. } | E::NothingStaged | E::AlreadyServed => {
+            Some("FailedPrecondition")
+        }
+        E::Displaced { .. } => Some("AlreadyExists"),
+        _ => None,
+    };
+    mx_error(py, chain(e), code)
+}
+
+fn puller_code(e: &mx_puller::Error) -> Option<&'static str> {
+    use mx_puller::Error as E;
+    match e {
+        E::UnknownVersion { .. } => Some("NotFound"),
+        E::Unregistered { .. } | E::NoRollback { .. } | E::NoDataPlane => {
+            Some("FailedPrecondition")
+        }
+        E::BadDestination { .. } | E::UnknownRank { .. } | E::Layout(_) => Some("InvalidArgument"),
+        E::Verify { .. } | E::WrongManifests { .. } => Some("DataLoss"),
+        E::SourceUnreachable { .. } | E::Pull { .. } => Some("Unavailable"),
+        _ => None,
+    }
+}
+
+fn stage_json(label: Option<&str>, id: VersionId, r: &StageReport) -> Value {
+    json!({
+        "label": label,
+        "version_id": id.to_string(),
+        "plan_s": r.plan_s,
+        "plan_reused": r.plan_reused,
+        "pull_s": r.pull_s,
+        "verify_s": r.verify_s,
+        "descriptors": r.descriptors,
+        "wire_bytes": r.wire_bytes,
+        "useful_bytes": r.useful_bytes,
+        "staging_bytes": r.staging_bytes,
+        "lanes": r.lanes,
+        "strategies": r.strategies,
+        "resident": r.resident,
+        "digests": r.digests,
+    })
+}
+
+fn apply_json(r: &ApplyReport) -> Value {
+    let kind = match r.kind {
+        ApplyKind::Staged => "staged",
+        ApplyKind::Restored => "restored",
+        ApplyKind::AlreadyResident => "already_resident",
+        ApplyKind::Installed => "installed",
+    };
+    json!({
+        "version_id": r.version,
+        "kind": kind,
+        "retained": r.retained,
+        "retain_s": r.retain_s,
+        "copy_s": r.copy_s,
+    })
+}
+
+/// An engine's puller on a tokio runtime of its own (two worker threads, `mx-puller`, which
+/// also run the worker once served). Calls serialize; stage, apply and rollback block with
+/// the GIL released.
+#[pyclass(module = "mx._mx", frozen)]
+pub(crate) struct Puller {
+    inner: Mutex<Option<EmbeddedPuller>>,
+    rt: Runtime,
+    pid: u32,
+}
+
+type One<'a> =
+    Box<dyn FnOnce(&mut EmbeddedPuller, &Runtime) -> Result<Value, mx_worker::Error> + Send + 'a>;
+
+impl Puller {
+    /// Runs `f` on the puller with the GIL released; its JSON answer as text.
+    fn call(&self, py: Python<'_>, f: One<'_>) -> PyResult<String> {
+        let v = self.with(py, f)?;
+        serde_json::to_string(&v).map_err(|e| mx_error(py, e.to_string(), Some("Internal")))
+    }
+
+    fn with<T: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&mut EmbeddedPuller, &Runtime) -> Result<T, mx_worker::Error> + Send,
+    ) -> PyResult<T> {
+        same_process(py, self.pid, "Puller")?;
+        let r = py.detach(|| {
+            let mut g = self
+                .inner
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            g.as_mut().map(|p| f(p, &self.rt))
+        });
+        match r {
+            None => Err(mx_error(
+                py,
+                "this puller is closed".into(),
+                Some("FailedPrecondition"),
+            )),
+            Some(r) => r.map_err(|e| worker_error(py, &e)),
+        }
+    }
+}
+
+fn parse_id(py: Python<'_>, field: &str, s: &str) -> PyResult<VersionId> {
+    s.parse().map_err(|e| layout_error(py, field, &e))
+}
+
+#[pymethods]
+impl Puller {
+    /// Creates the puller (a NIXL agent; with `control`, a connection, and with `worker_id`
+    /// too, the layout registered under that id at once).
+    #[new]
+    #[pyo3(signature = (control, worker_id, layout, ranks, model, retain = true))]
+    fn new(
+        py: Python<'_>,
+        control: Option<String>,
+        worker_id: Option<String>,
+        layout: &str,
+        ranks: Vec<u32>,
+        model: &Model,
+        retain: bool,
+    ) -> PyResult<Puller> {
+        let layout: LayoutSpec = layout.parse().map_err(|e| layout_error(py, "layout", &e))?;
+        let rt = runtime(py, "mx-puller", 2)?;
+        let cfg = EmbeddedConfig {
+            control,
+            worker_id,
+            layout,
+            ranks,
+            model: model.info.clone(),
+            retain,
+            agent_prefix: "mx-python-puller".into(),
+        };
+        let p = py
+            .detach(|| rt.block_on(EmbeddedPuller::connect(cfg)))
+            .map_err(|e| worker_error(py, &e))?;
+        Ok(Puller {
+            inner: Mutex::new(Some(p)),
+            rt,
+            pid: std::process::id(),
+        })
+    }
+
+    /// The held ranks' layouts as JSON text: `[{"rank", "bytes", "params": [{"name", "dtype",
+    /// "shape", "offset", "nbytes", "pieces": [{"tensor", "dtype", "global_shape",
+    /// "box_offset", "box_shape", "offset"}]}]}]` (piece offsets are within the parameter).
+    fn rank_layouts(&self, py: Python<'_>) -> PyResult<String> {
+        self.call(
+            py,
+            Box::new(|p, _| {
+                Ok(Value::Array(
+                    p.rank_layouts()
+                        .iter()
+                        .map(|rl| {
+                            json!({
+                                "rank": rl.rank,
+                                "bytes": rl.total_bytes,
+                                "params": rl.params.iter().map(|pa| json!({
+                                    "name": pa.name,
+                                    "dtype": pa.dtype.to_string(),
+                                    "shape": pa.shape,
+                                    "offset": pa.offset,
+                                    "nbytes": pa.len,
+                                    "pieces": pa.pieces.iter().map(|pc| json!({
+                                        "tensor": pc.tensor,
+                                        "dtype": pc.dtype.to_string(),
+                                        "global_shape": pc.global_shape,
+                                        "box_offset": pc.region.global_offset,
+                                        "box_shape": pc.region.local_shape,
+                                        "offset": pc.offset.saturating_sub(pa.offset),
+                                    })).collect::<Vec<_>>(),
+                                })).collect::<Vec<_>>(),
+                            })
+                        })
+                        .collect(),
+                ))
+            }),
+        )
+    }
+
+    /// Registers `nbytes` of host memory at `addr` as parameter `name` of held rank `rank`.
+    /// The Python layer keeps the owning object referenced for the puller's life and checks
+    /// dtype, shape, contiguity and that the range lies in the object's storage first.
+    #[allow(clippy::too_many_arguments)]
+    fn register_param(
+        &self,
+        py: Python<'_>,
+        rank: u32,
+        name: String,
+        addr: u64,
+        nbytes: u64,
+        dtype: &str,
+        shape: Vec<u64>,
+    ) -> PyResult<()> {
+        let field = format!("rank {rank} parameter {name}");
+        let dtype: DType = dtype
+            .parse()
+            .map_err(|e| layout_error(py, &format!("{field}: dtype"), &e))?;
+        // SAFETY: `mx.Puller.register` (python/mx/_puller.py) passes the data pointer and size
+        // of a tensor it keeps referenced until the puller is closed, after checking the range
+        // lies inside the tensor's storage; not touching it during stage/apply/rollback is the
+        // documented contract of `mx.Puller`.
+        let memory = unsafe { HostRegion::new(addr, nbytes) }
+            .map_err(|e| PyValueError::new_err(format!("{field}: {e}")))?;
+        self.with(py, move |p, _| {
+            p.with(|p| {
+                p.register_param(
+                    rank,
+                    &name,
+                    DestTensor {
+                        dtype,
+                        shape,
+                        memory: Box::new(memory),
+                    },
+                )
+            })?
+            .map_err(mx_worker::Error::from)
+        })
+    }
+
+    /// Registers one host buffer laid out as the whole of held rank `rank`.
+    fn register_rank(&self, py: Python<'_>, rank: u32, addr: u64, nbytes: u64) -> PyResult<()> {
+        // SAFETY: as register_param: the Python layer keeps the owning object alive and
+        // checked the range; the contract reserves it to the puller during its calls.
+        let memory = unsafe { HostRegion::new(addr, nbytes) }
+            .map_err(|e| PyValueError::new_err(format!("rank {rank}: {e}")))?;
+        self.with(py, move |p, _| {
+            p.with(|p| p.register_rank(rank, Box::new(memory)))?
+                .map_err(mx_worker::Error::from)
+        })
+    }
+
+    /// Stages `version` (a label or an id) from the control plane's manifests; a JSON report.
+    fn stage(&self, py: Python<'_>, version: String) -> PyResult<String> {
+        self.call(
+            py,
+            Box::new(move |p, rt| {
+                let (label, id, manifests) = rt.block_on(p.resolve(&version))?;
+                let r = p.stage(id, &manifests, &ExecOptions::default())?;
+                Ok(stage_json(Some(&label), id, &r))
+            }),
+        )
+    }
+
+    /// Stages `version_id` from `manifests_json` (the version's source manifests as JSON).
+    fn stage_manifests(
+        &self,
+        py: Python<'_>,
+        version_id: &str,
+        manifests_json: &str,
+    ) -> PyResult<String> {
+        let id = parse_id(py, "version_id", version_id)?;
+        let manifests: Vec<SourceManifest> = serde_json::from_str(manifests_json)
+            .map_err(|e| PyValueError::new_err(format!("manifests_json: {e}")))?;
+        self.call(
+            py,
+            Box::new(move |p, _| {
+                let r = p.stage(id, &manifests, &ExecOptions::default())?;
+                Ok(stage_json(None, id, &r))
+            }),
+        )
+    }
+
+    /// Installs `version_id` (None: the staged version) in place; a JSON report.
+    #[pyo3(signature = (version_id = None))]
+    fn apply(&self, py: Python<'_>, version_id: Option<&str>) -> PyResult<String> {
+        let id = version_id
+            .map(|s| parse_id(py, "version_id", s))
+            .transpose()?;
+        self.call(py, Box::new(move |p, _| Ok(apply_json(&p.apply(id)?))))
+    }
+
+    /// Restores the retained copy in place; a JSON report.
+    fn rollback(&self, py: Python<'_>) -> PyResult<String> {
+        self.call(
+            py,
+            Box::new(|p, _| Ok(apply_json(&p.with(|p| p.rollback())??))),
+        )
+    }
+
+    /// `(resident, retained, staged)` version ids (None where nothing is held).
+    fn versions(
+        &self,
+        py: Python<'_>,
+    ) -> PyResult<(Option<String>, Option<String>, Option<String>)> {
+        self.with(py, |p, _| {
+            let v = p.with(|p| p.versions())?;
+            Ok((v.resident, v.retained, v.staged))
+        })
+    }
+
+    /// Memory held beside the engine's own, as JSON text.
+    fn memory_report(&self, py: Python<'_>) -> PyResult<String> {
+        self.call(
+            py,
+            Box::new(|p, _| {
+                let m = p.with(|p| p.memory_report())?;
+                Ok(json!({
+                    "rank_bytes": m.rank_bytes.iter().map(|(r, b)| json!({"rank": r, "bytes": b})).collect::<Vec<_>>(),
+                    "staging_bytes": m.staging_bytes,
+                    "staging_bytes_peak": m.staging_bytes_peak,
+                    "retained_bytes": m.retained_bytes,
+                }))
+            }),
+        )
+    }
+
+    /// blake3 of every registered parameter, per held rank, as JSON text.
+    fn live_digests(&self, py: Python<'_>) -> PyResult<String> {
+        self.call(
+            py,
+            Box::new(|p, _| {
+                let d = p.with(|p| p.live_digests())??;
+                serde_json::to_value(d).map_err(|e| mx_worker::Error::Task(e.to_string()))
+            }),
+        )
+    }
+
+    /// `(name, data pointer)` of every registered parameter of `rank`.
+    fn addresses(&self, py: Python<'_>, rank: u32) -> PyResult<Vec<(String, u64)>> {
+        self.with(py, move |p, _| Ok(p.with(|p| p.addresses(rank))??))
+    }
+
+    /// The staged version piece by piece (copied out): `(rank, param, tensor, dtype,
+    /// global_shape, box_offset, box_shape, bytes)`.
+    #[allow(clippy::type_complexity)]
+    fn staged_tensors(
+        &self,
+        py: Python<'_>,
+    ) -> PyResult<
+        Vec<(
+            u32,
+            String,
+            String,
+            String,
+            Vec<u64>,
+            Vec<u64>,
+            Vec<u64>,
+            Vec<u8>,
+        )>,
+    > {
+        let pieces = self.with(py, |p, _| {
+            let mut out = Vec::new();
+            p.with(|p| {
+                p.staged_tensors(|s| {
+                    out.push((
+                        s.rank,
+                        s.param.to_string(),
+                        s.tensor.to_string(),
+                        s.dtype.to_string(),
+                        s.global_shape.to_vec(),
+                        s.region.global_offset.clone(),
+                        s.region.local_shape.clone(),
+                        s.bytes.to_vec(),
+                    ));
+                    Ok(())
+                })
+            })??;
+            Ok(out)
+        })?;
+        Ok(pieces)
+    }
+
+    /// Serves the puller as worker `worker_id` on `listen` with `engine_api` ("dynamo" or
+    /// "sglang"); returns the routes' URL.
+    #[pyo3(signature = (worker_id, listen = "127.0.0.1:0", engine_api = "dynamo"))]
+    fn serve(
+        &self,
+        py: Python<'_>,
+        worker_id: String,
+        listen: &str,
+        engine_api: &str,
+    ) -> PyResult<String> {
+        let http: SocketAddr = listen.parse().map_err(|e| {
+            PyValueError::new_err(format!("listen must be IP:PORT, got {listen:?}: {e}"))
+        })?;
+        let api = match engine_api {
+            "dynamo" => EngineApi::Dynamo,
+            "sglang" => EngineApi::Sglang,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "engine_api must be \"dynamo\" or \"sglang\", got {other:?}"
+                )))
+            }
+        };
+        self.with(py, move |p, rt| rt.block_on(p.serve(&worker_id, http, api)))
+    }
+
+    /// Stops serving (if served) and drops the puller; the registered memory stays the
+    /// caller's and is not touched after this returns. Idempotent.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        same_process(py, self.pid, "Puller")?;
+        py.detach(|| {
+            let inner = self
+                .inner
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .take();
+            if let Some(mut p) = inner {
+                self.rt
+                    .block_on(p.stop_serving("the engine closed its puller"));
+                let _guard = self.rt.enter();
+                drop(p);
+            }
+        });
+        Ok(())
+    }
+
+    /// True until `close()`.
+    #[getter]
+    fn open(&self) -> bool {
+        self.inner.lock().map(|g| g.is_some()).unwrap_or(false)
+    }
+}
+
+impl Drop for Puller {
+    fn drop(&mut self) {
+        let inner = self
+            .inner
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        if std::process::id() != self.pid {
+            std::mem::forget(inner);
+            return;
+        }
+        if let Some(mut p) = inner {
+            self.rt
+                .block_on(p.stop_serving("the engine dropped its puller"));
+            let _guard = self.rt.enter();
+            drop(p);
+        }
+    }
+}

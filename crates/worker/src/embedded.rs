@@ -1,0 +1,311 @@
+//! An engine's puller embedded in another process (the C ABI's `mx_puller`, the Python
+//! package's `mx.Puller`): driven by the engine itself (stage, apply, rollback), and optionally
+//! served to the control plane as a worker over the same memory.
+//!
+//! The bindings differ only in how arguments cross their boundary; everything with state lives
+//! here: the optional control-plane connection, resolving a version label or id to the
+//! version's manifests, and the switch from a puller the engine drives alone to an
+//! [`Instance`] a [`Worker`] serves (after which both the engine and the control plane drive it,
+//! serialized by the instance's lock).
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use mx_control::client::ControlClient;
+use mx_control::EngineApi;
+use mx_layout::{LayoutSpec, ModelInfo, RankLayout, SourceManifest, VersionId};
+use mx_puller::{ApplyReport, ExecOptions, Puller, PullerConfig, StageReport};
+
+use crate::{Error, Instance, Worker, WorkerConfig};
+
+static AGENTS: AtomicU64 = AtomicU64::new(0);
+
+/// What an embedded puller needs.
+#[derive(Debug, Clone)]
+pub struct EmbeddedConfig {
+    /// Control plane address (`http://host:port`); `None`: stage only from given manifests.
+    pub control: Option<String>,
+    /// With `control`: register the layout under this worker id at once, so publishers cut
+    /// for it before the engine serves.
+    pub worker_id: Option<String>,
+    /// Inference layout of the engine.
+    pub layout: LayoutSpec,
+    /// Ranks of `layout` this process holds.
+    pub ranks: Vec<u32>,
+    /// The model.
+    pub model: ModelInfo,
+    /// Keep a host copy of the previously applied version (1x the ranks' bytes) for rollback.
+    pub retain: bool,
+    /// Prefix of the NIXL agent's name (the process id and a counter are appended).
+    pub agent_prefix: String,
+}
+
+enum State {
+    /// Driven by the engine alone.
+    Bare(Box<Puller>),
+    /// Wrapped in an instance served to the control plane (the worker, once it started).
+    Served {
+        inst: Instance,
+        worker: Option<(Arc<Worker>, tokio::task::JoinHandle<()>)>,
+    },
+    /// Only while switching from `Bare` to `Served` (a panic there leaves it).
+    Switching,
+}
+
+/// An engine's puller with its optional control-plane connection. See the module docs.
+pub struct EmbeddedPuller {
+    state: State,
+    control: Option<(String, ControlClient)>,
+    model: ModelInfo,
+    layout: LayoutSpec,
+    ranks: Vec<u32>,
+    rank_layouts: Vec<RankLayout>,
+}
+
+impl std::fmt::Debug for EmbeddedPuller {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EmbeddedPuller")
+            .field("layout", &self.layout)
+            .field("ranks", &self.ranks)
+            .field("served", &matches!(self.state, State::Served { .. }))
+            .finish_non_exhaustive()
+    }
+}
+
+impl EmbeddedPuller {
+    /// Creates the puller with a NIXL agent, connects to the control plane when one is given
+    /// and registers the layout there under `worker_id` when that is given too. No memory is
+    /// registered yet.
+    ///
+    /// # Errors
+    /// [`Error::Nixl`] (NIXL missing, agent refused), [`Error::Puller`] (a rank outside the
+    /// layout, repeated or no ranks, a layout that cannot place the model), [`Error::Control`].
+    pub async fn connect(cfg: EmbeddedConfig) -> Result<EmbeddedPuller, Error> {
+        mx_nixl::nixl_available()?;
+        let agent = mx_nixl::Agent::new(&format!(
+            "{}-{}-{}",
+            cfg.agent_prefix,
+            std::process::id(),
+            AGENTS.fetch_add(1, Ordering::Relaxed)
+        ))?;
+        let puller = Puller::new(
+            PullerConfig {
+                model: cfg.model.clone(),
+                layout: cfg.layout,
+                ranks: cfg.ranks.clone(),
+                retain: cfg.retain,
+            },
+            Some(agent),
+        )?;
+        let control = match cfg.control {
+            Some(url) => {
+                let client = ControlClient::connect(&url).await?;
+                if let Some(id) = &cfg.worker_id {
+                    client
+                        .register_worker(id, id, &cfg.ranks, cfg.layout)
+                        .await?;
+                }
+                Some((url, client))
+            }
+            None => None,
+        };
+        Ok(EmbeddedPuller {
+            rank_layouts: puller.rank_layouts().to_vec(),
+            state: State::Bare(Box::new(puller)),
+            control,
+            model: cfg.model,
+            layout: cfg.layout,
+            ranks: cfg.ranks,
+        })
+    }
+
+    /// The held ranks' layouts (parameters, their pieces, offsets), in `ranks` order.
+    pub fn rank_layouts(&self) -> &[RankLayout] {
+        &self.rank_layouts
+    }
+
+    /// The control-plane address, when there is one.
+    pub fn control_url(&self) -> Option<&str> {
+        self.control.as_ref().map(|(u, _)| u.as_str())
+    }
+
+    /// Runs `f` on the puller (under the served instance's lock once served).
+    ///
+    /// # Errors
+    /// [`Error::Task`] when an earlier switch to serving panicked half-way.
+    pub fn with<T>(&mut self, f: impl FnOnce(&mut Puller) -> T) -> Result<T, Error> {
+        match &mut self.state {
+            State::Bare(p) => Ok(f(p)),
+            State::Served { inst, .. } => Ok(inst.with_puller(f)),
+            State::Switching => Err(Error::Task(
+                "the puller was lost while starting to serve it; drop it".into(),
+            )),
+        }
+    }
+
+    fn client(&self) -> Result<&ControlClient, Error> {
+        self.control
+            .as_ref()
+            .map(|(_, c)| c)
+            .ok_or(Error::NoControlPlane)
+    }
+
+    /// The version `version` names (a label, or an id `mx:<hex>` of a READY version) with its
+    /// label and manifests, from the control plane.
+    ///
+    /// # Errors
+    /// [`Error::NoControlPlane`], [`Error::UnknownVersionId`] (no READY version has that id),
+    /// [`Error::VersionNotReady`], [`Error::Control`] (e.g. an unknown label).
+    pub async fn resolve(
+        &self,
+        version: &str,
+    ) -> Result<(String, VersionId, Vec<SourceManifest>), Error> {
+        let client = self.client()?;
+        let label = match version.parse::<VersionId>() {
+            Ok(id) => client
+                .get_status()
+                .await?
+                .versions
+                .iter()
+                .find(|v| v.version_digest == Some(id.digest()))
+                .map(|v| v.label.clone())
+                .ok_or_else(|| Error::UnknownVersionId { id: id.to_string() })?,
+            Err(_) => version.to_string(),
+        };
+        let info = client.get_version(&label).await?;
+        let Some(d) = info.version_digest else {
+            return Err(Error::VersionNotReady {
+                label,
+                state: info.state.to_string(),
+            });
+        };
+        Ok((label, VersionId(d), info.manifests))
+    }
+
+    /// Stages version `id` from `manifests` (which must be that version's): plans the exact
+    /// byte ranges of the held ranks, pulls them into staging, verifies them. The registered
+    /// memory is not touched. Blocks for the pull.
+    ///
+    /// # Errors
+    /// [`Error::Puller`]: manifests of another version, a source unreachable, a failed READ or
+    /// verification, sources that do not cover a parameter.
+    pub fn stage(
+        &mut self,
+        id: VersionId,
+        manifests: &[SourceManifest],
+        opts: &ExecOptions,
+    ) -> Result<StageReport, Error> {
+        Ok(self.with(|p| p.stage(id, manifests, opts))??)
+    }
+
+    /// Installs `id` (`None`: the staged version) into the registered memory in place.
+    ///
+    /// # Errors
+    /// [`Error::NothingStaged`] (`None` with nothing staged), [`Error::Puller`] (a version
+    /// neither staged, retained nor resident; a parameter without memory).
+    pub fn apply(&mut self, id: Option<VersionId>) -> Result<ApplyReport, Error> {
+        let id = match id {
+            Some(id) => id,
+            None => {
+                let staged = self.with(|p| p.versions().staged)?;
+                let staged = staged.ok_or(Error::NothingStaged)?;
+                staged.parse()?
+            }
+        };
+        Ok(self.with(|p| p.apply(id))??)
+    }
+
+    /// Serves the puller as worker `worker_id` of its control plane: the engine routes of
+    /// `engine_api` on `listen` (the instance declares no model: refits skip the post-update
+    /// generation), registration, and the command stream on the current tokio runtime in the
+    /// background. Every parameter must have memory. Returns the routes' URL.
+    ///
+    /// # Errors
+    /// [`Error::NoControlPlane`], [`Error::AlreadyServed`], [`Error::Puller`] (a parameter
+    /// without memory), [`Error::Bind`], [`Error::Control`] / [`Error::Displaced`] (the id is
+    /// held by another process, or the registration was refused).
+    pub async fn serve(
+        &mut self,
+        worker_id: &str,
+        listen: SocketAddr,
+        engine_api: EngineApi,
+    ) -> Result<String, Error> {
+        self.client()?;
+        let control = self.control_url().unwrap_or_default().to_string();
+        match &self.state {
+            State::Bare(p) => p.check_registered()?,
+            State::Served {
+                worker: Some(_), ..
+            } => return Err(Error::AlreadyServed),
+            State::Served { worker: None, .. } => {}
+            State::Switching => return Err(Error::Task("the puller was lost".into())),
+        }
+        let inst = match std::mem::replace(&mut self.state, State::Switching) {
+            // check_registered passed above, so this does not fail (and leaves `Switching` if it
+            // ever did, which `with` reports).
+            State::Bare(p) => {
+                Instance::over_puller(*p, self.model.clone(), worker_id.into(), false)?
+            }
+            State::Served { inst, .. } => inst,
+            State::Switching => return Err(Error::Task("the puller was lost".into())),
+        };
+        self.state = State::Served {
+            inst: inst.clone(),
+            worker: None,
+        };
+        let cfg = WorkerConfig {
+            control,
+            model_dir: std::path::PathBuf::new(),
+            layout: self.layout,
+            ranks: self.ranks.clone(),
+            worker_id: worker_id.to_string(),
+            instance: worker_id.to_string(),
+            http: listen,
+            engine_api,
+            failpoints: false,
+            reconnect_timeout: None,
+            load: None,
+            load_version: None,
+        };
+        let w = Arc::new(Worker::serve(cfg, inst.clone()).await?);
+        let url = w.http_url();
+        let runner = tokio::spawn({
+            let w = Arc::clone(&w);
+            async move {
+                if let Err(e) = w.run().await {
+                    tracing::error!(error = %e, "the served puller's worker stopped");
+                }
+            }
+        });
+        self.state = State::Served {
+            inst,
+            worker: Some((w, runner)),
+        };
+        Ok(url)
+    }
+
+    /// True once [`EmbeddedPuller::serve`] started a worker.
+    pub fn served(&self) -> bool {
+        matches!(
+            self.state,
+            State::Served {
+                worker: Some(_),
+                ..
+            }
+        )
+    }
+
+    /// Stops serving, if served: the routes answer 410 Gone with `reason`, the command stream
+    /// ends. Idempotent. Call it inside the runtime that served the worker.
+    pub async fn stop_serving(&mut self, reason: &str) {
+        if let State::Served { inst, worker } = &mut self.state {
+            inst.retire(reason.to_string());
+            if let Some((w, runner)) = worker.take() {
+                runner.abort();
+                let _ = runner.await;
+                drop(w);
+            }
+        }
+    }
+}

@@ -1,0 +1,224 @@
+"""A trainer rank publishing the weight shards it holds, from its own tensors."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from . import _memory, _mx
+from ._model import Model
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One shard a trainer rank holds: the box of global tensor ``tensor`` that starts at
+    ``offset`` (elements, per dim; default all zeros) and has ``data``'s shape, stored in
+    ``data`` row-major.
+
+    ``data`` is a contiguous host tensor or array (torch, numpy, ``__dlpack__``, or a byte
+    buffer of exactly the box's bytes) whose dtype is the model's: e.g. an FSDP rank's local
+    shard of a dim-0 sharded parameter, ``Shard(name, param.data, (row0, 0))``.
+    """
+
+    tensor: str
+    data: Any
+    offset: Sequence[int] | None = None
+
+
+def _shards(shards: Any) -> list[Shard]:
+    if isinstance(shards, Mapping):
+        out = []
+        for name, v in shards.items():
+            if isinstance(v, tuple) and len(v) == 2:
+                out.append(Shard(name, v[0], v[1]))
+            else:
+                out.append(Shard(name, v))
+        return out
+    if isinstance(shards, Iterable) and not isinstance(shards, (str, bytes)):
+        out = list(shards)
+        for i, s in enumerate(out):
+            if not isinstance(s, Shard):
+                raise TypeError(f"shards[{i}]: expected mx.Shard, got {type(s).__name__}")
+        return out
+    raise TypeError(
+        "shards must be a sequence of mx.Shard or a mapping name -> tensor / (tensor, offset), "
+        f"not {type(shards).__name__}"
+    )
+
+
+class Publisher:
+    """A trainer rank's side of mx: publishes the shards it holds, from the memory that holds
+    them, as policy versions workers pull exactly their bytes from.
+
+    Args:
+        control: the control plane's URL (``http://HOST:PORT``).
+        model: the :class:`Model` shards are checked against.
+        layout: the trainer layout (``"fsdp:N"``: slot ``r`` holds rows of every tensor's dim
+            0; ``"replicated:N"``, ``"tp:N"``); the version's declaration must name the same.
+        slot: this rank's slot in ``layout`` (its rank).
+        pack: pack strided destination regions contiguously on the source side.
+
+    Raises:
+        MxError: NIXL is missing, the control plane is unreachable, a slot outside ``layout``.
+
+    The memory of every shard is registered with NIXL once (per distinct storage) and read
+    again at every :meth:`publish`, so after an in-place optimizer step the next publish sends
+    the new bytes without registering again. **Contract**: published in place (the default),
+    the trainer must not write the shards until the version is handed back
+    (:meth:`wait_staged`, :meth:`wait_committed` or :meth:`release` returned); with
+    ``copy=True`` it may write as soon as :meth:`publish` returns. The publisher keeps a
+    reference to every shard's tensor (and its storage) until :meth:`close`, and before each
+    publish checks that none was resized, re-pointed or re-typed (an error naming it).
+    Not usable in a ``fork`` child: make it in the process that uses it.
+    """
+
+    def __init__(
+        self, control: str, *, model: Model, layout: str, slot: int, pack: bool = True
+    ) -> None:
+        if not isinstance(model, Model):
+            raise TypeError(f"model must be an mx.Model, not {type(model).__name__}")
+        self._model = model
+        self._inner = _mx.Publisher(control, layout, int(slot), model._inner, pack)
+        self._slot = int(slot)
+        # storage (address, bytes) -> (memory id, the region that registered it)
+        self._memories: dict[tuple[int, int], tuple[int, _memory.Region]] = {}
+        self._regions: list[_memory.Region] = []
+
+    @property
+    def agent_name(self) -> str:
+        """The NIXL agent's name (it appears in manifests and logs)."""
+        return self._inner.agent_name
+
+    def set_shards(self, shards: Iterable[Shard] | Mapping[str, Any]) -> None:
+        """Sets the shards this rank holds, replacing any set before. Registers the memory of
+        each distinct storage once; nothing is read yet.
+
+        Args:
+            shards: :class:`Shard` objects, or a mapping ``name -> tensor`` (the whole tensor,
+                offset 0) or ``name -> (tensor, offset)``.
+
+        Raises:
+            MxError: ``InvalidArgument`` naming the shard and tensor: a tensor the model does
+                not have, a dtype or global shape differing from the model's, a box outside
+                the tensor, two boxes that overlap, device memory, a non-contiguous tensor.
+        """
+        specs = []
+        regions = []
+        for i, s in enumerate(_shards(shards)):
+            what = f"shards[{i}] (tensor {s.tensor}, slot {self._slot})"
+            try:
+                spec = self._model.tensor(s.tensor)
+            except KeyError:
+                raise _memory._error(
+                    f"{what}: the model has no such tensor", "InvalidArgument"
+                ) from None
+            region = _memory.describe(s.data, what, writable=False)
+            shape = region.shape if region.dtype is not None else self._box_shape(spec, s, region)
+            offset = [0] * len(spec.shape) if s.offset is None else [int(o) for o in s.offset]
+            dtype = region.dtype if region.dtype is not None else spec.dtype
+            memory, base = self._register(region)
+            specs.append(
+                (
+                    s.tensor,
+                    dtype,
+                    list(spec.shape),
+                    offset,
+                    list(shape),
+                    memory,
+                    region.addr - base,
+                )
+            )
+            regions.append(region)
+        self._inner.set_shards(specs)
+        self._regions = regions
+
+    def _box_shape(self, spec: Any, s: Shard, region: _memory.Region) -> tuple[int, ...]:
+        """The box shape of an untyped byte buffer: the whole tensor (offset 0 only)."""
+        if s.offset is not None and any(int(o) for o in s.offset):
+            raise _memory._error(
+                f"{region.what}: a byte buffer holds a whole tensor; give a typed tensor or "
+                "array for a box at a non-zero offset",
+                "InvalidArgument",
+            )
+        return tuple(spec.shape)
+
+    def _register(self, region: _memory.Region) -> tuple[int, int]:
+        key = region.storage
+        hit = self._memories.get(key)
+        if hit is None:
+            memory = self._inner.register_host(key[0], key[1])
+            self._memories[key] = (memory, region)
+            return memory, key[0]
+        return hit[0], key[0]
+
+    def publish(self, label: str, *, copy: bool = False, timeout: float = 600.0) -> str:
+        """Publishes the shards' current bytes as version ``label`` (which the orchestrator
+        declares; this waits for the declaration) and returns the version id (``mx:<hex>``)
+        once every slot published it (READY).
+
+        Args:
+            copy: snapshot the shards into an mx arena first (one copy of this rank's bytes), so
+                the trainer may write them as soon as this returns. Without it (in place), do
+                not write them until the version is handed back (:meth:`wait_staged`).
+            timeout: seconds to wait for the declaration, a free snapshot and READY.
+
+        Raises:
+            MxError: ``FailedPrecondition`` (no shards set, or a shard's tensor was resized,
+                re-pointed or re-typed since :meth:`set_shards`: the message names it),
+                ``DeadlineExceeded``, ``InvalidArgument`` (the manifest disagrees with the
+                declaration: the tensor is named), ``Unavailable``.
+        """
+        for region in self._regions:
+            _memory.check_unchanged(region)
+        return self._inner.publish(label, bool(copy), float(timeout))
+
+    def wait_staged(self, label: str, *, timeout: float = 600.0) -> dict[str, Any]:
+        """Blocks until version ``label`` is handed back: every worker of its last stage staged
+        (and verified) it, a refit to it ended before any stage completed, a later version was
+        committed, or a source released it. Then the shards may be written again.
+
+        Returns:
+            Why, e.g. ``{"Staged": {"refit": 3, "workers": ["w0", "w1"]}}``.
+
+        Raises:
+            MxError: ``DeadlineExceeded`` (the version stays held), ``NotFound``.
+        """
+        return json.loads(self._inner.wait_staged(label, float(timeout)))
+
+    def wait_committed(self, label: str, *, timeout: float = 600.0) -> None:
+        """Blocks until version ``label`` is COMMITTED (then it is handed back too).
+
+        Raises:
+            MxError: ``DeadlineExceeded``, ``NotFound``.
+        """
+        self._inner.wait_committed(label, float(timeout))
+
+    def release(self, label: str, *, timeout: float = 600.0) -> None:
+        """Stops serving version ``label`` from this slot (the shards may be written at once)
+        and tells the control plane: workers that did not stage it can no longer pull it.
+
+        Raises:
+            MxError: ``NotFound``, ``DeadlineExceeded``.
+        """
+        self._inner.release(label, float(timeout))
+
+    def close(self) -> None:
+        """Stops serving and deregisters the memory (which stays the caller's); drops the
+        references to the shards. Idempotent."""
+        self._inner.close()
+        self._memories.clear()
+        self._regions = []
+
+    def __enter__(self) -> Publisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"Publisher(slot={self._slot}, agent={self.agent_name!r}, "
+            f"shards={len(self._regions)}, open={self._inner.open})"
+        )
