@@ -135,14 +135,24 @@ class Publisher:
         self._regions = regions
 
     def _box_shape(self, spec: Any, s: Shard, region: _memory.Region) -> tuple[int, ...]:
-        """The box shape of an untyped byte buffer: the whole tensor (offset 0 only)."""
-        if s.offset is not None and any(int(o) for o in s.offset):
-            raise _memory._error(
-                f"{region.what}: a byte buffer holds a whole tensor; give a typed tensor or "
-                "array for a box at a non-zero offset",
+        """The box of an untyped byte buffer: the tensor's trailing dims, and as many rows of
+        dim 0 as its bytes hold (they must be whole rows)."""
+        from ._memory import _error
+
+        size = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "F16": 2}
+        size |= {"BF16": 2, "I32": 4, "F32": 4, "I64": 8, "F64": 8}
+        if not spec.shape:
+            return ()
+        row = size[spec.dtype]
+        for d in spec.shape[1:]:
+            row *= d
+        if row == 0 or region.nbytes % row:
+            raise _error(
+                f"{region.what}: an untyped buffer of {region.nbytes} bytes is not a whole "
+                f"number of {spec.dtype} rows of {list(spec.shape[1:])} ({row} bytes each)",
                 "InvalidArgument",
             )
-        return tuple(spec.shape)
+        return (region.nbytes // row, *spec.shape[1:])
 
     def _register(self, region: _memory.Region) -> tuple[int, int]:
         key = region.storage

@@ -1,0 +1,432 @@
+"""mx.Publisher and mx.Puller over torch tensors the caller owns: a tiny llama (tp:3-placeable:
+6 heads, 3 kv heads, vocab 192) published by two fsdp:2 slots from their own tensors and pulled
+into an engine's own tp:3 tensors (vLLM's fused qkv/gate_up), byte for byte; and every bad
+tensor refused with an error naming it."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import mx
+
+H, HEADS, KV, HEAD_DIM, FFN, VOCAB, LAYERS = 96, 6, 3, 16, 192, 192, 2
+CONFIG = {
+    "model_type": "llama",
+    "hidden_size": H,
+    "num_attention_heads": HEADS,
+    "num_key_value_heads": KV,
+    "head_dim": HEAD_DIM,
+    "intermediate_size": FFN,
+    "vocab_size": VOCAB,
+    "num_hidden_layers": LAYERS,
+    "tie_word_embeddings": False,
+}
+
+
+def _shapes() -> dict[str, tuple[int, ...]]:
+    s = {"model.embed_tokens.weight": (VOCAB, H), "model.norm.weight": (H,)}
+    s["lm_head.weight"] = (VOCAB, H)
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        s[p + "input_layernorm.weight"] = (H,)
+        s[p + "post_attention_layernorm.weight"] = (H,)
+        s[p + "self_attn.q_proj.weight"] = (HEADS * HEAD_DIM, H)
+        s[p + "self_attn.k_proj.weight"] = (KV * HEAD_DIM, H)
+        s[p + "self_attn.v_proj.weight"] = (KV * HEAD_DIM, H)
+        s[p + "self_attn.o_proj.weight"] = (H, HEADS * HEAD_DIM)
+        s[p + "mlp.gate_proj.weight"] = (FFN, H)
+        s[p + "mlp.up_proj.weight"] = (FFN, H)
+        s[p + "mlp.down_proj.weight"] = (H, FFN)
+    return s
+
+
+@pytest.fixture
+def weights() -> dict[str, torch.Tensor]:
+    """BF16 weights with F32 norms (mixed dtypes, as some checkpoints keep them)."""
+    g = torch.Generator().manual_seed(7)
+    return {
+        n: torch.randn(s, generator=g).to(torch.float32 if "norm" in n else torch.bfloat16)
+        for n, s in _shapes().items()
+    }
+
+
+@pytest.fixture
+def model(weights) -> mx.Model:
+    return mx.Model.from_config(CONFIG, weights)
+
+
+def _box(offset, shape) -> tuple[slice, ...]:
+    return tuple(slice(o, o + e) for o, e in zip(offset, shape, strict=True))
+
+
+def _rows(t: torch.Tensor, slot: int) -> tuple[int, int]:
+    return t.shape[0] * slot // 2, t.shape[0] * (slot + 1) // 2
+
+
+class Trainer:
+    """Two fsdp:2 slots, each holding its dim-0 rows of every tensor as its own tensors."""
+
+    def __init__(self, url: str, model: mx.Model, weights: dict[str, torch.Tensor]) -> None:
+        self.shards = []
+        self.pubs = []
+        for slot in range(2):
+            own = {}
+            for name, t in weights.items():
+                lo, hi = _rows(t, slot)
+                own[name] = t[lo:hi].clone()
+            pub = mx.Publisher(url, model=model, layout="fsdp:2", slot=slot)
+            pub.set_shards(
+                {n: (own[n], [_rows(t, slot)[0]] + [0] * (t.dim() - 1)) for n, t in weights.items()}
+            )
+            self.shards.append(own)
+            self.pubs.append(pub)
+
+    def publish(self, label: str, *, copy: bool = False) -> str:
+        ids: list[str | BaseException | None] = [None, None]
+
+        def run(i: int) -> None:
+            try:
+                ids[i] = self.pubs[i].publish(label, copy=copy, timeout=60)
+            except BaseException as e:  # noqa: BLE001 - handed to the test thread
+                ids[i] = e
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(90)
+        for r in ids:
+            if isinstance(r, BaseException):
+                raise r
+        assert ids[0] == ids[1] and isinstance(ids[0], str) and ids[0].startswith("mx:")
+        return ids[0]
+
+    def full(self) -> dict[str, torch.Tensor]:
+        return {n: torch.cat([self.shards[0][n], self.shards[1][n]]) for n in self.shards[0]}
+
+    def step(self, scale: float) -> None:
+        """An in-place update of every shard (what an optimizer step does to the memory)."""
+        with torch.no_grad():
+            for own in self.shards:
+                for t in own.values():
+                    t.mul_(scale).add_(0.125)
+
+    def close(self) -> None:
+        for p in self.pubs:
+            p.close()
+
+
+class Engine:
+    """An engine's own tp:3 tensors (all three ranks in one process), registered in place."""
+
+    def __init__(self, url: str, model: mx.Model, **kw) -> None:
+        self.puller = mx.Puller(url, model=model, layout="tp:3", ranks=[0, 1, 2], **kw)
+        self.params: dict[int, dict[str, torch.Tensor]] = {}
+        for p in self.puller.params():
+            dtype = torch.float32 if p.dtype == "F32" else torch.bfloat16
+            t = torch.full(p.shape, float("nan"), dtype=dtype)
+            self.params.setdefault(p.rank, {})[p.name] = t
+        for rank, params in self.params.items():
+            self.puller.register(rank, params)
+        self.ptrs = {(r, n): t.data_ptr() for r, ps in self.params.items() for n, t in ps.items()}
+
+    def mismatches(self, ref: dict[str, torch.Tensor]) -> list[str]:
+        """Every piece of every parameter whose bytes differ from the reference's box."""
+        bad = []
+        for p in self.puller.params():
+            flat = self.params[p.rank][p.name].view(torch.uint8).reshape(-1)
+            for pc in p.pieces:
+                box = _box(pc.box_offset, pc.box_shape)
+                want = ref[pc.tensor][box].contiguous().view(torch.uint8).reshape(-1)
+                if not torch.equal(flat[pc.offset : pc.offset + want.numel()], want):
+                    bad.append(f"rank {p.rank} {p.name} <- {pc.tensor}{list(pc.box_offset)}")
+        return bad
+
+    def addresses_unchanged(self) -> bool:
+        now = {(r, n): t.data_ptr() for r, ps in self.params.items() for n, t in ps.items()}
+        regs = {(r, n): a for r in self.params for n, a in self.puller.addresses(r).items()}
+        return now == self.ptrs == regs
+
+
+def _declare(control: mx.Control, label: str, weights) -> None:
+    control.declare(label, weights, trainer_layout="fsdp:2")
+
+
+def test_in_place_publish_stage_apply_rollback_byte_exact(control_plane, control, model, weights):
+    trainer = Trainer(control_plane.url, model, weights)
+    engine = Engine(control_plane.url, model, worker_id="engine-0")
+    try:
+        _declare(control, "v1", weights)
+        v1 = trainer.publish("v1")
+        ref1 = trainer.full()
+        staged = engine.puller.stage("v1")
+        assert (staged.label, staged.version_id, staged.resident) == ("v1", v1, False)
+        # Staging does not touch the engine's tensors.
+        untouched = [t for ps in engine.params.values() for t in ps.values()]
+        assert all(torch.isnan(t.float()).all() for t in untouched)
+        applied = engine.puller.apply()
+        assert (applied.version_id, applied.kind) == (v1, "staged")
+        assert engine.mismatches(ref1) == []
+        # Pulled bytes equal what the slots hold: each rank holds exactly its layout's bytes.
+        mem = engine.puller.memory_report()
+        total = sum(p.nbytes for p in engine.puller.params())
+        assert sum(mem.rank_bytes.values()) == total
+        assert 0 < mem.staging_bytes_peak <= total
+
+        # The trainer hands v1 back, steps in place and publishes v2 from the same memory.
+        for p in trainer.pubs:
+            p.release("v1", timeout=30)
+        trainer.step(0.5)
+        _declare(control, "v2", weights)
+        v2 = trainer.publish("v2")
+        assert v2 != v1
+        ref2 = trainer.full()
+        assert engine.puller.stage(v2).label == "v2"  # by id
+        assert engine.puller.apply(v2).kind == "staged"
+        assert engine.mismatches(ref2) == []
+        assert engine.puller.versions == mx.Versions(resident=v2, retained=v1, staged=v2)
+        assert engine.puller.memory_report().retained_bytes == total
+
+        back = engine.puller.rollback()
+        assert (back.version_id, back.kind) == (v1, "restored")
+        assert engine.puller.versions == mx.Versions(resident=v1, retained=v1, staged=v2)
+        assert engine.mismatches(ref1) == []
+        assert engine.puller.apply(v2).kind == "staged"
+        assert engine.mismatches(ref2) == []
+        assert engine.addresses_unchanged()
+        digests = engine.puller.live_digests()
+        assert sorted(digests) == [0, 1, 2]
+        assert {n for d in digests.values() for n in d} == {p.name for p in engine.puller.params()}
+    finally:
+        engine.puller.close()
+        trainer.close()
+
+
+def test_copy_mode_lets_the_trainer_write_at_once(control_plane, control, model, weights):
+    trainer = Trainer(control_plane.url, model, weights)
+    engine = Engine(control_plane.url, model, worker_id="engine-0")
+    try:
+        _declare(control, "v1", weights)
+        v1 = trainer.publish("v1", copy=True)
+        ref1 = trainer.full()
+        trainer.step(-1.0)  # written before anyone pulled: the snapshot keeps v1
+        engine.puller.stage(v1)
+        engine.puller.apply()
+        assert engine.mismatches(ref1) == []
+        assert engine.mismatches(trainer.full()) != []
+    finally:
+        engine.puller.close()
+        trainer.close()
+
+
+def test_staged_tensors_hand_the_pieces_to_an_engine_loader(control_plane, control, model, weights):
+    trainer = Trainer(control_plane.url, model, weights)
+    engine = Engine(control_plane.url, model, worker_id="engine-0")
+    try:
+        _declare(control, "v1", weights)
+        trainer.publish("v1")
+        engine.puller.stage("v1")
+        pieces = engine.puller.staged_tensors()
+        ref = trainer.full()
+        expected = sum(len(p.pieces) for p in engine.puller.params())
+        assert len(pieces) == expected
+        for s in pieces:
+            box = _box(s.box_offset, s.box_shape)
+            want = ref[s.tensor][box].contiguous().view(torch.uint8).reshape(-1)
+            assert bytes(want.numpy()) == s.data, (s.rank, s.param, s.tensor)
+        # Nothing was applied: the engine's tensors are untouched.
+        assert engine.puller.versions.resident is None
+    finally:
+        engine.puller.close()
+        trainer.close()
+
+
+def test_served_puller_is_refitted_by_the_control_plane(control_plane, control, model, weights):
+    trainer = Trainer(control_plane.url, model, weights)
+    engine = Engine(control_plane.url, model, worker_id="engine-0")
+    try:
+        url = engine.puller.serve("engine-0")
+        assert url.startswith("http://127.0.0.1:")
+        _declare(control, "v1", weights)
+        v1 = trainer.publish("v1")
+        r = control.refit("v1", ["engine-0"], stage_timeout=60, call_timeout=30)
+        assert r.committed, r
+        assert r.workers["engine-0"].resident == v1
+        assert engine.mismatches(trainer.full()) == []
+        # STAGE released v1 to the trainer.
+        why = trainer.pubs[0].wait_staged("v1", timeout=30)
+        assert "Staged" in why and why["Staged"]["workers"] == ["engine-0"]
+        assert engine.addresses_unchanged()
+    finally:
+        engine.puller.close()
+        trainer.close()
+
+
+# --- bad tensors are refused, naming them -------------------------------------------------
+
+
+def _publisher(control_plane, model) -> mx.Publisher:
+    return mx.Publisher(control_plane.url, model=model, layout="fsdp:2", slot=0)
+
+
+NORM = "model.norm.weight"
+EMBED = "model.embed_tokens.weight"
+
+
+def _refused(fn, code: str, *needles: str) -> str:
+    with pytest.raises(mx.MxError) as e:
+        fn()
+    assert e.value.code == code, (e.value.code, str(e.value))
+    for n in needles:
+        assert n in str(e.value), (n, str(e.value))
+    return str(e.value)
+
+
+def test_publisher_refuses_bad_shards_naming_the_tensor(control_plane, model, weights):
+    pub = _publisher(control_plane, model)
+    try:
+        f32 = torch.zeros(H, dtype=torch.float32)
+        f16 = torch.zeros(H, dtype=torch.float16)
+        _refused(lambda: pub.set_shards({NORM: f16}), "InvalidArgument", NORM, "dtype")
+        wide = torch.zeros(VOCAB, H + 1, dtype=torch.bfloat16)
+        _refused(lambda: pub.set_shards({EMBED: wide}), "InvalidArgument", EMBED)
+        outside = torch.zeros(VOCAB // 2, H, dtype=torch.bfloat16)
+        _refused(
+            lambda: pub.set_shards({EMBED: (outside, [VOCAB // 2 + 1, 0])}),
+            "InvalidArgument",
+            EMBED,
+        )
+        strided = torch.zeros(H, VOCAB, dtype=torch.bfloat16).t()
+        _refused(lambda: pub.set_shards({EMBED: strided}), "InvalidArgument", EMBED, "contiguous")
+        _refused(
+            lambda: pub.set_shards({"model.nope.weight": f32}), "InvalidArgument", "model.nope"
+        )
+        meta = torch.zeros(H, dtype=torch.float32, device="meta")
+        _refused(lambda: pub.set_shards({NORM: meta}), "InvalidArgument", NORM, "meta")
+        _refused(lambda: pub.publish("v1", timeout=1), "FailedPrecondition", "no shards")
+    finally:
+        pub.close()
+
+
+def test_publisher_refuses_a_tensor_changed_after_registration(control_plane, model, weights):
+    pub = _publisher(control_plane, model)
+    try:
+        norm = torch.ones(H // 2, dtype=torch.float32)
+        pub.set_shards({NORM: norm})
+        norm.resize_(2 * H)  # reallocates the storage mx registered
+        msg = _refused(lambda: pub.publish("v1", timeout=1), "FailedPrecondition", NORM)
+        assert "changed since it was registered" in msg
+        norm2 = torch.ones(H // 2, dtype=torch.float32)
+        pub.set_shards({NORM: norm2})
+        norm2.data = torch.zeros(H // 2, dtype=torch.float32)  # re-pointed
+        _refused(lambda: pub.publish("v1", timeout=1), "FailedPrecondition", NORM, "address")
+    finally:
+        pub.close()
+
+
+def test_publisher_takes_numpy_dlpack_and_byte_buffers(control_plane, control, model, weights):
+    """Slot 0 publishes one tensor from a numpy array, one through DLPack only and one from an
+    untyped byte buffer (rows inferred from its length); the engine gets every byte."""
+    halves: list[dict[str, torch.Tensor]] = [{}, {}]
+    for name, t in weights.items():
+        for slot in range(2):
+            lo, hi = _rows(t, slot)
+            halves[slot][name] = t[lo:hi].clone()
+    pubs = [mx.Publisher(control_plane.url, model=model, layout="fsdp:2", slot=s) for s in range(2)]
+    engine = Engine(control_plane.url, model, worker_id="engine-0")
+    try:
+        ln0 = "model.layers.0.input_layernorm.weight"
+        shards0 = []
+        for name, t in halves[0].items():
+            if name == NORM:
+                shards0.append(mx.Shard(name, _DLPackOnly(t), [0]))
+            elif name == ln0:
+                shards0.append(mx.Shard(name, t.numpy(), [0]))
+            elif name == EMBED:
+                shards0.append(mx.Shard(name, bytearray(t.view(torch.uint8).numpy()), [0, 0]))
+            else:
+                shards0.append(mx.Shard(name, t, [0] * t.dim()))
+        pubs[0].set_shards(shards0)
+        # A uint16 array for a BF16 tensor: the dtype differs from the model's.
+        as_u16 = halves[1][EMBED].view(torch.int16).numpy().view(np.uint16)
+        _refused(
+            lambda: pubs[1].set_shards({EMBED: (as_u16, [VOCAB // 2, 0])}),
+            "InvalidArgument",
+            EMBED,
+            "dtype",
+        )
+        _refused(
+            lambda: pubs[1].set_shards({EMBED: (bytearray(10), [VOCAB // 2, 0])}),
+            "InvalidArgument",
+            EMBED,
+            "bytes",
+        )
+        pubs[1].set_shards(
+            {n: (t, [_rows(weights[n], 1)[0]] + [0] * (t.dim() - 1)) for n, t in halves[1].items()}
+        )
+        control.declare("v1", weights, trainer_layout="fsdp:2")
+        ids: list[str] = []
+        threads = [
+            threading.Thread(target=lambda p=p: ids.append(p.publish("v1", timeout=60)))
+            for p in pubs
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(90)
+        assert len(ids) == 2 and ids[0] == ids[1]
+        engine.puller.stage("v1")
+        engine.puller.apply()
+        ref = {n: torch.cat([halves[0][n], halves[1][n]]) for n in weights}
+        assert engine.mismatches(ref) == []
+    finally:
+        engine.puller.close()
+        for p in pubs:
+            p.close()
+
+
+class _DLPackOnly:
+    """An object that offers its memory only through DLPack (like a JAX or CuPy array)."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self._t = t
+
+    def __dlpack__(self, **kw):
+        return self._t.__dlpack__(**kw)
+
+    def __dlpack_device__(self):
+        return self._t.__dlpack_device__()
+
+
+def test_puller_refuses_bad_tensors_naming_the_parameter(control_plane, model):
+    pull = mx.Puller(control_plane.url, model=model, layout="tp:3", ranks=[1])
+    try:
+        dtypes = {"F32": torch.float32, "BF16": torch.bfloat16}
+        params = {p.name: torch.zeros(p.shape, dtype=dtypes[p.dtype]) for p in pull.params(1)}
+        qkv = "model.layers.0.self_attn.qkv_proj.weight"
+        assert qkv in params and params[qkv].shape == ((HEADS + 2 * KV) * HEAD_DIM // 3, H)
+        wrong = dict(params, **{qkv: params[qkv].half()})
+        _refused(lambda: pull.register(1, wrong), "InvalidArgument", "rank 1", qkv, "F16")
+        short = dict(params, **{qkv: params[qkv][:-1].clone()})
+        _refused(lambda: pull.register(1, short), "InvalidArgument", qkv, "layout says")
+        strided = dict(params, **{qkv: torch.zeros(H, params[qkv].shape[0]).bfloat16().t()})
+        _refused(lambda: pull.register(1, strided), "InvalidArgument", qkv, "contiguous")
+        missing = {n: t for n, t in params.items() if n != qkv}
+        _refused(lambda: pull.register(1, missing), "InvalidArgument", qkv)
+        ro = np.zeros(params["model.norm.weight"].numel(), dtype=np.float32)
+        ro.flags.writeable = False
+        readonly = dict(params, **{"model.norm.weight": ro})
+        _refused(lambda: pull.register(1, readonly), "InvalidArgument", "read-only")
+        _refused(lambda: pull.register(0, params), "InvalidArgument", "rank 0")
+        _refused(lambda: pull.apply(), "FailedPrecondition", "nothing is staged")
+
+        pull.register(1, params)
+        params[qkv].resize_(1)
+        _refused(lambda: pull.apply(), "FailedPrecondition", qkv, "changed since")
+    finally:
+        pull.close()
+    _refused(lambda: pull.versions, "FailedPrecondition", "closed")
