@@ -8,8 +8,9 @@
 #
 # After the Rust tests, the C ABI test (scripts/test_ffi_c.sh) and the Python package's tests
 # (python/tests, pytest in .mx/venv, against the package scripts/setup.sh installed); a skipped
-# Python test fails the suite. Python tests are left out when arguments select Rust packages
-# (`-p ...`), or with MX_PYTHON_TESTS=0.
+# Python test fails the suite; then examples/python_refit.py (trainers and engines in Python
+# processes, a real checkpoint) and a check of its report. Python tests and the example are left
+# out when arguments select Rust packages (`-p ...`), or with MX_PYTHON_TESTS=0.
 #
 # NIXL tests fail (instead of skipping) when the NIXL libraries are missing: MX_REQUIRE_NIXL=1.
 set -euo pipefail
@@ -41,9 +42,9 @@ if [[ "${MX_LINT:-0}" == 1 ]]; then
     log "cargo clippy --workspace --all-targets -- -D warnings"
     cargo clippy --workspace --all-targets -- -D warnings
     step="ruff"
-    log "ruff check + ruff format --check (python/, pyproject.toml [tool.ruff])"
-    "$REPO/.mx/venv/bin/ruff" check --no-cache python
-    "$REPO/.mx/venv/bin/ruff" format --no-cache --check python
+    log "ruff check + ruff format --check (python/ examples/, pyproject.toml [tool.ruff])"
+    "$REPO/.mx/venv/bin/ruff" check --no-cache python examples
+    "$REPO/.mx/venv/bin/ruff" format --no-cache --check python examples
 fi
 
 step="cargo build"
@@ -93,6 +94,28 @@ if ((${#scope[@]})) && (($# == 0)) && [[ "${MX_PYTHON_TESTS:-1}" != 0 ]]; then
     step="pytest python/tests"
     log "${py_cmd[*]}"
     "${py_cmd[@]}"
+
+    # The Python example end to end (2 trainer processes, 2 engine processes, 3 versions of
+    # SmolLM2-135M, a rollback); it exits 1 when a check fails, and its report is checked here.
+    report_dir="$(mktemp -d)"
+    ex_cmd=("$REPO/.mx/venv/bin/python" examples/python_refit.py --report "$report_dir/report.json")
+    step="examples/python_refit.py"
+    log "${ex_cmd[*]}"
+    "${ex_cmd[@]}"
+    "$REPO/.mx/venv/bin/python" -c '
+import json, sys
+r = json.load(open(sys.argv[1]))
+keys = ["all_verified", "addresses_unchanged", "loss_fell", "rollback_verified",
+        "staging_within_rank_bytes"]
+bad = [k for k in keys if r[k] is not True]
+vs = r["versions"]
+if len(vs) != 3 or len({v["version_id"] for v in vs}) != 3:
+    bad.append("3 versions with distinct version ids")
+if any(v["outcome"] != "COMMITTED" for v in vs):
+    bad.append("every refit COMMITTED")
+sys.exit(f"python_refit report: not as expected: {bad}" if bad else 0)
+' "$report_dir/report.json"
+    rm -rf "$report_dir"
 fi
 
 trap - EXIT
