@@ -23,7 +23,8 @@ The processes (``multiprocessing``, ``spawn`` start method; they talk over Pipes
   temporary directory) and its client (``mx.Control``); per version it declares the version,
   tells the trainers to step and publish, refits the engines to it (``Control.refit``: STAGE,
   PREPARE, APPLY, VERIFY, RESUME, COMMIT) and asks the engines to check their bytes. Then it
-  asks the engines to roll back one version, checks again, and writes the report.
+  refits the engines back to the previous version (a rollback: they restore it from their
+  retained copy, nothing is pulled), checks again, and writes the report.
 - trainer 0 and trainer 1 (slots of trainer layout ``fsdp:2``, one gloo process group): a real
   FSDP2 trainer (``examples/llama_fsdp.py``: the model in torch with the checkpoint's parameter
   names, ``fully_shard`` over gloo on CPU). Each hands its parameters' local shards
@@ -37,7 +38,7 @@ The processes (``multiprocessing``, ``spawn`` start method; they talk over Pipes
   layout ``tp:3``): each allocates its parameters in the engine's own layout (vLLM names: fused
   ``qkv_proj``, ``gate_up_proj``), registers them with an ``mx.Puller`` (``retain=True``) and
   serves it to the control plane as a worker, which then drives stage and apply. On request it
-  compares every parameter byte with the trainers' reference files, or rolls back.
+  compares every parameter byte with the trainers' reference files.
 
 Precision: the parameters and AdamW's state are bf16, the checkpoint's dtype (what mx publishes
 is what the trainer holds); forward and backward run in fp32 (FSDP2's mixed precision policy).
@@ -289,17 +290,6 @@ def engine_main(conn: Connection, url: str, model_dir: str, worker_id: str, rank
                     live_digests=digests,
                 )
                 conn.send(("checked", result))
-            elif msg[0] == "rollback":
-                # Outside the control plane: acceptable here because no refit is running (the
-                # control plane drives apply only during a refit). A real engine would leave
-                # rollbacks to the control plane (a refit that fails after applying rolls back).
-                rep = puller.rollback()
-                conn.send(
-                    (
-                        "rolled_back",
-                        {"version_id": rep.version_id, "kind": rep.kind, "copy_s": rep.copy_s},
-                    )
-                )
             else:
                 raise ValueError(f"unknown command {msg!r}")
     finally:
@@ -466,19 +456,34 @@ def run(args: argparse.Namespace, tmpdir: str) -> dict[str, Any]:
                 flush=True,
             )
 
-        # Rollback: each engine restores its retained copy (the previous version) in place.
+        # Rollback: the orchestrator refits the engines back to the previous version. They
+        # hold it in their retained copy, so nothing is pulled (STAGE finds it retained) and
+        # APPLY copies it back in place; the control plane's record follows.
         rollback_verified = False
         if len(labels) >= 2:
-            for e in engines:
-                e.send("rollback")
-            rolled = [e.recv("rolled_back", timeout) for e in engines]
             target = versions[-2]
+            r = control.refit(
+                target["label"],
+                workers=list(ENGINES),
+                stage_timeout=timeout,
+                call_timeout=60.0,
+                wait_timeout=timeout + 60.0,
+            )
             after = check(target["label"])
             checks[f"rollback-{target['label']}"] = after
-            rollback_verified = all(
-                r["version_id"] == target["version_id"] and r["kind"] == "restored" for r in rolled
-            ) and all(c["ok"] and c["versions"]["resident"] == target["version_id"] for c in after)
-            print(f"rollback to {target['label']}: verified={rollback_verified}", flush=True)
+            back = target["version_id"]
+            rollback_verified = (
+                r.committed
+                and all(w.stage_bytes == 0 for w in r.workers.values())
+                and all(c["ok"] and c["versions"]["resident"] == back for c in after)
+            )
+            print(
+                f"rollback to {target['label']}: {r.outcome} in {r.seconds:.2f} s "
+                f"(apply {r.phase_seconds.get('APPLY')} s, pulled "
+                f"{sum(w.stage_bytes for w in r.workers.values())} bytes), "
+                f"verified={rollback_verified}",
+                flush=True,
+            )
 
         last = {c["worker_id"]: c for c in list(checks.values())[-1]}
         engines_report = []

@@ -202,7 +202,7 @@ pub unsafe extern "C" fn mx_puller_create(
                 agent_prefix: "mx-ffi-puller".into(),
             }))
             .map_err(|e| match e {
-                mx_worker::Error::Puller(e @ mx_puller::Error::UnknownRank { .. }) => {
+                mx_worker::Error::Puller(e @ mx_puller::Error::BadRanks { .. }) => {
                     FfiError::new(MX_ERR_INVALID_ARGUMENT, format!("ranks: {e}"))
                 }
                 e => e.into(),
@@ -523,7 +523,7 @@ pub unsafe extern "C" fn mx_puller_rollback(puller: *const Puller) -> Status {
         // SAFETY: the caller's contract.
         let h = unsafe { util::handle(puller, "puller") }?;
         let mut g = lock(&h.inner, "puller")?;
-        g.with(|p| p.rollback())??;
+        g.rollback()?;
         Ok(())
     })
 }

@@ -87,8 +87,12 @@ fn puller_status(e: &mx_puller::Error) -> Status {
         | E::Pull { .. }
         | E::SourceRange { .. } => MX_ERR_NIXL,
         E::Verify { .. } | E::WrongManifests { .. } => MX_ERR_VERIFY,
-        E::BadDestination { .. } | E::UnknownRank { .. } => MX_ERR_INVALID_ARGUMENT,
-        E::Unregistered { .. } | E::NoRollback { .. } => MX_ERR_STATE,
+        E::BadDestination { .. } | E::UnknownRank { .. } | E::BadRanks { .. } => {
+            MX_ERR_INVALID_ARGUMENT
+        }
+        E::Unregistered { .. } | E::NoRollback { .. } | E::DestinationChanged { .. } => {
+            MX_ERR_STATE
+        }
         E::UnknownVersion { .. } => MX_ERR_UNKNOWN_VERSION,
         _ => MX_ERR_INTERNAL,
     }
@@ -153,7 +157,8 @@ impl From<mx_worker::Error> for FfiError {
             mx_worker::Error::NoControlPlane
             | mx_worker::Error::VersionNotReady { .. }
             | mx_worker::Error::NothingStaged
-            | mx_worker::Error::AlreadyServed => MX_ERR_STATE,
+            | mx_worker::Error::AlreadyServed
+            | mx_worker::Error::ServedPuller { .. } => MX_ERR_STATE,
             mx_worker::Error::Bind { .. } => MX_ERR_INVALID_ARGUMENT,
             mx_worker::Error::Task(_) => MX_ERR_PANIC,
             _ => MX_ERR_CONTROL,

@@ -1,6 +1,7 @@
 """Type stubs of the extension module mx._mx (the Rust side of the package; use ``mx``)."""
 
 import os
+from collections.abc import Callable
 
 __version__: str
 
@@ -99,7 +100,14 @@ class Puller:
     def open(self) -> bool: ...
     def rank_layouts(self) -> str: ...
     def register_param(
-        self, rank: int, name: str, addr: int, nbytes: int, dtype: str, shape: list[int]
+        self,
+        rank: int,
+        name: str,
+        addr: int,
+        nbytes: int,
+        dtype: str,
+        shape: list[int],
+        check: Callable[[], object] | None = None,
     ) -> None: ...
     def register_rank(self, rank: int, addr: int, nbytes: int) -> None: ...
     def stage(self, version: str) -> str: ...

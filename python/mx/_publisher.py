@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import operator
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,8 +19,10 @@ class Shard:
     ``data`` row-major.
 
     ``data`` is a contiguous host tensor or array (torch, numpy, ``__dlpack__``, or a byte
-    buffer of exactly the box's bytes) whose dtype is the model's: e.g. an FSDP rank's local
-    shard of a dim-0 sharded parameter, ``Shard(name, param.data, (row0, 0))``.
+    buffer holding whole rows of dim 0) whose dtype is the model's: e.g. an FSDP rank's local
+    shard of a dim-0 sharded parameter, ``Shard(name, param, (row0, 0))``. Pass the parameter
+    itself rather than ``param.data`` (a new tensor object on every access): then a later
+    ``param.data = other`` is caught at the next publish instead of publishing the old memory.
     """
 
     tensor: str
@@ -46,6 +49,28 @@ def _shards(shards: Any) -> list[Shard]:
         "shards must be a sequence of mx.Shard or a mapping name -> tensor / (tensor, offset), "
         f"not {type(shards).__name__}"
     )
+
+
+_MAX_INDEX = 2**63 - 1
+
+
+def _offset(offset: Any, ndim: int, what: str) -> list[int]:
+    """A box offset: ``ndim`` non-negative ints (None: all zeros)."""
+    if offset is None:
+        return [0] * ndim
+    if isinstance(offset, (str, bytes)) or not isinstance(offset, Sequence):
+        raise TypeError(f"{what}: offset must be a sequence of ints, got {offset!r}")
+    out = []
+    for d, o in enumerate(offset):
+        if isinstance(o, bool) or not hasattr(o, "__index__"):  # ints, numpy ints; not 1.5
+            raise TypeError(f"{what}: offset[{d}] must be an int, got {o!r}")
+        o = operator.index(o)
+        if not 0 <= o <= _MAX_INDEX:
+            raise ValueError(f"{what}: offset[{d}] = {o} is outside 0..2**63")
+        out.append(int(o))
+    if len(out) != ndim:
+        raise ValueError(f"{what}: offset has {len(out)} dims, the tensor has {ndim}")
+    return out
 
 
 class Publisher:
@@ -79,6 +104,8 @@ class Publisher:
     ) -> None:
         if not isinstance(model, Model):
             raise TypeError(f"model must be an mx.Model, not {type(model).__name__}")
+        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < 2**32:
+            raise ValueError(f"slot must be an int in 0..2**32, got {slot!r}")
         self._model = model
         self._inner = _mx.Publisher(control, layout, int(slot), model._inner, pack)
         self._slot = int(slot)
@@ -115,8 +142,12 @@ class Publisher:
                     f"{what}: the model has no such tensor", "InvalidArgument"
                 ) from None
             region = _memory.describe(s.data, what, writable=False)
+            if region.nbytes == 0:
+                raise _memory._error(
+                    f"{what}: an empty shard (0 bytes); leave it out", "InvalidArgument"
+                )
             shape = region.shape if region.dtype is not None else self._box_shape(spec, s, region)
-            offset = [0] * len(spec.shape) if s.offset is None else [int(o) for o in s.offset]
+            offset = _offset(s.offset, len(spec.shape), what)
             dtype = region.dtype if region.dtype is not None else spec.dtype
             memory, base = self._register(region)
             specs.append(

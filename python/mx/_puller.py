@@ -3,6 +3,7 @@ place into the engine's own tensors, roll back, and optionally serve the control
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -156,8 +157,9 @@ class Puller:
     the control plane, whose refits then drive stage and apply. **Contract**: the engine does
     not read or write the registered tensors while a stage, apply or rollback runs (including
     those a served control plane drives, between its pause and resume calls). The puller
-    keeps a reference to every registered tensor until :meth:`close` and, before each call it
-    makes itself, checks that none was resized, re-pointed or re-typed (an error naming it).
+    keeps a reference to every registered tensor until :meth:`close` and, before every write or
+    read of their memory (including the applies a served puller's control plane drives), checks
+    that none was resized, re-pointed or re-typed: an error naming it, and nothing written.
     """
 
     def __init__(
@@ -172,8 +174,13 @@ class Puller:
     ) -> None:
         if not isinstance(model, Model):
             raise TypeError(f"model must be an mx.Model, not {type(model).__name__}")
-        if isinstance(ranks, int):
+        if isinstance(ranks, int) or not isinstance(ranks, Sequence):
             raise TypeError("ranks must be a sequence of ints, e.g. [0]")
+        for r in ranks:
+            if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < 2**32:
+                raise ValueError(f"ranks: each rank must be an int in 0..2**32, got {r!r}")
+        if worker_id is not None and control is None:
+            raise ValueError("worker_id needs a control plane (control=None registers nothing)")
         self._inner = _mx.Puller(
             control, worker_id, layout, [int(r) for r in ranks], model._inner, bool(retain)
         )
@@ -246,7 +253,13 @@ class Puller:
         for name, region in regions.items():
             info = infos[name]
             self._inner.register_param(
-                rank, name, region.addr, region.nbytes, info.dtype, list(info.shape)
+                rank,
+                name,
+                region.addr,
+                region.nbytes,
+                info.dtype,
+                list(info.shape),
+                functools.partial(_memory.check_unchanged, region),
             )
             self._regions[(rank, name)] = region
 

@@ -261,6 +261,25 @@ def test_served_puller_is_refitted_by_the_control_plane(control_plane, control, 
         why = trainer.pubs[0].wait_staged("v1", timeout=30)
         assert "Staged" in why and why["Staged"]["workers"] == ["engine-0"]
         assert engine.addresses_unchanged()
+        # Served: staging, applying and rolling back are the control plane's.
+        _refused(lambda: engine.puller.apply(), "FailedPrecondition", "served")
+        _refused(lambda: engine.puller.rollback(), "FailedPrecondition", "served")
+        _refused(lambda: engine.puller.stage("v1"), "FailedPrecondition", "served")
+
+        # An engine tensor reallocated behind the served puller's back: the next refit fails
+        # before writing anything into freed memory, naming the parameter.
+        for p in trainer.pubs:
+            p.wait_staged("v1", timeout=30)
+        trainer.step(0.5)
+        _declare(control, "v2", weights)
+        trainer.publish("v2")
+        qkv = "model.layers.1.self_attn.qkv_proj.weight"
+        engine.params[2][qkv].resize_(4096, H)
+        r = control.refit("v2", ["engine-0"], stage_timeout=60, call_timeout=30)
+        assert not r.committed, r
+        w = r.workers["engine-0"]
+        err = f"{w.error} " + " ".join(c.error for c in w.calls)
+        assert qkv in err and "changed since it was registered" in err, err
     finally:
         engine.puller.close()
         trainer.close()
@@ -308,6 +327,28 @@ def test_publisher_refuses_bad_shards_naming_the_tensor(control_plane, model, we
         meta = torch.zeros(H, dtype=torch.float32, device="meta")
         _refused(lambda: pub.set_shards({NORM: meta}), "InvalidArgument", NORM, "meta")
         _refused(lambda: pub.publish("v1", timeout=1), "FailedPrecondition", "no shards")
+    finally:
+        pub.close()
+
+
+def test_publisher_refuses_bad_offsets_and_empty_shards(control_plane, model):
+    pub = _publisher(control_plane, model)
+    try:
+        q = "model.layers.0.self_attn.q_proj.weight"
+        t = torch.zeros(HEADS * HEAD_DIM // 2, H, dtype=torch.bfloat16)
+        with pytest.raises(ValueError, match="offset has 1 dims, the tensor has 2"):
+            pub.set_shards([mx.Shard(q, t, [0])])
+        with pytest.raises(ValueError, match=r"offset\[0\] = -1"):
+            pub.set_shards([mx.Shard(q, t, [-1, 0])])
+        with pytest.raises(ValueError, match="outside"):
+            pub.set_shards([mx.Shard(q, t, [2**64, 0])])
+        with pytest.raises(TypeError, match=r"offset\[1\] must be an int"):
+            pub.set_shards([mx.Shard(q, t, [0, 1.5])])
+        empty = torch.zeros(0, H, dtype=torch.bfloat16)
+        _refused(lambda: pub.set_shards([mx.Shard(q, empty, [0, 0])]), "InvalidArgument", q)
+        # numpy ints are ints
+        pub.set_shards([mx.Shard(q, t, [np.int64(0), np.int32(0)])])
+        _refused(lambda: pub.wait_staged("no-such-label", timeout=30), "NotFound", "no-such")
     finally:
         pub.close()
 
@@ -424,9 +465,71 @@ def test_puller_refuses_bad_tensors_naming_the_parameter(control_plane, model):
         _refused(lambda: pull.register(0, params), "InvalidArgument", "rank 0")
         _refused(lambda: pull.apply(), "FailedPrecondition", "nothing is staged")
 
+        ln = params["model.layers.0.input_layernorm.weight"]
+        twice = dict(params, **{"model.norm.weight": ln})
+        _refused(lambda: pull.register(1, twice), "InvalidArgument", "overlaps")
+        pull.close()
+        pull = mx.Puller(control_plane.url, model=model, layout="tp:3", ranks=[1])
         pull.register(1, params)
         params[qkv].resize_(1)
         _refused(lambda: pull.apply(), "FailedPrecondition", qkv, "changed since")
     finally:
         pull.close()
     _refused(lambda: pull.versions, "FailedPrecondition", "closed")
+    for ranks, needle in (([3], "rank 3"), ([], "no rank"), ([1, 1], "twice")):
+        _refused(
+            lambda r=ranks: mx.Puller(None, model=model, layout="tp:3", ranks=r),
+            "InvalidArgument",
+            needle,
+        )
+    with pytest.raises(ValueError, match="worker_id needs a control plane"):
+        mx.Puller(None, model=model, layout="tp:3", ranks=[0], worker_id="w")
+
+
+_FORK_SCRIPT = """
+import json, os, sys, time
+import mx
+config, tensors, journal = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
+model = mx.Model.from_config(config, [tuple(t) for t in tensors])
+cp = mx.ControlPlane(journal)
+control = mx.Control(cp.url)
+pub = mx.Publisher(cp.url, model=model, layout="fsdp:2", slot=0)
+pull = mx.Puller(cp.url, model=model, layout="tp:3", ranks=[0])
+pid = os.fork()
+if pid == 0:
+    try:
+        control.status()
+        sys.exit(3)
+    except mx.MxError as e:
+        if e.code != "FailedPrecondition" or "fork" not in str(e):
+            sys.exit(4)
+    sys.exit(0)  # a normal exit: finalization drops every mx object in the child
+t0 = time.monotonic()
+while time.monotonic() - t0 < 30:
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        print("child exit", os.waitstatus_to_exitcode(status), flush=True)
+        break
+    time.sleep(0.05)
+else:
+    os.kill(pid, 9)
+    print("child hung", flush=True)
+"""
+
+
+def test_a_fork_child_holding_mx_objects_exits(tmp_path, model):
+    """A fork child has none of the parent's runtime threads: using mx objects there is a
+    clear error, and dropping them at exit must not wait for those threads (it would hang)."""
+    import json
+    import subprocess
+    import sys
+
+    tensors = [[t.name, t.dtype, list(t.shape)] for t in model.tensors]
+    out = subprocess.run(
+        [sys.executable, "-c", _FORK_SCRIPT, json.dumps(CONFIG), json.dumps(tensors)]
+        + [str(tmp_path / "journal.jsonl")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "child exit 0" in out.stdout, (out.stdout, out.stderr[-2000:])

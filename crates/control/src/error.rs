@@ -261,6 +261,19 @@ impl Error {
         }
     }
 
+    /// True when the control plane does not know the version asked for (on the server side
+    /// [`Error::UnknownVersion`]; on the client side a NotFound answer to a version RPC).
+    pub fn is_unknown_version(&self) -> bool {
+        match self {
+            Error::UnknownVersion { .. } => true,
+            Error::Rpc { rpc, code, .. } => {
+                *code == tonic::Code::NotFound
+                    && matches!(*rpc, "GetVersion" | "WaitVersion" | "WaitReleased")
+            }
+            _ => false,
+        }
+    }
+
     /// True when the control plane refused a worker's registration or command stream because
     /// its id belongs to another live process ([`Error::WorkerIdInUse`], `ALREADY_EXISTS` on
     /// the wire): that worker was displaced and must stop serving.

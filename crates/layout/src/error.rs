@@ -32,6 +32,16 @@ pub enum Error {
         /// Why it was refused.
         reason: String,
     },
+    /// A rank outside the layout's world (`rank >= world_size`).
+    #[error("rank {rank} is outside layout {layout} (its ranks are 0..{world_size})")]
+    RankOutsideLayout {
+        /// The rank asked for.
+        rank: u32,
+        /// The layout.
+        layout: String,
+        /// Its world size.
+        world_size: u32,
+    },
     /// A layout that cannot split a tensor, e.g. tp=2 over 9 attention heads.
     #[error("layout {layout} cannot place tensor {tensor}: {reason}")]
     ImpossibleLayout {

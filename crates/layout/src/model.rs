@@ -616,6 +616,13 @@ pub fn rank_layouts(model: &ModelInfo, layout: LayoutSpec) -> Result<Vec<RankLay
 /// # Errors
 /// As [`rank_layouts`].
 pub fn rank_layout(model: &ModelInfo, layout: LayoutSpec, rank: u32) -> Result<RankLayout, Error> {
+    if rank >= layout.world_size {
+        return Err(Error::RankOutsideLayout {
+            rank,
+            layout: layout.to_string(),
+            world_size: layout.world_size,
+        });
+    }
     let mut b = Builder {
         layout,
         params: Vec::new(),

@@ -348,13 +348,23 @@ impl TensorBox {
 
 impl fmt::Display for TensorBox {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Offsets and extents of different lengths (a malformed box from outside) print as far
+        // as they go, never panic; an end past u64 prints as `o..`.
         f.write_str("[")?;
-        for d in 0..self.ndim() {
+        let dims = self.global_offset.len().max(self.local_shape.len());
+        for d in 0..dims {
             if d > 0 {
                 f.write_str(", ")?;
             }
-            let o = self.global_offset[d];
-            write!(f, "{o}..{}", o + self.local_shape[d])?;
+            match (self.global_offset.get(d), self.local_shape.get(d)) {
+                (Some(o), Some(e)) => match o.checked_add(*e) {
+                    Some(end) => write!(f, "{o}..{end}")?,
+                    None => write!(f, "{o}..")?,
+                },
+                (Some(o), None) => write!(f, "{o}..?")?,
+                (None, Some(e)) => write!(f, "?+{e}")?,
+                (None, None) => {}
+            }
         }
         f.write_str("]")
     }
@@ -363,6 +373,20 @@ impl fmt::Display for TensorBox {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_malformed_box_prints_without_panicking() {
+        let b = TensorBox {
+            global_offset: vec![0],
+            local_shape: vec![4, 8],
+        };
+        assert_eq!(b.to_string(), "[0..4, ?+8]");
+        let b = TensorBox {
+            global_offset: vec![u64::MAX, 1],
+            local_shape: vec![2],
+        };
+        assert_eq!(b.to_string(), "[18446744073709551615.., 1..?]");
+    }
 
     #[test]
     fn version_id_round_trips_both_forms_and_refuses_others() {

@@ -78,6 +78,18 @@ pub struct Published {
     pub layouts: Vec<LayoutSpec>,
 }
 
+/// Refuses at once to wait for a label the control plane does not know (a typo would otherwise
+/// wait out the whole timeout); any other answer, an outage included, lets the wait go on.
+///
+/// # Errors
+/// [`Error::Control`] for which [`mx_control::Error::is_unknown_version`] holds.
+async fn refuse_unknown(client: &ControlClient, label: &str) -> Result<(), Error> {
+    match client.get_version(label).await {
+        Err(e) if e.is_unknown_version() => Err(Error::Control(e)),
+        _ => Ok(()),
+    }
+}
+
 /// Where a served version's shard bytes are: `(memory index, offset, len)` of the caller's
 /// regions, or ranges of a snapshot arena.
 enum Held {
@@ -763,6 +775,7 @@ impl Publisher {
     /// [`Error::Control`] when the control plane refuses the wait.
     pub async fn wait_staged(&mut self, label: &str, timeout: Duration) -> Result<Release, Error> {
         let client = self.shared.client.clone();
+        refuse_unknown(&client, label).await?;
         let r = persist(label, "released", Patience::GiveUpAfter(timeout), |left| {
             let client = client.clone();
             async move { client.wait_released(label, left).await }
@@ -781,6 +794,7 @@ impl Publisher {
     /// plane refuses the wait.
     pub async fn wait_committed(&mut self, label: &str, patience: Patience) -> Result<(), Error> {
         let client = self.shared.client.clone();
+        refuse_unknown(&client, label).await?;
         persist(label, "COMMITTED", patience, |left| {
             let client = client.clone();
             async move {

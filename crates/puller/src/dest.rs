@@ -51,6 +51,16 @@ pub trait DestMemory: Send + Sync {
         Ok(())
     }
 
+    /// Checks that the memory is still where it was registered, before the puller writes or
+    /// reads it (an engine may have freed, moved or resized what is behind a raw pointer; a
+    /// binding checks its tensor here). The default: nothing can move.
+    ///
+    /// # Errors
+    /// A message saying what changed.
+    fn check(&self) -> Result<(), String> {
+        Ok(())
+    }
+
     /// Reads `out.len()` bytes at `offset` (device memory; host memory need not override this).
     ///
     /// # Errors
@@ -317,6 +327,15 @@ impl RankMemory {
     /// # Errors
     /// [`Error::Unregistered`] naming the first parameter without memory.
     pub(crate) fn check_complete(&self, rl: &RankLayout) -> Result<(), Error> {
+        for s in &self.spans {
+            s.memory
+                .check()
+                .map_err(|reason| Error::DestinationChanged {
+                    rank: self.rank,
+                    param: s.param.clone().unwrap_or_else(|| "(whole rank)".into()),
+                    reason,
+                })?;
+        }
         if self.spans.len() == 1 && self.spans[0].param.is_none() {
             return Ok(());
         }
@@ -333,6 +352,18 @@ impl RankMemory {
             }
         }
         Ok(())
+    }
+
+    /// `(name, first address, one past the last)` of every registered non-empty span.
+    pub(crate) fn ranges(&self) -> impl Iterator<Item = (&str, u64, u64)> + '_ {
+        self.spans.iter().filter(|s| s.len > 0).map(|s| {
+            let lo = s.memory.data_ptr();
+            (
+                s.param.as_deref().unwrap_or("(whole rank)"),
+                lo,
+                lo.saturating_add(s.len),
+            )
+        })
     }
 
     /// The whole rank's bytes when it is one host buffer.

@@ -76,6 +76,25 @@ pub enum Error {
         /// What is wrong.
         reason: String,
     },
+    /// Registered memory is no longer where it was registered (the engine freed, moved or
+    /// resized the tensor behind it): nothing was read or written.
+    #[error("rank {rank} parameter {param}: its memory changed since it was registered: {reason}")]
+    DestinationChanged {
+        /// The rank.
+        rank: u32,
+        /// The parameter.
+        param: String,
+        /// What changed.
+        reason: String,
+    },
+    /// The ranks a puller was made for are empty or repeat one.
+    #[error("ranks {ranks:?}: {reason}")]
+    BadRanks {
+        /// The ranks as given.
+        ranks: Vec<u32>,
+        /// What is wrong.
+        reason: String,
+    },
     /// A rank this puller does not hold.
     #[error("rank {rank} is not one of this puller's ranks {held:?}")]
     UnknownRank {

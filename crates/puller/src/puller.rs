@@ -178,16 +178,22 @@ impl Puller {
     /// memory is registered yet.
     ///
     /// # Errors
-    /// [`Error::Layout`] when the layout cannot place the model or a rank is outside it;
-    /// [`Error::UnknownRank`] for a repeated rank or none.
+    /// [`Error::Layout`] when the layout cannot place the model or a rank is outside it
+    /// ([`mx_layout::Error::RankOutsideLayout`]); [`Error::BadRanks`] for a repeated rank or none.
     pub fn new(cfg: PullerConfig, agent: Option<Agent>) -> Result<Puller, Error> {
         let mut seen = cfg.ranks.clone();
         seen.sort_unstable();
         seen.dedup();
-        if seen.len() != cfg.ranks.len() || seen.is_empty() {
-            return Err(Error::UnknownRank {
-                rank: cfg.ranks.first().copied().unwrap_or(0),
-                held: cfg.ranks.clone(),
+        if seen.is_empty() {
+            return Err(Error::BadRanks {
+                ranks: cfg.ranks,
+                reason: "no rank given (a puller holds at least one)".into(),
+            });
+        }
+        if seen.len() != cfg.ranks.len() {
+            return Err(Error::BadRanks {
+                ranks: cfg.ranks,
+                reason: "a rank is given twice".into(),
             });
         }
         let dest = cfg
@@ -235,7 +241,32 @@ impl Puller {
     /// registered twice.
     pub fn register_param(&mut self, rank: u32, name: &str, t: DestTensor) -> Result<(), Error> {
         let i = self.rank_index(rank)?;
+        self.check_disjoint(rank, name, t.memory.as_ref())?;
         self.memory[i].set_param(&self.dest[i], name, t)
+    }
+
+    /// Refuses memory that overlaps memory registered already (two parameters in one tensor
+    /// would receive each other's bytes).
+    fn check_disjoint(&self, rank: u32, name: &str, m: &dyn DestMemory) -> Result<(), Error> {
+        let (lo, len) = (m.data_ptr(), m.len());
+        if len == 0 {
+            return Ok(());
+        }
+        let hi = lo.saturating_add(len);
+        for (mem, rl) in self.memory.iter().zip(&self.dest) {
+            if let Some((other, ..)) = mem.ranges().find(|&(_, a, b)| a < hi && lo < b) {
+                return Err(Error::BadDestination {
+                    rank,
+                    param: name.to_string(),
+                    reason: format!(
+                        "its memory {lo:#x}+{len} overlaps rank {} parameter {other}'s, \
+                         registered already (each parameter needs memory of its own)",
+                        rl.rank
+                    ),
+                });
+            }
+        }
+        Ok(())
     }
 
     /// Registers one buffer laid out as the whole [`RankLayout`] of `rank`.
@@ -245,13 +276,16 @@ impl Puller {
     /// parameters of the rank are registered already.
     pub fn register_rank(&mut self, rank: u32, memory: Box<dyn DestMemory>) -> Result<(), Error> {
         let i = self.rank_index(rank)?;
+        self.check_disjoint(rank, "(whole rank)", memory.as_ref())?;
         self.memory[i].set_whole(memory)
     }
 
-    /// Checks that every parameter of every held rank has memory.
+    /// Checks that every parameter of every held rank has memory, and that it is still where it
+    /// was registered ([`DestMemory::check`]).
     ///
     /// # Errors
-    /// [`Error::Unregistered`] naming the first parameter without.
+    /// [`Error::Unregistered`] naming the first parameter without;
+    /// [`Error::DestinationChanged`] naming one whose memory moved.
     pub fn check_registered(&self) -> Result<(), Error> {
         for (m, rl) in self.memory.iter().zip(&self.dest) {
             m.check_complete(rl)?;

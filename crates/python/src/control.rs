@@ -22,7 +22,7 @@ use serde_json::{json, Value};
 use tokio::runtime::Runtime;
 
 use crate::errors::{control_error, layout_error, mx_error};
-use crate::seconds;
+use crate::{seconds, ForkSafe};
 
 /// Longest single long poll of a wait; between slices pending Python signals are handled.
 const WAIT_SLICE: Duration = Duration::from_secs(1);
@@ -230,8 +230,9 @@ impl Drop for ControlPlane {
 /// does not survive the fork): make a new client there.
 #[pyclass(module = "mx._mx", frozen)]
 pub(crate) struct ControlClient {
-    rt: Runtime,
-    client: RustClient,
+    // Dropped in this order: the channel, then the runtime it ran on.
+    client: ForkSafe<RustClient>,
+    rt: ForkSafe<Runtime>,
     url: String,
     timeout: Duration,
     pid: u32,
@@ -377,8 +378,8 @@ impl ControlClient {
             }
         };
         Ok(ControlClient {
-            rt,
-            client,
+            client: ForkSafe::new(client),
+            rt: ForkSafe::new(rt),
             url,
             timeout,
             pid: std::process::id(),

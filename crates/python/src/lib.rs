@@ -39,6 +39,60 @@ use std::time::Duration;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
+/// A value that is dropped only in the process that made it. Runtimes, NIXL agents and gRPC
+/// channels own threads that a `fork` child does not have: dropping them there waits for those
+/// threads forever (the child would hang at exit). In a fork child it is leaked instead.
+pub(crate) struct ForkSafe<T> {
+    value: std::mem::ManuallyDrop<T>,
+    pid: u32,
+}
+
+impl<T> ForkSafe<T> {
+    pub(crate) fn new(value: T) -> ForkSafe<T> {
+        ForkSafe {
+            value: std::mem::ManuallyDrop::new(value),
+            pid: std::process::id(),
+        }
+    }
+}
+
+impl<T> std::ops::Deref for ForkSafe<T> {
+    type Target = T;
+
+    fn deref(&self) -> &T {
+        &self.value
+    }
+}
+
+impl<T> Drop for ForkSafe<T> {
+    fn drop(&mut self) {
+        if std::process::id() == self.pid {
+            // SAFETY: `value` is dropped exactly once, here, and never used again (this is
+            // the owner's drop); in a fork child it is never dropped (leaked on purpose).
+            unsafe { std::mem::ManuallyDrop::drop(&mut self.value) }
+        }
+    }
+}
+
+/// How often a long call checks for a pending Python signal (Ctrl-C).
+const SIGNAL_POLL: Duration = Duration::from_millis(100);
+
+/// `fut`, checking every [`SIGNAL_POLL`] for a pending Python signal: it takes the GIL briefly
+/// to run the signal handlers, and a handler that raises (Ctrl-C's `KeyboardInterrupt`) drops
+/// `fut` and is returned. Await it with the GIL released. Signals reach only the main thread,
+/// so elsewhere this is `fut` itself.
+pub(crate) async fn interruptible<T>(fut: impl std::future::Future<Output = T>) -> PyResult<T> {
+    tokio::pin!(fut);
+    loop {
+        tokio::select! {
+            out = &mut fut => return Ok(out),
+            () = tokio::time::sleep(SIGNAL_POLL) => {
+                Python::attach(|py| py.check_signals())?;
+            }
+        }
+    }
+}
+
 /// The longest deadline accepted anywhere, in seconds (about 115 days): larger values are almost
 /// certainly a unit mistake.
 const MAX_SECONDS: f64 = 1e7;

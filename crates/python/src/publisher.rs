@@ -14,7 +14,7 @@ use tokio::runtime::Runtime;
 use crate::control::{runtime, same_process};
 use crate::errors::{chain, control_error, layout_error, mx_error};
 use crate::model::Model;
-use crate::seconds;
+use crate::{seconds, ForkSafe};
 
 /// One shard as the Python layer gives it: `(tensor, dtype, global_shape, box_offset,
 /// box_shape, memory_id, byte_offset)`.
@@ -47,7 +47,7 @@ struct Inner {
 #[pyclass(module = "mx._mx", frozen)]
 pub(crate) struct Publisher {
     inner: Mutex<Option<Inner>>,
-    rt: Runtime,
+    rt: ForkSafe<Runtime>,
     pid: u32,
     agent: String,
 }
@@ -76,6 +76,40 @@ impl Publisher {
                 Some("FailedPrecondition"),
             )),
             Some(r) => r.map_err(|e| publisher_error(py, &e)),
+        }
+    }
+}
+
+impl Publisher {
+    /// Runs the publisher's async call `f` under its lock with the GIL released; Ctrl-C
+    /// interrupts it ([`crate::interruptible`]).
+    fn run<T: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl for<'a> FnOnce(
+                &'a mut mx_publisher::Publisher,
+            ) -> std::pin::Pin<
+                Box<dyn std::future::Future<Output = Result<T, mx_publisher::Error>> + Send + 'a>,
+            > + Send,
+    ) -> PyResult<T> {
+        same_process(py, self.pid, "Publisher")?;
+        let r = py.detach(|| {
+            let mut g = self
+                .inner
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            g.as_mut().map(|inner| {
+                self.rt
+                    .block_on(crate::interruptible(f(&mut inner.publisher)))
+            })
+        });
+        match r {
+            None => Err(mx_error(
+                py,
+                "this publisher is closed".into(),
+                Some("FailedPrecondition"),
+            )),
+            Some(r) => r?.map_err(|e| publisher_error(py, &e)),
         }
     }
 }
@@ -116,7 +150,7 @@ impl Publisher {
                 publisher,
                 memories: Vec::new(),
             })),
-            rt,
+            rt: ForkSafe::new(rt),
             pid: std::process::id(),
             agent,
         })
@@ -216,18 +250,18 @@ impl Publisher {
             copy,
             patience: patience(timeout)?,
         };
-        self.with(py, |inner, rt| {
-            rt.block_on(inner.publisher.publish(&label, opts))
-                .map(|p| p.version.to_string())
-        })
+        let published = self.run(py, move |p| {
+            Box::pin(async move { p.publish(&label, opts).await })
+        })?;
+        Ok(published.version.to_string())
     }
 
     /// Blocks until version `label` is handed back; returns why, as JSON text.
     #[pyo3(signature = (label, timeout = 600.0))]
     fn wait_staged(&self, py: Python<'_>, label: String, timeout: f64) -> PyResult<String> {
         let timeout: Duration = seconds("timeout", timeout)?;
-        let r = self.with(py, |inner, rt| {
-            rt.block_on(inner.publisher.wait_staged(&label, timeout))
+        let r = self.run(py, move |p| {
+            Box::pin(async move { p.wait_staged(&label, timeout).await })
         })?;
         serde_json::to_string(&r).map_err(|e| mx_error(py, e.to_string(), Some("Internal")))
     }
@@ -236,8 +270,8 @@ impl Publisher {
     #[pyo3(signature = (label, timeout = 600.0))]
     fn wait_committed(&self, py: Python<'_>, label: String, timeout: f64) -> PyResult<()> {
         let p = patience(timeout)?;
-        self.with(py, |inner, rt| {
-            rt.block_on(inner.publisher.wait_committed(&label, p))
+        self.run(py, move |pb| {
+            Box::pin(async move { pb.wait_committed(&label, p).await })
         })
     }
 
@@ -245,8 +279,8 @@ impl Publisher {
     #[pyo3(signature = (label, timeout = 600.0))]
     fn release(&self, py: Python<'_>, label: String, timeout: f64) -> PyResult<()> {
         let p = patience(timeout)?;
-        self.with(py, |inner, rt| {
-            rt.block_on(inner.publisher.release(&label, p))
+        self.run(py, move |pb| {
+            Box::pin(async move { pb.release(&label, p).await })
         })
     }
 

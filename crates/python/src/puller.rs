@@ -12,7 +12,9 @@ use std::sync::Mutex;
 
 use mx_control::EngineApi;
 use mx_layout::{DType, LayoutSpec, SourceManifest, VersionId};
-use mx_puller::{ApplyKind, ApplyReport, DestTensor, ExecOptions, HostRegion, StageReport};
+use mx_puller::{
+    ApplyKind, ApplyReport, DestMemory, DestTensor, ExecOptions, HostRegion, StageReport,
+};
 use mx_worker::embedded::{EmbeddedConfig, EmbeddedPuller};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -22,6 +24,7 @@ use tokio::runtime::Runtime;
 use crate::control::{runtime, same_process};
 use crate::errors::{chain, control_error, layout_error, mx_error};
 use crate::model::Model;
+use crate::ForkSafe;
 
 /// The `MxError` for an error of the embedded puller, with a gRPC-style code.
 fn worker_error(py: Python<'_>, e: &mx_worker::Error) -> PyErr {
@@ -31,9 +34,11 @@ fn worker_error(py: Python<'_>, e: &mx_worker::Error) -> PyErr {
         E::Puller(p) => puller_code(p),
         E::Layout(_) | E::Bind { .. } => Some("InvalidArgument"),
         E::UnknownVersionId { .. } => Some("NotFound"),
-        E::NoControlPlane | E::VersionNotReady { .. } | E::NothingStaged | E::AlreadyServed => {
-            Some("FailedPrecondition")
-        }
+        E::NoControlPlane
+        | E::VersionNotReady { .. }
+        | E::NothingStaged
+        | E::AlreadyServed
+        | E::ServedPuller { .. } => Some("FailedPrecondition"),
         E::Displaced { .. } => Some("AlreadyExists"),
         _ => None,
     };
@@ -44,10 +49,13 @@ fn puller_code(e: &mx_puller::Error) -> Option<&'static str> {
     use mx_puller::Error as E;
     match e {
         E::UnknownVersion { .. } => Some("NotFound"),
-        E::Unregistered { .. } | E::NoRollback { .. } | E::NoDataPlane => {
-            Some("FailedPrecondition")
+        E::Unregistered { .. }
+        | E::NoRollback { .. }
+        | E::NoDataPlane
+        | E::DestinationChanged { .. } => Some("FailedPrecondition"),
+        E::BadDestination { .. } | E::UnknownRank { .. } | E::BadRanks { .. } | E::Layout(_) => {
+            Some("InvalidArgument")
         }
-        E::BadDestination { .. } | E::UnknownRank { .. } | E::Layout(_) => Some("InvalidArgument"),
         E::Verify { .. } | E::WrongManifests { .. } => Some("DataLoss"),
         E::SourceUnreachable { .. } | E::Pull { .. } => Some("Unavailable"),
         _ => None,
@@ -89,13 +97,48 @@ fn apply_json(r: &ApplyReport) -> Value {
     })
 }
 
+/// A registered tensor's host memory with the Python check that it is still there
+/// (`mx._memory.check_unchanged`), run before every apply, rollback and digest read, including
+/// those the control plane drives once the puller is served.
+struct CheckedRegion {
+    region: HostRegion,
+    check: Py<PyAny>,
+}
+
+impl DestMemory for CheckedRegion {
+    fn len(&self) -> u64 {
+        self.region.len()
+    }
+
+    fn data_ptr(&self) -> u64 {
+        self.region.data_ptr()
+    }
+
+    fn host(&self) -> Option<&[u8]> {
+        self.region.host()
+    }
+
+    fn host_mut(&mut self) -> Option<&mut [u8]> {
+        self.region.host_mut()
+    }
+
+    fn check(&self) -> Result<(), String> {
+        Python::attach(|py| {
+            self.check
+                .call0(py)
+                .map(|_| ())
+                .map_err(|e| e.value(py).to_string())
+        })
+    }
+}
+
 /// An engine's puller on a tokio runtime of its own (two worker threads, `mx-puller`, which
 /// also run the worker once served). Calls serialize; stage, apply and rollback block with
 /// the GIL released.
 #[pyclass(module = "mx._mx", frozen)]
 pub(crate) struct Puller {
     inner: Mutex<Option<EmbeddedPuller>>,
-    rt: Runtime,
+    rt: ForkSafe<Runtime>,
     pid: u32,
 }
 
@@ -168,7 +211,7 @@ impl Puller {
             .map_err(|e| worker_error(py, &e))?;
         Ok(Puller {
             inner: Mutex::new(Some(p)),
-            rt,
+            rt: ForkSafe::new(rt),
             pid: std::process::id(),
         })
     }
@@ -213,7 +256,11 @@ impl Puller {
     /// Registers `nbytes` of host memory at `addr` as parameter `name` of held rank `rank`.
     /// The Python layer keeps the owning object referenced for the puller's life and checks
     /// dtype, shape, contiguity and that the range lies in the object's storage first.
+    ///
+    /// `check` (no arguments) raises when the tensor's memory is no longer what was registered;
+    /// the puller calls it before every write or read of the memory.
     #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (rank, name, addr, nbytes, dtype, shape, check = None))]
     fn register_param(
         &self,
         py: Python<'_>,
@@ -223,6 +270,7 @@ impl Puller {
         nbytes: u64,
         dtype: &str,
         shape: Vec<u64>,
+        check: Option<Py<PyAny>>,
     ) -> PyResult<()> {
         let field = format!("rank {rank} parameter {name}");
         let dtype: DType = dtype
@@ -232,8 +280,12 @@ impl Puller {
         // of a tensor it keeps referenced until the puller is closed, after checking the range
         // lies inside the tensor's storage; not touching it during stage/apply/rollback is the
         // documented contract of `mx.Puller`.
-        let memory = unsafe { HostRegion::new(addr, nbytes) }
+        let region = unsafe { HostRegion::new(addr, nbytes) }
             .map_err(|e| PyValueError::new_err(format!("{field}: {e}")))?;
+        let memory: Box<dyn DestMemory> = match check {
+            Some(check) => Box::new(CheckedRegion { region, check }),
+            None => Box::new(region),
+        };
         self.with(py, move |p, _| {
             p.with(|p| {
                 p.register_param(
@@ -242,7 +294,7 @@ impl Puller {
                     DestTensor {
                         dtype,
                         shape,
-                        memory: Box::new(memory),
+                        memory,
                     },
                 )
             })?
@@ -304,10 +356,7 @@ impl Puller {
 
     /// Restores the retained copy in place; a JSON report.
     fn rollback(&self, py: Python<'_>) -> PyResult<String> {
-        self.call(
-            py,
-            Box::new(|p, _| Ok(apply_json(&p.with(|p| p.rollback())??))),
-        )
+        self.call(py, Box::new(|p, _| Ok(apply_json(&p.rollback()?))))
     }
 
     /// `(resident, retained, staged)` version ids (None where nothing is held).

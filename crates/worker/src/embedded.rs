@@ -21,6 +21,9 @@ use crate::{Error, Instance, Worker, WorkerConfig};
 
 static AGENTS: AtomicU64 = AtomicU64::new(0);
 
+/// How long [`EmbeddedPuller::serve`] waits for the command stream to connect.
+pub const CONNECT_WAIT: std::time::Duration = std::time::Duration::from_secs(15);
+
 /// What an embedded puller needs.
 #[derive(Debug, Clone)]
 pub struct EmbeddedConfig {
@@ -188,23 +191,46 @@ impl EmbeddedPuller {
     /// memory is not touched. Blocks for the pull.
     ///
     /// # Errors
-    /// [`Error::Puller`]: manifests of another version, a source unreachable, a failed READ or
-    /// verification, sources that do not cover a parameter.
+    /// [`Error::ServedPuller`]; [`Error::Puller`]: manifests of another version, a source
+    /// unreachable, a failed READ or verification, sources that do not cover a parameter.
     pub fn stage(
         &mut self,
         id: VersionId,
         manifests: &[SourceManifest],
         opts: &ExecOptions,
     ) -> Result<StageReport, Error> {
+        self.not_served("stage")?;
         Ok(self.with(|p| p.stage(id, manifests, opts))??)
+    }
+
+    /// Once served, staging, applying and rolling back are the control plane's (a refit):
+    /// done behind its back they would replace what it staged or leave its record of this
+    /// worker's resident version wrong.
+    fn not_served(&self, what: &'static str) -> Result<(), Error> {
+        if self.served() {
+            return Err(Error::ServedPuller { what });
+        }
+        Ok(())
+    }
+
+    /// Restores the retained copy in place (a rollback to the version applied before).
+    ///
+    /// # Errors
+    /// [`Error::ServedPuller`]; [`Error::Puller`] (retention off, nothing retained, memory
+    /// unregistered or changed).
+    pub fn rollback(&mut self) -> Result<ApplyReport, Error> {
+        self.not_served("rollback")?;
+        Ok(self.with(|p| p.rollback())??)
     }
 
     /// Installs `id` (`None`: the staged version) into the registered memory in place.
     ///
     /// # Errors
-    /// [`Error::NothingStaged`] (`None` with nothing staged), [`Error::Puller`] (a version
+    /// [`Error::ServedPuller`], [`Error::NothingStaged`] (`None` with nothing staged),
+    /// [`Error::Puller`] (a version
     /// neither staged, retained nor resident; a parameter without memory).
     pub fn apply(&mut self, id: Option<VersionId>) -> Result<ApplyReport, Error> {
+        self.not_served("apply")?;
         let id = match id {
             Some(id) => id,
             None => {
@@ -219,7 +245,8 @@ impl EmbeddedPuller {
     /// Serves the puller as worker `worker_id` of its control plane: the engine routes of
     /// `engine_api` on `listen` (the instance declares no model: refits skip the post-update
     /// generation), registration, and the command stream on the current tokio runtime in the
-    /// background. Every parameter must have memory. Returns the routes' URL.
+    /// background. Every parameter must have memory. Returns the routes' URL once the control
+    /// plane reports the worker connected (a refit may start at once).
     ///
     /// # Errors
     /// [`Error::NoControlPlane`], [`Error::AlreadyServed`], [`Error::Puller`] (a parameter
@@ -282,7 +309,33 @@ impl EmbeddedPuller {
             inst,
             worker: Some((w, runner)),
         };
+        self.wait_connected(worker_id).await?;
         Ok(url)
+    }
+
+    /// Waits until the control plane reports `worker_id` connected (its command stream open),
+    /// so a refit started right after `serve` returns finds it: up to [`CONNECT_WAIT`].
+    async fn wait_connected(&self, worker_id: &str) -> Result<(), Error> {
+        let client = self.client()?;
+        let deadline = tokio::time::Instant::now() + CONNECT_WAIT;
+        loop {
+            let status = client.get_status().await?;
+            if status
+                .workers
+                .iter()
+                .any(|w| w.worker_id == worker_id && w.connected)
+            {
+                return Ok(());
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return Err(Error::Task(format!(
+                    "worker {worker_id:?} registered but its command stream did not connect \
+                     within {} s",
+                    CONNECT_WAIT.as_secs()
+                )));
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
     }
 
     /// True once [`EmbeddedPuller::serve`] started a worker.

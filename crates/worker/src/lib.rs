@@ -196,6 +196,12 @@ pub enum Error {
     /// Apply of "the staged version" with nothing staged.
     #[error("nothing is staged (stage a version first, or name the version to apply)")]
     NothingStaged,
+    /// An embedded puller that is served was asked to stage, apply or roll back directly.
+    #[error("this puller is served: the control plane drives its {what} (refit the worker to the version instead); done directly it would replace what the control plane staged or leave its record of this worker's resident version wrong")]
+    ServedPuller {
+        /// What was asked.
+        what: &'static str,
+    },
     /// An embedded puller is served already.
     #[error("this puller is served already")]
     AlreadyServed,

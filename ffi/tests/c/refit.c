@@ -562,8 +562,14 @@ int main(int argc, char **argv) {
     printf("%s: step-2 %s refitted (COMMITTED) in %.3f s, %llu bytes byte-exact\n", who, id2,
            refit_s, (unsigned long long)checked);
 
-    /* Rollback: the retained copy of step-1, no source involved. */
-    OK(mx_puller_rollback(p));
+    /* Rollback: once served, the control plane drives it: a refit back to step-1, which the
+       engine holds in its retained copy (nothing pulled). Directly it is refused. */
+    FAILS(mx_puller_rollback(p), MX_ERR_STATE, "served");
+    FAILS(mx_puller_apply(p, NULL), MX_ERR_STATE, "served");
+    mx_string_free(result);
+    result = NULL;
+    OK(mx_control_refit(ctl, "step-1", set, 1, 1, 180000, &outcome, &result));
+    CHECK(outcome == MX_REFIT_COMMITTED, "rollback refit ended %d: %s", outcome, result);
     verify(p, 1);
     versions(p, &resident, NULL);
     CHECK(resident && strcmp(resident, id1) == 0, "after rollback resident %s", resident);
