@@ -1929,7 +1929,10 @@ impl<'m> SourceIndex<'m> {
                             return Err(Error::MissingTensor {
                                 tensor: piece.tensor.clone(),
                                 reason: format!(
-                                    "source slot {} published no digest for region {region} of layout {} rank {}",
+                                    "source slot {} published no digest for region {region} of layout {} rank {} \
+                                     (its publisher has not cut for this layout: a layout registered after the \
+                                     version was published is added while the publishers still hold it, so retry \
+                                     shortly; once they handed it back, publish a new version)",
                                     sources[si].slot, rl.layout, rl.rank
                                 ),
                             });
