@@ -99,6 +99,17 @@ def _child(target: Any, conn: Connection, *args: Any) -> None:
         conn.close()
 
 
+def _commands(conn: Connection) -> Any:
+    """Main's commands, until ``("exit",)``; a child left without one for 600 s gives up."""
+    while True:
+        if not conn.poll(600):
+            raise TimeoutError("no command from main in 600 s")
+        msg = conn.recv()
+        if msg[0] == "exit":
+            return
+        yield msg
+
+
 def _torch_dtype(name: str) -> Any:
     import torch
 
@@ -135,12 +146,7 @@ def trainer_main(
         # Once: later publishes read the same memory again (in place).
         pub.set_shards({n: (t, offset) for n, (t, offset) in shards.items()})
         conn.send(("ready", {"slot": slot, "agent": pub.agent_name, "tensors": len(shards)}))
-        while True:
-            if not conn.poll(600):
-                raise TimeoutError("no command from main in 600 s")
-            msg = conn.recv()
-            if msg[0] == "exit":
-                break
+        for msg in _commands(conn):
             _, label, prev, timeout = msg
             t0 = time.perf_counter()
             if prev is not None:
@@ -260,12 +266,7 @@ def engine_main(conn: Connection, url: str, model_dir: str, worker_id: str, rank
                 for n, t in tensors[r].items()
             )
 
-        while True:
-            if not conn.poll(600):
-                raise TimeoutError("no command from main in 600 s")
-            msg = conn.recv()
-            if msg[0] == "exit":
-                break
+        for msg in _commands(conn):
             if msg[0] == "check":
                 _, label, refs = msg
                 t0 = time.perf_counter()

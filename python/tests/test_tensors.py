@@ -152,137 +152,129 @@ class Engine:
         return now == self.ptrs == regs
 
 
+@pytest.fixture
+def fleet(control_plane, model, weights):
+    """Two fsdp:2 trainer slots and one engine (worker ``engine-0``) holding all tp:3 ranks."""
+    trainer = Trainer(control_plane.url, model, weights)
+    engine = Engine(control_plane.url, model, worker_id="engine-0")
+    try:
+        yield trainer, engine
+    finally:
+        engine.puller.close()
+        trainer.close()
+
+
 def _declare(control: mx.Control, label: str, weights) -> None:
     control.declare(label, weights, trainer_layout="fsdp:2")
 
 
-def test_in_place_publish_stage_apply_rollback_byte_exact(control_plane, control, model, weights):
-    trainer = Trainer(control_plane.url, model, weights)
-    engine = Engine(control_plane.url, model, worker_id="engine-0")
-    try:
-        _declare(control, "v1", weights)
-        v1 = trainer.publish("v1")
-        ref1 = trainer.full()
-        staged = engine.puller.stage("v1")
-        assert (staged.label, staged.version_id, staged.resident) == ("v1", v1, False)
-        # Staging does not touch the engine's tensors.
-        untouched = [t for ps in engine.params.values() for t in ps.values()]
-        assert all(torch.isnan(t.float()).all() for t in untouched)
-        applied = engine.puller.apply()
-        assert (applied.version_id, applied.kind) == (v1, "staged")
-        assert engine.mismatches(ref1) == []
-        # Pulled bytes equal what the slots hold: each rank holds exactly its layout's bytes.
-        mem = engine.puller.memory_report()
-        total = sum(p.nbytes for p in engine.puller.params())
-        assert sum(mem.rank_bytes.values()) == total
-        assert 0 < mem.staging_bytes_peak <= total
+def test_in_place_publish_stage_apply_rollback_byte_exact(fleet, control, weights):
+    trainer, engine = fleet
+    _declare(control, "v1", weights)
+    v1 = trainer.publish("v1")
+    ref1 = trainer.full()
+    staged = engine.puller.stage("v1")
+    assert (staged.label, staged.version_id, staged.resident) == ("v1", v1, False)
+    # Staging does not touch the engine's tensors.
+    untouched = [t for ps in engine.params.values() for t in ps.values()]
+    assert all(torch.isnan(t.float()).all() for t in untouched)
+    applied = engine.puller.apply()
+    assert (applied.version_id, applied.kind) == (v1, "staged")
+    assert engine.mismatches(ref1) == []
+    # Pulled bytes equal what the slots hold: each rank holds exactly its layout's bytes.
+    mem = engine.puller.memory_report()
+    total = sum(p.nbytes for p in engine.puller.params())
+    assert sum(mem.rank_bytes.values()) == total
+    assert 0 < mem.staging_bytes_peak <= total
 
-        # The trainer hands v1 back, steps in place and publishes v2 from the same memory.
-        for p in trainer.pubs:
-            p.release("v1", timeout=30)
-        trainer.step(0.5)
-        _declare(control, "v2", weights)
-        v2 = trainer.publish("v2")
-        assert v2 != v1
-        ref2 = trainer.full()
-        assert engine.puller.stage(v2).label == "v2"  # by id
-        assert engine.puller.apply(v2).kind == "staged"
-        assert engine.mismatches(ref2) == []
-        assert engine.puller.versions == mx.Versions(resident=v2, retained=v1, staged=v2)
-        assert engine.puller.memory_report().retained_bytes == total
+    # The trainer hands v1 back, steps in place and publishes v2 from the same memory.
+    for p in trainer.pubs:
+        p.release("v1", timeout=30)
+    trainer.step(0.5)
+    _declare(control, "v2", weights)
+    v2 = trainer.publish("v2")
+    assert v2 != v1
+    ref2 = trainer.full()
+    assert engine.puller.stage(v2).label == "v2"  # by id
+    assert engine.puller.apply(v2).kind == "staged"
+    assert engine.mismatches(ref2) == []
+    assert engine.puller.versions == mx.Versions(resident=v2, retained=v1, staged=v2)
+    assert engine.puller.memory_report().retained_bytes == total
 
-        back = engine.puller.rollback()
-        assert (back.version_id, back.kind) == (v1, "restored")
-        assert engine.puller.versions == mx.Versions(resident=v1, retained=v1, staged=v2)
-        assert engine.mismatches(ref1) == []
-        assert engine.puller.apply(v2).kind == "staged"
-        assert engine.mismatches(ref2) == []
-        assert engine.addresses_unchanged()
-        digests = engine.puller.live_digests()
-        assert sorted(digests) == [0, 1, 2]
-        assert {n for d in digests.values() for n in d} == {p.name for p in engine.puller.params()}
-    finally:
-        engine.puller.close()
-        trainer.close()
+    back = engine.puller.rollback()
+    assert (back.version_id, back.kind) == (v1, "restored")
+    assert engine.puller.versions == mx.Versions(resident=v1, retained=v1, staged=v2)
+    assert engine.mismatches(ref1) == []
+    assert engine.puller.apply(v2).kind == "staged"
+    assert engine.mismatches(ref2) == []
+    assert engine.addresses_unchanged()
+    digests = engine.puller.live_digests()
+    assert sorted(digests) == [0, 1, 2]
+    assert {n for d in digests.values() for n in d} == {p.name for p in engine.puller.params()}
 
 
-def test_copy_mode_lets_the_trainer_write_at_once(control_plane, control, model, weights):
-    trainer = Trainer(control_plane.url, model, weights)
-    engine = Engine(control_plane.url, model, worker_id="engine-0")
-    try:
-        _declare(control, "v1", weights)
-        v1 = trainer.publish("v1", copy=True)
-        ref1 = trainer.full()
-        trainer.step(-1.0)  # written before anyone pulled: the snapshot keeps v1
-        engine.puller.stage(v1)
-        engine.puller.apply()
-        assert engine.mismatches(ref1) == []
-        assert engine.mismatches(trainer.full()) != []
-    finally:
-        engine.puller.close()
-        trainer.close()
+def test_copy_mode_lets_the_trainer_write_at_once(fleet, control, weights):
+    trainer, engine = fleet
+    _declare(control, "v1", weights)
+    v1 = trainer.publish("v1", copy=True)
+    ref1 = trainer.full()
+    trainer.step(-1.0)  # written before anyone pulled: the snapshot keeps v1
+    engine.puller.stage(v1)
+    engine.puller.apply()
+    assert engine.mismatches(ref1) == []
+    assert engine.mismatches(trainer.full()) != []
 
 
-def test_staged_tensors_hand_the_pieces_to_an_engine_loader(control_plane, control, model, weights):
-    trainer = Trainer(control_plane.url, model, weights)
-    engine = Engine(control_plane.url, model, worker_id="engine-0")
-    try:
-        _declare(control, "v1", weights)
-        trainer.publish("v1")
-        engine.puller.stage("v1")
-        pieces = engine.puller.staged_tensors()
-        ref = trainer.full()
-        expected = sum(len(p.pieces) for p in engine.puller.params())
-        assert len(pieces) == expected
-        for s in pieces:
-            box = _box(s.box_offset, s.box_shape)
-            want = ref[s.tensor][box].contiguous().view(torch.uint8).reshape(-1)
-            assert bytes(want.numpy()) == s.data, (s.rank, s.param, s.tensor)
-        # Nothing was applied: the engine's tensors are untouched.
-        assert engine.puller.versions.resident is None
-    finally:
-        engine.puller.close()
-        trainer.close()
+def test_staged_tensors_hand_the_pieces_to_an_engine_loader(fleet, control, weights):
+    trainer, engine = fleet
+    _declare(control, "v1", weights)
+    trainer.publish("v1")
+    engine.puller.stage("v1")
+    pieces = engine.puller.staged_tensors()
+    ref = trainer.full()
+    expected = sum(len(p.pieces) for p in engine.puller.params())
+    assert len(pieces) == expected
+    for s in pieces:
+        box = _box(s.box_offset, s.box_shape)
+        want = ref[s.tensor][box].contiguous().view(torch.uint8).reshape(-1)
+        assert bytes(want.numpy()) == s.data, (s.rank, s.param, s.tensor)
+    # Nothing was applied: the engine's tensors are untouched.
+    assert engine.puller.versions.resident is None
 
 
-def test_served_puller_is_refitted_by_the_control_plane(control_plane, control, model, weights):
-    trainer = Trainer(control_plane.url, model, weights)
-    engine = Engine(control_plane.url, model, worker_id="engine-0")
-    try:
-        url = engine.puller.serve("engine-0")
-        assert url.startswith("http://127.0.0.1:")
-        _declare(control, "v1", weights)
-        v1 = trainer.publish("v1")
-        r = control.refit("v1", ["engine-0"], stage_timeout=60, call_timeout=30)
-        assert r.committed, r
-        assert r.workers["engine-0"].resident == v1
-        assert engine.mismatches(trainer.full()) == []
-        # STAGE released v1 to the trainer.
-        why = trainer.pubs[0].wait_staged("v1", timeout=30)
-        assert "Staged" in why and why["Staged"]["workers"] == ["engine-0"]
-        assert engine.addresses_unchanged()
-        # Served: staging, applying and rolling back are the control plane's.
-        _refused(lambda: engine.puller.apply(), "FailedPrecondition", "served")
-        _refused(lambda: engine.puller.rollback(), "FailedPrecondition", "served")
-        _refused(lambda: engine.puller.stage("v1"), "FailedPrecondition", "served")
+def test_served_puller_is_refitted_by_the_control_plane(fleet, control, weights):
+    trainer, engine = fleet
+    url = engine.puller.serve("engine-0")
+    assert url.startswith("http://127.0.0.1:")
+    _declare(control, "v1", weights)
+    v1 = trainer.publish("v1")
+    r = control.refit("v1", ["engine-0"], stage_timeout=60, call_timeout=30)
+    assert r.committed, r
+    assert r.workers["engine-0"].resident == v1
+    assert engine.mismatches(trainer.full()) == []
+    # STAGE released v1 to the trainer.
+    why = trainer.pubs[0].wait_staged("v1", timeout=30)
+    assert "Staged" in why and why["Staged"]["workers"] == ["engine-0"]
+    assert engine.addresses_unchanged()
+    # Served: staging, applying and rolling back are the control plane's.
+    _refused(lambda: engine.puller.apply(), "FailedPrecondition", "served")
+    _refused(lambda: engine.puller.rollback(), "FailedPrecondition", "served")
+    _refused(lambda: engine.puller.stage("v1"), "FailedPrecondition", "served")
 
-        # An engine tensor reallocated behind the served puller's back: the next refit fails
-        # before writing anything into freed memory, naming the parameter.
-        for p in trainer.pubs:
-            p.wait_staged("v1", timeout=30)
-        trainer.step(0.5)
-        _declare(control, "v2", weights)
-        trainer.publish("v2")
-        qkv = "model.layers.1.self_attn.qkv_proj.weight"
-        engine.params[2][qkv].resize_(4096, H)
-        r = control.refit("v2", ["engine-0"], stage_timeout=60, call_timeout=30)
-        assert not r.committed, r
-        w = r.workers["engine-0"]
-        err = f"{w.error} " + " ".join(c.error for c in w.calls)
-        assert qkv in err and "changed since it was registered" in err, err
-    finally:
-        engine.puller.close()
-        trainer.close()
+    # An engine tensor reallocated behind the served puller's back: the next refit fails
+    # before writing anything into freed memory, naming the parameter.
+    for p in trainer.pubs:
+        p.wait_staged("v1", timeout=30)
+    trainer.step(0.5)
+    _declare(control, "v2", weights)
+    trainer.publish("v2")
+    qkv = "model.layers.1.self_attn.qkv_proj.weight"
+    engine.params[2][qkv].resize_(4096, H)
+    r = control.refit("v2", ["engine-0"], stage_timeout=60, call_timeout=30)
+    assert not r.committed, r
+    w = r.workers["engine-0"]
+    err = f"{w.error} " + " ".join(c.error for c in w.calls)
+    assert qkv in err and "changed since it was registered" in err, err
 
 
 # --- bad tensors are refused, naming them -------------------------------------------------

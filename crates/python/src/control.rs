@@ -15,7 +15,7 @@ use mx_control::{
     ControlPlaneConfig, FleetStatus, GenerationCheck, PauseMode, RefitSpec, ServerHandle,
     VersionInfo, VersionState,
 };
-use mx_layout::{DType, LayoutSpec, TensorSpec};
+use mx_layout::LayoutSpec;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use serde_json::{json, Value};
@@ -414,13 +414,7 @@ impl ControlClient {
         let layout: LayoutSpec = trainer_layout
             .parse()
             .map_err(|e| layout_error(py, "trainer_layout", &e))?;
-        let mut specs = Vec::with_capacity(tensors.len());
-        for (name, dtype, shape) in tensors {
-            let dtype: DType = dtype
-                .parse()
-                .map_err(|e| layout_error(py, &format!("tensor {name}: dtype"), &e))?;
-            specs.push(TensorSpec { name, dtype, shape });
-        }
+        let specs = crate::model::tensor_specs(py, tensors)?;
         self.call(
             py,
             "DeclareVersion",

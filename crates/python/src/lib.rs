@@ -31,6 +31,7 @@
 mod control;
 mod errors;
 mod model;
+mod owned;
 mod publisher;
 mod puller;
 

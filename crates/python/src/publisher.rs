@@ -2,19 +2,18 @@
 //! (torch tensors, numpy arrays; `mx.Publisher` in `python/mx/_publisher.py` turns those into
 //! addresses and keeps them alive).
 
-use std::sync::Mutex;
 use std::time::Duration;
 
 use mx_layout::{DType, LayoutSpec, TensorBox};
 use mx_publisher::{ForeignMemory, MemoryId, Patience, PublishOptions, ShardSpec};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use tokio::runtime::Runtime;
 
-use crate::control::{runtime, same_process};
+use crate::control::runtime;
 use crate::errors::{chain, control_error, layout_error, mx_error};
 use crate::model::Model;
-use crate::{seconds, ForkSafe};
+use crate::owned::Owned;
+use crate::seconds;
 
 /// One shard as the Python layer gives it: `(tensor, dtype, global_shape, box_offset,
 /// box_shape, memory_id, byte_offset)`.
@@ -46,43 +45,23 @@ struct Inner {
 /// released.
 #[pyclass(module = "mx._mx", frozen)]
 pub(crate) struct Publisher {
-    inner: Mutex<Option<Inner>>,
-    rt: ForkSafe<Runtime>,
-    pid: u32,
+    owned: Owned<Inner>,
     agent: String,
 }
 
 impl Publisher {
-    fn with<T>(
+    fn with<T: Send>(
         &self,
         py: Python<'_>,
-        f: impl FnOnce(&mut Inner, &Runtime) -> Result<T, mx_publisher::Error> + Send,
-    ) -> PyResult<T>
-    where
-        T: Send,
-    {
-        same_process(py, self.pid, "Publisher")?;
-        let r = py.detach(|| {
-            let mut g = self
-                .inner
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            g.as_mut().map(|inner| f(inner, &self.rt))
-        });
-        match r {
-            None => Err(mx_error(
-                py,
-                "this publisher is closed".into(),
-                Some("FailedPrecondition"),
-            )),
-            Some(r) => r.map_err(|e| publisher_error(py, &e)),
-        }
+        f: impl FnOnce(&mut Inner) -> Result<T, mx_publisher::Error> + Send,
+    ) -> PyResult<T> {
+        self.owned
+            .with(py, |inner, _| f(inner))?
+            .map_err(|e| publisher_error(py, &e))
     }
-}
 
-impl Publisher {
-    /// Runs the publisher's async call `f` under its lock with the GIL released; Ctrl-C
-    /// interrupts it ([`crate::interruptible`]).
+    /// Runs the publisher's async call `f` with the GIL released; Ctrl-C interrupts it
+    /// ([`crate::interruptible`]).
     fn run<T: Send>(
         &self,
         py: Python<'_>,
@@ -92,25 +71,11 @@ impl Publisher {
                 Box<dyn std::future::Future<Output = Result<T, mx_publisher::Error>> + Send + 'a>,
             > + Send,
     ) -> PyResult<T> {
-        same_process(py, self.pid, "Publisher")?;
-        let r = py.detach(|| {
-            let mut g = self
-                .inner
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            g.as_mut().map(|inner| {
-                self.rt
-                    .block_on(crate::interruptible(f(&mut inner.publisher)))
-            })
-        });
-        match r {
-            None => Err(mx_error(
-                py,
-                "this publisher is closed".into(),
-                Some("FailedPrecondition"),
-            )),
-            Some(r) => r?.map_err(|e| publisher_error(py, &e)),
-        }
+        self.owned
+            .with(py, |inner, rt| {
+                rt.block_on(crate::interruptible(f(&mut inner.publisher)))
+            })??
+            .map_err(|e| publisher_error(py, &e))
     }
 }
 
@@ -145,13 +110,12 @@ impl Publisher {
             .detach(|| rt.block_on(mx_publisher::Publisher::connect(cfg)))
             .map_err(|e| publisher_error(py, &e))?;
         let agent = publisher.agent().name().to_string();
+        let inner = Inner {
+            publisher,
+            memories: Vec::new(),
+        };
         Ok(Publisher {
-            inner: Mutex::new(Some(Inner {
-                publisher,
-                memories: Vec::new(),
-            })),
-            rt: ForkSafe::new(rt),
-            pid: std::process::id(),
+            owned: Owned::new(inner, rt, "Publisher"),
             agent,
         })
     }
@@ -172,48 +136,30 @@ impl Publisher {
                 "register_host: address {addr:#x} and length {nbytes} must both be non-zero"
             )));
         }
-        same_process(py, self.pid, "Publisher")?;
-        let mut g = self
-            .inner
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let inner = g.as_mut().ok_or_else(|| {
-            mx_error(
-                py,
-                "this publisher is closed".into(),
-                Some("FailedPrecondition"),
-            )
-        })?;
-        // SAFETY: `mx.Publisher` (python/mx/_publisher.py) calls this only for memory of a
-        // Python object it keeps referenced until this publisher is closed (so the range stays
-        // allocated and readable), after checking the range lies inside that object's storage;
-        // not writing it while mx reads it is the documented contract of `mx.Publisher.publish`
-        // (in place: until the version is handed back).
-        let mem = unsafe { ForeignMemory::register_host(inner.publisher.agent(), addr, nbytes) }
-            .map_err(|e| {
-                mx_error(
-                    py,
-                    format!("registering {nbytes} bytes at {addr:#x}: {}", chain(&e)),
-                    None,
-                )
-            })?;
-        let id = inner
-            .publisher
-            .register(mem)
-            .map_err(|e| publisher_error(py, &e))?;
-        inner.memories.push(id);
-        Ok(inner.memories.len() - 1)
+        self.owned
+            .with(py, |inner, _| {
+                // SAFETY: `mx.Publisher` (python/mx/_publisher.py) calls this only for memory of a
+                // Python object it keeps referenced until this publisher is closed (so the range
+                // stays allocated and readable), after checking the range lies inside that object's
+                // storage; not writing it while mx reads it is the documented contract of
+                // `mx.Publisher.publish` (in place: until the version is handed back).
+                let mem =
+                    unsafe { ForeignMemory::register_host(inner.publisher.agent(), addr, nbytes) }
+                        .map_err(|e| {
+                            format!("registering {nbytes} bytes at {addr:#x}: {}", chain(&e))
+                        })?;
+                let id = inner.publisher.register(mem).map_err(|e| chain(&e))?;
+                inner.memories.push(id);
+                Ok(inner.memories.len() - 1)
+            })?
+            .map_err(|msg: String| mx_error(py, msg, None))
     }
 
     /// Sets the shards this rank holds (replacing any set before); nothing changes on error.
     fn set_shards(&self, py: Python<'_>, shards: Vec<ShardTuple>) -> PyResult<()> {
         let mut specs = Vec::with_capacity(shards.len());
         {
-            let g = self
-                .inner
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            let memories = g.as_ref().map(|i| i.memories.clone()).unwrap_or_default();
+            let memories = self.owned.with(py, |inner, _| inner.memories.clone())?;
             for (i, (tensor, dtype, global_shape, offset, extent, memory, at)) in
                 shards.into_iter().enumerate()
             {
@@ -239,7 +185,7 @@ impl Publisher {
                 });
             }
         }
-        self.with(py, |inner, _| inner.publisher.set_shards(specs))
+        self.with(py, |inner| inner.publisher.set_shards(specs))
     }
 
     /// Publishes the shards' current bytes as version `label`; returns the version id once
@@ -286,39 +232,12 @@ impl Publisher {
 
     /// Stops serving and deregisters the memory (which stays the caller's). Idempotent.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
-        same_process(py, self.pid, "Publisher")?;
-        py.detach(|| {
-            let inner = self
-                .inner
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .take();
-            let _guard = self.rt.enter();
-            drop(inner);
-        });
-        Ok(())
+        self.owned.close(py, |inner, _| drop(inner))
     }
 
     /// True until `close()`.
     #[getter]
     fn open(&self) -> bool {
-        self.inner.lock().map(|g| g.is_some()).unwrap_or(false)
-    }
-}
-
-impl Drop for Publisher {
-    fn drop(&mut self) {
-        let inner = self
-            .inner
-            .get_mut()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .take();
-        if std::process::id() != self.pid {
-            // A fork child: the agent's threads live only in the parent.
-            std::mem::forget(inner);
-            return;
-        }
-        let _guard = self.rt.enter();
-        drop(inner);
+        self.owned.is_open()
     }
 }

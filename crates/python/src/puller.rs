@@ -8,7 +8,6 @@
 )]
 
 use std::net::SocketAddr;
-use std::sync::Mutex;
 
 use mx_control::EngineApi;
 use mx_layout::{DType, LayoutSpec, SourceManifest, VersionId};
@@ -21,10 +20,10 @@ use pyo3::prelude::*;
 use serde_json::{json, Value};
 use tokio::runtime::Runtime;
 
-use crate::control::{runtime, same_process};
+use crate::control::runtime;
 use crate::errors::{chain, control_error, layout_error, mx_error};
 use crate::model::Model;
-use crate::ForkSafe;
+use crate::owned::Owned;
 
 /// The `MxError` for an error of the embedded puller, with a gRPC-style code.
 fn worker_error(py: Python<'_>, e: &mx_worker::Error) -> PyErr {
@@ -137,9 +136,7 @@ impl DestMemory for CheckedRegion {
 /// the GIL released.
 #[pyclass(module = "mx._mx", frozen)]
 pub(crate) struct Puller {
-    inner: Mutex<Option<EmbeddedPuller>>,
-    rt: ForkSafe<Runtime>,
-    pid: u32,
+    owned: Owned<EmbeddedPuller>,
 }
 
 type One<'a> =
@@ -157,22 +154,7 @@ impl Puller {
         py: Python<'_>,
         f: impl FnOnce(&mut EmbeddedPuller, &Runtime) -> Result<T, mx_worker::Error> + Send,
     ) -> PyResult<T> {
-        same_process(py, self.pid, "Puller")?;
-        let r = py.detach(|| {
-            let mut g = self
-                .inner
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            g.as_mut().map(|p| f(p, &self.rt))
-        });
-        match r {
-            None => Err(mx_error(
-                py,
-                "this puller is closed".into(),
-                Some("FailedPrecondition"),
-            )),
-            Some(r) => r.map_err(|e| worker_error(py, &e)),
-        }
+        self.owned.with(py, f)?.map_err(|e| worker_error(py, &e))
     }
 }
 
@@ -210,9 +192,7 @@ impl Puller {
             .detach(|| rt.block_on(EmbeddedPuller::connect(cfg)))
             .map_err(|e| worker_error(py, &e))?;
         Ok(Puller {
-            inner: Mutex::new(Some(p)),
-            rt: ForkSafe::new(rt),
-            pid: std::process::id(),
+            owned: Owned::new(p, rt, "Puller"),
         })
     }
 
@@ -470,46 +450,15 @@ impl Puller {
     /// Stops serving (if served) and drops the puller; the registered memory stays the
     /// caller's and is not touched after this returns. Idempotent.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
-        same_process(py, self.pid, "Puller")?;
-        py.detach(|| {
-            let inner = self
-                .inner
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .take();
-            if let Some(mut p) = inner {
-                self.rt
-                    .block_on(p.stop_serving("the engine closed its puller"));
-                let _guard = self.rt.enter();
-                drop(p);
-            }
-        });
-        Ok(())
+        self.owned.close(py, |mut p, rt| {
+            rt.block_on(p.stop_serving("the engine closed its puller"));
+            drop(p);
+        })
     }
 
     /// True until `close()`.
     #[getter]
     fn open(&self) -> bool {
-        self.inner.lock().map(|g| g.is_some()).unwrap_or(false)
-    }
-}
-
-impl Drop for Puller {
-    fn drop(&mut self) {
-        let inner = self
-            .inner
-            .get_mut()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .take();
-        if std::process::id() != self.pid {
-            std::mem::forget(inner);
-            return;
-        }
-        if let Some(mut p) = inner {
-            self.rt
-                .block_on(p.stop_serving("the engine dropped its puller"));
-            let _guard = self.rt.enter();
-            drop(p);
-        }
+        self.owned.is_open()
     }
 }
