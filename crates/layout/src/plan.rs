@@ -1926,16 +1926,12 @@ impl<'m> SourceIndex<'m> {
                                 global_offset: ro.to_vec(),
                                 local_shape: rs.to_vec(),
                             };
-                            return Err(Error::MissingTensor {
-                                tensor: piece.tensor.clone(),
-                                reason: format!(
-                                    "source slot {} published no digest for region {region} of layout {} rank {} \
-                                     (its publisher has not cut for this layout: a layout registered after the \
-                                     version was published is added while the publishers still hold it, so retry \
-                                     shortly; once they handed it back, publish a new version)",
-                                    sources[si].slot, rl.layout, rl.rank
-                                ),
-                            });
+                            return Err(missing_digest(
+                                &piece.tensor,
+                                sources[si].slot,
+                                &region,
+                                rl,
+                            ));
                         };
                         let tensor = match last_tensor {
                             Some((k, id)) if k == ts_key => id,
@@ -2863,6 +2859,26 @@ pub fn synthetic_manifest(
         pieces,
         pack_seconds: 0.0,
     })
+}
+
+/// The error for a piece a source did not digest for the destination's layout (its publisher
+/// did not cut for that layout), with what to do about it.
+pub(crate) fn missing_digest(
+    tensor: &str,
+    slot: u32,
+    region: &TensorBox,
+    rl: &RankLayout,
+) -> Error {
+    Error::MissingTensor {
+        tensor: tensor.to_string(),
+        reason: format!(
+            "source slot {slot} published no digest for region {region} of layout {} rank {} \
+             (its publisher has not cut for this layout: a layout registered after the version \
+             was published is added while the publishers still hold it, so retry shortly; once \
+             they handed it back, publish a new version)",
+            rl.layout, rl.rank
+        ),
+    }
 }
 
 #[cfg(test)]

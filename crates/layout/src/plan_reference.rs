@@ -262,13 +262,12 @@ pub(crate) fn plan(
                     let Some(&(digest, packed_addr)) =
                         piece_index.get(&(si, rl.rank, piece.tensor.as_str(), &region))
                     else {
-                        return Err(Error::MissingTensor {
-                            tensor: piece.tensor.clone(),
-                            reason: format!(
-                                "source slot {} published no digest for region {region} of layout {} rank {}",
-                                sources[si].slot, rl.layout, rl.rank
-                            ),
-                        });
+                        return Err(crate::plan::missing_digest(
+                            &piece.tensor,
+                            sources[si].slot,
+                            &region,
+                            rl,
+                        ));
                     };
                     let elem = s.dtype.size_bytes();
                     let (run, starts) = decompose(&region, &s.shard);
