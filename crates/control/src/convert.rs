@@ -580,6 +580,7 @@ pub(crate) fn engine_pb(e: &EngineEndpoint) -> pb::EngineEndpoint {
         api: match e.api {
             EngineApi::Dynamo => pb::EngineApi::Dynamo as i32,
             EngineApi::Sglang => pb::EngineApi::Sglang as i32,
+            EngineApi::Vllm => pb::EngineApi::Vllm as i32,
         },
         system_url: e.system_url.clone(),
         no_model: e.no_model,
@@ -607,6 +608,7 @@ pub(crate) fn engine(p: &pb::EngineEndpoint, field: &str) -> Result<EngineEndpoi
     let api = match pb::EngineApi::try_from(p.api) {
         Ok(pb::EngineApi::Dynamo) => EngineApi::Dynamo,
         Ok(pb::EngineApi::Sglang) => EngineApi::Sglang,
+        Ok(pb::EngineApi::Vllm) => EngineApi::Vllm,
         _ => {
             return Err(invalid(
                 &format!("{field}.api"),

@@ -9,7 +9,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use mx_adapters::dynamo::DynamoWorkerClient;
+use mx_adapters::generate::Generation;
 use mx_adapters::sglang::SglangClient;
+use mx_adapters::vllm::VllmClient;
 use mx_layout::{Digest, VersionId};
 
 use crate::refit::{
@@ -63,6 +65,7 @@ fn failpoint(point: &str) {
 enum Engine {
     Dynamo(DynamoWorkerClient),
     Sglang(SglangClient, String),
+    Vllm(VllmClient),
 }
 
 impl Engine {
@@ -79,13 +82,11 @@ impl Engine {
                 SglangClient::with_client(http.clone(), &ep.system_url, timeout),
                 ep.system_url.clone(),
             ),
-        }
-    }
-
-    fn system_url(&self) -> String {
-        match self {
-            Engine::Dynamo(c) => c.system_url().to_string(),
-            Engine::Sglang(_, url) => url.clone(),
+            EngineApi::Vllm => Engine::Vllm(VllmClient::with_client(
+                http.clone(),
+                &ep.system_url,
+                timeout,
+            )),
         }
     }
 }
@@ -98,6 +99,92 @@ fn failed(e: impl std::fmt::Display) -> CallResult {
     }
 }
 
+/// A successful call with the engine's `message`.
+fn done(message: impl Into<String>) -> CallResult {
+    CallResult {
+        ok: true,
+        message: message.into(),
+        ..CallResult::default()
+    }
+}
+
+/// The result of a post-update generation the refit did not ask for.
+fn no_check() -> CallResult {
+    done("no check requested")
+}
+
+/// The post-update generation over SGLang's native `POST {system_url}/generate` (served by
+/// Dynamo and SGLang engines alike).
+async fn generate_native(
+    http: &reqwest::Client,
+    system_url: &str,
+    spec: &RefitSpec,
+    timeout: Duration,
+) -> CallResult {
+    match &spec.check {
+        None => no_check(),
+        Some(check) => generated(
+            mx_adapters::generate::generate(
+                http,
+                system_url,
+                &check.prompt_tokens,
+                check.max_new_tokens,
+                timeout,
+            )
+            .await,
+        ),
+    }
+}
+
+/// The answer of a post-update generation.
+fn generated(g: Result<Generation, mx_adapters::Error>) -> CallResult {
+    match g {
+        Ok(g) => CallResult {
+            ok: true,
+            tokens: g.output_ids,
+            version: g.weight_version,
+            ..CallResult::default()
+        },
+        Err(e) => failed(e),
+    }
+}
+
+/// One engine call made on behalf of `workers`: the workers (tensor-parallel ranks, each its own
+/// process) that share one engine endpoint get one call, since the engine acts for all of them.
+struct EngineCall {
+    workers: Vec<String>,
+    action: Action,
+    endpoint: Option<EngineEndpoint>,
+}
+
+/// Groups `calls` (with each worker's endpoint) so that workers with the same endpoint and
+/// action make one [`EngineCall`], in the order of each group's first call.
+fn group_by_engine(
+    calls: Vec<(String, Action)>,
+    endpoints: Vec<Option<EngineEndpoint>>,
+) -> Vec<EngineCall> {
+    let mut out: Vec<EngineCall> = Vec::with_capacity(calls.len());
+    let mut index: std::collections::HashMap<(String, String), usize> = Default::default();
+    for ((w, action), endpoint) in calls.into_iter().zip(endpoints) {
+        if let Some(ep) = &endpoint {
+            let key = (ep.system_url.clone(), action.to_string());
+            if let Some(&i) = index.get(&key) {
+                if out[i].endpoint.as_ref() == Some(ep) && out[i].action == action {
+                    out[i].workers.push(w);
+                    continue;
+                }
+            }
+            index.insert(key, out.len());
+        }
+        out.push(EngineCall {
+            workers: vec![w],
+            action,
+            endpoint,
+        });
+    }
+    out
+}
+
 /// Performs one engine call and judges its answer (status AND body, then the values).
 async fn perform(
     engine: &Engine,
@@ -106,119 +193,10 @@ async fn perform(
     timeout: Duration,
     http: &reqwest::Client,
 ) -> CallResult {
-    let mut r = match (engine, action) {
-        (Engine::Dynamo(c), Action::Pause) => match c
-            .pause(spec.pause_mode, false)
-            .await
-        {
-            Ok(a) => CallResult {
-                ok: true,
-                message: a.message,
-                version: a.version,
-                ..CallResult::default()
-            },
-            Err(e) => failed(e),
-        },
-        (Engine::Sglang(c, _), Action::Pause) => match c.pause_generation().await {
-            Ok(()) => CallResult {
-                ok: true,
-                ..CallResult::default()
-            },
-            Err(mx_adapters::Error::RouteNotAllowlisted { .. }) => CallResult {
-                ok: true,
-                message: "pause_generation is not allowlisted: the framework must gate generation itself".into(),
-                ..CallResult::default()
-            },
-            Err(e) => failed(e),
-        },
-        (Engine::Dynamo(c), Action::Apply { version }) => {
-            match version_digest(version) {
-                None => failed(format!("{version} is not an mx version id")),
-                Some(d) => match c.update_weights_from_disk(&model_path(&d), version).await {
-                    Ok(a) => CallResult {
-                        ok: true,
-                        message: a.message,
-                        version: a.version,
-                        cache_tiers_cleared: a.cache_tiers_cleared,
-                        ..CallResult::default()
-                    },
-                    Err(e) => failed(e),
-                },
-            }
-        }
-        (Engine::Sglang(c, _), Action::Apply { version }) => match version_digest(version) {
-            None => failed(format!("{version} is not an mx version id")),
-            Some(d) => match c
-                .update_weights_from_disk(&model_path(&d), version, true, true)
-                .await
-            {
-                Ok(a) => CallResult {
-                    ok: true,
-                    message: a.message,
-                    cache_tiers_cleared: a.cache_tiers_cleared,
-                    paused_requests: a.num_paused_requests,
-                    ..CallResult::default()
-                },
-                Err(e) => failed(e),
-            },
-        },
-        (Engine::Dynamo(c), Action::ReadVersion) => match c.get_weight_version().await {
-            Ok(v) => CallResult {
-                ok: true,
-                version: Some(v),
-                ..CallResult::default()
-            },
-            Err(e) => failed(e),
-        },
-        (Engine::Sglang(..), Action::ReadVersion) => CallResult {
-            ok: true,
-            message: "SGLang has no version read-back: the control plane keeps the version and relies on the post-update generation".into(),
-            ..CallResult::default()
-        },
-        (Engine::Dynamo(c), Action::Resume) => match c.resume().await {
-            Ok(a) => CallResult {
-                ok: true,
-                message: a.message,
-                ..CallResult::default()
-            },
-            Err(e) => failed(e),
-        },
-        (Engine::Sglang(c, _), Action::Resume) => match c.continue_generation(false).await {
-            Ok(()) => CallResult {
-                ok: true,
-                ..CallResult::default()
-            },
-            Err(mx_adapters::Error::RouteNotAllowlisted { .. }) => CallResult {
-                ok: true,
-                message: "continue_generation is not allowlisted: the framework must gate generation itself".into(),
-                ..CallResult::default()
-            },
-            Err(e) => failed(e),
-        },
-        (_, Action::Generate) => match &spec.check {
-            None => CallResult {
-                ok: true,
-                message: "no check requested".into(),
-                ..CallResult::default()
-            },
-            Some(check) => match mx_adapters::generate::generate(
-                http,
-                &engine.system_url(),
-                &check.prompt_tokens,
-                check.max_new_tokens,
-                timeout,
-            )
-            .await
-            {
-                Ok(g) => CallResult {
-                    ok: true,
-                    tokens: g.output_ids,
-                    version: g.weight_version,
-                    ..CallResult::default()
-                },
-                Err(e) => failed(e),
-            },
-        },
+    let mut r = match engine {
+        Engine::Dynamo(c) => perform_dynamo(c, action, spec, timeout, http).await,
+        Engine::Sglang(c, url) => perform_sglang(c, url, action, spec, timeout, http).await,
+        Engine::Vllm(c) => perform_vllm(c, action, spec).await,
     };
     // Judge the values, not only the transport.
     if r.ok {
@@ -251,6 +229,149 @@ async fn perform(
         }
     }
     r
+}
+
+/// One call to a Dynamo worker.
+async fn perform_dynamo(
+    c: &DynamoWorkerClient,
+    action: &Action,
+    spec: &RefitSpec,
+    timeout: Duration,
+    http: &reqwest::Client,
+) -> CallResult {
+    match action {
+        Action::Pause => match c.pause(spec.pause_mode, false).await {
+            Ok(a) => CallResult {
+                version: a.version,
+                ..done(a.message)
+            },
+            Err(e) => failed(e),
+        },
+        Action::Apply { version } => match version_digest(version) {
+            None => failed(format!("{version} is not an mx version id")),
+            Some(d) => match c.update_weights_from_disk(&model_path(&d), version).await {
+                Ok(a) => CallResult {
+                    version: a.version,
+                    cache_tiers_cleared: a.cache_tiers_cleared,
+                    ..done(a.message)
+                },
+                Err(e) => failed(e),
+            },
+        },
+        Action::ReadVersion => match c.get_weight_version().await {
+            Ok(v) => CallResult {
+                version: Some(v),
+                ..done("")
+            },
+            Err(e) => failed(e),
+        },
+        Action::Resume => match c.resume().await {
+            Ok(a) => done(a.message),
+            Err(e) => failed(e),
+        },
+        Action::Generate => generate_native(http, c.system_url(), spec, timeout).await,
+    }
+}
+
+/// One call to an SGLang server at `system_url`.
+async fn perform_sglang(
+    c: &SglangClient,
+    system_url: &str,
+    action: &Action,
+    spec: &RefitSpec,
+    timeout: Duration,
+    http: &reqwest::Client,
+) -> CallResult {
+    match action {
+        Action::Pause => match c.pause_generation().await {
+            Ok(()) => done(""),
+            Err(mx_adapters::Error::RouteNotAllowlisted { .. }) => done(
+                "pause_generation is not allowlisted: the framework must gate generation itself",
+            ),
+            Err(e) => failed(e),
+        },
+        Action::Apply { version } => match version_digest(version) {
+            None => failed(format!("{version} is not an mx version id")),
+            Some(d) => match c
+                .update_weights_from_disk(&model_path(&d), version, true, true)
+                .await
+            {
+                Ok(a) => CallResult {
+                    cache_tiers_cleared: a.cache_tiers_cleared,
+                    paused_requests: a.num_paused_requests,
+                    ..done(a.message)
+                },
+                Err(e) => failed(e),
+            },
+        },
+        Action::ReadVersion => done(
+            "SGLang has no version read-back: the control plane keeps the version and relies on the post-update generation",
+        ),
+        Action::Resume => match c.continue_generation(false).await {
+            Ok(()) => done(""),
+            Err(mx_adapters::Error::RouteNotAllowlisted { .. }) => done(
+                "continue_generation is not allowlisted: the framework must gate generation itself",
+            ),
+            Err(e) => failed(e),
+        },
+        Action::Generate => generate_native(http, system_url, spec, timeout).await,
+    }
+}
+
+/// One call to a vLLM server over its native RL routes; the post-update generation is
+/// `POST /v1/completions`. APPLY is one weight-update session: `start_weight_update`,
+/// `update_weights`, `finish_weight_update` (which records the version), then
+/// `reset_prefix_cache`; the first step that fails fails the call, named. When
+/// `update_weights` raises, vLLM's worker aborts the session itself, so nothing is cleaned up.
+async fn perform_vllm(c: &VllmClient, action: &Action, spec: &RefitSpec) -> CallResult {
+    match action {
+        Action::Pause => match c.pause(spec.pause_mode).await {
+            Ok(()) => done(format!("paused ({})", spec.pause_mode.as_str())),
+            Err(e) => failed(e),
+        },
+        Action::Apply { version } => {
+            // Any version id: mx's backend installs a staged `mx:` version, or restores the one
+            // it retained (`disk:<dir>` for the checkpoint vLLM started from), and refuses others.
+            if version.is_empty() {
+                return failed("no version to apply");
+            }
+            if let Err(e) = c.start_weight_update().await {
+                return failed(format!("start_weight_update: {e}"));
+            }
+            if let Err(e) = c.update_weights(version).await {
+                return failed(format!("update_weights: {e}"));
+            }
+            if let Err(e) = c.finish_weight_update(version).await {
+                return failed(format!("finish_weight_update: {e}"));
+            }
+            if let Err(e) = c.reset_prefix_cache().await {
+                return failed(format!(
+                    "reset_prefix_cache (the weights of {version} are installed): {e}"
+                ));
+            }
+            CallResult {
+                version: Some(version.clone()),
+                cache_tiers_cleared: vec!["prefix_cache".into()],
+                ..done("start_weight_update, update_weights, finish_weight_update, reset_prefix_cache: ok")
+            }
+        }
+        Action::ReadVersion => match c.weight_version().await {
+            Ok(Some(v)) => CallResult {
+                version: Some(v),
+                ..done("")
+            },
+            Ok(None) => failed("engine reports no weight version (GET /weight_info: null)"),
+            Err(e) => failed(e),
+        },
+        Action::Resume => match c.resume().await {
+            Ok(()) => done("resumed"),
+            Err(e) => failed(e),
+        },
+        Action::Generate => match &spec.check {
+            None => no_check(),
+            Some(check) => generated(c.complete(&check.prompt_tokens, check.max_new_tokens).await),
+        },
+    }
 }
 
 /// The digest inside an `mx:<hex>` version id.
@@ -329,69 +450,45 @@ impl Ctx<'_> {
         }
         .max(1);
         let timeout = Duration::from_millis(self.spec.call_timeout_ms);
-        let mut queue = calls.into_iter();
+        let endpoints: Vec<Option<EngineEndpoint>> = self.shared.read(|s| {
+            calls
+                .iter()
+                .map(|(w, _)| s.worker_engine(w).and_then(|(e, _)| e))
+                .collect()
+        });
+        let mut queue = group_by_engine(calls, endpoints).into_iter();
         let mut in_flight = FuturesUnordered::new();
         let mut more = true;
         loop {
             let room = if more { limit - in_flight.len() } else { 0 };
-            let start: Vec<(String, Action)> = queue.by_ref().take(room).collect();
+            let start: Vec<EngineCall> = queue.by_ref().take(room).collect();
             if !start.is_empty() {
-                let endpoints: Vec<Option<EngineEndpoint>> = self.shared.read(|s| {
-                    start
-                        .iter()
-                        .map(|(w, _)| s.worker_engine(w).and_then(|(e, _)| e))
-                        .collect()
-                });
                 let intents = start
                     .iter()
-                    .map(|(w, action)| Record::WorkerCall {
-                        id: self.id,
-                        worker_id: w.clone(),
-                        action: action.clone(),
+                    .flat_map(|c| {
+                        c.workers.iter().map(|w| Record::WorkerCall {
+                            id: self.id,
+                            worker_id: w.clone(),
+                            action: c.action.clone(),
+                        })
                     })
                     .collect();
                 self.shared.mutate_all(intents).await?;
-                for ((w, action), endpoint) in start.into_iter().zip(endpoints) {
-                    if let Action::Apply { .. } = action {
+                for call in start {
+                    if let Action::Apply { .. } = call.action {
                         let sent = self.applies_sent.fetch_add(1, Ordering::SeqCst);
                         failpoint(&format!("apply-sent:{sent}"));
                     }
-                    let seen = self.rejoined(&w);
-                    in_flight.push(async move {
-                        let t0 = Instant::now();
-                        let mut result = match &endpoint {
-                            None => failed(format!("worker {w} has no engine endpoint")),
-                            Some(ep) if ep.no_model && matches!(action, Action::Generate) => {
-                                CallResult {
-                                    ok: true,
-                                    message: "skipped: the engine declared no model (it only holds weights)".into(),
-                                    ..CallResult::default()
-                                }
-                            }
-                            Some(ep) => {
-                                let engine = Engine::new(&self.http, ep, timeout);
-                                tokio::select! {
-                                    r = perform(&engine, &action, &self.spec, timeout, &self.http) => r,
-                                    why = self.reregistration(&w, seen) => failed(why),
-                                }
-                            }
-                        };
-                        result.seconds = t0.elapsed().as_secs_f64();
-                        if !result.ok {
-                            result.error = format!("worker {w}: {action}: {}", result.error);
-                            tracing::warn!(refit = self.id, worker = w, "{}", result.error);
-                        }
-                        (w, result)
-                    });
+                    in_flight.push(self.perform_call(call, timeout));
                 }
             }
             let Some(first) = in_flight.next().await else {
                 break;
             };
             // Whatever else has already arrived is journaled with it.
-            let mut done = vec![first];
+            let mut done = first;
             while let Some(Some(r)) = in_flight.next().now_or_never() {
-                done.push(r);
+                done.extend(r);
             }
             let records = done
                 .iter()
@@ -409,16 +506,71 @@ impl Ctx<'_> {
         Ok(())
     }
 
-    /// One call: journals the intent, calls, journals the result.
-    async fn call(&self, worker_id: &str, action: Action) -> Result<CallResult, Error> {
-        let mut out = None;
-        self.call_many(vec![(worker_id.to_string(), action)], 1, |_, r| {
-            out = Some(r.clone());
+    /// Performs one engine call for every worker of `call` (they share the engine) and gives
+    /// each its result, naming it in the error.
+    async fn perform_call(&self, call: EngineCall, timeout: Duration) -> Vec<(String, CallResult)> {
+        let EngineCall {
+            workers,
+            action,
+            endpoint,
+        } = call;
+        let t0 = Instant::now();
+        let first = workers.first().cloned().unwrap_or_default();
+        let seen = self.rejoined(&first);
+        let mut result = match &endpoint {
+            None => failed(format!("worker {first} has no engine endpoint")),
+            Some(ep) if ep.no_model && matches!(action, Action::Generate) => CallResult {
+                ok: true,
+                message: "skipped: the engine declared no model (it only holds weights)".into(),
+                ..CallResult::default()
+            },
+            Some(ep) => {
+                let engine = Engine::new(&self.http, ep, timeout);
+                tokio::select! {
+                    r = perform(&engine, &action, &self.spec, timeout, &self.http) => r,
+                    why = self.reregistration(&first, seen) => failed(why),
+                }
+            }
+        };
+        result.seconds = t0.elapsed().as_secs_f64();
+        if workers.len() > 1 {
+            result.message = format!(
+                "one call for the {} workers of engine {}: {}",
+                workers.len(),
+                endpoint.as_ref().map_or("?", |e| e.system_url.as_str()),
+                result.message
+            );
+        }
+        let error = std::mem::take(&mut result.error);
+        workers
+            .into_iter()
+            .map(|w| {
+                let mut r = result.clone();
+                if !r.ok {
+                    r.error = format!("worker {w}: {action}: {error}");
+                    tracing::warn!(refit = self.id, worker = w, "{}", r.error);
+                }
+                (w, r)
+            })
+            .collect()
+    }
+
+    /// `action` on a group of workers that share one engine (one engine call for all; a lone
+    /// worker is a group of one): the first failed result, else the first result.
+    async fn call_on(&self, ws: &[String], action: Action) -> Result<CallResult, Error> {
+        let calls = ws.iter().map(|w| (w.clone(), action.clone())).collect();
+        let (mut ok, mut bad) = (None, None);
+        self.call_many(calls, 0, |_, r| {
+            if !r.ok && bad.is_none() {
+                bad = Some(r.clone());
+            } else if ok.is_none() {
+                ok = Some(r.clone());
+            }
             true
         })
         .await?;
-        out.ok_or_else(|| Error::Task {
-            reason: format!("the call to worker {worker_id} gave no result"),
+        bad.or(ok).ok_or_else(|| Error::Task {
+            reason: format!("the call to workers {ws:?} gave no result"),
         })
     }
 
@@ -967,23 +1119,35 @@ async fn settle_each(ctx: &Ctx<'_>, ids: &[String], restore: bool) -> Result<Set
         + MIN_ROLLBACK_DEADLINE.max(Duration::from_millis(
             ctx.spec.call_timeout_ms.saturating_mul(4),
         ));
-    let settle = ids.iter().map(|w| async move {
+    // Workers sharing an engine (the ranks of one tensor-parallel engine) are settled together:
+    // one engine call each step, on behalf of all of them.
+    let endpoints = ctx.shared.read(|s| {
+        ids.iter()
+            .map(|w| s.worker_engine(w).and_then(|(e, _)| e))
+            .collect()
+    });
+    let groups = group_by_engine(
+        ids.iter().map(|w| (w.clone(), Action::Resume)).collect(),
+        endpoints,
+    );
+    let settle = groups.into_iter().map(|g| async move {
+        let ws = g.workers;
         let mut last = String::new();
         let mut pause = SETTLE_RETRY_FIRST;
         let mut away_since: Option<Instant> = None;
         while Instant::now() < deadline {
-            if !ctx.shared.connected(w) {
+            if let Some(w) = ws.iter().find(|w| !ctx.shared.connected(w)) {
                 let since = *away_since.get_or_insert_with(Instant::now);
                 if since.elapsed() >= DEPARTURE_GRACE {
-                    return Ok::<_, Error>(Some(Err(w.clone())));
+                    return Ok::<_, Error>(Some(Err((ws.clone(), w.clone()))));
                 }
                 tokio::time::sleep(Duration::from_millis(100)).await;
                 continue;
             }
             away_since = None;
-            match settle_one(ctx, w, restore, deadline).await? {
+            match settle_one(ctx, &ws, restore, deadline).await? {
                 Attempt::Done => return Ok(None),
-                Attempt::Fence(e) => return Ok(Some(Ok((w.clone(), format!("worker {w}: {e}"))))),
+                Attempt::Fence(e) => return Ok(Some(Ok((ws, e)))),
                 Attempt::Retry(e) => {
                     last = e;
                     let left = deadline.saturating_duration_since(Instant::now());
@@ -992,17 +1156,24 @@ async fn settle_each(ctx: &Ctx<'_>, ids: &[String], restore: bool) -> Result<Set
                 }
             }
         }
-        if !ctx.shared.connected(w) {
-            return Ok(Some(Err(w.clone())));
+        if let Some(w) = ws.iter().find(|w| !ctx.shared.connected(w)) {
+            let w = w.clone();
+            return Ok(Some(Err((ws, w))));
         }
-        Ok(Some(Ok((w.clone(), format!("worker {w}: {last}")))))
+        Ok(Some(Ok((ws, last))))
     });
     let mut out = Settled::default();
     for r in futures_util::future::join_all(settle).await {
         match r? {
             None => {}
-            Some(Ok(unsettled)) => out.unsettled.push(unsettled),
-            Some(Err(departed)) => out.departed.push(departed),
+            Some(Ok((ws, e))) => {
+                for w in ws {
+                    let why = format!("worker {w}: {e}");
+                    out.unsettled.push((w, why));
+                }
+            }
+            // One rank gone takes its engine's other ranks with it: none can be settled alone.
+            Some(Err((ws, _gone))) => out.departed.extend(ws),
         }
     }
     Ok(out)
@@ -1014,10 +1185,11 @@ async fn settle_each(ctx: &Ctx<'_>, ids: &[String], restore: bool) -> Result<Set
 /// that stage fails the previous version cannot be had: [`Attempt::Fence`].
 async fn settle_one(
     ctx: &Ctx<'_>,
-    w: &str,
+    ws: &[String],
     restore: bool,
     deadline: Instant,
 ) -> Result<Attempt, Error> {
+    let w = ws.first().map(String::as_str).unwrap_or_default();
     let gated = ctx.spec.orchestrator_gated;
     let resume = |r: CallResult| {
         if r.ok {
@@ -1030,7 +1202,7 @@ async fn settle_one(
         return Ok(if gated {
             Attempt::Done
         } else {
-            resume(ctx.call(w, Action::Resume).await?)
+            resume(ctx.call_on(ws, Action::Resume).await?)
         });
     }
     // This worker's record only: copying the whole refit per worker would make a rollback of a
@@ -1042,13 +1214,21 @@ async fn settle_one(
     }) else {
         return Ok(Attempt::Fence("not in the refit's set".into()));
     };
-    // A version not installed by mx (`disk:…`) cannot be applied again by mx: like no version.
-    let Some(prev) = previous.filter(|p| VersionId::from_engine(p).is_some()) else {
+    // A version not installed by mx (`disk:…`) cannot be applied again by mx: like no version;
+    // except on a vLLM running mx's backend, which retains whatever it held (its start-up
+    // checkpoint included) and restores it by id.
+    let restores_any = ctx.shared.read(|s| {
+        s.worker_engine(w)
+            .and_then(|(e, _)| e)
+            .is_some_and(|e| e.api == EngineApi::Vllm)
+    });
+    let Some(prev) = previous.filter(|p| restores_any || VersionId::from_engine(p).is_some())
+    else {
         // It held nothing before the refit: there is nothing to go back to, and nothing to
         // guard either: it is admitted only on the fleet's committed version. Its version is
         // read back (so what it holds is known), then it resumes.
         if apply_issued {
-            let r = ctx.call(w, Action::ReadVersion).await?;
+            let r = ctx.call_on(ws, Action::ReadVersion).await?;
             if !r.ok {
                 return Ok(Attempt::Retry(r.error));
             }
@@ -1056,11 +1236,11 @@ async fn settle_one(
         return Ok(if gated {
             Attempt::Done
         } else {
-            resume(ctx.call(w, Action::Resume).await?)
+            resume(ctx.call_on(ws, Action::Resume).await?)
         });
     };
     if !gated {
-        let r = ctx.call(w, Action::Pause).await?;
+        let r = ctx.call_on(ws, Action::Pause).await?;
         if !r.ok {
             return Ok(Attempt::Retry(r.error));
         }
@@ -1068,7 +1248,7 @@ async fn settle_one(
     let apply = Action::Apply {
         version: prev.clone(),
     };
-    let mut r = ctx.call(w, apply.clone()).await?;
+    let mut r = ctx.call_on(ws, apply.clone()).await?;
     if !r.ok {
         // The pinned copy may be gone: stage the previous version again from its sources.
         let Some(label) = ctx.shared.read(|s| s.label_of(&prev)) else {
@@ -1084,7 +1264,7 @@ async fn settle_one(
             "apply of the previous version failed: staging it again"
         );
         let until = tokio::time::Instant::from_std(deadline);
-        if let Some(why) = stage_and_wait(ctx, &label, &[w.to_string()], until).await? {
+        if let Some(why) = stage_and_wait(ctx, &label, ws, until).await? {
             // Sources that moved on will not serve it again: fence now. Otherwise (a source
             // restarting, a worker that restarted again) try again until the deadline.
             if let Some((slot, by)) = ctx.shared.read(|s| s.retired_by(&label)) {
@@ -1096,12 +1276,12 @@ async fn settle_one(
                 "its previous version {label} ({prev}) is not pinned and staging it again failed: {why}"
             )));
         }
-        r = ctx.call(w, apply).await?;
+        r = ctx.call_on(ws, apply).await?;
         if !r.ok {
             return Ok(Attempt::Retry(r.error));
         }
     }
-    let r = ctx.call(w, Action::ReadVersion).await?;
+    let r = ctx.call_on(ws, Action::ReadVersion).await?;
     if !r.ok {
         return Ok(Attempt::Retry(r.error));
     }
@@ -1115,7 +1295,7 @@ async fn settle_one(
     Ok(if gated {
         Attempt::Done
     } else {
-        resume(ctx.call(w, Action::Resume).await?)
+        resume(ctx.call_on(ws, Action::Resume).await?)
     })
 }
 
@@ -1148,3 +1328,8 @@ async fn recover(ctx: &Ctx<'_>) -> Result<(), Error> {
         _ => abort(ctx, why, true).await,
     }
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)] // reason: tests fail loudly on purpose
+#[path = "driver_tests.rs"]
+mod tests;

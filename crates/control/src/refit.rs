@@ -37,6 +37,11 @@ pub enum EngineApi {
     /// SGLang `POST {system_url}/engine/control/{route}` (update_weights_from_disk; pause and
     /// continue only where allowlisted; no version read-back).
     Sglang,
+    /// vLLM's native RL routes on its OpenAI-compatible server (`VLLM_SERVER_DEV_MODE=1`):
+    /// `POST {system_url}/pause`, `/start_weight_update`, `/update_weights`,
+    /// `/finish_weight_update`, `/reset_prefix_cache`, `/resume`, `GET /weight_info` (the
+    /// read-back) and `POST /v1/completions` for the post-update generation.
+    Vllm,
 }
 
 impl fmt::Display for EngineApi {
@@ -44,6 +49,7 @@ impl fmt::Display for EngineApi {
         f.write_str(match self {
             EngineApi::Dynamo => "dynamo",
             EngineApi::Sglang => "sglang",
+            EngineApi::Vllm => "vllm",
         })
     }
 }
@@ -54,7 +60,8 @@ impl std::str::FromStr for EngineApi {
         match s {
             "dynamo" => Ok(EngineApi::Dynamo),
             "sglang" => Ok(EngineApi::Sglang),
-            other => Err(format!("unknown engine api {other:?} (dynamo|sglang)")),
+            "vllm" => Ok(EngineApi::Vllm),
+            other => Err(format!("unknown engine api {other:?} (dynamo|sglang|vllm)")),
         }
     }
 }

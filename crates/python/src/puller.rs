@@ -9,7 +9,7 @@
 
 use std::net::SocketAddr;
 
-use mx_control::EngineApi;
+use mx_control::{EngineApi, EngineEndpoint, ModelLimits};
 use mx_layout::{DType, LayoutSpec, SourceManifest, VersionId};
 use mx_puller::{
     ApplyKind, ApplyReport, DestMemory, DestTensor, ExecOptions, HostRegion, StageReport,
@@ -334,6 +334,19 @@ impl Puller {
         self.call(py, Box::new(move |p, _| Ok(apply_json(&p.apply(id)?))))
     }
 
+    /// Declares that the registered memory holds version `version` (any id: the engine loaded
+    /// it itself, e.g. `disk:<dir>` at start-up); nothing is copied. Only before serving.
+    fn set_resident(&self, py: Python<'_>, version: Option<String>) -> PyResult<()> {
+        self.with(py, move |p, _| {
+            if p.served() {
+                return Err(mx_worker::Error::ServedPuller {
+                    what: "set_resident",
+                });
+            }
+            p.with(|p| p.set_resident(version))
+        })
+    }
+
     /// Restores the retained copy in place; a JSON report.
     fn rollback(&self, py: Python<'_>) -> PyResult<String> {
         self.call(py, Box::new(|p, _| Ok(apply_json(&p.rollback()?))))
@@ -445,6 +458,43 @@ impl Puller {
             }
         };
         self.with(py, move |p, rt| rt.block_on(p.serve(&worker_id, http, api)))
+    }
+
+    /// Follows the control plane as worker `worker_id` of `instance`, whose engine serves the
+    /// `engine_api` routes itself at `engine_url` (see `EmbeddedPuller::follow`); `limits` is
+    /// `(vocab_size, max_positions)` of the engine's model when it generates. Returns the URL.
+    #[pyo3(signature = (worker_id, instance, engine_url, engine_api, limits=None))]
+    fn follow(
+        &self,
+        py: Python<'_>,
+        worker_id: String,
+        instance: String,
+        engine_url: String,
+        engine_api: &str,
+        limits: Option<(u64, u64)>,
+    ) -> PyResult<String> {
+        let api = match engine_api {
+            "vllm" => EngineApi::Vllm,
+            "dynamo" => EngineApi::Dynamo,
+            "sglang" => EngineApi::Sglang,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "engine_api must be \"vllm\", \"dynamo\" or \"sglang\", got {other:?}"
+                )))
+            }
+        };
+        let engine = EngineEndpoint {
+            api,
+            system_url: engine_url,
+            no_model: false,
+        };
+        let limits = limits.map(|(vocab_size, max_positions)| ModelLimits {
+            vocab_size,
+            max_positions,
+        });
+        self.with(py, move |p, rt| {
+            rt.block_on(p.follow(&worker_id, &instance, engine, limits))
+        })
     }
 
     /// Stops serving (if served) and drops the puller; the registered memory stays the

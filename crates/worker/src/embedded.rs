@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use mx_control::client::ControlClient;
-use mx_control::EngineApi;
+use mx_control::{EngineApi, EngineEndpoint, ModelLimits};
 use mx_layout::{LayoutSpec, ModelInfo, RankLayout, SourceManifest, VersionId};
 use mx_puller::{ApplyReport, ExecOptions, Puller, PullerConfig, StageReport};
 
@@ -51,6 +51,8 @@ enum State {
     Served {
         inst: Instance,
         worker: Option<(Arc<Worker>, tokio::task::JoinHandle<()>)>,
+        /// Followed ([`EmbeddedPuller::follow`]): the engine's own routes apply and roll back.
+        engine_driven: bool,
     },
     /// Only while switching from `Bare` to `Served` (a panic there leaves it).
     Switching,
@@ -205,12 +207,17 @@ impl EmbeddedPuller {
 
     /// Once served, staging, applying and rolling back are the control plane's (a refit):
     /// done behind its back they would replace what it staged or leave its record of this
-    /// worker's resident version wrong.
+    /// worker's resident version wrong. A followed puller's engine applies and rolls back
+    /// itself: that is how the refit's APPLY, sent to the engine's routes, reaches it.
     fn not_served(&self, what: &'static str) -> Result<(), Error> {
-        if self.served() {
-            return Err(Error::ServedPuller { what });
+        match &self.state {
+            State::Served {
+                engine_driven: true,
+                ..
+            } if what != "stage" => Ok(()),
+            _ if self.served() => Err(Error::ServedPuller { what }),
+            _ => Ok(()),
         }
-        Ok(())
     }
 
     /// Restores the retained copy in place (a rollback to the version applied before).
@@ -258,6 +265,47 @@ impl EmbeddedPuller {
         listen: SocketAddr,
         engine_api: EngineApi,
     ) -> Result<String, Error> {
+        self.start_worker(worker_id, worker_id, listen, engine_api, None)
+            .await
+    }
+
+    /// Follows the control plane as worker `worker_id` of inference instance `instance`, whose
+    /// engine serves the contract's routes itself at `engine.system_url` (a vLLM server with mx
+    /// as its weight-transfer backend): registration with that endpoint and `model_limits`, and
+    /// the command stream (the control plane stages versions into this puller) on the current
+    /// tokio runtime in the background. Unlike [`EmbeddedPuller::serve`], the engine keeps
+    /// applying and rolling back itself ([`EmbeddedPuller::apply`], [`EmbeddedPuller::rollback`]):
+    /// its routes are how a refit's APPLY reaches this puller. Returns once the control plane
+    /// reports the worker connected.
+    ///
+    /// # Errors
+    /// As [`EmbeddedPuller::serve`], without [`Error::Bind`].
+    pub async fn follow(
+        &mut self,
+        worker_id: &str,
+        instance: &str,
+        engine: EngineEndpoint,
+        model_limits: Option<ModelLimits>,
+    ) -> Result<String, Error> {
+        let any: SocketAddr = ([127, 0, 0, 1], 0).into();
+        self.start_worker(
+            worker_id,
+            instance,
+            any,
+            engine.api,
+            Some((engine, model_limits)),
+        )
+        .await
+    }
+
+    async fn start_worker(
+        &mut self,
+        worker_id: &str,
+        instance: &str,
+        listen: SocketAddr,
+        engine_api: EngineApi,
+        external: Option<(EngineEndpoint, Option<ModelLimits>)>,
+    ) -> Result<String, Error> {
         self.client()?;
         let control = self.control_url().unwrap_or_default().to_string();
         match &self.state {
@@ -277,9 +325,11 @@ impl EmbeddedPuller {
             State::Served { inst, .. } => inst,
             State::Switching => return Err(Error::Task("the puller was lost".into())),
         };
+        let engine_driven = external.is_some();
         self.state = State::Served {
             inst: inst.clone(),
             worker: None,
+            engine_driven,
         };
         let cfg = WorkerConfig {
             control,
@@ -287,7 +337,7 @@ impl EmbeddedPuller {
             layout: self.layout,
             ranks: self.ranks.clone(),
             worker_id: worker_id.to_string(),
-            instance: worker_id.to_string(),
+            instance: instance.to_string(),
             http: listen,
             engine_api,
             failpoints: false,
@@ -295,7 +345,11 @@ impl EmbeddedPuller {
             load: None,
             load_version: None,
         };
-        let w = Arc::new(Worker::serve(cfg, inst.clone()).await?);
+        let w = match external {
+            None => Worker::serve(cfg, inst.clone()).await?,
+            Some((engine, limits)) => Worker::attach(cfg, inst.clone(), engine, limits).await?,
+        };
+        let w = Arc::new(w);
         let url = w.http_url();
         let runner = tokio::spawn({
             let w = Arc::clone(&w);
@@ -308,6 +362,7 @@ impl EmbeddedPuller {
         self.state = State::Served {
             inst,
             worker: Some((w, runner)),
+            engine_driven,
         };
         self.wait_connected(worker_id).await?;
         Ok(url)
@@ -349,10 +404,22 @@ impl EmbeddedPuller {
         )
     }
 
+    /// True once [`EmbeddedPuller::follow`] started a worker (the engine applies itself).
+    pub fn followed(&self) -> bool {
+        matches!(
+            self.state,
+            State::Served {
+                worker: Some(_),
+                engine_driven: true,
+                ..
+            }
+        )
+    }
+
     /// Stops serving, if served: the routes answer 410 Gone with `reason`, the command stream
     /// ends. Idempotent. Call it inside the runtime that served the worker.
     pub async fn stop_serving(&mut self, reason: &str) {
-        if let State::Served { inst, worker } = &mut self.state {
+        if let State::Served { inst, worker, .. } = &mut self.state {
             inst.retire(reason.to_string());
             if let Some((w, runner)) = worker.take() {
                 runner.abort();

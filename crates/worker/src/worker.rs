@@ -56,11 +56,34 @@ pub struct WorkerConfig {
     pub load_version: Option<String>,
 }
 
+/// Where the engine routes the control plane calls live.
+enum Routes {
+    /// Served by this process over the instance ([`Worker::serve`]).
+    Served(HttpServer),
+    /// Served by the engine itself, e.g. a vLLM server whose weight-transfer backend embeds this
+    /// worker ([`Worker::attach`]): the base URL, and whether the engine runs a model the
+    /// control plane can generate with.
+    External {
+        url: String,
+        no_model: bool,
+        model_limits: Option<mx_control::ModelLimits>,
+    },
+}
+
+impl Routes {
+    fn url(&self) -> String {
+        match self {
+            Routes::Served(h) => h.url(),
+            Routes::External { url, .. } => url.clone(),
+        }
+    }
+}
+
 /// One inference instance connected to the control plane.
 pub struct Worker {
     cfg: WorkerConfig,
     inst: Instance,
-    http: HttpServer,
+    routes: Routes,
     client: Mutex<ControlClient>,
     /// Drawn once per process: the control plane tells this process's registrations from
     /// another process's under the same worker id by it.
@@ -74,7 +97,7 @@ impl std::fmt::Debug for Worker {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Worker")
             .field("worker_id", &self.cfg.worker_id)
-            .field("http", &self.http.url())
+            .field("engine", &self.routes.url())
             .field("incarnation", &format_args!("{:#x}", self.incarnation))
             .finish_non_exhaustive()
     }
@@ -137,12 +160,47 @@ impl Worker {
             url = http.url(),
             "engine HTTP routes served"
         );
+        Worker::with_routes(cfg, inst, Routes::Served(http)).await
+    }
+
+    /// Follows the control plane for `inst`, whose engine serves its own routes at
+    /// `engine.system_url` (e.g. a vLLM server with mx as its weight-transfer backend): no HTTP
+    /// server is started; the worker registers `engine` as its endpoint (`cfg.http` and
+    /// `cfg.engine_api` are not used) and [`Worker::run`] follows the command stream, staging
+    /// what the control plane asks. Applies come through the engine's own routes, which call
+    /// back into the instance's puller.
+    ///
+    /// # Errors
+    /// As [`Worker::serve`], without [`Error::Bind`].
+    pub async fn attach(
+        cfg: WorkerConfig,
+        inst: Instance,
+        engine: EngineEndpoint,
+        model_limits: Option<mx_control::ModelLimits>,
+    ) -> Result<Worker, Error> {
+        let cfg = WorkerConfig {
+            engine_api: engine.api,
+            ..cfg
+        };
+        let routes = Routes::External {
+            url: engine.system_url,
+            no_model: engine.no_model,
+            model_limits,
+        };
+        Worker::with_routes(cfg, inst, routes).await
+    }
+
+    async fn with_routes(
+        cfg: WorkerConfig,
+        inst: Instance,
+        routes: Routes,
+    ) -> Result<Worker, Error> {
         let incarnation = mx_control::client::random_u64();
         let client = ControlClient::connect_lazy(&cfg.control)?.with_incarnation(incarnation);
         let w = Worker {
             cfg,
             inst,
-            http,
+            routes,
             client: Mutex::new(client.clone()),
             incarnation,
             registered: AtomicBool::new(false),
@@ -169,9 +227,10 @@ impl Worker {
         Ok(w)
     }
 
-    /// The base URL of the engine routes, `http://host:port`.
+    /// The base URL of the engine routes, `http://host:port` (the engine's own for a
+    /// [`Worker::attach`]ed one).
     pub fn http_url(&self) -> String {
-        self.http.url()
+        self.routes.url()
     }
 
     /// The inference instance (version store, engine, gate).
@@ -202,11 +261,17 @@ impl Worker {
                 layout: self.cfg.layout,
                 engine: Some(EngineEndpoint {
                     api: self.cfg.engine_api,
-                    system_url: self.http.url(),
-                    no_model: self.inst.no_model(),
+                    system_url: self.routes.url(),
+                    no_model: match &self.routes {
+                        Routes::Served(_) => self.inst.no_model(),
+                        Routes::External { no_model, .. } => *no_model,
+                    },
                 }),
                 resident_version: self.inst.resident_version(),
-                model_limits: self.inst.model_limits(),
+                model_limits: match &self.routes {
+                    Routes::Served(_) => self.inst.model_limits(),
+                    Routes::External { model_limits, .. } => *model_limits,
+                },
             })
             .await;
         res.map_err(|e| self.displaced_or(e))

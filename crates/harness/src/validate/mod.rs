@@ -223,8 +223,8 @@ impl Fleet {
     }
 
     /// The version each engine holds, asked from the engine itself: Dynamo's
-    /// get_weight_version; for SGLang (no read-back) the version whose golden tokens its
-    /// generation reproduces.
+    /// get_weight_version, vLLM's `GET /weight_info`; for SGLang (no read-back) the version whose
+    /// golden tokens its generation reproduces.
     async fn engine_versions(&self) -> anyhow::Result<BTreeMap<String, String>> {
         let mut out = BTreeMap::new();
         let st = self.status().await?;
@@ -242,6 +242,14 @@ impl Fleet {
                 .get_weight_version()
                 .await
                 .unwrap_or_else(|err| format!("(error: {err})")),
+                mx_control::EngineApi::Vllm => {
+                    let c =
+                        mx_adapters::vllm::VllmClient::new(&e.system_url, Duration::from_secs(60));
+                    match c.weight_version().await {
+                        Ok(v) => v.unwrap_or_else(|| "(no weight version)".into()),
+                        Err(err) => format!("(error: {err})"),
+                    }
+                }
                 mx_control::EngineApi::Sglang => match self.rollout(w).await {
                     Ok(tokens) => self
                         .versions

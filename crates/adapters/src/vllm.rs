@@ -1,0 +1,356 @@
+//! Client for vLLM's native RL routes on one OpenAI-compatible server (vLLM 0.32.0, started
+//! with `VLLM_SERVER_DEV_MODE=1`; no discovery, one client per server).
+//!
+//! The contract, from vLLM 0.32.0's `vllm/entrypoints/rl/online/api_router.py` and
+//! `vllm/entrypoints/serve/dev/cache/api_router.py` (routes at the server's root):
+//!
+//! - `POST /pause?mode=keep|wait|abort&clear_cache=false`, no body: 200 `{"status": "paused"}`.
+//! - `POST /start_weight_update`, no body: 200 `{"message": "Weight update started"}`.
+//! - `POST /update_weights` with `{"update_info": {"version_id": "mx:<64 hex>"}}`: 200
+//!   `{"message": "Weights updated"}`.
+//! - `POST /finish_weight_update` with `{"weight_version": "mx:<64 hex>"}`: 200
+//!   `{"message": "Weight update finished"}`.
+//! - `GET /weight_info`: 200 `{"weight_version": "<str>" | null}` (the read-back).
+//! - `POST /reset_prefix_cache?reset_running_requests=false`, no body: 200 `{"success": bool}`.
+//! - `POST /resume`, no body: 200 `{"status": "resumed"}`.
+//! - `GET /is_paused`: 200 `{"is_paused": bool}`.
+//! - `POST /v1/completions` with `{"prompt": [token ids], "max_tokens": n, "temperature": 0,
+//!   "return_token_ids": true, "ignore_eos": true}` (no `model`: optional on a server serving
+//!   one): 200 `{"choices": [{"token_ids": [token ids], ...}], ...}` with exactly one choice.
+//!
+//! Failures: `/pause` answers 400 `{"error": msg}` for a bad mode and 500 `{"error": msg}` when
+//! the engine fails; the weight-update routes let an engine exception through, which FastAPI
+//! answers with HTTP 500 (plain text `Internal Server Error`, or JSON `{"detail": ...}` /
+//! `{"error": ...}`). Every non-200 answer is [`Error::Status`] carrying the body's first 512
+//! bytes, whatever its shape. A 200 whose body lacks a required field (or, for `/pause` and
+//! `/resume`, carries another `status`) is [`Error::BadResponse`]; fields the contract does not
+//! name are ignored, since servers add some. `/reset_prefix_cache` answers `success: false`
+//! while KV blocks are still held (running requests, in-flight offloads): it is retried
+//! [`RESET_PREFIX_CACHE_TRIES`] times, [`RESET_PREFIX_CACHE_RETRY`] apart, within the call's
+//! deadline, then reported as [`Error::Engine`].
+//!
+//! When `update_weights` raises, vLLM's worker aborts the weight-update session itself: no
+//! cleanup call is needed before a retry. The `update_info` payload is handed as-is to the
+//! weight-transfer backend the server was started with; mx's backend must read `version_id`.
+//!
+//! Every call has the client's timeout as its deadline ([`Error::Timeout`]).
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::dynamo::PauseMode;
+use crate::generate::Generation;
+use crate::{post_typed, send_typed, Error};
+
+/// How many times [`VllmClient::reset_prefix_cache`] asks before giving up.
+pub const RESET_PREFIX_CACHE_TRIES: u32 = 5;
+/// The pause between two of those tries.
+pub const RESET_PREFIX_CACHE_RETRY: Duration = Duration::from_millis(100);
+
+/// `/pause` and `/resume` answer: `{"status": "paused"}` / `{"status": "resumed"}`.
+#[derive(Debug, Deserialize)]
+struct StatusReply {
+    status: String,
+}
+
+/// The weight-update routes' answer.
+#[derive(Debug, Deserialize)]
+struct MessageReply {
+    message: String,
+}
+
+/// `/update_weights` request.
+#[derive(Debug, Serialize)]
+struct UpdateWeightsRequest<'a> {
+    update_info: UpdateInfo<'a>,
+}
+
+/// What mx's weight-transfer backend reads from `update_info`.
+#[derive(Debug, Serialize)]
+struct UpdateInfo<'a> {
+    version_id: &'a str,
+}
+
+/// `/finish_weight_update` request.
+#[derive(Debug, Serialize)]
+struct FinishRequest<'a> {
+    weight_version: &'a str,
+}
+
+/// `/weight_info` answer: `weight_version` must be present, null allowed.
+#[derive(Debug, Deserialize)]
+struct WeightInfo {
+    #[serde(deserialize_with = "required_nullable")]
+    weight_version: Option<String>,
+}
+
+/// Makes an `Option` field required (present, possibly null): serde treats a missing
+/// `Option` field as `None` unless the field has its own deserializer.
+fn required_nullable<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+    Option::<String>::deserialize(d)
+}
+
+/// `/reset_prefix_cache` answer.
+#[derive(Debug, Deserialize)]
+struct ResetReply {
+    success: bool,
+}
+
+/// `/is_paused` answer.
+#[derive(Debug, Deserialize)]
+struct IsPausedReply {
+    is_paused: bool,
+}
+
+/// `/v1/completions` request (greedy, token ids in and out; `model` is optional for a server
+/// serving one model).
+#[derive(Debug, Serialize)]
+struct CompletionRequest<'a> {
+    prompt: &'a [u32],
+    max_tokens: u32,
+    temperature: u32,
+    return_token_ids: bool,
+    ignore_eos: bool,
+}
+
+/// `/v1/completions` answer.
+#[derive(Debug, Deserialize)]
+struct CompletionReply {
+    choices: Vec<CompletionChoice>,
+    #[serde(default)]
+    usage: Option<Usage>,
+}
+
+/// One choice; `token_ids` is required (the request asked for it).
+#[derive(Debug, Deserialize)]
+struct CompletionChoice {
+    #[serde(deserialize_with = "required_token_ids")]
+    token_ids: Vec<u32>,
+}
+
+fn required_token_ids<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<u32>, D::Error> {
+    Option::<Vec<u32>>::deserialize(d)?.ok_or_else(|| serde::de::Error::custom("token_ids is null"))
+}
+
+#[derive(Debug, Deserialize)]
+struct Usage {
+    #[serde(default)]
+    prompt_tokens_details: Option<PromptTokensDetails>,
+}
+
+#[derive(Debug, Deserialize)]
+struct PromptTokensDetails {
+    #[serde(default)]
+    cached_tokens: Option<u64>,
+}
+
+/// One vLLM server's RL and completion routes.
+#[derive(Debug, Clone)]
+pub struct VllmClient {
+    http: reqwest::Client,
+    base_url: String,
+    timeout: Duration,
+}
+
+impl VllmClient {
+    /// A client for the server at `base_url` (e.g. `http://127.0.0.1:8000`); every call has
+    /// `timeout` as its deadline.
+    pub fn new(base_url: &str, timeout: Duration) -> VllmClient {
+        VllmClient::with_client(reqwest::Client::new(), base_url, timeout)
+    }
+
+    /// As [`VllmClient::new`], sharing `http` (and its kept-alive connections) with other
+    /// clients.
+    pub fn with_client(http: reqwest::Client, base_url: &str, timeout: Duration) -> VllmClient {
+        VllmClient {
+            http,
+            base_url: base_url.trim_end_matches('/').to_string(),
+            timeout,
+        }
+    }
+
+    /// The server's base URL.
+    pub fn base_url(&self) -> &str {
+        &self.base_url
+    }
+
+    fn url(&self, route: &str) -> String {
+        format!("{}/{route}", self.base_url)
+    }
+
+    /// `POST {url}` without a body, requiring `{"status": want}`.
+    async fn post_status(&self, url: &str, want: &str) -> Result<(), Error> {
+        let r: StatusReply = self.post_empty(url).await?;
+        if r.status == want {
+            Ok(())
+        } else {
+            Err(Error::BadResponse {
+                url: url.to_string(),
+                reason: format!("status is {:?}, not {want:?}", r.status),
+            })
+        }
+    }
+
+    /// `POST {url}` without a body.
+    async fn post_empty<Resp: serde::de::DeserializeOwned>(
+        &self,
+        url: &str,
+    ) -> Result<Resp, Error> {
+        send_typed(url, self.http.post(url), self.timeout).await
+    }
+
+    /// `POST /pause?mode=<mode>&clear_cache=false`: gates generation; `mode` says what happens to
+    /// in-flight requests.
+    ///
+    /// # Errors
+    /// [`Error::Status`] for a non-200 answer (400 for a mode the server rejects, 500 when the
+    /// engine fails), [`Error::BadResponse`] unless the body is `{"status": "paused"}`,
+    /// [`Error::Timeout`], [`Error::Http`].
+    pub async fn pause(&self, mode: PauseMode) -> Result<(), Error> {
+        let url = self.url(&format!("pause?mode={}&clear_cache=false", mode.as_str()));
+        self.post_status(&url, "paused").await
+    }
+
+    /// `POST /resume`.
+    ///
+    /// # Errors
+    /// As [`VllmClient::pause`], the body being `{"status": "resumed"}`.
+    pub async fn resume(&self) -> Result<(), Error> {
+        self.post_status(&self.url("resume"), "resumed").await
+    }
+
+    /// `GET /is_paused`.
+    ///
+    /// # Errors
+    /// As [`VllmClient::pause`], the body being `{"is_paused": bool}`.
+    pub async fn is_paused(&self) -> Result<bool, Error> {
+        let url = self.url("is_paused");
+        let r: IsPausedReply = send_typed(&url, self.http.get(&url), self.timeout).await?;
+        Ok(r.is_paused)
+    }
+
+    /// `POST /start_weight_update`: opens a weight-update session; returns the engine's message.
+    ///
+    /// # Errors
+    /// [`Error::Status`] with the body for a non-200 answer (an engine exception is HTTP 500),
+    /// [`Error::BadResponse`] when the body has no `message`, [`Error::Timeout`],
+    /// [`Error::Http`].
+    pub async fn start_weight_update(&self) -> Result<String, Error> {
+        let r: MessageReply = self.post_empty(&self.url("start_weight_update")).await?;
+        Ok(r.message)
+    }
+
+    /// `POST /update_weights` with `{"update_info": {"version_id": version}}`: the server's
+    /// weight-transfer backend installs `version` (an `mx:<hex>` version id); returns the
+    /// engine's message.
+    ///
+    /// # Errors
+    /// As [`VllmClient::start_weight_update`].
+    pub async fn update_weights(&self, version: &str) -> Result<String, Error> {
+        let body = UpdateWeightsRequest {
+            update_info: UpdateInfo {
+                version_id: version,
+            },
+        };
+        let r: MessageReply =
+            post_typed(&self.http, &self.url("update_weights"), &body, self.timeout).await?;
+        Ok(r.message)
+    }
+
+    /// `POST /finish_weight_update` with `{"weight_version": version}`: closes the session and
+    /// records `version` as the engine's weight version; returns the engine's message.
+    ///
+    /// # Errors
+    /// As [`VllmClient::start_weight_update`].
+    pub async fn finish_weight_update(&self, version: &str) -> Result<String, Error> {
+        let body = FinishRequest {
+            weight_version: version,
+        };
+        let url = self.url("finish_weight_update");
+        let r: MessageReply = post_typed(&self.http, &url, &body, self.timeout).await?;
+        Ok(r.message)
+    }
+
+    /// `GET /weight_info`: the weight version the engine reports (`None` when it has none).
+    ///
+    /// # Errors
+    /// As [`VllmClient::pause`]; [`Error::BadResponse`] when `weight_version` is absent or
+    /// neither a string nor null.
+    pub async fn weight_version(&self) -> Result<Option<String>, Error> {
+        let url = self.url("weight_info");
+        let r: WeightInfo = send_typed(&url, self.http.get(&url), self.timeout).await?;
+        Ok(r.weight_version)
+    }
+
+    /// `POST /reset_prefix_cache?reset_running_requests=false`, asked again while the engine
+    /// answers `success: false` (blocks still held), up to [`RESET_PREFIX_CACHE_TRIES`] times
+    /// [`RESET_PREFIX_CACHE_RETRY`] apart and within the client's deadline.
+    ///
+    /// # Errors
+    /// [`Error::Engine`] when every try answered `success: false`; as [`VllmClient::pause`]
+    /// otherwise ([`Error::Timeout`] when the deadline passes during a try).
+    pub async fn reset_prefix_cache(&self) -> Result<(), Error> {
+        let url = self.url("reset_prefix_cache?reset_running_requests=false");
+        let deadline = tokio::time::Instant::now() + self.timeout;
+        let mut tries = 0;
+        loop {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            let r: ResetReply = send_typed(&url, self.http.post(&url), left).await?;
+            tries += 1;
+            if r.success {
+                return Ok(());
+            }
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            if tries >= RESET_PREFIX_CACHE_TRIES || left <= RESET_PREFIX_CACHE_RETRY {
+                return Err(Error::Engine {
+                    url,
+                    message: format!(
+                        "the prefix cache was not reset after {tries} tries (success: false: \
+                         blocks are still held by running requests or transfers)"
+                    ),
+                });
+            }
+            tokio::time::sleep(RESET_PREFIX_CACHE_RETRY).await;
+        }
+    }
+
+    /// Greedy decoding of `max_tokens` after `prompt` over `POST /v1/completions`
+    /// (`ignore_eos`, so exactly `max_tokens` come back unless a stop condition of the server
+    /// applies). `weight_version` is `None` (the answer does not carry it); `cached_tokens` is
+    /// `usage.prompt_tokens_details.cached_tokens` where the server reports it, else 0.
+    ///
+    /// # Errors
+    /// [`Error::Status`] for a non-200 answer, [`Error::BadResponse`] unless the answer has
+    /// exactly one choice whose `token_ids` are u32 token ids, [`Error::Timeout`],
+    /// [`Error::Http`].
+    pub async fn complete(&self, prompt: &[u32], max_tokens: u32) -> Result<Generation, Error> {
+        let url = self.url("v1/completions");
+        let body = CompletionRequest {
+            prompt,
+            max_tokens,
+            temperature: 0,
+            return_token_ids: true,
+            ignore_eos: true,
+        };
+        let r: CompletionReply = post_typed(&self.http, &url, &body, self.timeout).await?;
+        let cached_tokens = r
+            .usage
+            .and_then(|u| u.prompt_tokens_details)
+            .and_then(|d| d.cached_tokens)
+            .unwrap_or(0);
+        let n = r.choices.len();
+        let mut choices = r.choices.into_iter();
+        match (choices.next(), n) {
+            (Some(c), 1) => Ok(Generation {
+                output_ids: c.token_ids,
+                weight_version: None,
+                cached_tokens,
+            }),
+            _ => Err(Error::BadResponse {
+                url,
+                reason: format!("{n} choices, the request asks for exactly one"),
+            }),
+        }
+    }
+}

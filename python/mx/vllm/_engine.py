@@ -1,0 +1,398 @@
+"""The engine side of mx's vLLM weight-transfer backend (``"backend": "mx"``).
+
+One :class:`MxWeightTransferEngine` lives in every vLLM worker process (one per
+tensor-parallel rank). At ``init_transfer_engine`` it:
+
+1. derives the rank's destination layout from the vLLM model (a placeholder pass through its
+   weight loaders, :mod:`mx.vllm._layout`) and compares it with mx-layout's vLLM rules
+   (``tp:N``: fused ``qkv_proj``/``gate_up_proj``, column/row splits); any disagreement fails
+   init naming the parameter;
+2. allocates the rank's parameters in vLLM's layout on the host (``rank_bytes``: the bytes of
+   this rank only), fills them with the checkpoint vLLM loaded at start-up (resident as
+   ``disk:<model dir>``), and registers them with an :class:`mx.Puller`;
+3. follows the control plane as worker ``<instance_id>-tp<rank>`` of instance
+   ``instance_id`` whose engine routes are vLLM's own at ``engine_url``: the control plane
+   stages versions into the puller over its command stream (pull + verify, while vLLM keeps
+   generating).
+
+A refit's APPLY calls the server's ``/start_weight_update``, ``/update_weights`` with
+``{"update_info": {"version_id": V}}`` and ``/finish_weight_update``; ``update_weights``
+installs V at that safe point: the puller copies it from staging into the host parameters
+(retaining the previous version: the rollback source), then vLLM takes it in one of two ways:
+
+- ``install="reload"`` (the default on CPU, where vLLM repacks Linear weights after loading and
+  the parameters it created are empty): vLLM's layerwise reload, fed checkpoint-format tensors
+  that are full-shaped but hold only this rank's slices (vLLM's loaders read nothing else), in
+  decoder-layer order. Cost per install: one pass of vLLM's loaders and its repacking over the
+  rank's bytes, plus one transient full-shaped tensor per checkpoint tensor of one layer.
+- ``install="inplace"`` (the default on GPU, where parameters keep their memory): a copy of the
+  rank's bytes into the parameters in place, nothing else.
+
+Resident memory beside vLLM's own weights: the rank's bytes (host parameters) + the retained
+previous version (``retain``, 1x) + staging (at most 1x while a version is staged).
+
+A failed install puts the previous version back before the error is returned (the puller
+restores its retained copy and vLLM reloads it), so vLLM never serves a half-installed version;
+the control plane then rolls the refit back. A rollback (``update_weights`` naming the
+retained version) installs the retained host copy: no pull.
+
+Failpoint for tests: with ``MX_VLLM_FAILPOINT_FILE=PATH`` in the server's environment, an
+install finding ``install_after:N`` in that file deletes it and raises after N checkpoint
+tensors were loaded (so at least one decoder layer was reloaded, with N >= 10 on llama).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+from vllm.logger import init_logger
+
+from .._memory import _error
+from .._model import Model
+from .._puller import Puller
+from . import _layout
+
+logger = init_logger("vllm.mx")
+
+INSTALL_MODES = ("auto", "reload", "inplace")
+
+
+def _need(cond: bool, field: str, what: str) -> None:
+    if not cond:
+        raise ValueError(f"mx init_info.{field}: {what}")
+
+
+@dataclass
+class MxInitInfo(WeightTransferInitInfo):
+    """``init_info`` of ``POST /init_weight_transfer_engine`` for the mx backend.
+
+    Attributes:
+        control_url: the mx control plane, ``http://host:port``.
+        instance_id: this vLLM server's instance name in the fleet; its workers register as
+            ``<instance_id>-tp<rank>``.
+        engine_url: this vLLM server's base URL as the control plane reaches it
+            (``http://host:port``): where refits call the native RL routes.
+        retain: keep a host copy of the previous version (1x the rank's bytes) so a rollback
+            needs no source.
+        install: ``"reload"`` (vLLM's layerwise reload), ``"inplace"`` (copy into the
+            parameters) or ``"auto"`` (in place on GPU, reload otherwise).
+        fill_nan: fill the parts of the reload tensors that belong to other ranks with NaN
+            instead of leaving them uninitialized (a check that vLLM reads only this rank's
+            slices; costs a memset per tensor).
+        check_layout: run the placeholder pass and compare with mx's layout (default on).
+    """
+
+    control_url: str
+    instance_id: str
+    engine_url: str
+    retain: bool = True
+    install: str = "auto"
+    fill_nan: bool = False
+    check_layout: bool = True
+
+    def __post_init__(self) -> None:
+        for f in ("control_url", "instance_id", "engine_url"):
+            v = getattr(self, f)
+            _need(isinstance(v, str) and v != "", f, f"must be a non-empty string, got {v!r}")
+        for f in ("control_url", "engine_url"):
+            v = getattr(self, f)
+            _need(v.startswith(("http://", "https://")), f, f"must be an http(s) URL, got {v!r}")
+        for f in ("retain", "fill_nan", "check_layout"):
+            v = getattr(self, f)
+            _need(isinstance(v, bool), f, f"must be true or false, got {v!r}")
+        _need(self.install in INSTALL_MODES, "install", f"must be one of {INSTALL_MODES}")
+
+
+@dataclass
+class MxUpdateInfo(WeightTransferUpdateInfo):
+    """``update_info`` of ``POST /update_weights`` for the mx backend.
+
+    Attributes:
+        version_id: the version to install: an mx version id ``mx:<64 hex>`` staged on every
+            rank (or resident already), or the retained previous version's id (a rollback,
+            e.g. ``disk:<model dir>`` for the weights vLLM started with).
+    """
+
+    version_id: str
+
+    def __post_init__(self) -> None:
+        v = self.version_id
+        if not isinstance(v, str) or not v:
+            raise ValueError(f"mx update_info.version_id: must be a non-empty string, got {v!r}")
+
+
+class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
+    """mx's weight-transfer engine for one vLLM worker (see the module docs)."""
+
+    init_info_cls = MxInitInfo
+    update_info_cls = MxUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config, vllm_config, device, model) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self._puller: Puller | None = None
+        self._rank = 0
+        self._infos: list = []
+        self._params: dict[str, torch.Tensor] = {}
+        self._view: _layout.CheckpointView | None = None
+        self._mode = "reload"
+        self._fill_nan = False
+        self._reloading = False
+        self.last_install: dict[str, Any] = {}
+
+    # --- init ------------------------------------------------------------------------------
+    def init_transfer_engine(self, init_info: MxInitInfo) -> None:
+        if self._puller is not None:
+            raise RuntimeError("mx: the weight-transfer engine is initialized already")
+        from vllm.distributed.parallel_state import (
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
+        )
+
+        pc = self.parallel_config
+        if pc.pipeline_parallel_size != 1:
+            raise ValueError(
+                f"mx: pipeline parallelism ({pc.pipeline_parallel_size} stages) is not supported"
+            )
+        tp, rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
+        model_dir = str(self.model_config.model)
+        if not os.path.isdir(model_dir):
+            raise ValueError(f"mx: vLLM's model {model_dir!r} is not a local checkpoint directory")
+        t0 = time.perf_counter()
+        mx_model = Model.from_dir(model_dir)
+        checkpoint = [(t.name, t.dtype, tuple(t.shape)) for t in mx_model.tensors]
+        puller = Puller(
+            init_info.control_url,
+            model=mx_model,
+            layout=f"tp:{tp}",
+            ranks=[rank],
+            retain=init_info.retain,
+        )
+        try:
+            infos = puller.params(rank)
+            t1 = time.perf_counter()
+            if init_info.check_layout:
+                self._check_layout(rank, infos, checkpoint)
+            t2 = time.perf_counter()
+            mode = init_info.install
+            if mode == "auto":
+                mode = "inplace" if self.device.type == "cuda" else "reload"
+            if mode == "inplace":
+                self._check_in_place(infos)
+            params = {
+                p.name: torch.empty(p.shape, dtype=_layout.torch_dtype(p.dtype)) for p in infos
+            }
+            _layout.read_rank(model_dir, infos, params)
+            puller.register(rank, params)
+            puller.set_resident(f"disk:{model_dir}")
+            worker_id = f"{init_info.instance_id}-tp{rank}"
+            limits = (self.model_config.get_vocab_size(), self.model_config.max_model_len)
+            puller.follow(
+                worker_id,
+                instance=init_info.instance_id,
+                engine_url=init_info.engine_url,
+                engine_api="vllm",
+                limits=limits,
+            )
+        except BaseException:
+            puller.close()
+            raise
+        self._puller, self._rank, self._infos, self._params = puller, rank, infos, params
+        self._view = _layout.CheckpointView(infos, params, checkpoint)
+        self._mode, self._fill_nan = mode, init_info.fill_nan
+        logger.info(
+            "mx: rank %d of tp:%d follows %s as %s (install %s; %d parameters, %d bytes; "
+            "layout checked in %.2f s, set up in %.2f s)",
+            rank,
+            tp,
+            init_info.control_url,
+            worker_id,
+            mode,
+            len(infos),
+            sum(p.nbytes for p in infos),
+            t2 - t1,
+            time.perf_counter() - t0,
+        )
+
+    def _check_layout(self, rank: int, infos, checkpoint) -> None:
+        bad = _layout.check(self.vllm_config, rank, infos, checkpoint)
+        if bad:
+            listed = "; ".join(f"{d.param}: {d.reason}" for d in bad[:5])
+            raise ValueError(
+                f"mx: vLLM's rank {rank} and mx's layout disagree on {len(bad)} parameter(s): "
+                f"{listed}"
+            )
+
+    def _check_in_place(self, infos) -> None:
+        named = dict(self.model.named_parameters())
+        for p in infos:
+            t = named.get(p.name)
+            want = (tuple(p.shape), _layout.torch_dtype(p.dtype))
+            if t is None or (tuple(t.shape), t.dtype) != want or t.data_ptr() == 0:
+                got = None if t is None else (tuple(t.shape), t.dtype)
+                raise ValueError(
+                    f"mx: install='inplace' needs vLLM's parameter {p.name} as {want}, it is "
+                    f"{got} (vLLM repacked or dropped it: use install='reload')"
+                )
+
+    def _need_init(self) -> Puller:
+        if self._puller is None:
+            raise RuntimeError("mx: call /init_weight_transfer_engine before updating weights")
+        return self._puller
+
+    # --- one update session ---------------------------------------------------------------
+    def start_weight_update(self) -> None:
+        self._need_init()
+        if self._mode == "reload":
+            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+            initialize_layerwise_reload(self.model)
+            self._reloading = True
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # The base class synchronizes torch.accelerator, which raises on a CUDA build of torch
+        # without a GPU (the CPU machines): synchronize only a CUDA device.
+        self.receive_weights(self.parse_update_info(update_info))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def receive_weights(self, update_info: MxUpdateInfo) -> None:
+        puller = self._need_init()
+        version = update_info.version_id
+        before = puller.versions
+        t0 = time.perf_counter()
+        kind = self._to_host(version)
+        t1 = time.perf_counter()
+        try:
+            self._into_vllm(failpoint=True)
+        except BaseException as e:
+            self._restore(before.resident, version, e)
+            raise
+        t2 = time.perf_counter()
+        self.last_install = {
+            "version_id": version,
+            "kind": kind,
+            "mode": self._mode,
+            "host_s": t1 - t0,
+            "vllm_s": t2 - t1,
+        }
+        logger.info(
+            "mx: rank %d installed %s (%s; host copy %.3f s, into vLLM by %s %.3f s)",
+            self._rank,
+            version,
+            kind,
+            t1 - t0,
+            self._mode,
+            t2 - t1,
+        )
+
+    def finish_weight_update(self) -> None:
+        self._need_init()
+        if self._reloading:
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            self._reloading = False
+            finalize_layerwise_reload(self.model, self.model_config)
+
+    # --- installing -----------------------------------------------------------------------
+    def _to_host(self, version: str) -> str:
+        """Makes ``version`` resident in the host parameters; returns how."""
+        puller = self._need_init()
+        v = puller.versions
+        if version == v.resident:
+            return "already_resident"
+        if version == v.retained:
+            return puller.rollback().kind
+        if not _layout.is_mx_version(version):
+            raise _error(
+                f"mx: version {version!r} is not resident ({v.resident}), retained "
+                f"({v.retained}) or an mx version id",
+                "NotFound",
+            )
+        return puller.apply(version).kind
+
+    def _into_vllm(self, failpoint: bool) -> None:
+        if self._mode == "inplace":
+            named = dict(self.model.named_parameters())
+            with torch.no_grad():
+                for name, src in self._params.items():
+                    named[name].data.copy_(src, non_blocking=True)
+            return
+        assert self._view is not None
+        limit = _take_failpoint() if failpoint else None
+        tensors = self._view.tensors(fill_nan=self._fill_nan)
+        if limit is not None:
+            tensors = _fail_after(tensors, limit)
+        with torch.no_grad():
+            self.model.load_weights(tensors)
+
+    def _restore(self, previous: str | None, version: str, err: BaseException) -> None:
+        """After a failed install of ``version``: the host parameters back to ``previous`` and
+        vLLM reloaded from them, so nothing half-installed serves."""
+        puller = self._need_init()
+        logger.error("mx: installing %s failed (%s); restoring %s", version, err, previous)
+        try:
+            if self._reloading:
+                from vllm.model_executor.model_loader.reload import (
+                    finalize_layerwise_reload,
+                    initialize_layerwise_reload,
+                )
+
+                # Layers not reloaded get their kernel tensors back; reloaded ones hold
+                # `version`: reload all of them from `previous`.
+                finalize_layerwise_reload(self.model, self.model_config)
+            v = puller.versions
+            if previous is not None and v.resident != previous and v.retained == previous:
+                puller.rollback()
+            if self._reloading:
+                initialize_layerwise_reload(self.model)
+                self._into_vllm(failpoint=False)
+                finalize_layerwise_reload(self.model, self.model_config)
+            else:
+                self._into_vllm(failpoint=False)
+        except BaseException as e2:
+            logger.critical("mx: restoring %s after a failed install failed too: %s", previous, e2)
+            raise RuntimeError(
+                f"mx: installing {version} failed ({err}) and restoring {previous} failed "
+                f"({e2}): this vLLM's weights are undefined; restart it"
+            ) from e2
+        finally:
+            self._reloading = False
+
+    def shutdown(self) -> None:
+        if self._puller is not None:
+            self._puller.close()
+            self._puller = None
+
+
+def _take_failpoint() -> int | None:
+    path = os.environ.get("MX_VLLM_FAILPOINT_FILE")
+    if not path:
+        return None
+    try:
+        with open(path) as f:
+            spec = f.read().strip()
+        os.unlink(path)
+    except FileNotFoundError:
+        return None
+    name, _, n = spec.partition(":")
+    if name != "install_after" or not n.isdigit():
+        raise ValueError(f"{path}: {spec!r} is not install_after:<N>")
+    logger.warning("mx: failpoint %s armed for this install", spec)
+    return int(n)
+
+
+def _fail_after(tensors, limit: int):
+    for i, item in enumerate(tensors):
+        if i == limit:
+            raise RuntimeError(f"mx failpoint install_after:{limit}: failing the install")
+        yield item

