@@ -53,13 +53,14 @@ import json
 import multiprocessing as mp
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import time
 import traceback
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from typing import Any
+
+from procs import Child, ChildFailed, commands, free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAINER_LAYOUT = "fsdp:2"
@@ -76,38 +77,6 @@ DTYPES = {
     "F32": ("float32", 4),
     "F64": ("float64", 8),
 }
-
-
-class ChildFailed(RuntimeError):
-    """A child process reported an error (its traceback is the message) or died."""
-
-
-# --------------------------------------------------------------------------------------------
-# Child processes. Each runs `_child`, which sends ("error", traceback) to main on any failure.
-
-
-def _child(target: Any, conn: Connection, *args: Any) -> None:
-    try:
-        target(conn, *args)
-    except BaseException:
-        try:
-            conn.send(("error", traceback.format_exc()))
-        except Exception:
-            pass
-        raise SystemExit(1) from None
-    finally:
-        conn.close()
-
-
-def _commands(conn: Connection) -> Any:
-    """Main's commands, until ``("exit",)``; a child left without one for 600 s gives up."""
-    while True:
-        if not conn.poll(600):
-            raise TimeoutError("no command from main in 600 s")
-        msg = conn.recv()
-        if msg[0] == "exit":
-            return
-        yield msg
 
 
 def _torch_dtype(name: str) -> Any:
@@ -146,7 +115,7 @@ def trainer_main(
         # Once: later publishes read the same memory again (in place).
         pub.set_shards({n: (t, offset) for n, (t, offset) in shards.items()})
         conn.send(("ready", {"slot": slot, "agent": pub.agent_name, "tensors": len(shards)}))
-        for msg in _commands(conn):
+        for msg in commands(conn):
             _, label, prev, timeout = msg
             t0 = time.perf_counter()
             if prev is not None:
@@ -266,7 +235,7 @@ def engine_main(conn: Connection, url: str, model_dir: str, worker_id: str, rank
                 for n, t in tensors[r].items()
             )
 
-        for msg in _commands(conn):
+        for msg in commands(conn):
             if msg[0] == "check":
                 _, label, refs = msg
                 t0 = time.perf_counter()
@@ -302,65 +271,6 @@ def engine_main(conn: Connection, url: str, model_dir: str, worker_id: str, rank
 # The orchestrator (main process).
 
 
-class Child:
-    def __init__(self, ctx: Any, name: str, target: Any, *args: Any) -> None:
-        self.name = name
-        self.conn, child_conn = ctx.Pipe()
-        self.proc = ctx.Process(
-            target=_child, args=(target, child_conn, *args), name=name, daemon=True
-        )
-        self.proc.start()
-        child_conn.close()
-
-    def send(self, *msg: Any) -> None:
-        self.conn.send(msg)
-
-    def recv(self, expect: str, timeout: float) -> dict[str, Any]:
-        """The child's next message, which must be ``expect``; raises ChildFailed for an error
-        report, a dead child or a timeout."""
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise ChildFailed(f"{self.name}: no {expect!r} within {timeout} s")
-            ready = wait([self.conn, self.proc.sentinel], timeout=left)
-            if self.conn in ready:
-                try:
-                    kind, payload = self.conn.recv()
-                except EOFError:
-                    raise ChildFailed(
-                        f"{self.name} died (exit code {self.proc.exitcode})"
-                    ) from None
-                if kind == "error":
-                    raise ChildFailed(f"{self.name} failed:\n{payload}")
-                if kind != expect:
-                    raise ChildFailed(f"{self.name}: expected {expect!r}, got {kind!r}")
-                return payload
-            if self.proc.sentinel in ready and not self.conn.poll(0.5):
-                raise ChildFailed(f"{self.name} died (exit code {self.proc.exitcode})")
-
-    def stop(self, timeout: float = 20.0) -> None:
-        if self.proc.is_alive():
-            try:
-                self.conn.send(("exit",))
-            except (OSError, ValueError):
-                pass
-            self.proc.join(timeout)
-        if self.proc.is_alive():
-            self.proc.terminate()
-            self.proc.join(5)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(5)
-        self.conn.close()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(args: argparse.Namespace, tmpdir: str) -> dict[str, Any]:
     import mx
 
@@ -379,7 +289,7 @@ def run(args: argparse.Namespace, tmpdir: str) -> dict[str, Any]:
             Child(ctx, wid, engine_main, cp.url, model_dir, wid, ranks)
             for wid, ranks in ENGINES.items()
         ]
-        gloo = f"tcp://127.0.0.1:{_free_port()}"  # the trainers' process group
+        gloo = f"tcp://127.0.0.1:{free_port()}"  # the trainers' process group
         trainers = [
             Child(ctx, f"trainer-{slot}", trainer_main, cp.url, model_dir, slot, tmpdir, gloo)
             for slot in range(int(TRAINER_LAYOUT.split(":")[1]))

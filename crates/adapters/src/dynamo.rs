@@ -1,10 +1,19 @@
-//! Client for the Dynamo vLLM RL listener (discovery + per-worker engine routes).
+//! Client for the Dynamo vLLM RL listener (discovery + per-worker engine routes); the wire
+//! values both sides use are in [`wire`].
+
+pub mod wire;
 
 use std::time::Duration;
 
-use serde_json::{json, Value};
+use serde::Deserialize;
 
-use crate::{get_json, post_json, snippet, Error};
+use crate::engine::{mx_model_path, Answer, ApplyAnswer, EngineClient};
+use crate::generate::Generation;
+use crate::{de, send, snippet, Error};
+use wire::{
+    DiscoveryError, EmptyRequest, EngineResponse, PauseRequest, ReplyStatus, UpdateWeightsRequest,
+    WorkerInfo, WorkersResponse,
+};
 
 /// Routes a worker must expose for mx to refit it.
 pub const REQUIRED_ROUTES: [&str; 4] = [
@@ -54,7 +63,10 @@ pub struct Discovery {
 
 /// `pause_generation` modes: what happens to in-flight requests (Dynamo's spelling; the one
 /// type mx uses for it, in the control plane, the journal and the reference worker).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+///
+/// Written as Dynamo spells it; read through [`FromStr`](std::str::FromStr), so SGLang's
+/// spellings are accepted too.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum PauseMode {
     /// Keep them paused in place and resume them after.
@@ -81,6 +93,14 @@ impl std::str::FromStr for PauseMode {
     }
 }
 
+impl<'de> Deserialize<'de> for PauseMode {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<PauseMode, D::Error> {
+        String::deserialize(d)?
+            .parse()
+            .map_err(serde::de::Error::custom)
+    }
+}
+
 impl PauseMode {
     /// The contract's spelling.
     pub fn as_str(self) -> &'static str {
@@ -104,46 +124,37 @@ pub struct EngineReply {
     pub cache_tiers_cleared: Vec<String>,
 }
 
-fn text(v: &Value, field: &str) -> Option<String> {
-    match v.get(field)? {
-        Value::String(s) => Some(s.clone()),
-        Value::Number(n) => Some(n.to_string()),
-        _ => None,
+impl From<WorkerInfo> for DynamoWorker {
+    fn from(w: WorkerInfo) -> DynamoWorker {
+        DynamoWorker {
+            namespace: w.namespace,
+            component: w.component,
+            endpoint: w.endpoint,
+            instance_id: w.instance_id.to_string(),
+            transport: w.transport,
+            request_plane_url: w.request_plane_url,
+            system_url: w.system_url,
+            admin_base_url: w.admin_base_url,
+            model: w.model,
+            routes: w.routes,
+            world_size: w.world_size,
+            error: w.error,
+        }
     }
 }
 
-fn parse_worker(url: &str, v: &Value) -> Result<DynamoWorker, Error> {
-    let need = |field: &str| {
-        text(v, field).ok_or_else(|| Error::BadResponse {
-            url: url.to_string(),
-            reason: format!("a worker lacks field {field}: {}", snippet(&v.to_string())),
-        })
-    };
-    let routes = v
-        .get("routes")
-        .and_then(Value::as_array)
-        .map(|a| {
-            a.iter()
-                .filter_map(|r| match r {
-                    Value::String(s) => Some(s.clone()),
-                    other => text(other, "name").or_else(|| text(other, "route")),
-                })
-                .collect()
-        })
-        .unwrap_or_default();
-    Ok(DynamoWorker {
-        namespace: need("namespace")?,
-        component: need("component")?,
-        endpoint: need("endpoint")?,
-        instance_id: need("instance_id")?,
-        transport: need("transport")?,
-        request_plane_url: need("request_plane_url")?,
-        system_url: text(v, "system_url"),
-        admin_base_url: text(v, "admin_base_url"),
-        model: text(v, "model"),
-        routes,
-        world_size: v.get("world_size").and_then(Value::as_u64),
-        error: text(v, "error"),
+/// The part of a discovery answer read first: which protocol it speaks.
+#[derive(Deserialize)]
+struct ProtocolHeader {
+    #[serde(default, deserialize_with = "de::lenient")]
+    protocol_version: Option<u64>,
+}
+
+/// `raw` as a `T`, or [`Error::BadResponse`] naming the serde error and the body.
+fn parse<T: serde::de::DeserializeOwned>(url: &str, raw: &str) -> Result<T, Error> {
+    serde_json::from_str(raw).map_err(|e| Error::BadResponse {
+        url: url.to_string(),
+        reason: format!("{e}: {}", snippet(raw)),
     })
 }
 
@@ -176,12 +187,16 @@ impl DynamoClient {
     /// [`Error::Engine`] for a worker that carries an `error`, [`Error::Timeout`].
     pub async fn discover(&self) -> Result<Discovery, Error> {
         let url = format!("{}/v1/rl/workers", self.base_url);
-        let (status, body, raw) = get_json(&self.http, &url, self.timeout).await?;
-        if status == 500 && body.get("error").and_then(Value::as_str) == Some("discovery_failed") {
-            return Err(Error::DiscoveryFailed {
-                url,
-                message: text(&body, "message").unwrap_or_default(),
-            });
+        let (status, raw) = send(&url, self.http.get(&url), self.timeout).await?;
+        if status == 500 {
+            if let Ok(e) = serde_json::from_str::<DiscoveryError>(&raw) {
+                if e.error == DiscoveryError::DISCOVERY_FAILED {
+                    return Err(Error::DiscoveryFailed {
+                        url,
+                        message: e.message,
+                    });
+                }
+            }
         }
         if status != 200 {
             return Err(Error::Status {
@@ -190,8 +205,8 @@ impl DynamoClient {
                 body: snippet(&raw),
             });
         }
-        let version = body.get("protocol_version").and_then(Value::as_u64);
-        match version {
+        let header: ProtocolHeader = parse(&url, &raw)?;
+        match header.protocol_version {
             Some(1) => {}
             Some(found) => return Err(Error::Protocol { url, found }),
             None => {
@@ -201,17 +216,15 @@ impl DynamoClient {
                 })
             }
         }
-        let list = body
-            .get("workers")
-            .or_else(|| body.get("system_routes"))
-            .and_then(Value::as_array)
-            .ok_or_else(|| Error::BadResponse {
-                url: url.clone(),
-                reason: "no workers list (workers or system_routes)".into(),
-            })?;
+        let body: WorkersResponse = parse(&url, &raw)?;
+        let namespace = body.namespace.clone();
+        let list = body.into_workers().ok_or_else(|| Error::BadResponse {
+            url: url.clone(),
+            reason: "no workers list (workers or system_routes)".into(),
+        })?;
         let mut workers = Vec::with_capacity(list.len());
         for w in list {
-            let w = parse_worker(&url, w)?;
+            let w = DynamoWorker::from(w);
             if let Some(e) = &w.error {
                 return Err(Error::Engine {
                     url: url.clone(),
@@ -235,10 +248,7 @@ impl DynamoClient {
             }
             workers.push(w);
         }
-        Ok(Discovery {
-            namespace: text(&body, "namespace").unwrap_or_default(),
-            workers,
-        })
+        Ok(Discovery { namespace, workers })
     }
 
     /// A client for one discovered worker's engine routes.
@@ -292,18 +302,24 @@ impl DynamoWorkerClient {
         &self.system_url
     }
 
-    async fn call(&self, route: &str, body: Value) -> Result<EngineReply, Error> {
+    /// `POST {system_url}/engine/{route}` with `body`; HTTP 200 AND `status: "ok"` required.
+    async fn call<Req: serde::Serialize>(
+        &self,
+        route: &str,
+        body: &Req,
+    ) -> Result<EngineReply, Error> {
         let url = format!("{}/engine/{route}", self.system_url);
-        let (status, json, raw) = post_json(&self.http, &url, &body, self.timeout).await?;
-        let st = json.get("status").and_then(Value::as_str);
+        let (status, raw) = send(&url, self.http.post(&url).json(body), self.timeout).await?;
+        let answer = serde_json::from_str::<EngineResponse>(&raw);
         if status != 200 {
-            return Err(match st {
-                Some("error") => Error::Engine {
+            return Err(match answer {
+                Ok(EngineResponse {
+                    status: ReplyStatus::Error,
+                    message,
+                    ..
+                }) => Error::Engine {
                     url,
-                    message: format!(
-                        "HTTP {status}: {}",
-                        text(&json, "message").unwrap_or_default()
-                    ),
+                    message: format!("HTTP {status}: {message}"),
                 },
                 _ => Error::Status {
                     url,
@@ -312,19 +328,19 @@ impl DynamoWorkerClient {
                 },
             });
         }
-        match st {
-            Some("ok") => Ok(EngineReply {
-                message: text(&json, "message").unwrap_or_default(),
-                version: text(&json, "version"),
-                cache_tiers_cleared: crate::string_list(&json, "cache_tiers_cleared"),
+        let a = answer.map_err(|e| Error::BadResponse {
+            url: url.clone(),
+            reason: format!("{e}: {}", snippet(&raw)),
+        })?;
+        match a.status {
+            ReplyStatus::Ok => Ok(EngineReply {
+                message: a.message,
+                version: a.version,
+                cache_tiers_cleared: a.cache_tiers_cleared.unwrap_or_default(),
             }),
-            Some("error") => Err(Error::Engine {
+            ReplyStatus::Error => Err(Error::Engine {
                 url,
-                message: text(&json, "message").unwrap_or_default(),
-            }),
-            _ => Err(Error::BadResponse {
-                url,
-                reason: format!("status must be \"ok\" or \"error\": {}", snippet(&raw)),
+                message: a.message,
             }),
         }
     }
@@ -332,14 +348,15 @@ impl DynamoWorkerClient {
     /// `pause_generation` with `{mode, clear_cache}`.
     ///
     /// # Errors
-    /// As every route: [`Error::Status`], [`Error::Engine`], [`Error::BadResponse`],
+    /// As every route: [`Error::Status`] (or [`Error::Engine`] when a non-200 body says
+    /// `status: "error"`), [`Error::Engine`] for `status: "error"`, [`Error::BadResponse`],
     /// [`Error::Timeout`], [`Error::Http`].
     pub async fn pause(&self, mode: PauseMode, clear_cache: bool) -> Result<EngineReply, Error> {
-        self.call(
-            "pause_generation",
-            json!({"mode": mode.as_str(), "clear_cache": clear_cache}),
-        )
-        .await
+        let body = PauseRequest {
+            mode: Some(mode),
+            clear_cache: Some(clear_cache),
+        };
+        self.call("pause_generation", &body).await
     }
 
     /// `update_weights_from_disk` with `{model_path, weight_version}`.
@@ -351,11 +368,11 @@ impl DynamoWorkerClient {
         model_path: &str,
         weight_version: &str,
     ) -> Result<EngineReply, Error> {
-        self.call(
-            "update_weights_from_disk",
-            json!({"model_path": model_path, "weight_version": weight_version}),
-        )
-        .await
+        let body = UpdateWeightsRequest {
+            model_path: Some(model_path.to_string()),
+            weight_version: Some(weight_version.to_string()),
+        };
+        self.call("update_weights_from_disk", &body).await
     }
 
     /// `get_weight_version`: the version the engine reports resident.
@@ -363,7 +380,7 @@ impl DynamoWorkerClient {
     /// # Errors
     /// As [`DynamoWorkerClient::pause`]; [`Error::BadResponse`] when no `version` is returned.
     pub async fn get_weight_version(&self) -> Result<String, Error> {
-        let r = self.call("get_weight_version", json!({})).await?;
+        let r = self.call("get_weight_version", &EmptyRequest {}).await?;
         r.version.ok_or_else(|| Error::BadResponse {
             url: format!("{}/engine/get_weight_version", self.system_url),
             reason: "no version in the answer".into(),
@@ -375,6 +392,57 @@ impl DynamoWorkerClient {
     /// # Errors
     /// As [`DynamoWorkerClient::pause`].
     pub async fn resume(&self) -> Result<EngineReply, Error> {
-        self.call("resume_generation", json!({})).await
+        self.call("resume_generation", &EmptyRequest {}).await
+    }
+}
+
+/// The refit's calls over the Dynamo routes: pause without clearing caches (the apply clears
+/// them), apply as `update_weights_from_disk` of `mx://<hex>`, the read-back as
+/// `get_weight_version`, generation over the native `/generate`.
+#[async_trait::async_trait]
+impl EngineClient for DynamoWorkerClient {
+    async fn pause(&self, mode: PauseMode) -> Result<Answer, Error> {
+        let a = DynamoWorkerClient::pause(self, mode, false).await?;
+        Ok(Answer {
+            message: a.message,
+            version: a.version,
+        })
+    }
+
+    async fn apply(&self, version: &str) -> Result<ApplyAnswer, Error> {
+        let model_path = mx_model_path(version)?;
+        let a = self.update_weights_from_disk(&model_path, version).await?;
+        Ok(ApplyAnswer {
+            message: a.message,
+            version: a.version,
+            cache_tiers_cleared: a.cache_tiers_cleared,
+            paused_requests: 0,
+        })
+    }
+
+    async fn read_version(&self) -> Result<Answer, Error> {
+        Ok(Answer {
+            message: String::new(),
+            version: Some(self.get_weight_version().await?),
+        })
+    }
+
+    async fn resume(&self) -> Result<Answer, Error> {
+        let a = DynamoWorkerClient::resume(self).await?;
+        Ok(Answer {
+            message: a.message,
+            version: a.version,
+        })
+    }
+
+    async fn generate(&self, prompt: &[u32], max_new_tokens: u32) -> Result<Generation, Error> {
+        crate::generate::generate(
+            &self.http,
+            &self.system_url,
+            prompt,
+            max_new_tokens,
+            self.timeout,
+        )
+        .await
     }
 }

@@ -1,12 +1,13 @@
 //! Greedy generation over SGLang's native `POST {system_url}/generate` (the route mx's reference
 //! worker serves too): `{input_ids, sampling_params: {max_new_tokens, temperature: 0}}` answers
-//! `{output_ids, meta_info: {...}}`.
+//! `{output_ids, meta_info: {...}}`; the wire values both sides use are in [`wire`].
+
+pub mod wire;
 
 use std::time::Duration;
 
-use serde_json::{json, Value};
-
-use crate::{post_json, snippet, Error};
+use crate::{post_typed, Error};
+use wire::{GenerateRequest, GenerateResponse, SamplingParams};
 
 /// The answer of one generation.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -32,45 +33,19 @@ pub async fn generate(
     timeout: Duration,
 ) -> Result<Generation, Error> {
     let url = format!("{}/generate", system_url.trim_end_matches('/'));
-    let body = json!({
-        "input_ids": input_ids,
-        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0},
-    });
-    let (status, json, raw) = post_json(http, &url, &body, timeout).await?;
-    if status != 200 {
-        return Err(Error::Status {
-            url,
-            status,
-            body: snippet(&raw),
-        });
-    }
-    let bad = |reason: String| Error::BadResponse {
-        url: url.clone(),
-        reason,
+    let body = GenerateRequest {
+        input_ids: Some(input_ids.to_vec()),
+        text: None,
+        sampling_params: Some(SamplingParams {
+            max_new_tokens: Some(u64::from(max_new_tokens)),
+            temperature: Some(0.0),
+            ..SamplingParams::default()
+        }),
     };
-    let ids = json
-        .get("output_ids")
-        .and_then(Value::as_array)
-        .ok_or_else(|| bad(format!("no output_ids: {}", snippet(&raw))))?;
-    let output_ids = ids
-        .iter()
-        .enumerate()
-        .map(|(i, v)| {
-            v.as_u64()
-                .and_then(|x| u32::try_from(x).ok())
-                .ok_or_else(|| bad(format!("output_ids[{i}] = {v} is not a token id")))
-        })
-        .collect::<Result<Vec<u32>, Error>>()?;
-    let meta = json.get("meta_info");
+    let r: GenerateResponse = post_typed(http, &url, &body, timeout).await?;
     Ok(Generation {
-        output_ids,
-        weight_version: meta
-            .and_then(|m| m.get("weight_version"))
-            .and_then(Value::as_str)
-            .map(str::to_string),
-        cached_tokens: meta
-            .and_then(|m| m.get("cached_tokens"))
-            .and_then(Value::as_u64)
-            .unwrap_or(0),
+        output_ids: r.output_ids,
+        weight_version: r.meta_info.weight_version,
+        cached_tokens: r.meta_info.cached_tokens.unwrap_or(0),
     })
 }

@@ -17,16 +17,31 @@
 //!   `/reset_prefix_cache`, `/resume`, `GET /weight_info` (the read-back), `GET /is_paused`, and
 //!   `POST /v1/completions` for generation. Requests and answers are typed serde structs.
 //!
-//! Every call checks the HTTP status AND the body, and has a deadline: a timeout is a worker
-//! failure ([`Error::Timeout`]), never a hang. Field names follow the contracts exactly.
+//! Each contract's requests and answers are typed serde values in its `wire` module
+//! ([`dynamo::wire`], [`sglang::wire`], [`generate::wire`], [`vllm::wire`]), shared by every
+//! side: these clients, mx's reference worker that serves the Dynamo and SGLang routes, and the
+//! fake engines of the tests and benchmarks. Field names follow the contracts exactly; each
+//! module's docs say which fields are optional and how leniently answers are read.
 //!
-//! Left out: the refit state machine that sequences these calls (mx-control) and the engines.
+//! [`EngineClient`] is the one interface a refit needs (pause, apply, read the version back,
+//! resume, generate), implemented by every contract's client; [`client_for`] picks it from an
+//! [`EngineApi`].
+//!
+//! Every call checks the HTTP status AND the body, and has a deadline: a timeout is a worker
+//! failure ([`Error::Timeout`]), never a hang.
+//!
+//! Left out: the refit state machine that sequences these calls and judges their answers
+//! (mx-control) and the engines.
 #![forbid(unsafe_code)]
 
+mod de;
 pub mod dynamo;
+pub mod engine;
 pub mod generate;
 pub mod sglang;
 pub mod vllm;
+
+pub use engine::{client_for, Answer, ApplyAnswer, EngineApi, EngineClient};
 
 use std::time::Duration;
 
@@ -105,6 +120,32 @@ pub enum Error {
         /// The missing route.
         route: &'static str,
     },
+    /// APPLY was asked for a version the contract cannot install; nothing was sent.
+    #[error("{version:?} cannot be applied: {reason}")]
+    Unappliable {
+        /// The version asked for.
+        version: String,
+        /// Why not.
+        reason: &'static str,
+    },
+    /// A step of a multi-call APPLY (vLLM's weight-update session) failed; the steps before it
+    /// succeeded and the ones after it were not sent.
+    #[error("{step}{}: {source}", installed_note(.installed))]
+    ApplyStep {
+        /// The route that failed, e.g. `update_weights`.
+        step: &'static str,
+        /// The version whose weights the steps before had already installed, if they had.
+        installed: Option<String>,
+        /// The step's error.
+        source: Box<Error>,
+    },
+    /// The engine reports no weight version where one is needed (vLLM's `GET /weight_info`
+    /// answering `weight_version: null`).
+    #[error("{url}: engine reports no weight version (weight_version: null)")]
+    NoVersion {
+        /// The URL called.
+        url: String,
+    },
     /// A route the deployment did not allowlist (SGLang pause/continue).
     #[error("{url}: route {route} is not allowlisted by this deployment: the framework must gate generation itself")]
     RouteNotAllowlisted {
@@ -115,31 +156,20 @@ pub enum Error {
     },
 }
 
-/// Sends `body` as JSON to `url` with a deadline and returns (status, parsed JSON body or
-/// `Null`, raw text).
-pub(crate) async fn post_json(
-    http: &reqwest::Client,
-    url: &str,
-    body: &serde_json::Value,
-    timeout: Duration,
-) -> Result<(u16, serde_json::Value, String), Error> {
-    send(url, http.post(url).json(body), timeout).await
+/// `" (the weights of V are installed)"` when `installed` names V.
+fn installed_note(installed: &Option<String>) -> String {
+    installed
+        .as_ref()
+        .map(|v| format!(" (the weights of {v} are installed)"))
+        .unwrap_or_default()
 }
 
-/// GETs `url` with a deadline; as [`post_json`].
-pub(crate) async fn get_json(
-    http: &reqwest::Client,
-    url: &str,
-    timeout: Duration,
-) -> Result<(u16, serde_json::Value, String), Error> {
-    send(url, http.get(url), timeout).await
-}
-
-async fn send(
+/// Sends `req` (to `url`) with a deadline and returns the HTTP status and the body's text.
+pub(crate) async fn send(
     url: &str,
     req: reqwest::RequestBuilder,
     timeout: Duration,
-) -> Result<(u16, serde_json::Value, String), Error> {
+) -> Result<(u16, String), Error> {
     let resp = match tokio::time::timeout(timeout, req.send()).await {
         Err(_) => {
             return Err(Error::Timeout {
@@ -152,14 +182,6 @@ async fn send(
             source,
         })?,
     };
-    read_body(url, resp, timeout).await
-}
-
-async fn read_body(
-    url: &str,
-    resp: reqwest::Response,
-    timeout: Duration,
-) -> Result<(u16, serde_json::Value, String), Error> {
     let status = resp.status().as_u16();
     let text = match tokio::time::timeout(timeout, resp.text()).await {
         Err(_) => {
@@ -173,8 +195,7 @@ async fn read_body(
             source,
         })?,
     };
-    let json = serde_json::from_str(&text).unwrap_or(serde_json::Value::Null);
-    Ok((status, json, text))
+    Ok((status, text))
 }
 
 /// Sends `req` (to `url`) with a deadline and requires HTTP 200 and a body that deserializes as
@@ -185,7 +206,7 @@ pub(crate) async fn send_typed<Resp: DeserializeOwned>(
     req: reqwest::RequestBuilder,
     timeout: Duration,
 ) -> Result<Resp, Error> {
-    let (status, _, raw) = send(url, req, timeout).await?;
+    let (status, raw) = send(url, req, timeout).await?;
     if status != 200 {
         return Err(Error::Status {
             url: url.to_string(),
@@ -216,16 +237,4 @@ pub(crate) fn snippet(text: &str) -> String {
         end -= 1;
     }
     text[..end].to_string()
-}
-
-/// The strings of `v[field]` when it is an array (non-strings skipped); empty otherwise.
-pub(crate) fn string_list(v: &serde_json::Value, field: &str) -> Vec<String> {
-    v.get(field)
-        .and_then(serde_json::Value::as_array)
-        .map(|a| {
-            a.iter()
-                .filter_map(|x| x.as_str().map(str::to_string))
-                .collect()
-        })
-        .unwrap_or_default()
 }

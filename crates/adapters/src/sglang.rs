@@ -1,10 +1,17 @@
-//! Client for SGLang's weight-update routes (no discovery, no version read-back).
+//! Client for SGLang's weight-update routes (no discovery, no version read-back); the wire
+//! values both sides use are in [`wire`].
+
+pub mod wire;
 
 use std::time::Duration;
 
-use serde_json::{json, Value};
-
-use crate::{post_json, snippet, Error};
+use crate::dynamo::PauseMode;
+use crate::engine::{mx_model_path, Answer, ApplyAnswer, EngineClient};
+use crate::generate::Generation;
+use crate::{send, snippet, Error};
+use wire::{
+    ContinueRequest, ControlResponse, PauseRequest, UpdateWeightsRequest, UpdateWeightsResponse,
+};
 
 /// The answer of a successful `update_weights_from_disk`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -59,31 +66,27 @@ impl SglangClient {
         keep_pause: bool,
     ) -> Result<SglangUpdate, Error> {
         let url = self.url("update_weights_from_disk");
-        let body = json!({
-            "model_path": model_path,
-            "weight_version": weight_version,
-            "flush_cache": flush_cache,
-            "keep_pause": keep_pause,
-        });
-        let (status, json, raw) = post_json(&self.http, &url, &body, self.timeout).await?;
-        let message = json
-            .get("message")
-            .and_then(Value::as_str)
-            .unwrap_or_default()
-            .to_string();
-        match (status, json.get("success").and_then(Value::as_bool)) {
-            (200, Some(true)) => Ok(SglangUpdate {
-                message,
-                num_paused_requests: json
-                    .get("num_paused_requests")
-                    .and_then(Value::as_u64)
-                    .unwrap_or(0),
-                cache_tiers_cleared: crate::string_list(&json, "cache_tiers_cleared"),
+        let body = UpdateWeightsRequest {
+            model_path: Some(model_path.to_string()),
+            weight_version: Some(weight_version.to_string()),
+            flush_cache: Some(flush_cache),
+            keep_pause: Some(keep_pause),
+            abort_all_requests: None,
+        };
+        let (status, raw) = send(&url, self.http.post(&url).json(&body), self.timeout).await?;
+        match (status, serde_json::from_str::<UpdateWeightsResponse>(&raw)) {
+            (200, Ok(a)) if a.success => Ok(SglangUpdate {
+                message: a.message,
+                num_paused_requests: a.num_paused_requests.unwrap_or(0),
+                cache_tiers_cleared: a.cache_tiers_cleared.unwrap_or_default(),
             }),
-            (_, Some(false)) => Err(Error::Engine { url, message }),
-            (200, None) => Err(Error::BadResponse {
+            (_, Ok(a)) if !a.success => Err(Error::Engine {
                 url,
-                reason: format!("no success field: {}", snippet(&raw)),
+                message: a.message,
+            }),
+            (200, Err(e)) => Err(Error::BadResponse {
+                url,
+                reason: format!("{e}: {}", snippet(&raw)),
             }),
             (status, _) => Err(Error::Status {
                 url,
@@ -93,22 +96,25 @@ impl SglangClient {
         }
     }
 
-    async fn optional_route(&self, route: &'static str, body: Value) -> Result<(), Error> {
+    /// `POST` to a route that exists only where allowlisted: 404/405 is
+    /// [`Error::RouteNotAllowlisted`], a 200 whose body says `success: false` is
+    /// [`Error::Engine`].
+    async fn optional_route<Req: serde::Serialize>(
+        &self,
+        route: &'static str,
+        body: &Req,
+    ) -> Result<(), Error> {
         let url = self.url(route);
-        let (status, json, raw) = post_json(&self.http, &url, &body, self.timeout).await?;
+        let (status, raw) = send(&url, self.http.post(&url).json(body), self.timeout).await?;
         match status {
             404 | 405 => Err(Error::RouteNotAllowlisted { url, route }),
-            200 if json.get("success").and_then(Value::as_bool) == Some(false) => {
-                Err(Error::Engine {
-                    url,
-                    message: json
-                        .get("message")
-                        .and_then(Value::as_str)
-                        .unwrap_or_default()
-                        .to_string(),
-                })
-            }
-            200 => Ok(()),
+            200 => match serde_json::from_str::<ControlResponse>(&raw) {
+                Ok(ControlResponse {
+                    success: Some(false),
+                    message,
+                }) => Err(Error::Engine { url, message }),
+                _ => Ok(()),
+            },
             status => Err(Error::Status {
                 url,
                 status,
@@ -123,7 +129,8 @@ impl SglangClient {
     /// [`Error::RouteNotAllowlisted`] on HTTP 404/405 (the framework must gate generation
     /// itself), else as [`SglangClient::update_weights_from_disk`].
     pub async fn pause_generation(&self) -> Result<(), Error> {
-        self.optional_route("pause_generation", json!({})).await
+        self.optional_route("pause_generation", &PauseRequest::default())
+            .await
     }
 
     /// `continue_generation` with `{torch_empty_cache}`, where allowlisted.
@@ -131,9 +138,71 @@ impl SglangClient {
     /// # Errors
     /// As [`SglangClient::pause_generation`].
     pub async fn continue_generation(&self, torch_empty_cache: bool) -> Result<(), Error> {
-        self.optional_route(
-            "continue_generation",
-            json!({"torch_empty_cache": torch_empty_cache}),
+        let body = ContinueRequest {
+            torch_empty_cache: Some(torch_empty_cache),
+        };
+        self.optional_route("continue_generation", &body).await
+    }
+}
+
+/// The refit's calls over SGLang's control routes: pause and continue where allowlisted (else
+/// answered with "the framework must gate generation itself"), apply as
+/// `update_weights_from_disk` of `mx://<hex>` with the cache flushed and generation kept
+/// paused, no read-back (answered, without a version), generation over the native
+/// `/generate`.
+#[async_trait::async_trait]
+impl EngineClient for SglangClient {
+    async fn pause(&self, _mode: PauseMode) -> Result<Answer, Error> {
+        match self.pause_generation().await {
+            Ok(()) => Ok(Answer::default()),
+            Err(Error::RouteNotAllowlisted { .. }) => Ok(Answer {
+                message:
+                    "pause_generation is not allowlisted: the framework must gate generation itself"
+                        .into(),
+                version: None,
+            }),
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn apply(&self, version: &str) -> Result<ApplyAnswer, Error> {
+        let model_path = mx_model_path(version)?;
+        let a = self
+            .update_weights_from_disk(&model_path, version, true, true)
+            .await?;
+        Ok(ApplyAnswer {
+            message: a.message,
+            version: None,
+            cache_tiers_cleared: a.cache_tiers_cleared,
+            paused_requests: a.num_paused_requests,
+        })
+    }
+
+    async fn read_version(&self) -> Result<Answer, Error> {
+        Ok(Answer {
+            message: "SGLang has no version read-back: the control plane keeps the version and relies on the post-update generation".into(),
+            version: None,
+        })
+    }
+
+    async fn resume(&self) -> Result<Answer, Error> {
+        match self.continue_generation(false).await {
+            Ok(()) => Ok(Answer::default()),
+            Err(Error::RouteNotAllowlisted { .. }) => Ok(Answer {
+                message: "continue_generation is not allowlisted: the framework must gate generation itself".into(),
+                version: None,
+            }),
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn generate(&self, prompt: &[u32], max_new_tokens: u32) -> Result<Generation, Error> {
+        crate::generate::generate(
+            &self.http,
+            &self.system_url,
+            prompt,
+            max_new_tokens,
+            self.timeout,
         )
         .await
     }

@@ -11,7 +11,10 @@
 //! - `POST /finish_weight_update` with `{"weight_version": "mx:<64 hex>"}`: 200
 //!   `{"message": "Weight update finished"}`.
 //! - `GET /weight_info`: 200 `{"weight_version": "<str>" | null}` (the read-back).
-//! - `POST /reset_prefix_cache?reset_running_requests=false`, no body: 200 `{"success": bool}`.
+//! - `POST /reset_prefix_cache?reset_running_requests=true`, no body: 200 `{"success": bool}`.
+//!   mx sends `reset_running_requests=true`: requests held by a `keep` pause computed their KV
+//!   with the old weights, so the scheduler preempts them (they are recomputed with the new
+//!   weights on resume) and the reset cannot be refused for blocks they hold.
 //! - `POST /resume`, no body: 200 `{"status": "resumed"}`.
 //! - `GET /is_paused`: 200 `{"is_paused": bool}`.
 //! - `POST /v1/completions` with `{"prompt": [token ids], "max_tokens": n, "temperature": 0,
@@ -33,117 +36,27 @@
 //! cleanup call is needed before a retry. The `update_info` payload is handed as-is to the
 //! weight-transfer backend the server was started with; mx's backend must read `version_id`.
 //!
-//! Every call has the client's timeout as its deadline ([`Error::Timeout`]).
+//! Every call has the client's timeout as its deadline ([`Error::Timeout`]). The wire values
+//! both sides use are in [`wire`].
+
+pub mod wire;
 
 use std::time::Duration;
 
-use serde::{Deserialize, Serialize};
-
 use crate::dynamo::PauseMode;
+use crate::engine::{Answer, ApplyAnswer, EngineClient};
 use crate::generate::Generation;
 use crate::{post_typed, send_typed, Error};
+use wire::{
+    CompletionRequest, CompletionResponse, FinishWeightUpdateRequest, IsPausedResponse,
+    MessageResponse, ResetPrefixCacheResponse, StatusResponse, UpdateInfo, UpdateWeightsRequest,
+    WeightInfoResponse,
+};
 
 /// How many times [`VllmClient::reset_prefix_cache`] asks before giving up.
 pub const RESET_PREFIX_CACHE_TRIES: u32 = 5;
 /// The pause between two of those tries.
 pub const RESET_PREFIX_CACHE_RETRY: Duration = Duration::from_millis(100);
-
-/// `/pause` and `/resume` answer: `{"status": "paused"}` / `{"status": "resumed"}`.
-#[derive(Debug, Deserialize)]
-struct StatusReply {
-    status: String,
-}
-
-/// The weight-update routes' answer.
-#[derive(Debug, Deserialize)]
-struct MessageReply {
-    message: String,
-}
-
-/// `/update_weights` request.
-#[derive(Debug, Serialize)]
-struct UpdateWeightsRequest<'a> {
-    update_info: UpdateInfo<'a>,
-}
-
-/// What mx's weight-transfer backend reads from `update_info`.
-#[derive(Debug, Serialize)]
-struct UpdateInfo<'a> {
-    version_id: &'a str,
-}
-
-/// `/finish_weight_update` request.
-#[derive(Debug, Serialize)]
-struct FinishRequest<'a> {
-    weight_version: &'a str,
-}
-
-/// `/weight_info` answer: `weight_version` must be present, null allowed.
-#[derive(Debug, Deserialize)]
-struct WeightInfo {
-    #[serde(deserialize_with = "required_nullable")]
-    weight_version: Option<String>,
-}
-
-/// Makes an `Option` field required (present, possibly null): serde treats a missing
-/// `Option` field as `None` unless the field has its own deserializer.
-fn required_nullable<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
-    Option::<String>::deserialize(d)
-}
-
-/// `/reset_prefix_cache` answer.
-#[derive(Debug, Deserialize)]
-struct ResetReply {
-    success: bool,
-}
-
-/// `/is_paused` answer.
-#[derive(Debug, Deserialize)]
-struct IsPausedReply {
-    is_paused: bool,
-}
-
-/// `/v1/completions` request (greedy, token ids in and out; `model` is optional for a server
-/// serving one model).
-#[derive(Debug, Serialize)]
-struct CompletionRequest<'a> {
-    prompt: &'a [u32],
-    max_tokens: u32,
-    temperature: u32,
-    return_token_ids: bool,
-    ignore_eos: bool,
-}
-
-/// `/v1/completions` answer.
-#[derive(Debug, Deserialize)]
-struct CompletionReply {
-    choices: Vec<CompletionChoice>,
-    #[serde(default)]
-    usage: Option<Usage>,
-}
-
-/// One choice; `token_ids` is required (the request asked for it).
-#[derive(Debug, Deserialize)]
-struct CompletionChoice {
-    #[serde(deserialize_with = "required_token_ids")]
-    token_ids: Vec<u32>,
-}
-
-fn required_token_ids<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<u32>, D::Error> {
-    Option::<Vec<u32>>::deserialize(d)?.ok_or_else(|| serde::de::Error::custom("token_ids is null"))
-}
-
-#[derive(Debug, Deserialize)]
-struct Usage {
-    #[serde(default)]
-    prompt_tokens_details: Option<PromptTokensDetails>,
-}
-
-#[derive(Debug, Deserialize)]
-struct PromptTokensDetails {
-    #[serde(default)]
-    cached_tokens: Option<u64>,
-}
 
 /// One vLLM server's RL and completion routes.
 #[derive(Debug, Clone)]
@@ -181,7 +94,7 @@ impl VllmClient {
 
     /// `POST {url}` without a body, requiring `{"status": want}`.
     async fn post_status(&self, url: &str, want: &str) -> Result<(), Error> {
-        let r: StatusReply = self.post_empty(url).await?;
+        let r: StatusResponse = self.post_empty(url).await?;
         if r.status == want {
             Ok(())
         } else {
@@ -226,7 +139,7 @@ impl VllmClient {
     /// As [`VllmClient::pause`], the body being `{"is_paused": bool}`.
     pub async fn is_paused(&self) -> Result<bool, Error> {
         let url = self.url("is_paused");
-        let r: IsPausedReply = send_typed(&url, self.http.get(&url), self.timeout).await?;
+        let r: IsPausedResponse = send_typed(&url, self.http.get(&url), self.timeout).await?;
         Ok(r.is_paused)
     }
 
@@ -237,7 +150,7 @@ impl VllmClient {
     /// [`Error::BadResponse`] when the body has no `message`, [`Error::Timeout`],
     /// [`Error::Http`].
     pub async fn start_weight_update(&self) -> Result<String, Error> {
-        let r: MessageReply = self.post_empty(&self.url("start_weight_update")).await?;
+        let r: MessageResponse = self.post_empty(&self.url("start_weight_update")).await?;
         Ok(r.message)
     }
 
@@ -250,10 +163,10 @@ impl VllmClient {
     pub async fn update_weights(&self, version: &str) -> Result<String, Error> {
         let body = UpdateWeightsRequest {
             update_info: UpdateInfo {
-                version_id: version,
+                version_id: version.to_string(),
             },
         };
-        let r: MessageReply =
+        let r: MessageResponse =
             post_typed(&self.http, &self.url("update_weights"), &body, self.timeout).await?;
         Ok(r.message)
     }
@@ -264,11 +177,11 @@ impl VllmClient {
     /// # Errors
     /// As [`VllmClient::start_weight_update`].
     pub async fn finish_weight_update(&self, version: &str) -> Result<String, Error> {
-        let body = FinishRequest {
-            weight_version: version,
+        let body = FinishWeightUpdateRequest {
+            weight_version: version.to_string(),
         };
         let url = self.url("finish_weight_update");
-        let r: MessageReply = post_typed(&self.http, &url, &body, self.timeout).await?;
+        let r: MessageResponse = post_typed(&self.http, &url, &body, self.timeout).await?;
         Ok(r.message)
     }
 
@@ -279,11 +192,12 @@ impl VllmClient {
     /// neither a string nor null.
     pub async fn weight_version(&self) -> Result<Option<String>, Error> {
         let url = self.url("weight_info");
-        let r: WeightInfo = send_typed(&url, self.http.get(&url), self.timeout).await?;
+        let r: WeightInfoResponse = send_typed(&url, self.http.get(&url), self.timeout).await?;
         Ok(r.weight_version)
     }
 
-    /// `POST /reset_prefix_cache?reset_running_requests=false`, asked again while the engine
+    /// `POST /reset_prefix_cache?reset_running_requests=true` (held requests are preempted: their
+    /// KV came from the old weights), asked again while the engine
     /// answers `success: false` (blocks still held), up to [`RESET_PREFIX_CACHE_TRIES`] times
     /// [`RESET_PREFIX_CACHE_RETRY`] apart and within the client's deadline.
     ///
@@ -291,12 +205,12 @@ impl VllmClient {
     /// [`Error::Engine`] when every try answered `success: false`; as [`VllmClient::pause`]
     /// otherwise ([`Error::Timeout`] when the deadline passes during a try).
     pub async fn reset_prefix_cache(&self) -> Result<(), Error> {
-        let url = self.url("reset_prefix_cache?reset_running_requests=false");
+        let url = self.url("reset_prefix_cache?reset_running_requests=true");
         let deadline = tokio::time::Instant::now() + self.timeout;
         let mut tries = 0;
         loop {
             let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-            let r: ResetReply = send_typed(&url, self.http.post(&url), left).await?;
+            let r: ResetPrefixCacheResponse = send_typed(&url, self.http.post(&url), left).await?;
             tries += 1;
             if r.success {
                 return Ok(());
@@ -327,13 +241,13 @@ impl VllmClient {
     pub async fn complete(&self, prompt: &[u32], max_tokens: u32) -> Result<Generation, Error> {
         let url = self.url("v1/completions");
         let body = CompletionRequest {
-            prompt,
+            prompt: prompt.to_vec(),
             max_tokens,
-            temperature: 0,
+            temperature: 0.0,
             return_token_ids: true,
             ignore_eos: true,
         };
-        let r: CompletionReply = post_typed(&self.http, &url, &body, self.timeout).await?;
+        let r: CompletionResponse = post_typed(&self.http, &url, &body, self.timeout).await?;
         let cached_tokens = r
             .usage
             .and_then(|u| u.prompt_tokens_details)
@@ -352,5 +266,84 @@ impl VllmClient {
                 reason: format!("{n} choices, the request asks for exactly one"),
             }),
         }
+    }
+}
+
+/// The refit's calls over vLLM's RL routes. APPLY is one weight-update session:
+/// `start_weight_update`, `update_weights`, `finish_weight_update` (which records the version),
+/// then `reset_prefix_cache`; the first step that fails fails the call ([`Error::ApplyStep`]).
+/// When `update_weights` raises, vLLM's worker aborts the session itself, so nothing is cleaned
+/// up. Any non-empty version id is sent: mx's backend installs a staged `mx:` version or
+/// restores one it retained (`disk:<dir>` for the checkpoint vLLM started from), and refuses
+/// others. The read-back is `GET /weight_info`; generation is `POST /v1/completions`.
+#[async_trait::async_trait]
+impl EngineClient for VllmClient {
+    async fn pause(&self, mode: PauseMode) -> Result<Answer, Error> {
+        VllmClient::pause(self, mode).await?;
+        Ok(Answer {
+            message: format!("paused ({})", mode.as_str()),
+            version: None,
+        })
+    }
+
+    async fn apply(&self, version: &str) -> Result<ApplyAnswer, Error> {
+        if version.is_empty() {
+            return Err(Error::Unappliable {
+                version: String::new(),
+                reason: "no version to apply",
+            });
+        }
+        let step = |step: &'static str, installed: bool| {
+            let installed = installed.then(|| version.to_string());
+            move |e: Error| Error::ApplyStep {
+                step,
+                installed,
+                source: Box::new(e),
+            }
+        };
+        self.start_weight_update()
+            .await
+            .map_err(step("start_weight_update", false))?;
+        self.update_weights(version)
+            .await
+            .map_err(step("update_weights", false))?;
+        self.finish_weight_update(version)
+            .await
+            .map_err(step("finish_weight_update", false))?;
+        self.reset_prefix_cache()
+            .await
+            .map_err(step("reset_prefix_cache", true))?;
+        Ok(ApplyAnswer {
+            message:
+                "start_weight_update, update_weights, finish_weight_update, reset_prefix_cache: ok"
+                    .into(),
+            version: Some(version.to_string()),
+            cache_tiers_cleared: vec!["prefix_cache".into()],
+            paused_requests: 0,
+        })
+    }
+
+    async fn read_version(&self) -> Result<Answer, Error> {
+        match self.weight_version().await? {
+            Some(v) => Ok(Answer {
+                message: String::new(),
+                version: Some(v),
+            }),
+            None => Err(Error::NoVersion {
+                url: self.url("weight_info"),
+            }),
+        }
+    }
+
+    async fn resume(&self) -> Result<Answer, Error> {
+        VllmClient::resume(self).await?;
+        Ok(Answer {
+            message: "resumed".into(),
+            version: None,
+        })
+    }
+
+    async fn generate(&self, prompt: &[u32], max_new_tokens: u32) -> Result<Generation, Error> {
+        self.complete(prompt, max_new_tokens).await
     }
 }

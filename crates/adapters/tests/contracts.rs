@@ -1,6 +1,8 @@
 //! The adapters against an HTTP server on loopback that follows the engines' contracts exactly
 //! (vLLM and SGLang cannot run on this machine): field names, status codes and bodies as in
-//! DESIGN.md. Every call's request body is recorded and asserted.
+//! DESIGN.md. Every call's request body is recorded and asserted; the fake engines answer with
+//! the contracts' wire values (`mx_adapters::{dynamo, sglang}::wire`), and bodies off the
+//! contract are written out by hand.
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)] // tests: panics are failures
 
 use std::sync::{Arc, Mutex};
@@ -10,7 +12,11 @@ use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use mx_adapters::dynamo::wire::{
+    DiscoveryError, EngineResponse, InstanceId, UpdateWeightsRequest, WorkerInfo, WorkersResponse,
+};
 use mx_adapters::dynamo::{DynamoClient, DynamoWorkerClient, PauseMode};
+use mx_adapters::sglang::wire::{ControlResponse, UpdateWeightsResponse};
 use mx_adapters::sglang::SglangClient;
 use mx_adapters::Error;
 use serde_json::{json, Value};
@@ -42,7 +48,7 @@ async fn dynamo_route(
     State(s): State<Shared>,
     Path(route): Path<String>,
     Json(body): Json<Value>,
-) -> (StatusCode, Json<Value>) {
+) -> (StatusCode, Json<EngineResponse>) {
     let hang = s.lock().unwrap().hang;
     if hang {
         tokio::time::sleep(Duration::from_secs(5)).await;
@@ -54,22 +60,23 @@ async fn dynamo_route(
             if let Some(m) = e.fail_update.clone() {
                 return (
                     StatusCode::OK,
-                    Json(json!({"status": "error", "message": m, "version": e.version})),
+                    Json(EngineResponse::error(m, Some(e.version.clone()))),
                 );
             }
-            e.version = body["weight_version"].as_str().unwrap().to_string();
+            let req: UpdateWeightsRequest = serde_json::from_value(body).unwrap();
+            e.version = req.weight_version.unwrap();
             (
                 StatusCode::OK,
-                Json(json!({"status": "ok", "message": "loaded", "version": e.version})),
+                Json(EngineResponse::ok("loaded", Some(e.version.clone()))),
             )
         }
         "get_weight_version" | "pause_generation" | "resume_generation" => (
             StatusCode::OK,
-            Json(json!({"status": "ok", "message": route, "version": e.version})),
+            Json(EngineResponse::ok(route, Some(e.version.clone()))),
         ),
         _ => (
             StatusCode::NOT_FOUND,
-            Json(json!({"status": "error", "message": "no such route"})),
+            Json(EngineResponse::error("no such route", None)),
         ),
     }
 }
@@ -81,22 +88,26 @@ async fn sglang_route(
 ) -> (StatusCode, Json<Value>) {
     let mut e = s.lock().unwrap();
     e.calls.push((route.clone(), body.clone()));
-    match route.as_str() {
+    let update = |success: bool, message: String, paused: u64| UpdateWeightsResponse {
+        num_paused_requests: Some(paused),
+        ..UpdateWeightsResponse::new(success, message)
+    };
+    let (status, answer) = match route.as_str() {
         "update_weights_from_disk" => match e.fail_update.clone() {
-            Some(m) => (
-                StatusCode::BAD_REQUEST,
-                Json(json!({"success": false, "message": m, "num_paused_requests": 0})),
-            ),
-            None => (
-                StatusCode::OK,
-                Json(json!({"success": true, "message": "ok", "num_paused_requests": 3})),
-            ),
+            Some(m) => (StatusCode::BAD_REQUEST, json!(update(false, m, 0))),
+            None => (StatusCode::OK, json!(update(true, "ok".into(), 3))),
         },
-        "pause_generation" | "continue_generation" if e.allowlisted => {
-            (StatusCode::OK, Json(json!({"success": true})))
-        }
-        _ => (StatusCode::NOT_FOUND, Json(json!({"detail": "Not Found"}))),
-    }
+        "pause_generation" | "continue_generation" if e.allowlisted => (
+            StatusCode::OK,
+            json!(ControlResponse {
+                success: Some(true),
+                message: String::new(),
+            }),
+        ),
+        // FastAPI's answer to a route it does not serve (off the contract: written out).
+        _ => (StatusCode::NOT_FOUND, json!({"detail": "Not Found"})),
+    };
+    (status, Json(answer))
 }
 
 async fn serve(engine: Engine) -> (String, Shared) {
@@ -112,12 +123,37 @@ async fn serve(engine: Engine) -> (String, Shared) {
     (format!("http://{addr}"), shared)
 }
 
-fn worker(url: &str, routes: &[&str]) -> Value {
-    json!({
-        "namespace": "dynamo", "component": "backend", "endpoint": "generate",
-        "instance_id": 7587888, "transport": "tcp", "request_plane_url": "tcp://127.0.0.1:1",
-        "system_url": url, "model": "SmolLM2-135M", "routes": routes, "world_size": 3,
-    })
+fn worker(url: &str, routes: &[&str]) -> WorkerInfo {
+    WorkerInfo {
+        namespace: "dynamo".into(),
+        component: "backend".into(),
+        endpoint: "generate".into(),
+        instance_id: InstanceId::Number(7587888.into()),
+        transport: "tcp".into(),
+        request_plane_url: "tcp://127.0.0.1:1".into(),
+        system_url: Some(url.into()),
+        admin_base_url: None,
+        model: Some("SmolLM2-135M".into()),
+        routes: routes.iter().map(|r| r.to_string()).collect(),
+        world_size: Some(3),
+        error: None,
+    }
+}
+
+/// A discovery answer of protocol `version` in `namespace` listing `workers`, under
+/// `system_routes` as older releases name the list when `older`.
+fn listing(version: u64, namespace: &str, workers: Vec<WorkerInfo>, older: bool) -> Value {
+    let mut r = WorkersResponse {
+        protocol_version: Some(version),
+        namespace: namespace.into(),
+        ..WorkersResponse::default()
+    };
+    if older {
+        r.system_routes = Some(workers);
+    } else {
+        r.workers = Some(workers);
+    }
+    serde_json::to_value(r).unwrap()
 }
 
 const ALL: [&str; 4] = [
@@ -134,10 +170,8 @@ async fn dynamo_discovery_and_a_full_update_round() {
         ..Engine::default()
     })
     .await;
-    eng.lock().unwrap().discovery = Some((
-        200,
-        json!({"protocol_version": 1, "namespace": "dynamo", "workers": [worker(&url, &ALL)]}),
-    ));
+    eng.lock().unwrap().discovery =
+        Some((200, listing(1, "dynamo", vec![worker(&url, &ALL)], false)));
     let c = DynamoClient::new(&url, Duration::from_secs(2));
     let d = c.discover().await.unwrap();
     assert_eq!(d.namespace, "dynamo");
@@ -176,16 +210,10 @@ async fn dynamo_discovery_refusals_name_what_is_wrong() {
     let (url, eng) = serve(Engine::default()).await;
     let c = DynamoClient::new(&url, Duration::from_secs(2));
     // Older listeners name the list system_routes: accepted.
-    eng.lock().unwrap().discovery = Some((
-        200,
-        json!({"protocol_version": 1, "namespace": "n", "system_routes": [worker(&url, &ALL)]}),
-    ));
+    eng.lock().unwrap().discovery = Some((200, listing(1, "n", vec![worker(&url, &ALL)], true)));
     assert_eq!(c.discover().await.unwrap().workers.len(), 1);
     // Protocol 2.
-    eng.lock().unwrap().discovery = Some((
-        200,
-        json!({"protocol_version": 2, "namespace": "n", "workers": []}),
-    ));
+    eng.lock().unwrap().discovery = Some((200, listing(2, "n", vec![], false)));
     assert!(matches!(
         c.discover().await,
         Err(Error::Protocol { found: 2, .. })
@@ -196,10 +224,8 @@ async fn dynamo_discovery_refusals_name_what_is_wrong() {
         "update_weights_from_disk",
         "resume_generation",
     ];
-    eng.lock().unwrap().discovery = Some((
-        200,
-        json!({"protocol_version": 1, "namespace": "n", "workers": [worker(&url, &routes)]}),
-    ));
+    eng.lock().unwrap().discovery =
+        Some((200, listing(1, "n", vec![worker(&url, &routes)], false)));
     match c.discover().await {
         Err(Error::MissingRoute {
             instance, route, ..
@@ -212,7 +238,11 @@ async fn dynamo_discovery_refusals_name_what_is_wrong() {
     // Discovery failure.
     eng.lock().unwrap().discovery = Some((
         500,
-        json!({"error": "discovery_failed", "message": "etcd unreachable"}),
+        serde_json::to_value(DiscoveryError {
+            error: DiscoveryError::DISCOVERY_FAILED.into(),
+            message: "etcd unreachable".into(),
+        })
+        .unwrap(),
     ));
     match c.discover().await {
         Err(Error::DiscoveryFailed { message, .. }) => assert_eq!(message, "etcd unreachable"),
@@ -220,11 +250,8 @@ async fn dynamo_discovery_refusals_name_what_is_wrong() {
     }
     // A worker the listener could not describe.
     let mut w = worker(&url, &ALL);
-    w["error"] = json!("no system server");
-    eng.lock().unwrap().discovery = Some((
-        200,
-        json!({"protocol_version": 1, "namespace": "n", "workers": [w]}),
-    ));
+    w.error = Some("no system server".into());
+    eng.lock().unwrap().discovery = Some((200, listing(1, "n", vec![w], false)));
     assert!(
         matches!(c.discover().await, Err(Error::Engine { message, .. }) if message.contains("no system server"))
     );
@@ -252,6 +279,7 @@ async fn dynamo_checks_status_and_body_and_times_out() {
     // HTTP 200 whose body is not the contract's.
     eng.lock().unwrap().discovery = Some((
         200,
+        // Off the contract (a worker with only a namespace): written out.
         json!({"protocol_version": 1, "namespace": "n", "workers": [{"namespace": "n"}]}),
     ));
     let d = DynamoClient::new(&url, Duration::from_secs(1));

@@ -204,7 +204,7 @@ async fn vllm_full_update_round_sends_the_exact_contract() {
             call(
                 "POST",
                 "/reset_prefix_cache",
-                Some("reset_running_requests=false"),
+                Some("reset_running_requests=true"),
                 Value::Null
             ),
             call("GET", "/weight_info", None, Value::Null),

@@ -8,15 +8,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use mx_adapters::dynamo::DynamoWorkerClient;
 use mx_adapters::generate::Generation;
-use mx_adapters::sglang::SglangClient;
-use mx_adapters::vllm::VllmClient;
-use mx_layout::{Digest, VersionId};
+use mx_adapters::{client_for, Answer, EngineClient};
+use mx_layout::VersionId;
 
 use crate::refit::{
-    model_path, now_ms, Action, CallResult, EngineApi, EngineEndpoint, Outcome, Phase, Refit,
-    RefitSpec,
+    now_ms, Action, CallResult, EngineApi, EngineEndpoint, Outcome, Phase, Refit, RefitSpec,
 };
 use crate::server::Shared;
 use crate::state::Record;
@@ -61,36 +58,6 @@ fn failpoint(point: &str) {
     }
 }
 
-/// One worker's engine, spoken to through its contract.
-enum Engine {
-    Dynamo(DynamoWorkerClient),
-    Sglang(SglangClient, String),
-    Vllm(VllmClient),
-}
-
-impl Engine {
-    /// The engine at `ep`, spoken to over `http` (shared: connections are kept alive across
-    /// calls and workers).
-    fn new(http: &reqwest::Client, ep: &EngineEndpoint, timeout: Duration) -> Engine {
-        match ep.api {
-            EngineApi::Dynamo => Engine::Dynamo(DynamoWorkerClient::with_client(
-                http.clone(),
-                &ep.system_url,
-                timeout,
-            )),
-            EngineApi::Sglang => Engine::Sglang(
-                SglangClient::with_client(http.clone(), &ep.system_url, timeout),
-                ep.system_url.clone(),
-            ),
-            EngineApi::Vllm => Engine::Vllm(VllmClient::with_client(
-                http.clone(),
-                &ep.system_url,
-                timeout,
-            )),
-        }
-    }
-}
-
 fn failed(e: impl std::fmt::Display) -> CallResult {
     CallResult {
         ok: false,
@@ -111,29 +78,6 @@ fn done(message: impl Into<String>) -> CallResult {
 /// The result of a post-update generation the refit did not ask for.
 fn no_check() -> CallResult {
     done("no check requested")
-}
-
-/// The post-update generation over SGLang's native `POST {system_url}/generate` (served by
-/// Dynamo and SGLang engines alike).
-async fn generate_native(
-    http: &reqwest::Client,
-    system_url: &str,
-    spec: &RefitSpec,
-    timeout: Duration,
-) -> CallResult {
-    match &spec.check {
-        None => no_check(),
-        Some(check) => generated(
-            mx_adapters::generate::generate(
-                http,
-                system_url,
-                &check.prompt_tokens,
-                check.max_new_tokens,
-                timeout,
-            )
-            .await,
-        ),
-    }
 }
 
 /// The answer of a post-update generation.
@@ -185,18 +129,41 @@ fn group_by_engine(
     out
 }
 
-/// Performs one engine call and judges its answer (status AND body, then the values).
-async fn perform(
-    engine: &Engine,
-    action: &Action,
-    spec: &RefitSpec,
-    timeout: Duration,
-    http: &reqwest::Client,
-) -> CallResult {
-    let mut r = match engine {
-        Engine::Dynamo(c) => perform_dynamo(c, action, spec, timeout, http).await,
-        Engine::Sglang(c, url) => perform_sglang(c, url, action, spec, timeout, http).await,
-        Engine::Vllm(c) => perform_vllm(c, action, spec).await,
+/// What a pause, read-back or resume answered: its version (resume: only its message).
+fn answered(a: Result<Answer, mx_adapters::Error>, with_version: bool) -> CallResult {
+    match a {
+        Ok(a) => CallResult {
+            version: a.version.filter(|_| with_version),
+            ..done(a.message)
+        },
+        Err(e) => failed(e),
+    }
+}
+
+/// Performs one engine call and judges its answer (status AND body, then the values), the same
+/// way whatever contract `engine` speaks.
+async fn perform(engine: &dyn EngineClient, action: &Action, spec: &RefitSpec) -> CallResult {
+    let mut r = match action {
+        Action::Pause => answered(engine.pause(spec.pause_mode).await, true),
+        Action::Apply { version } => match engine.apply(version).await {
+            Ok(a) => CallResult {
+                version: a.version,
+                cache_tiers_cleared: a.cache_tiers_cleared,
+                paused_requests: a.paused_requests,
+                ..done(a.message)
+            },
+            Err(e) => failed(e),
+        },
+        Action::ReadVersion => answered(engine.read_version().await, true),
+        Action::Resume => answered(engine.resume().await, false),
+        Action::Generate => match &spec.check {
+            None => no_check(),
+            Some(check) => generated(
+                engine
+                    .generate(&check.prompt_tokens, check.max_new_tokens)
+                    .await,
+            ),
+        },
     };
     // Judge the values, not only the transport.
     if r.ok {
@@ -229,154 +196,6 @@ async fn perform(
         }
     }
     r
-}
-
-/// One call to a Dynamo worker.
-async fn perform_dynamo(
-    c: &DynamoWorkerClient,
-    action: &Action,
-    spec: &RefitSpec,
-    timeout: Duration,
-    http: &reqwest::Client,
-) -> CallResult {
-    match action {
-        Action::Pause => match c.pause(spec.pause_mode, false).await {
-            Ok(a) => CallResult {
-                version: a.version,
-                ..done(a.message)
-            },
-            Err(e) => failed(e),
-        },
-        Action::Apply { version } => match version_digest(version) {
-            None => failed(format!("{version} is not an mx version id")),
-            Some(d) => match c.update_weights_from_disk(&model_path(&d), version).await {
-                Ok(a) => CallResult {
-                    version: a.version,
-                    cache_tiers_cleared: a.cache_tiers_cleared,
-                    ..done(a.message)
-                },
-                Err(e) => failed(e),
-            },
-        },
-        Action::ReadVersion => match c.get_weight_version().await {
-            Ok(v) => CallResult {
-                version: Some(v),
-                ..done("")
-            },
-            Err(e) => failed(e),
-        },
-        Action::Resume => match c.resume().await {
-            Ok(a) => done(a.message),
-            Err(e) => failed(e),
-        },
-        Action::Generate => generate_native(http, c.system_url(), spec, timeout).await,
-    }
-}
-
-/// One call to an SGLang server at `system_url`.
-async fn perform_sglang(
-    c: &SglangClient,
-    system_url: &str,
-    action: &Action,
-    spec: &RefitSpec,
-    timeout: Duration,
-    http: &reqwest::Client,
-) -> CallResult {
-    match action {
-        Action::Pause => match c.pause_generation().await {
-            Ok(()) => done(""),
-            Err(mx_adapters::Error::RouteNotAllowlisted { .. }) => done(
-                "pause_generation is not allowlisted: the framework must gate generation itself",
-            ),
-            Err(e) => failed(e),
-        },
-        Action::Apply { version } => match version_digest(version) {
-            None => failed(format!("{version} is not an mx version id")),
-            Some(d) => match c
-                .update_weights_from_disk(&model_path(&d), version, true, true)
-                .await
-            {
-                Ok(a) => CallResult {
-                    cache_tiers_cleared: a.cache_tiers_cleared,
-                    paused_requests: a.num_paused_requests,
-                    ..done(a.message)
-                },
-                Err(e) => failed(e),
-            },
-        },
-        Action::ReadVersion => done(
-            "SGLang has no version read-back: the control plane keeps the version and relies on the post-update generation",
-        ),
-        Action::Resume => match c.continue_generation(false).await {
-            Ok(()) => done(""),
-            Err(mx_adapters::Error::RouteNotAllowlisted { .. }) => done(
-                "continue_generation is not allowlisted: the framework must gate generation itself",
-            ),
-            Err(e) => failed(e),
-        },
-        Action::Generate => generate_native(http, system_url, spec, timeout).await,
-    }
-}
-
-/// One call to a vLLM server over its native RL routes; the post-update generation is
-/// `POST /v1/completions`. APPLY is one weight-update session: `start_weight_update`,
-/// `update_weights`, `finish_weight_update` (which records the version), then
-/// `reset_prefix_cache`; the first step that fails fails the call, named. When
-/// `update_weights` raises, vLLM's worker aborts the session itself, so nothing is cleaned up.
-async fn perform_vllm(c: &VllmClient, action: &Action, spec: &RefitSpec) -> CallResult {
-    match action {
-        Action::Pause => match c.pause(spec.pause_mode).await {
-            Ok(()) => done(format!("paused ({})", spec.pause_mode.as_str())),
-            Err(e) => failed(e),
-        },
-        Action::Apply { version } => {
-            // Any version id: mx's backend installs a staged `mx:` version, or restores the one
-            // it retained (`disk:<dir>` for the checkpoint vLLM started from), and refuses others.
-            if version.is_empty() {
-                return failed("no version to apply");
-            }
-            if let Err(e) = c.start_weight_update().await {
-                return failed(format!("start_weight_update: {e}"));
-            }
-            if let Err(e) = c.update_weights(version).await {
-                return failed(format!("update_weights: {e}"));
-            }
-            if let Err(e) = c.finish_weight_update(version).await {
-                return failed(format!("finish_weight_update: {e}"));
-            }
-            if let Err(e) = c.reset_prefix_cache().await {
-                return failed(format!(
-                    "reset_prefix_cache (the weights of {version} are installed): {e}"
-                ));
-            }
-            CallResult {
-                version: Some(version.clone()),
-                cache_tiers_cleared: vec!["prefix_cache".into()],
-                ..done("start_weight_update, update_weights, finish_weight_update, reset_prefix_cache: ok")
-            }
-        }
-        Action::ReadVersion => match c.weight_version().await {
-            Ok(Some(v)) => CallResult {
-                version: Some(v),
-                ..done("")
-            },
-            Ok(None) => failed("engine reports no weight version (GET /weight_info: null)"),
-            Err(e) => failed(e),
-        },
-        Action::Resume => match c.resume().await {
-            Ok(()) => done("resumed"),
-            Err(e) => failed(e),
-        },
-        Action::Generate => match &spec.check {
-            None => no_check(),
-            Some(check) => generated(c.complete(&check.prompt_tokens, check.max_new_tokens).await),
-        },
-    }
-}
-
-/// The digest inside an `mx:<hex>` version id.
-fn version_digest(version: &str) -> Option<Digest> {
-    VersionId::from_engine(version).map(|v| v.digest())
 }
 
 /// Drives refit `id` to its end. Errors are journaling failures (the driver stops; a restart
@@ -525,9 +344,9 @@ impl Ctx<'_> {
                 ..CallResult::default()
             },
             Some(ep) => {
-                let engine = Engine::new(&self.http, ep, timeout);
+                let engine = client_for(ep.api, &self.http, &ep.system_url, timeout);
                 tokio::select! {
-                    r = perform(&engine, &action, &self.spec, timeout, &self.http) => r,
+                    r = perform(&*engine, &action, &self.spec) => r,
                     why = self.reregistration(&first, seen) => failed(why),
                 }
             }

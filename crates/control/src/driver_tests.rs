@@ -55,7 +55,7 @@ async fn route(
     (StatusCode::OK, answer.to_string())
 }
 
-async fn serve() -> (Engine, Shared) {
+async fn serve() -> (Box<dyn EngineClient>, Shared) {
     let shared = Arc::new(Mutex::new(FakeVllm::default()));
     let app = axum::Router::new()
         .fallback(route)
@@ -68,7 +68,12 @@ async fn serve() -> (Engine, Shared) {
         system_url: format!("http://{addr}"),
         no_model: false,
     };
-    let engine = Engine::new(&reqwest::Client::new(), &ep, Duration::from_secs(2));
+    let engine = client_for(
+        ep.api,
+        &reqwest::Client::new(),
+        &ep.system_url,
+        Duration::from_secs(2),
+    );
     (engine, shared)
 }
 
@@ -92,15 +97,8 @@ fn spec(expected_tokens: Vec<u32>) -> RefitSpec {
     }
 }
 
-async fn run(engine: &Engine, action: Action, spec: &RefitSpec) -> CallResult {
-    perform(
-        engine,
-        &action,
-        spec,
-        Duration::from_secs(2),
-        &reqwest::Client::new(),
-    )
-    .await
+async fn run(engine: &dyn EngineClient, action: Action, spec: &RefitSpec) -> CallResult {
+    perform(engine, &action, spec).await
 }
 
 fn apply() -> Action {
@@ -113,19 +111,19 @@ fn apply() -> Action {
 async fn vllm_apply_is_one_weight_update_session_then_a_prefix_cache_reset() {
     let (engine, vllm) = serve().await;
     let spec = spec(vec![7, 8]);
-    let r = run(&engine, Action::Pause, &spec).await;
+    let r = run(&*engine, Action::Pause, &spec).await;
     assert!(r.ok, "{}", r.error);
-    let r = run(&engine, apply(), &spec).await;
+    let r = run(&*engine, apply(), &spec).await;
     assert!(r.ok, "{}", r.error);
     assert_eq!(r.version.as_deref(), Some(V));
     assert_eq!(r.cache_tiers_cleared, vec!["prefix_cache".to_string()]);
     assert!(r.message.contains("finish_weight_update"), "{}", r.message);
-    let r = run(&engine, Action::ReadVersion, &spec).await;
+    let r = run(&*engine, Action::ReadVersion, &spec).await;
     assert!(r.ok, "{}", r.error);
     assert_eq!(r.version.as_deref(), Some(V));
-    let r = run(&engine, Action::Resume, &spec).await;
+    let r = run(&*engine, Action::Resume, &spec).await;
     assert!(r.ok, "{}", r.error);
-    let r = run(&engine, Action::Generate, &spec).await;
+    let r = run(&*engine, Action::Generate, &spec).await;
     assert!(r.ok, "{}", r.error);
     assert_eq!(r.tokens, vec![7, 8]);
     assert_eq!(r.version, None);
@@ -136,7 +134,7 @@ async fn vllm_apply_is_one_weight_update_session_then_a_prefix_cache_reset() {
             "POST /start_weight_update",
             "POST /update_weights",
             "POST /finish_weight_update",
-            "POST /reset_prefix_cache?reset_running_requests=false",
+            "POST /reset_prefix_cache?reset_running_requests=true",
             "GET /weight_info",
             "POST /resume",
             "POST /v1/completions",
@@ -154,7 +152,7 @@ async fn vllm_apply_stops_at_the_failing_step_and_names_it() {
     ] {
         let (engine, vllm) = serve().await;
         vllm.lock().unwrap().fail = vec![step];
-        let r = run(&engine, apply(), &spec(vec![])).await;
+        let r = run(&*engine, apply(), &spec(vec![])).await;
         assert!(!r.ok, "{step}");
         assert_eq!(r.version, None, "{step}");
         assert!(r.cache_tiers_cleared.is_empty(), "{step}");
@@ -166,7 +164,7 @@ async fn vllm_apply_stops_at_the_failing_step_and_names_it() {
     // the session is sent as for any version.
     let (engine, vllm) = serve().await;
     let r = run(
-        &engine,
+        &*engine,
         Action::Apply {
             version: "disk:/ckpt".into(),
         },
@@ -179,7 +177,7 @@ async fn vllm_apply_stops_at_the_failing_step_and_names_it() {
     // No version at all: nothing is sent.
     let (engine, vllm) = serve().await;
     let r = run(
-        &engine,
+        &*engine,
         Action::Apply {
             version: String::new(),
         },
@@ -193,19 +191,19 @@ async fn vllm_apply_stops_at_the_failing_step_and_names_it() {
 #[tokio::test]
 async fn vllm_read_back_of_no_version_and_a_wrong_generation_fail() {
     let (engine, _vllm) = serve().await;
-    let r = run(&engine, Action::ReadVersion, &spec(vec![])).await;
+    let r = run(&*engine, Action::ReadVersion, &spec(vec![])).await;
     assert!(!r.ok);
     assert!(
         r.error.contains("engine reports no weight version"),
         "{}",
         r.error
     );
-    let r = run(&engine, Action::Generate, &spec(vec![7, 9])).await;
+    let r = run(&*engine, Action::Generate, &spec(vec![7, 9])).await;
     assert!(!r.ok);
     assert!(r.error.contains("golden tokens"), "{}", r.error);
     let mut no_check = spec(vec![]);
     no_check.check = None;
-    let r = run(&engine, Action::Generate, &no_check).await;
+    let r = run(&*engine, Action::Generate, &no_check).await;
     assert!(r.ok && r.message == "no check requested", "{r:?}");
 }
 

@@ -27,44 +27,9 @@ use std::fmt;
 use mx_layout::{Digest, LayoutSpec, VersionId};
 use serde::{Deserialize, Serialize};
 
-/// Which engine contract the control plane speaks to a worker (DESIGN.md "Engine contracts").
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum EngineApi {
-    /// Dynamo vLLM RL routes `POST {system_url}/engine/{route}` (pause_generation,
-    /// update_weights_from_disk, get_weight_version, resume_generation).
-    Dynamo,
-    /// SGLang `POST {system_url}/engine/control/{route}` (update_weights_from_disk; pause and
-    /// continue only where allowlisted; no version read-back).
-    Sglang,
-    /// vLLM's native RL routes on its OpenAI-compatible server (`VLLM_SERVER_DEV_MODE=1`):
-    /// `POST {system_url}/pause`, `/start_weight_update`, `/update_weights`,
-    /// `/finish_weight_update`, `/reset_prefix_cache`, `/resume`, `GET /weight_info` (the
-    /// read-back) and `POST /v1/completions` for the post-update generation.
-    Vllm,
-}
-
-impl fmt::Display for EngineApi {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            EngineApi::Dynamo => "dynamo",
-            EngineApi::Sglang => "sglang",
-            EngineApi::Vllm => "vllm",
-        })
-    }
-}
-
-impl std::str::FromStr for EngineApi {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "dynamo" => Ok(EngineApi::Dynamo),
-            "sglang" => Ok(EngineApi::Sglang),
-            "vllm" => Ok(EngineApi::Vllm),
-            other => Err(format!("unknown engine api {other:?} (dynamo|sglang|vllm)")),
-        }
-    }
-}
+/// Which engine contract the control plane speaks to a worker (DESIGN.md "Engine contracts");
+/// defined beside the clients that speak them.
+pub use mx_adapters::EngineApi;
 
 /// Where a worker's engine routes live.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -19,17 +19,6 @@ use crate::Error;
 /// tokens with HTTP 503 (`Abort`).
 pub use mx_control::PauseMode;
 
-/// Parses a request's `mode` (see [`PauseMode`]'s `FromStr`).
-///
-/// # Errors
-/// [`Error::BadRequest`] naming field `mode`.
-pub(crate) fn parse_mode(s: &str) -> Result<PauseMode, Error> {
-    s.parse().map_err(|reason| Error::BadRequest {
-        field: "mode".into(),
-        reason,
-    })
-}
-
 #[derive(Debug, Clone, Copy, Default)]
 struct GateState {
     paused: Option<PauseMode>,

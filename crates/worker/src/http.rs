@@ -1,7 +1,8 @@
 //! The HTTP server: both engine weight-update contracts (Dynamo vLLM RL and SGLang), SGLang-style
 //! `/generate`, the read-only `GET /mx/live_digests`, and the failpoints. Field names follow the
-//! contracts exactly; every body is parsed by hand so a bad field is answered with a JSON error
-//! naming it.
+//! contracts exactly: requests are parsed into, and answers written from, the same wire values
+//! mx's clients use (`mx_adapters::{dynamo, sglang, generate}::wire`), and a bad field is
+//! answered with a JSON error naming its path.
 //!
 //! `GET /mx/live_digests` (mx's own, not an engine contract) answers what is live, hashed from
 //! the live bytes at the time of the request: `{"version": "<resident version id>", "ranks":
@@ -23,6 +24,15 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use mx_adapters::dynamo::wire::{
+    self as dynamo_wire, EngineResponse, InstanceId, WorkerInfo, WorkersResponse,
+};
+use mx_adapters::generate::wire::{
+    self as generate_wire, ErrorBody, ErrorResponse, GenerateResponse, MetaInfo,
+};
+use mx_adapters::sglang::wire::{self as sglang_wire, UpdateWeightsResponse};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
 use serde_json::{json, Map, Value};
 use tokio::sync::oneshot;
 
@@ -30,13 +40,8 @@ use crate::gate::PauseMode;
 use crate::instance::{ApplySource, FinishReason, GenerateRequest, Instance};
 use crate::Error;
 
-/// Routes every Dynamo worker lists in discovery.
-pub const DYNAMO_ROUTES: [&str; 4] = [
-    "pause_generation",
-    "update_weights_from_disk",
-    "get_weight_version",
-    "resume_generation",
-];
+/// Routes every Dynamo worker lists in discovery (those mx's client requires).
+pub const DYNAMO_ROUTES: [&str; 4] = mx_adapters::dynamo::REQUIRED_ROUTES;
 
 /// `max_new_tokens` when a `/generate` request leaves it out (SGLang's default).
 pub const DEFAULT_MAX_NEW_TOKENS: usize = 128;
@@ -178,22 +183,42 @@ pub fn status_of(e: &Error) -> StatusCode {
 
 // ---- body parsing -------------------------------------------------------------------------
 
-/// The body as a JSON object; an empty body is `{}`.
+/// The body as a JSON object; an empty body is `{}` (the failpoints route).
 fn object(body: &Bytes) -> Result<Map<String, Value>, Error> {
-    if body.iter().all(u8::is_ascii_whitespace) {
-        return Ok(Map::new());
+    parse(body)
+}
+
+/// The body parsed into the contract's request type `T`; an empty body is `{}`. A field of the
+/// wrong type is refused naming its path (e.g. `sampling_params.stop_token_ids[1]`); a body
+/// that is not JSON, or not an object, is refused naming `body`.
+fn parse<T: DeserializeOwned>(body: &Bytes) -> Result<T, Error> {
+    let text: &[u8] = if body.iter().all(u8::is_ascii_whitespace) {
+        b"{}"
+    } else {
+        body
+    };
+    // serde reads a struct from an array too: the contracts want an object.
+    if text.trim_ascii_start().first() != Some(&b'{') {
+        return Err(match serde_json::from_slice::<Value>(text) {
+            Ok(v) => bad("body", format!("must be a JSON object, got {}", kind(&v))),
+            Err(e) => bad("body", format!("is not JSON: {e}")),
+        });
     }
-    match serde_json::from_slice::<Value>(body) {
-        Ok(Value::Object(m)) => Ok(m),
-        Ok(other) => Err(Error::BadRequest {
-            field: "body".into(),
-            reason: format!("must be a JSON object, got {}", kind(&other)),
-        }),
-        Err(e) => Err(Error::BadRequest {
-            field: "body".into(),
-            reason: format!("is not JSON: {e}"),
-        }),
-    }
+    let mut de = serde_json::Deserializer::from_slice(text);
+    let value = serde_path_to_error::deserialize(&mut de).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        if !inner.is_data() {
+            bad("body", format!("is not JSON: {inner}"))
+        } else if path == "." {
+            bad("body", inner.to_string())
+        } else {
+            bad(&path, inner.to_string())
+        }
+    })?;
+    de.end()
+        .map_err(|e| bad("body", format!("is not JSON: {e}")))?;
+    Ok(value)
 }
 
 fn kind(v: &Value) -> &'static str {
@@ -214,20 +239,9 @@ fn bad(field: &str, reason: impl Into<String>) -> Error {
     }
 }
 
-fn opt_str(m: &Map<String, Value>, field: &str) -> Result<Option<String>, Error> {
-    match m.get(field) {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::String(s)) => Ok(Some(s.clone())),
-        Some(v) => Err(bad(field, format!("must be a string, got {}", kind(v)))),
-    }
-}
-
-fn opt_bool(m: &Map<String, Value>, field: &str) -> Result<Option<bool>, Error> {
-    match m.get(field) {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::Bool(b)) => Ok(Some(*b)),
-        Some(v) => Err(bad(field, format!("must be a boolean, got {}", kind(v)))),
-    }
+/// `body` serialized as JSON with `status`.
+fn reply(status: StatusCode, body: &impl Serialize) -> Response {
+    (status, Json(body)).into_response()
 }
 
 // ---- Dynamo vLLM RL -----------------------------------------------------------------------
@@ -242,100 +256,84 @@ fn instance_id(worker_id: &str) -> u64 {
 
 async fn discovery(State(ctx): State<Ctx>) -> Response {
     let cfg = ctx.inst.config();
-    Json(json!({
-        "protocol_version": 1,
-        "namespace": "mx",
-        "workers": [{
-            "namespace": "mx",
-            "component": "worker",
-            "endpoint": "generate",
-            "instance_id": instance_id(&cfg.worker_id),
-            "transport": "http",
-            "request_plane_url": format!("{}/generate", ctx.url),
-            "system_url": ctx.url.as_str(),
-            "model": crate::instance::model_name(&cfg.model_dir),
-            "routes": DYNAMO_ROUTES,
-            "world_size": cfg.layout.world_size,
-        }],
-    }))
-    .into_response()
+    let worker = WorkerInfo {
+        namespace: "mx".into(),
+        component: "worker".into(),
+        endpoint: "generate".into(),
+        instance_id: InstanceId::Number(instance_id(&cfg.worker_id).into()),
+        transport: "http".into(),
+        request_plane_url: format!("{}/generate", ctx.url),
+        system_url: Some(ctx.url.to_string()),
+        admin_base_url: None,
+        model: Some(crate::instance::model_name(&cfg.model_dir)),
+        routes: DYNAMO_ROUTES.map(String::from).to_vec(),
+        world_size: Some(u64::from(cfg.layout.world_size)),
+        error: None,
+    };
+    let answer = WorkersResponse {
+        protocol_version: Some(1),
+        namespace: "mx".into(),
+        workers: Some(vec![worker]),
+        system_routes: None,
+    };
+    reply(StatusCode::OK, &answer)
 }
 
-fn dynamo_reply(inst: &Instance, res: Result<(String, Extra), (Error, Extra)>) -> Response {
-    let version = inst.resident_version().unwrap_or_default();
+/// A Dynamo answer, `{status, message, version}` with the resident version (empty when none),
+/// and its HTTP status.
+fn dynamo_answer(inst: &Instance, res: Result<String, Error>) -> (StatusCode, EngineResponse) {
+    let version = Some(inst.resident_version().unwrap_or_default());
     match res {
-        Ok((message, extra)) => {
-            let mut body = json!({"status": "ok", "message": message, "version": version});
-            if let Value::Object(m) = &mut body {
-                m.extend(extra);
-            }
-            (StatusCode::OK, Json(body)).into_response()
-        }
-        Err((e, extra)) => {
-            let mut body = json!({"status": "error", "message": e.to_string(), "version": version});
-            if let Value::Object(m) = &mut body {
-                m.extend(extra);
-            }
-            (status_of(&e), Json(body)).into_response()
-        }
+        Ok(message) => (StatusCode::OK, EngineResponse::ok(message, version)),
+        Err(e) => (status_of(&e), EngineResponse::error(e.to_string(), version)),
     }
-}
-
-/// Extra fields of a Dynamo answer.
-type Extra = Map<String, Value>;
-
-fn no_extra(e: Error) -> (Error, Extra) {
-    (e, Extra::new())
 }
 
 async fn dynamo_pause(State(ctx): State<Ctx>, body: Bytes) -> Response {
     let res = async {
-        let m = object(&body)?;
-        let mode = match opt_str(&m, "mode")? {
-            Some(s) => crate::gate::parse_mode(&s)?,
-            None => PauseMode::Abort,
-        };
-        let clear = opt_bool(&m, "clear_cache")?.unwrap_or(true);
+        let r: dynamo_wire::PauseRequest = parse(&body)?;
+        let mode = r.mode.unwrap_or(PauseMode::Abort);
+        let clear = r.clear_cache.unwrap_or(true);
         let out = ctx.inst.pause(mode, clear).await?;
-        Ok::<_, Error>((
-            format!(
-                "generation paused (mode {}): {} request(s) were in flight, {} held{}",
-                mode.as_str(),
-                out.in_flight,
-                out.held,
-                if clear { ", caches cleared" } else { "" }
-            ),
-            Extra::new(),
+        Ok::<_, Error>(format!(
+            "generation paused (mode {}): {} request(s) were in flight, {} held{}",
+            mode.as_str(),
+            out.in_flight,
+            out.held,
+            if clear { ", caches cleared" } else { "" }
         ))
     }
     .await;
-    dynamo_reply(&ctx.inst, res.map_err(no_extra))
+    let (status, answer) = dynamo_answer(&ctx.inst, res);
+    reply(status, &answer)
 }
 
 async fn dynamo_update(State(ctx): State<Ctx>, body: Bytes) -> Response {
     let t0 = Instant::now();
     let res = async {
-        let m = object(&body)?;
-        let path = opt_str(&m, "model_path")?.unwrap_or_default();
-        let wv = opt_str(&m, "weight_version")?.unwrap_or_default();
-        let source = ApplySource::from_model_path(&path, &wv)?;
-        let out = ctx.inst.apply(source).await?;
-        let mut extra = Extra::new();
-        extra.insert("cache_tiers_cleared".into(), json!(out.cache_tiers_cleared));
-        extra.insert("apply_seconds".into(), json!(out.seconds));
-        Ok::<_, Error>((
-            format!("weights updated to {} ({:?})", out.version, out.kind),
-            extra,
-        ))
+        let r: dynamo_wire::UpdateWeightsRequest = parse(&body)?;
+        let source = ApplySource::from_model_path(
+            r.model_path.as_deref().unwrap_or_default(),
+            r.weight_version.as_deref().unwrap_or_default(),
+        )?;
+        ctx.inst.apply(source).await
     }
     .await;
-    let res = res.map_err(|e| {
-        let mut extra = Extra::new();
-        extra.insert("cache_tiers_cleared".into(), json!([]));
-        extra.insert("apply_seconds".into(), json!(t0.elapsed().as_secs_f64()));
-        (e, extra)
-    });
-    dynamo_reply(&ctx.inst, res)
+    let (res, tiers, seconds) = match res {
+        Ok(out) => (
+            Ok(format!(
+                "weights updated to {} ({:?})",
+                out.version, out.kind
+            )),
+            out.cache_tiers_cleared,
+            out.seconds,
+        ),
+        Err(e) => (Err(e), Vec::new(), t0.elapsed().as_secs_f64()),
+    };
+    let (status, mut answer) = dynamo_answer(&ctx.inst, res);
+    answer.cache_tiers_cleared = Some(tiers);
+    answer.apply_seconds = Some(seconds);
+    reply(status, &answer)
 }
 
 async fn dynamo_version(State(ctx): State<Ctx>) -> Response {
@@ -343,43 +341,39 @@ async fn dynamo_version(State(ctx): State<Ctx>) -> Response {
         Some(v) => format!("resident version {v}"),
         None => "no weights resident".to_string(),
     };
-    dynamo_reply(&ctx.inst, Ok((message, Extra::new())))
+    let (status, answer) = dynamo_answer(&ctx.inst, Ok(message));
+    reply(status, &answer)
 }
 
 async fn dynamo_resume(State(ctx): State<Ctx>) -> Response {
     ctx.inst.resume();
-    dynamo_reply(&ctx.inst, Ok(("generation resumed".into(), Extra::new())))
+    let (status, answer) = dynamo_answer(&ctx.inst, Ok("generation resumed".into()));
+    reply(status, &answer)
 }
 
 // ---- SGLang -------------------------------------------------------------------------------
 
-fn sglang_reply(res: Result<Map<String, Value>, Error>) -> Response {
+/// An SGLang answer: the success given, or `{success: false, message}` with the error's status.
+fn sglang_reply(res: Result<UpdateWeightsResponse, Error>) -> Response {
     match res {
-        Ok(m) => (StatusCode::OK, Json(Value::Object(m))).into_response(),
-        Err(e) => (
+        Ok(answer) => reply(StatusCode::OK, &answer),
+        Err(e) => reply(
             status_of(&e),
-            Json(json!({"success": false, "message": e.to_string()})),
-        )
-            .into_response(),
+            &UpdateWeightsResponse::new(false, e.to_string()),
+        ),
     }
-}
-
-fn ok_message(message: String) -> Map<String, Value> {
-    let mut m = Map::new();
-    m.insert("success".into(), Value::Bool(true));
-    m.insert("message".into(), Value::String(message));
-    m
 }
 
 async fn sglang_update(State(ctx): State<Ctx>, body: Bytes) -> Response {
     let res = async {
-        let m = object(&body)?;
-        let path = opt_str(&m, "model_path")?.unwrap_or_default();
-        let wv = opt_str(&m, "weight_version")?.unwrap_or_default();
-        let flush = opt_bool(&m, "flush_cache")?.unwrap_or(true);
-        let keep_pause = opt_bool(&m, "keep_pause")?.unwrap_or(false);
-        let abort = opt_bool(&m, "abort_all_requests")?.unwrap_or(false);
-        let source = ApplySource::from_model_path(&path, &wv)?;
+        let r: sglang_wire::UpdateWeightsRequest = parse(&body)?;
+        let flush = r.flush_cache.unwrap_or(true);
+        let keep_pause = r.keep_pause.unwrap_or(false);
+        let abort = r.abort_all_requests.unwrap_or(false);
+        let source = ApplySource::from_model_path(
+            r.model_path.as_deref().unwrap_or_default(),
+            r.weight_version.as_deref().unwrap_or_default(),
+        )?;
         // The update runs paused: requests in flight are held (or aborted) meanwhile.
         let was_paused = ctx.inst.paused().is_some();
         let paused_requests = if was_paused {
@@ -397,13 +391,14 @@ async fn sglang_update(State(ctx): State<Ctx>, body: Bytes) -> Response {
             ctx.inst.resume();
         }
         let out = res?;
-        let mut reply = ok_message(format!(
-            "weights updated to {} ({:?})",
-            out.version, out.kind
-        ));
-        reply.insert("num_paused_requests".into(), json!(paused_requests));
-        reply.insert("cache_tiers_cleared".into(), json!(out.cache_tiers_cleared));
-        Ok::<_, Error>(reply)
+        Ok::<_, Error>(UpdateWeightsResponse {
+            num_paused_requests: Some(paused_requests),
+            cache_tiers_cleared: Some(out.cache_tiers_cleared),
+            ..UpdateWeightsResponse::new(
+                true,
+                format!("weights updated to {} ({:?})", out.version, out.kind),
+            )
+        })
     }
     .await;
     sglang_reply(res)
@@ -411,163 +406,106 @@ async fn sglang_update(State(ctx): State<Ctx>, body: Bytes) -> Response {
 
 async fn sglang_pause(State(ctx): State<Ctx>, body: Bytes) -> Response {
     let res = async {
-        let m = object(&body)?;
-        let mode = match opt_str(&m, "mode")? {
-            Some(s) => crate::gate::parse_mode(&s)?,
-            None => PauseMode::Abort,
-        };
+        let r: sglang_wire::PauseRequest = parse(&body)?;
+        let mode = r.mode.unwrap_or(PauseMode::Abort);
         let out = ctx.inst.pause(mode, false).await?;
-        Ok::<_, Error>(ok_message(format!(
-            "generation paused (mode {}): {} request(s) were in flight, {} held",
-            mode.as_str(),
-            out.in_flight,
-            out.held
-        )))
+        Ok::<_, Error>(UpdateWeightsResponse::new(
+            true,
+            format!(
+                "generation paused (mode {}): {} request(s) were in flight, {} held",
+                mode.as_str(),
+                out.in_flight,
+                out.held
+            ),
+        ))
     }
     .await;
     sglang_reply(res)
 }
 
 async fn sglang_continue(State(ctx): State<Ctx>, body: Bytes) -> Response {
-    let res = object(&body).and_then(|m| {
-        // No GPU allocator here: torch_empty_cache is accepted and has nothing to free.
-        opt_bool(&m, "torch_empty_cache")?;
+    // No GPU allocator here: torch_empty_cache is accepted (and type-checked) and has nothing
+    // to free.
+    let res = parse::<sglang_wire::ContinueRequest>(&body).map(|_| {
         ctx.inst.resume();
-        Ok(ok_message("generation continued".into()))
+        UpdateWeightsResponse::new(true, "generation continued")
     });
     sglang_reply(res)
 }
 
 // ---- generation ---------------------------------------------------------------------------
 
-fn parse_generate(m: &Map<String, Value>) -> Result<GenerateRequest, Error> {
-    let ids = match m.get("input_ids") {
-        Some(Value::Array(a)) => a,
-        Some(v) => {
-            return Err(bad(
-                "input_ids",
-                format!("must be an array of token ids, got {}", kind(v)),
-            ))
-        }
-        None if m.contains_key("text") => {
+/// A `/generate` body as the engine's request: token ids only (no tokenizer), greedy only.
+fn parse_generate(body: &Bytes) -> Result<GenerateRequest, Error> {
+    let r: generate_wire::GenerateRequest = parse(body)?;
+    let input_ids = match (r.input_ids, r.text) {
+        (Some(ids), _) => ids,
+        (None, Some(_)) => {
             return Err(bad(
                 "text",
                 "text prompts are not supported (this engine has no tokenizer): send input_ids",
             ))
         }
-        None => return Err(bad("input_ids", "is missing")),
+        (None, None) => return Err(bad("input_ids", "is missing")),
     };
-    let input_ids = ids
-        .iter()
-        .enumerate()
-        .map(|(i, v)| {
-            v.as_u64()
-                .and_then(|x| u32::try_from(x).ok())
-                .ok_or_else(|| bad(&format!("input_ids[{i}]"), format!("{v} is not a token id")))
-        })
-        .collect::<Result<Vec<u32>, Error>>()?;
-    let sp = match m.get("sampling_params") {
-        None | Some(Value::Null) => Map::new(),
-        Some(Value::Object(o)) => o.clone(),
-        Some(v) => {
-            return Err(bad(
-                "sampling_params",
-                format!("must be an object, got {}", kind(v)),
-            ))
-        }
+    let sp = r.sampling_params.unwrap_or_default();
+    let max_new_tokens = match sp.max_new_tokens {
+        None => DEFAULT_MAX_NEW_TOKENS,
+        Some(n) => usize::try_from(n).map_err(|_| {
+            bad(
+                "sampling_params.max_new_tokens",
+                format!("{n} does not fit this machine's usize"),
+            )
+        })?,
     };
-    let max_new_tokens = match sp.get("max_new_tokens") {
-        None | Some(Value::Null) => DEFAULT_MAX_NEW_TOKENS,
-        Some(v) => v
-            .as_u64()
-            .and_then(|x| usize::try_from(x).ok())
-            .ok_or_else(|| {
-                bad(
-                    "sampling_params.max_new_tokens",
-                    format!("{v} is not a non-negative integer"),
-                )
-            })?,
-    };
-    match sp.get("temperature") {
-        None | Some(Value::Null) => {}
-        Some(v) if v.as_f64() == Some(0.0) => {}
-        Some(v) => {
-            return Err(bad(
-                "sampling_params.temperature",
-                format!("{v}: this engine decodes greedily only (temperature 0 or absent)"),
-            ))
-        }
+    if let Some(t) = sp.temperature.filter(|t| *t != 0.0) {
+        return Err(bad(
+            "sampling_params.temperature",
+            format!("{t}: this engine decodes greedily only (temperature 0 or absent)"),
+        ));
     }
-    let stop_token_ids = match sp.get("stop_token_ids") {
-        None | Some(Value::Null) => Vec::new(),
-        Some(Value::Array(a)) => a
-            .iter()
-            .enumerate()
-            .map(|(i, v)| {
-                v.as_u64()
-                    .and_then(|x| u32::try_from(x).ok())
-                    .ok_or_else(|| {
-                        bad(
-                            &format!("sampling_params.stop_token_ids[{i}]"),
-                            format!("{v} is not a token id"),
-                        )
-                    })
-            })
-            .collect::<Result<Vec<u32>, Error>>()?,
-        Some(v) => {
-            return Err(bad(
-                "sampling_params.stop_token_ids",
-                format!("must be an array of token ids, got {}", kind(v)),
-            ))
-        }
-    };
     // The end-of-sequence token is never a default stop here, so ignore_eos changes nothing;
     // it is accepted (and type-checked) for SGLang clients that send it.
-    opt_bool(&sp, "ignore_eos").map_err(|_| {
-        bad(
-            "sampling_params.ignore_eos",
-            "must be a boolean".to_string(),
-        )
-    })?;
     Ok(GenerateRequest {
         input_ids,
         max_new_tokens,
-        stop_token_ids,
+        stop_token_ids: sp.stop_token_ids.unwrap_or_default(),
     })
 }
 
 async fn generate(State(ctx): State<Ctx>, body: Bytes) -> Response {
     let res = async {
-        let m = object(&body)?;
-        let req = parse_generate(&m)?;
+        let req = parse_generate(&body)?;
         ctx.inst.generate(req).await
     }
     .await;
     match res {
         Ok(out) => {
-            let finish = match out.finish_reason {
-                FinishReason::Length(n) => json!({"type": "length", "length": n}),
-                FinishReason::Stop(t) => json!({"type": "stop", "matched": t}),
+            let finish_reason = match out.finish_reason {
+                FinishReason::Length(n) => generate_wire::FinishReason::Length { length: n as u64 },
+                FinishReason::Stop(t) => generate_wire::FinishReason::Stop { matched: t },
             };
-            Json(json!({
-                "output_ids": out.output_ids,
-                "meta_info": {
-                    "weight_version": out.weight_version,
-                    "prompt_tokens": out.prompt_tokens,
-                    "completion_tokens": out.completion_tokens,
-                    "cached_tokens": out.cached_tokens,
-                    "finish_reason": finish,
+            let answer = GenerateResponse {
+                output_ids: out.output_ids,
+                meta_info: MetaInfo {
+                    weight_version: Some(out.weight_version),
+                    prompt_tokens: Some(out.prompt_tokens as u64),
+                    completion_tokens: Some(out.completion_tokens as u64),
+                    cached_tokens: Some(out.cached_tokens as u64),
+                    finish_reason: Some(finish_reason),
                 },
-            }))
-            .into_response()
+            };
+            reply(StatusCode::OK, &answer)
         }
         Err(e) => {
             let status = status_of(&e);
-            (
-                status,
-                Json(json!({"error": {"message": e.to_string(), "code": status.as_u16()}})),
-            )
-                .into_response()
+            let answer = ErrorResponse {
+                error: ErrorBody {
+                    message: e.to_string(),
+                    code: status.as_u16(),
+                },
+            };
+            reply(status, &answer)
         }
     }
 }
@@ -624,8 +562,8 @@ mod tests {
     #![allow(clippy::unwrap_used, reason = "tests")]
     use super::*;
 
-    fn obj(v: Value) -> Map<String, Value> {
-        v.as_object().unwrap().clone()
+    fn obj(v: Value) -> Bytes {
+        Bytes::from(v.to_string())
     }
 
     #[test]
@@ -672,6 +610,26 @@ mod tests {
         assert!(object(&Bytes::from_static(b"")).unwrap().is_empty());
         assert!(object(&Bytes::from_static(b"[1]")).is_err());
         assert!(object(&Bytes::from_static(b"{")).is_err());
+        for body in [
+            &b"[1]"[..],
+            b"{",
+            b"{} x",
+            b"{\"mode\": \"keep\", \"mode\": \"wait\"}",
+        ] {
+            let e = parse::<dynamo_wire::PauseRequest>(&Bytes::copy_from_slice(body)).unwrap_err();
+            assert!(
+                matches!(&e, Error::BadRequest { field, .. } if field == "body"),
+                "{e}"
+            );
+        }
+        let e = parse::<dynamo_wire::PauseRequest>(&obj(json!({"mode": "fast"}))).unwrap_err();
+        assert!(
+            matches!(&e, Error::BadRequest { field, reason } if field == "mode" && reason.contains("keep, wait, abort")),
+            "{e}"
+        );
+        let r: dynamo_wire::PauseRequest =
+            parse(&obj(json!({"mode": "in_place", "unknown": 1}))).unwrap();
+        assert_eq!(r.mode, Some(PauseMode::Keep));
     }
 
     #[test]

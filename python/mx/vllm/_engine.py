@@ -36,14 +36,17 @@ restores its retained copy and vLLM reloads it), so vLLM never serves a half-ins
 the control plane then rolls the refit back. A rollback (``update_weights`` naming the
 retained version) installs the retained host copy: no pull.
 
-Failpoint for tests: with ``MX_VLLM_FAILPOINT_FILE=PATH`` in the server's environment, an
+Failpoints for tests: with ``MX_VLLM_FAILPOINT_FILE=PATH`` in the server's environment, an
 install finding ``install_after:N`` in that file deletes it and raises after N checkpoint
-tensors were loaded (so at least one decoder layer was reloaded, with N >= 10 on llama).
+tensors were loaded (so at least one decoder layer was reloaded, with N >= 10 on llama);
+``die_after:N`` SIGKILLs the server's process group there instead (a crash during APPLY; run
+the server in a session of its own).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -328,10 +331,10 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
                     named[name].data.copy_(src, non_blocking=True)
             return
         assert self._view is not None
-        limit = _take_failpoint() if failpoint else None
+        armed = _take_failpoint() if failpoint else None
         tensors = self._view.tensors(fill_nan=self._fill_nan)
-        if limit is not None:
-            tensors = _fail_after(tensors, limit)
+        if armed is not None:
+            tensors = _fail_after(tensors, armed)
         with torch.no_grad():
             self.model.load_weights(tensors)
 
@@ -374,7 +377,7 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
             self._puller = None
 
 
-def _take_failpoint() -> int | None:
+def _take_failpoint() -> tuple[str, int] | None:
     path = os.environ.get("MX_VLLM_FAILPOINT_FILE")
     if not path:
         return None
@@ -385,14 +388,19 @@ def _take_failpoint() -> int | None:
     except FileNotFoundError:
         return None
     name, _, n = spec.partition(":")
-    if name != "install_after" or not n.isdigit():
-        raise ValueError(f"{path}: {spec!r} is not install_after:<N>")
+    if name not in ("install_after", "die_after") or not n.isdigit():
+        raise ValueError(f"{path}: {spec!r} is not install_after:<N> or die_after:<N>")
     logger.warning("mx: failpoint %s armed for this install", spec)
-    return int(n)
+    return name, int(n)
 
 
-def _fail_after(tensors, limit: int):
+def _fail_after(tensors, failpoint: tuple[str, int]):
+    name, limit = failpoint
     for i, item in enumerate(tensors):
         if i == limit:
-            raise RuntimeError(f"mx failpoint install_after:{limit}: failing the install")
+            if name == "die_after":
+                # The whole server: its process group (API server, engine core, workers).
+                logger.warning("mx: failpoint %s: SIGKILL of process group %d", name, os.getpgrp())
+                os.killpg(os.getpgrp(), signal.SIGKILL)
+            raise RuntimeError(f"mx failpoint {name}:{limit}: failing the install")
         yield item

@@ -239,7 +239,8 @@ class CheckpointView:
     """The checkpoint-format tensors of one rank's parameters, for vLLM's loaders: for each
     checkpoint tensor this rank holds a piece of, a full-shaped tensor of which only those
     pieces are filled (from the rank's parameter tensors, ``params``); the rest is left
-    uninitialized, or NaN with ``fill_nan`` (vLLM's loaders read only this rank's slice)."""
+    uninitialized, or NaN with ``fill_nan`` (vLLM's loaders read only this rank's slice). A
+    tensor the rank holds whole is a view of ``params`` (no copy; read-only to the loaders)."""
 
     def __init__(
         self,
@@ -270,6 +271,12 @@ class CheckpointView:
         """``(checkpoint name, full-shaped tensor)`` in decoder-layer order (so vLLM's
         layerwise reload finishes each layer before the next begins)."""
         for name, dtype, shape in self._order:
+            pieces = self._pieces[name]
+            if len(pieces) == 1 and tuple(pieces[0][1].box_shape) == tuple(shape):
+                # The rank holds the whole tensor (tp=1, or a replicated norm): a view of the
+                # rank's bytes, no copy.
+                yield name, pieces[0][0]
+                continue
             t = torch.empty(shape, dtype=torch_dtype(dtype))
             if fill_nan and t.is_floating_point():
                 t.fill_(float("nan"))

@@ -18,12 +18,12 @@ use anyhow::{bail, Context};
 use axum::extract::{Path as UrlPath, State};
 use axum::routing::post;
 use axum::{Json, Router};
+use mx_adapters::dynamo::wire::{EngineResponse, UpdateWeightsRequest};
 use mx_control::client::ControlClient;
 use mx_control::refit::{EngineApi, EngineEndpoint, Outcome, RefitSpec, Registration};
 use mx_control::{Command, PauseMode, StagedReport, WorkerState};
 use mx_layout::{DType, Digest, LayoutSpec, MemDevice, ShardEntry, SourceManifest, TensorBox};
 use serde::Serialize;
-use serde_json::{json, Value};
 
 use crate::fleet::{median, Procs, WorkDir};
 
@@ -500,13 +500,20 @@ struct SimState {
     fail_file: Option<PathBuf>,
 }
 
-fn ok(version: Option<&str>) -> Json<Value> {
+/// `{status: "ok", message: "", version}`; an apply's answer also names the tier it cleared.
+fn ok(version: Option<&str>) -> Json<EngineResponse> {
     match version {
-        Some(v) => Json(
-            json!({"status": "ok", "message": "", "version": v, "cache_tiers_cleared": ["kv"]}),
-        ),
-        None => Json(json!({"status": "ok", "message": ""})),
+        Some(v) => Json(EngineResponse {
+            cache_tiers_cleared: Some(vec!["kv".into()]),
+            ..EngineResponse::ok("", Some(v.to_string()))
+        }),
+        None => Json(EngineResponse::ok("", None)),
     }
+}
+
+/// `{status: "error", message}`.
+fn refused(message: impl Into<String>) -> Json<EngineResponse> {
+    Json(EngineResponse::error(message, None))
 }
 
 /// The Dynamo engine routes of one simulated worker, `POST /w/{id}/engine/{route}`, following the
@@ -515,16 +522,16 @@ async fn engine_route(
     State(st): State<Arc<SimState>>,
     UrlPath((id, route)): UrlPath<(String, String)>,
     body: axum::body::Bytes,
-) -> (axum::http::StatusCode, Json<Value>) {
+) -> (axum::http::StatusCode, Json<EngineResponse>) {
     use axum::http::StatusCode;
-    let body: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+    let update = serde_json::from_slice::<UpdateWeightsRequest>(&body).unwrap_or_default();
     let mut resident = st
         .resident
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
     match route.as_str() {
         "pause_generation" | "resume_generation" => (StatusCode::OK, ok(None)),
-        "update_weights_from_disk" => match body.get("weight_version").and_then(Value::as_str) {
+        "update_weights_from_disk" => match update.weight_version.as_deref() {
             Some(v)
                 if id == worker_id(0)
                     && st
@@ -535,26 +542,23 @@ async fn engine_route(
             {
                 (
                     StatusCode::INTERNAL_SERVER_ERROR,
-                    Json(json!({"status": "error", "message": "simulated apply failure"})),
+                    refused("simulated apply failure"),
                 )
             }
             Some(v) => {
                 resident.insert(id, v.to_string());
                 (StatusCode::OK, ok(Some(v)))
             }
-            None => (
-                StatusCode::BAD_REQUEST,
-                Json(json!({"status": "error", "message": "weight_version missing"})),
-            ),
+            None => (StatusCode::BAD_REQUEST, refused("weight_version missing")),
         },
         "get_weight_version" => match resident.get(&id) {
             Some(v) => (StatusCode::OK, ok(Some(v))),
-            None => (StatusCode::OK, Json(json!({"status": "ok", "version": ""}))),
+            None => (
+                StatusCode::OK,
+                Json(EngineResponse::ok("", Some(String::new()))),
+            ),
         },
-        _ => (
-            StatusCode::NOT_FOUND,
-            Json(json!({"status": "error", "message": format!("no route {route}")})),
-        ),
+        _ => (StatusCode::NOT_FOUND, refused(format!("no route {route}"))),
     }
 }
 

