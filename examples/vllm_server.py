@@ -71,6 +71,13 @@ class VllmServer:
                 "OMP_NUM_THREADS": full_env.get("OMP_NUM_THREADS", "2"),
             }
         )
+        if tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in full_env:
+            # vLLM binds each CPU worker to a NUMA node of its own by default and refuses more
+            # ranks than nodes: bind rank r to the r-th allowed CPU instead (round robin).
+            cpus = sorted(os.sched_getaffinity(0))
+            full_env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+                str(cpus[r % len(cpus)]) for r in range(tp)
+            )
         full_env.update(env or {})
         args = [
             sys.executable,

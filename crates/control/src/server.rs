@@ -71,6 +71,10 @@ struct Owner {
     incarnation: u64,
     /// Its engine URL, if it registered one.
     system_url: Option<String>,
+    /// Its inference instance and the ranks it holds: workers of one instance (the ranks of a
+    /// tensor-parallel engine, each its own process) share the engine URL.
+    instance: String,
+    ranks: Vec<u32>,
 }
 
 /// Counts an open command stream for as long as it lives.
@@ -280,13 +284,17 @@ impl Shared {
     /// Refuses a registration that would take over a live worker: `worker_id`'s command stream
     /// is connected and the caller is not the process that opened it (another incarnation, or
     /// an older client that sends none), or `system_url` is the engine of another connected
-    /// worker id (a refit of either would land on the other's engine).
+    /// worker id (a refit of either would land on the other's engine) that is not another rank
+    /// of the same instance (`instance`, disjoint `ranks`: the processes of one tensor-parallel
+    /// engine, which refits call once for all).
     fn check_takeover(
         &self,
         worker_id: &str,
         mailbox: &Mailbox,
         incarnation: u64,
         system_url: Option<&str>,
+        instance: &str,
+        ranks: &[u32],
     ) -> Result<(), Error> {
         let owner = lock(&mailbox.owner).clone();
         let live = mailbox.open_streams.load(Ordering::SeqCst) > 0;
@@ -308,9 +316,12 @@ impl Shared {
             return Ok(());
         };
         let other = lock(&self.mail).iter().find_map(|(id, m)| {
+            let o = lock(&m.owner);
+            let sibling = o.instance == instance && !o.ranks.iter().any(|r| ranks.contains(r));
             let holds = id != worker_id
                 && m.open_streams.load(Ordering::SeqCst) > 0
-                && lock(&m.owner).system_url.as_deref() == Some(url);
+                && o.system_url.as_deref() == Some(url)
+                && !sibling;
             holds.then(|| id.clone())
         });
         match other {
@@ -569,6 +580,7 @@ impl ControlPlane for Service {
             .map(|e| convert::engine(e, "engine"))
             .transpose()?;
         let system_url = engine.as_ref().map(|e| e.system_url.clone());
+        let (instance, ranks) = (r.instance.clone(), r.ranks.clone());
         let rec = Record::Register {
             layout: convert::req_layout(&r.layout, "layout")?,
             engine,
@@ -579,14 +591,22 @@ impl ControlPlane for Service {
         };
         let mailbox = self.shared.mailbox(&id);
         let _one = mailbox.registering.lock().await;
-        self.shared
-            .check_takeover(&id, &mailbox, incarnation, system_url.as_deref())?;
+        self.shared.check_takeover(
+            &id,
+            &mailbox,
+            incarnation,
+            system_url.as_deref(),
+            &instance,
+            &ranks,
+        )?;
         self.shared.mutate(rec).await?;
         let previous = std::mem::replace(
             &mut *lock(&mailbox.owner),
             Owner {
                 incarnation,
                 system_url,
+                instance,
+                ranks,
             },
         );
         if previous.incarnation != 0 && previous.incarnation != incarnation {

@@ -1120,6 +1120,76 @@ async fn a_registration_cannot_take_over_a_live_worker_id_or_engine() {
     h.shutdown().await.unwrap();
 }
 
+/// Registers `id` as rank `rank` of instance `instance` with a vLLM engine at `url`.
+async fn register_rank(
+    c: &ControlClient,
+    id: &str,
+    instance: &str,
+    rank: u32,
+    url: &str,
+) -> Result<(), Error> {
+    c.clone()
+        .with_incarnation(0x100 + u64::from(rank))
+        .register(&Registration {
+            worker_id: id.into(),
+            instance: instance.into(),
+            ranks: vec![rank],
+            layout: mx_layout::LayoutSpec {
+                scheme: mx_layout::Scheme::VllmTp,
+                world_size: 3,
+            },
+            engine: Some(EngineEndpoint {
+                api: EngineApi::Vllm,
+                system_url: url.to_string(),
+                no_model: false,
+            }),
+            resident_version: Some("disk:/ckpt".into()),
+            model_limits: None,
+        })
+        .await
+}
+
+/// The tensor-parallel ranks of one vLLM server are one process each and share its URL: they
+/// register side by side; another instance, or a second worker for a held rank, may not.
+#[tokio::test]
+async fn the_ranks_of_one_engine_share_its_url_and_nobody_else_does() {
+    let dir = tempfile::tempdir().unwrap();
+    let (c, h) = start(&dir.path().join("journal.jsonl")).await;
+    let url = "http://127.0.0.1:9101";
+    let mut streams = Vec::new();
+    for r in 0..2u32 {
+        let id = format!("v-tp{r}");
+        register_rank(&c, &id, "v", r, url).await.unwrap();
+        streams.push(
+            c.clone()
+                .with_incarnation(0x100 + u64::from(r))
+                .watch_commands(&id)
+                .await
+                .unwrap(),
+        );
+        wait_connected(&c, &id, true).await;
+    }
+    register_rank(&c, "v-tp2", "v", 2, url).await.unwrap();
+    assert_eq!(engine_of(&c, "v-tp2").await.as_deref(), Some(url));
+    // Another instance claiming the engine: refused, naming a holder.
+    let e = register_rank(&c, "other-tp0", "other", 0, url)
+        .await
+        .unwrap_err();
+    assert!(
+        e.is_worker_id_in_use() && e.to_string().contains("\"v-tp"),
+        "{e}"
+    );
+    // A second worker for rank 0 of the same instance: refused too.
+    let e = register_rank(&c, "v-tp0-again", "v", 0, url)
+        .await
+        .unwrap_err();
+    assert!(
+        e.is_worker_id_in_use() && e.to_string().contains("\"v-tp0\""),
+        "{e}"
+    );
+    h.shutdown().await.unwrap();
+}
+
 async fn wait_connected(c: &ControlClient, id: &str, want: bool) {
     let t = std::time::Instant::now();
     loop {
