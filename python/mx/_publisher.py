@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import json
 import operator
 from collections.abc import Iterable, Mapping, Sequence
@@ -73,6 +74,25 @@ def _offset(offset: Any, ndim: int, what: str) -> list[int]:
     return out
 
 
+def _spans(storages: Iterable[tuple[int, int]]) -> dict[tuple[int, int], tuple[int, int]]:
+    """Each storage ``(address, bytes)`` -> the span registered for it: storages that touch or
+    overlap (tensors carved out of one buffer, e.g. safetensors' ``load_file``) are registered
+    as one span, so that a READ the puller coalesces across two adjacent tensors lies inside one
+    registration (NIXL refuses a descriptor that spans two)."""
+    merged: list[list[int]] = []
+    for a, n in sorted(set(storages)):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], a + n)
+        else:
+            merged.append([a, a + n])
+    los = [lo for lo, _ in merged]
+    out = {}
+    for a, n in set(storages):
+        lo, hi = merged[bisect.bisect_right(los, a) - 1]
+        out[(a, n)] = (lo, hi - lo)
+    return out
+
+
 class Publisher:
     """A trainer rank's side of mx: publishes the shards it holds, from the memory that holds
     them, as policy versions workers pull exactly their bytes from.
@@ -109,7 +129,7 @@ class Publisher:
         self._model = model
         self._inner = _mx.Publisher(control, layout, int(slot), model._inner, pack)
         self._slot = int(slot)
-        # storage (address, bytes) -> (memory id, the region that registered it)
+        # registered span (address, bytes) -> (memory id, a region inside it)
         self._memories: dict[tuple[int, int], tuple[int, _memory.Region]] = {}
         self._regions: list[_memory.Region] = []
 
@@ -131,8 +151,7 @@ class Publisher:
                 not have, a dtype or global shape differing from the model's, a box outside
                 the tensor, two boxes that overlap, device memory, a non-contiguous tensor.
         """
-        specs = []
-        regions = []
+        described = []
         for i, s in enumerate(_shards(shards)):
             what = f"shards[{i}] (tensor {s.tensor}, slot {self._slot})"
             try:
@@ -149,7 +168,12 @@ class Publisher:
             shape = region.shape if region.dtype is not None else self._box_shape(spec, s, region)
             offset = _offset(s.offset, len(spec.shape), what)
             dtype = region.dtype if region.dtype is not None else spec.dtype
-            memory, base = self._register(region)
+            described.append((s, spec, region, shape, offset, dtype))
+        spans = _spans([d[2].storage for d in described])
+        specs = []
+        regions = []
+        for s, spec, region, shape, offset, dtype in described:
+            memory, base = self._register(spans[region.storage], region)
             specs.append(
                 (
                     s.tensor,
@@ -185,14 +209,15 @@ class Publisher:
             )
         return (region.nbytes // row, *spec.shape[1:])
 
-    def _register(self, region: _memory.Region) -> tuple[int, int]:
-        key = region.storage
-        hit = self._memories.get(key)
+    def _register(self, span: tuple[int, int], region: _memory.Region) -> tuple[int, int]:
+        """The memory id registering ``span`` (address, bytes), registered on first use, and
+        its base address."""
+        hit = self._memories.get(span)
         if hit is None:
-            memory = self._inner.register_host(key[0], key[1])
-            self._memories[key] = (memory, region)
-            return memory, key[0]
-        return hit[0], key[0]
+            memory = self._inner.register_host(span[0], span[1])
+            self._memories[span] = (memory, region)
+            return memory, span[0]
+        return hit[0], span[0]
 
     def publish(self, label: str, *, copy: bool = False, timeout: float = 600.0) -> str:
         """Publishes the shards' current bytes as version ``label`` (which the orchestrator

@@ -525,3 +525,35 @@ def test_a_fork_child_holding_mx_objects_exits(tmp_path, model):
         timeout=120,
     )
     assert "child exit 0" in out.stdout, (out.stdout, out.stderr[-2000:])
+
+
+def test_tensors_carved_back_to_back_from_one_buffer_publish_in_place(control, model, weights):
+    """Tensors that are adjacent, unaligned storages carved out of one buffer (what safetensors'
+    ``load_file`` returns) are published in place and pulled byte-exact into every tp rank: the
+    puller coalesces READs across adjacent tensors, so they must lie in one registration."""
+    raw = bytearray(sum(t.numel() * t.element_size() for t in weights.values()) + 6)
+    view = memoryview(raw)
+    carved, off = {}, 6  # not page-aligned, as safetensors' header makes it
+    for name, t in weights.items():
+        n = t.numel() * t.element_size()
+        c = torch.frombuffer(view[off : off + n], dtype=t.dtype).view(t.shape)
+        c.copy_(t)
+        carved[name] = c
+        off += n
+    storages = sorted(
+        (c.untyped_storage().data_ptr(), c.untyped_storage().nbytes()) for c in carved.values()
+    )
+    assert len(storages) == len(carved)  # one storage per tensor, back to back
+    assert all(a + n == b for (a, n), (b, _) in zip(storages, storages[1:], strict=False))
+    pub = mx.Publisher(control.url, model=model, layout="replicated:1", slot=0)
+    engine = Engine(control.url, model, worker_id="engine-0")
+    try:
+        pub.set_shards(carved)
+        control.declare("v1", weights, trainer_layout="replicated:1")
+        pub.publish("v1", timeout=60)  # in place
+        engine.puller.stage("v1")
+        engine.puller.apply()
+        assert engine.mismatches(weights) == []
+    finally:
+        engine.puller.close()
+        pub.close()
