@@ -317,19 +317,24 @@ def broadcast_path(
     }
 
 
-def mx_path(control: Any, label: str, expected: list[int], servers, publish_s: float, timeout):
+def _refit(control: Any, label: str, workers: list[str], expected: list[int], timeout: float):
+    """A refit of ``workers`` to ``label`` whose post-update generation must give ``expected``."""
     import mx
 
+    return control.refit(
+        label,
+        workers,
+        pause_mode="keep",
+        check=mx.GenerationCheck(PROMPT, MAX_NEW, expected),
+        stage_timeout=timeout,
+        call_timeout=timeout,
+    )
+
+
+def mx_path(control: Any, label: str, expected: list[int], servers, publish_s: float, timeout):
     workers = [f"{i}-tp0" for i in INSTANCES]
     with Load(servers) as load:
-        r = control.refit(
-            label,
-            workers,
-            pause_mode="keep",
-            check=mx.GenerationCheck(PROMPT, MAX_NEW, expected),
-            stage_timeout=timeout,
-            call_timeout=timeout,
-        )
+        r = _refit(control, label, workers, expected, timeout)
         during = load.done
     if str(r.outcome) != "COMMITTED":
         raise RuntimeError(f"refit to {label}: {r.outcome}: {r.reason}")
@@ -347,21 +352,14 @@ def mx_path(control: Any, label: str, expected: list[int], servers, publish_s: f
 
 
 def try_tp3(work: str, cp_url: str, control: Any, label: str, expected: list[int], timeout):
-    import mx
-
+    """One vLLM instance at tp=3 (three worker processes), refitted to ``label`` with the reload
+    tensors NaN outside each rank's slices: ``{ran, error}``."""
     s = None
     try:
         s = VllmServer(os.path.join(work, "tp3"), tp=3, startup_timeout=timeout)
-        s.init_mx(cp_url, "vllm-tp3")
+        s.init_mx(cp_url, "vllm-tp3", fill_nan=True)
         workers = [f"vllm-tp3-tp{r}" for r in range(3)]
-        r = control.refit(
-            label,
-            workers,
-            pause_mode="keep",
-            check=mx.GenerationCheck(PROMPT, MAX_NEW, expected),
-            stage_timeout=timeout,
-            call_timeout=timeout,
-        )
+        r = _refit(control, label, workers, expected, timeout)
         if str(r.outcome) != "COMMITTED":
             return {"ran": True, "error": f"{r.outcome}: {r.reason}"}
         tokens = s.generate(PROMPT, MAX_NEW)
