@@ -117,12 +117,19 @@ def _describe(value: float, names: Sequence[str]) -> str:
     return f"{name}[flat {i}]"
 
 
-def compare(derived: torch.Tensor, info: ParamInfo, names: Sequence[str]) -> str | None:
+def compare(
+    derived: torch.Tensor,
+    info: ParamInfo,
+    names: Sequence[str],
+    index_of: dict[str, int] | None = None,
+) -> str | None:
     """None when the placeholder identities vLLM's loaders wrote into parameter ``info``
-    (``derived``, any shape, float64) are exactly what mx's layout says; else what differs."""
+    (``derived``, any shape, float64) are exactly what mx's layout says; else what differs.
+    ``index_of``: ``names`` -> position, when the caller has it already (built here otherwise)."""
     if tuple(derived.shape) != tuple(info.shape):
         return f"vLLM's parameter is {list(derived.shape)}, mx's layout says {list(info.shape)}"
-    index_of = {n: i for i, n in enumerate(names)}
+    if index_of is None:
+        index_of = {n: i for i, n in enumerate(names)}
     expected = _expected_ids(info, index_of)
     flat = derived.reshape(-1)
     if torch.equal(flat, expected):
@@ -183,6 +190,7 @@ def derive(
     for n in params:
         by_group.setdefault(_stack_key(n), []).append(n)
     names = [n for n, _, _ in checkpoint]
+    index_of = {n: i for i, n in enumerate(names)}
     shapes = {n: s for n, _, s in checkpoint}
     for group in layer_groups(names):
         key = _stack_key(group[0])
@@ -191,7 +199,7 @@ def derive(
             _materialize(params[n])
         placeholders = []
         for n in group:
-            i = names.index(n)
+            i = index_of[n]
             numel = math.prod(shapes[n])
             ph = torch.arange(numel, dtype=torch.float64) + float(i << _ELEM_BITS)
             placeholders.append((n, ph.view(shapes[n])))
@@ -218,6 +226,7 @@ def check(vllm_config, rank: int, infos: Sequence[ParamInfo], checkpoint) -> lis
     ``rank`` (``infos``): parameters only one of them has, and elements that differ."""
     want = {p.name: p for p in infos}
     names = [n for n, _, _ in checkpoint]
+    index_of = {n: i for i, n in enumerate(names)}
     out: list[Disagreement] = []
     seen = set()
     for name, ids in derive(vllm_config, checkpoint):
@@ -226,7 +235,7 @@ def check(vllm_config, rank: int, infos: Sequence[ParamInfo], checkpoint) -> lis
         if info is None:
             out.append(Disagreement(name, f"vLLM's rank {rank} has it, mx's layout does not"))
             continue
-        why = compare(ids, info, names)
+        why = compare(ids, info, names, index_of)
         if why is not None:
             out.append(Disagreement(name, why))
     for name in want:
