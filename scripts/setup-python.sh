@@ -2,7 +2,8 @@
 # Installs the Python side of mx into the project venv $REPO/.mx/venv, idempotently:
 #   - pinned tools: torch==2.13.0 (PyPI's CUDA build, ~2.8 GB of wheels with its nvidia-*
 #     dependencies; it runs on CPU), nixl-cu12==1.5.1 (NIXL's libraries, which the package `mx`
-#     loads), maturin (builds the package), pytest and ruff (tests and lint), numpy;
+#     loads), maturin (builds the package), pytest and ruff (tests and lint), moto[server] (the
+#     S3-compatible server the artifact tests start on loopback), numpy;
 #   - the package `mx` itself (python/mx + the PyO3 extension crates/python), built and installed
 #     the way a user would: `pip install .` from the checkout (maturin, release profile; the
 #     build shares cargo's target directory, $CARGO_TARGET_DIR or $REPO/target).
@@ -25,7 +26,7 @@ STAMP="$VENV/.mx-package-stamp"
 MIN_FREE_GB="${MX_SETUP_MIN_FREE_GB:-8}"
 
 # Exact pins (name==version); numpy is only required to be present.
-PINS=(torch==2.13.0 nixl-cu12==1.5.1 maturin==1.16.0 pytest==9.2.0 ruff==0.17.5)
+PINS=(torch==2.13.0 nixl-cu12==1.5.1 maturin==1.16.0 pytest==9.2.0 ruff==0.17.5 'moto[server]==5.2.1')
 PRESENT=(numpy)
 
 log() { printf 'setup-python: %s\n' "$*" >&2; }
@@ -55,6 +56,7 @@ args = sys.argv[1:]
 sep = args.index("--")
 for pin in args[:sep]:
     name, want = pin.split("==")
+    name = name.split("[")[0]  # extras are not part of the distribution's name
     try:
         have = md.version(name)
     except md.PackageNotFoundError:

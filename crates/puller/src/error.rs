@@ -34,6 +34,27 @@ pub enum Error {
         /// The data-plane error.
         source: mx_nixl::Error,
     },
+    /// Reading an object-storage source (an artifact) failed: a missing or corrupt object, a
+    /// store that does not answer, a delta against another base.
+    #[error("reading artifact {url} failed: {source}")]
+    ObjectRead {
+        /// The artifact's URL.
+        url: String,
+        /// What failed.
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// A delta applies only to its exact base, and the version resident is another.
+    #[error("the delta {url} gives {version} from base {base}, but this worker holds {held}")]
+    WrongBase {
+        /// The delta artifact.
+        url: String,
+        /// The version it gives.
+        version: String,
+        /// Its base.
+        base: String,
+        /// What is resident (`nothing` when nothing is).
+        held: String,
+    },
     /// An in-process source (tests, benchmarks) has no bytes at a read's range.
     #[error("source slot {slot} has no bytes at {addr:#x}+{len}")]
     SourceRange {

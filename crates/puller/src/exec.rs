@@ -84,6 +84,19 @@ pub struct NixlLanes {
     names: Vec<(u32, String)>,
     opts: ReadOptions,
     huge_pages: bool,
+    /// Per source of the current stage: an object-storage source read instead of NIXL.
+    objects: Vec<Option<ObjectLane>>,
+}
+
+/// A source of a stage read from object storage rather than a NIXL agent: an artifact chain,
+/// and, for one that XORs deltas onto a base, the base's bytes for the source's staging range
+/// (indexed like its staging buffer).
+#[derive(Debug, Clone)]
+pub struct ObjectLane {
+    /// The artifact chain.
+    pub source: std::sync::Arc<mx_artifact::ArtifactSource>,
+    /// The base bytes under every read (`None`: the reads give whole bytes).
+    pub base: Option<std::sync::Arc<Vec<u8>>>,
 }
 
 impl NixlLanes {
@@ -109,7 +122,18 @@ impl NixlLanes {
             names: Vec::new(),
             opts,
             huge_pages,
+            objects: Vec::new(),
         }
+    }
+
+    /// Sets which sources of the next stages are read from object storage (by source index;
+    /// `None` or past the end: NIXL).
+    pub fn set_objects(&mut self, objects: Vec<Option<ObjectLane>>) {
+        self.objects = objects;
+    }
+
+    fn object(&self, source: usize) -> Option<&ObjectLane> {
+        self.objects.get(source).and_then(Option::as_ref)
     }
 
     /// The first lane's agent (the puller's own).
@@ -144,9 +168,19 @@ impl Transport for NixlLanes {
             let name = format!("{}-lane{}", self.lanes[0].name(), self.lanes.len());
             self.lanes.push(Agent::new(&name)?);
         }
+        let objects = &self.objects;
         self.remotes = self.lanes[..want]
             .iter()
-            .map(|lane| sources.iter().map(|m| load_source(lane, m)).collect())
+            .map(|lane| {
+                sources
+                    .iter()
+                    .enumerate()
+                    .map(|(i, m)| match objects.get(i) {
+                        Some(Some(_)) => Ok(String::new()),
+                        _ => load_source(lane, m),
+                    })
+                    .collect()
+            })
             .collect::<Result<_, _>>()?;
         self.names = sources
             .iter()
@@ -173,6 +207,9 @@ impl Transport for NixlLanes {
         ops: &[ReadOp],
         into: &mut Arena,
     ) -> Result<u64, Error> {
+        if let Some(o) = self.object(source) {
+            return pull_object(o, ops, into.as_mut_slice());
+        }
         let (slot, agent) = self.names.get(source).cloned().unwrap_or_default();
         let remote = self
             .remotes
@@ -188,6 +225,50 @@ impl Transport for NixlLanes {
             })?;
         Ok(st.descriptors)
     }
+}
+
+/// Reads `ops` from an object-storage source into `into`: the base bytes first where the source
+/// XORs onto them, then the source's bytes.
+fn pull_object(o: &ObjectLane, ops: &[ReadOp], into: &mut [u8]) -> Result<u64, Error> {
+    let url = || o.source.manifest().agent_name.clone();
+    let fail = |e: mx_artifact::Error| Error::ObjectRead {
+        url: url(),
+        source: Box::new(e),
+    };
+    let mut reads = Vec::with_capacity(ops.len());
+    for op in ops {
+        let (tensor, offset) = o.source.locate(op.remote_addr, op.len).map_err(fail)?;
+        let range = usize::try_from(op.local_offset)
+            .ok()
+            .zip(usize::try_from(op.len).ok())
+            .and_then(|(lo, n)| Some(lo..lo.checked_add(n)?))
+            .filter(|r| r.end <= into.len());
+        let Some(range) = range else {
+            return Err(Error::ObjectRead {
+                url: url(),
+                source: format!(
+                    "read {}+{} is outside its staging buffer",
+                    op.local_offset, op.len
+                )
+                .into(),
+            });
+        };
+        if let Some(base) = &o.base {
+            let src = base.get(range.clone()).ok_or_else(|| Error::ObjectRead {
+                url: url(),
+                source: "the base bytes do not cover a read".into(),
+            })?;
+            into[range].copy_from_slice(src);
+        }
+        reads.push(mx_artifact::ByteRead {
+            tensor,
+            offset,
+            len: op.len,
+            local: op.local_offset,
+        });
+    }
+    o.source.read(&reads, into).map_err(fail)?;
+    Ok(ops.len() as u64)
 }
 
 /// The bytes of source `source` at `addr..addr + len`, for [`MemorySources`].
@@ -388,6 +469,11 @@ impl<T: Transport> Executor<T> {
     /// The transport.
     pub fn transport(&self) -> &T {
         &self.transport
+    }
+
+    /// The transport, to configure it between stages.
+    pub fn transport_mut(&mut self) -> &mut T {
+        &mut self.transport
     }
 
     /// Bytes of staging held now (the buffers are kept across stages).

@@ -14,7 +14,7 @@ use mx_nixl::{Agent, ReadOptions};
 use rayon::prelude::*;
 
 use crate::dest::{DestMemory, DestTensor, HostSpans, RankMemory, Window};
-use crate::exec::{ExecOptions, Executor, NixlLanes};
+use crate::exec::{ExecOptions, Executor, NixlLanes, ObjectLane};
 use crate::{costs, Error};
 
 /// What a [`Puller`] serves.
@@ -61,6 +61,9 @@ pub struct StageReport {
     pub digests: Vec<RankDigests>,
     /// No pull: the version is resident or retained already (digests are of those bytes).
     pub resident: bool,
+    /// What served the bytes: `trainer` (the publishers' NIXL agents), `artifact_canonical`,
+    /// `artifact_delta`; empty when nothing was pulled.
+    pub source: String,
 }
 
 /// How an apply installed its version.
@@ -157,6 +160,14 @@ struct Retained {
     id: Option<String>,
     ranks: Vec<Vec<u8>>,
 }
+
+/// The planner's costs for an object store: a request is cheap next to its bytes here, since
+/// the reader merges nearby ranges into one GET; ~1 GB/s per stream.
+const OBJECT_STORE_COST: CostModel = CostModel {
+    per_descriptor_s: 1e-6,
+    wire_gbps: 1.0,
+    per_segment_s: 2e-7,
+};
 
 /// An inference process's side of mx: stages versions into staging, verifies them, and applies
 /// them in place into memory the engine registered. See the crate docs.
@@ -463,9 +474,126 @@ impl Puller {
             strategies: plan.strategy_counts(),
             digests: pulled_digests(&self.dest, &plan, manifests),
             resident: false,
+            source: "trainer".into(),
         };
         self.staged = Some(Staged { version, plan });
         Ok(report)
+    }
+
+    /// Plans, reads and verifies `version` from an artifact chain in object storage into staging
+    /// ([`mx_artifact::ArtifactSource`]): ranged reads of exactly the bytes the held ranks need
+    /// (canonical) or of the delta ranges covering them, XORed onto the resident bytes (a chain
+    /// that starts from the version held: that version must be resident, exactly). Every region
+    /// is verified against the artifact's digests, as for any source. The destination memory is
+    /// not touched.
+    ///
+    /// # Errors
+    /// [`Error::WrongManifests`] when the artifact holds another version; [`Error::WrongBase`]
+    /// when its deltas start from a version that is not resident; [`Error::NoDataPlane`];
+    /// planning errors; [`Error::ObjectRead`] (a missing or corrupt object, a store that times
+    /// out); [`Error::Verify`]. A failed stage leaves nothing staged.
+    pub fn stage_artifact(
+        &mut self,
+        version: VersionId,
+        source: Arc<mx_artifact::ArtifactSource>,
+        opts: &ExecOptions,
+    ) -> Result<StageReport, Error> {
+        if source.version() != version {
+            return Err(Error::WrongManifests {
+                wanted: version.to_string(),
+                found: source.version().to_string(),
+            });
+        }
+        let url = source.manifest().agent_name.clone();
+        if let Some(base) = source.base() {
+            if self.resident.as_deref() != Some(base.to_string().as_str()) {
+                return Err(Error::WrongBase {
+                    url,
+                    version: version.to_string(),
+                    base: base.to_string(),
+                    held: self.resident.clone().unwrap_or_else(|| "nothing".into()),
+                });
+            }
+        }
+        self.retain_from_staging()?;
+        self.staged = None;
+        if self.exec.is_none() {
+            return Err(Error::NoDataPlane);
+        }
+        let t = Instant::now();
+        let manifests = std::slice::from_ref(source.manifest());
+        let bound = self.dest.iter().map(|d| d.total_bytes).sum();
+        let plan = Arc::new(plan_within(
+            &self.dest,
+            manifests,
+            &OBJECT_STORE_COST,
+            bound,
+        )?);
+        let base = match source.base() {
+            Some(_) => Some(Arc::new(self.base_bytes(&plan)?)),
+            None => None,
+        };
+        let plan_s = t.elapsed().as_secs_f64();
+        let (fetched, requests) = (source.fetched_bytes(), source.requests());
+        let kind = source.kind();
+        let Some(exec) = self.exec.as_mut() else {
+            return Err(Error::NoDataPlane);
+        };
+        exec.transport_mut().set_objects(vec![Some(ObjectLane {
+            source: Arc::clone(&source),
+            base,
+        })]);
+        let opts = ExecOptions {
+            verify: true,
+            ..opts.clone()
+        };
+        let staged = exec.stage(&plan, manifests, &opts);
+        exec.transport_mut().set_objects(Vec::new());
+        let st = staged?;
+        self.plan_cache = None;
+        let report = StageReport {
+            plan_s,
+            plan_reused: false,
+            pull_s: st.pull_s,
+            verify_s: st.verify_tail_s,
+            descriptors: source.requests() - requests,
+            wire_bytes: source.fetched_bytes() - fetched,
+            useful_bytes: plan.useful_bytes,
+            staging_bytes: plan.staging_bytes,
+            lanes: st.lanes,
+            strategies: plan.strategy_counts(),
+            digests: pulled_digests(&self.dest, &plan, manifests),
+            resident: false,
+            source: kind.into(),
+        };
+        tracing::info!(%version, url, kind, wire_bytes = report.wire_bytes, "staged from an artifact");
+        self.staged = Some(Staged { version, plan });
+        Ok(report)
+    }
+
+    /// The resident bytes under every staged byte `plan` copies to a rank, laid out as the
+    /// plan's staging (bytes no copy reads stay zero: they are never verified or applied).
+    fn base_bytes(&self, plan: &Plan) -> Result<Vec<u8>, Error> {
+        let n =
+            usize::try_from(plan.staging_bytes).map_err(|_| Error::Task("staging size".into()))?;
+        let mut base = vec![0u8; n];
+        for cp in &plan.copies {
+            let mem = self
+                .memory
+                .get(cp.rank_index)
+                .ok_or_else(|| Error::Task(format!("copy to rank index {}", cp.rank_index)))?;
+            for (s, l) in cp.rows() {
+                let dst = usize::try_from(s)
+                    .ok()
+                    .zip(usize::try_from(cp.len).ok())
+                    .and_then(|(lo, len)| base.get_mut(lo..lo.checked_add(len)?))
+                    .ok_or_else(|| {
+                        Error::Task(format!("copy from staging {s}+{} outside the plan", cp.len))
+                    })?;
+                mem.read(l, dst)?;
+            }
+        }
+        Ok(base)
     }
 
     /// When the resident version is the staged one (it was applied from staging) and the
