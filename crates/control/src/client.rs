@@ -12,8 +12,8 @@ use crate::pb::control_plane_client::ControlPlaneClient;
 use crate::refit::{Refit, RefitSpec, Registration};
 use crate::server::MAX_MESSAGE_BYTES;
 use crate::types::{
-    Command, FleetStatus, Release, StagedReport, VersionInfo, VersionState, WorkerBrief,
-    WorkerState,
+    ArtifactRecord, Command, FleetStatus, Release, StagedReport, VersionInfo, VersionState,
+    WorkerBrief, WorkerState,
 };
 use crate::Error;
 
@@ -528,6 +528,24 @@ impl ControlClient {
             })
             .await
             .map_err(|s| Error::rpc("ReleaseVersion", s))?;
+        Ok(())
+    }
+
+    /// Records an artifact of READY version `label` (journaled; the same record again is a
+    /// no-op).
+    ///
+    /// # Errors
+    /// [`Error::Rpc`]: `NotFound` for an undeclared label, `InvalidArgument` naming the field
+    /// (a version not READY, a malformed URL, a delta without a known base, a URL recorded with
+    /// another manifest).
+    pub async fn register_artifact(&self, label: &str, a: &ArtifactRecord) -> Result<(), Error> {
+        self.rpc()
+            .register_artifact(pb::RegisterArtifactRequest {
+                label: label.to_string(),
+                artifact: Some(convert::artifact_pb(a)),
+            })
+            .await
+            .map_err(|s| Error::rpc("RegisterArtifact", s))?;
         Ok(())
     }
 }

@@ -14,8 +14,8 @@ use crate::refit::{
     EngineApi, EngineEndpoint, GenerationCheck, ModelLimits, Outcome, PauseMode, Refit, RefitSpec,
 };
 use crate::types::{
-    Command, CoverageGap, FleetStatus, Release, StagedReport, VersionInfo, VersionState,
-    VersionSummary, WorkerState, WorkerStatus,
+    ArtifactKind, ArtifactRecord, Command, CoverageGap, FleetStatus, Release, StagedReport,
+    VersionInfo, VersionState, VersionSummary, WorkerState, WorkerStatus,
 };
 use crate::Error;
 
@@ -426,7 +426,44 @@ pub(crate) fn version_info_pb(v: &VersionInfo) -> pb::VersionInfo {
         manifests: v.manifests.iter().map(manifest_pb).collect(),
         commit_workers: v.commit_workers.clone(),
         release: v.release.as_ref().map(release_pb),
+        artifacts: v.artifacts.iter().map(artifact_pb).collect(),
     }
+}
+
+/// Encodes an artifact record.
+pub(crate) fn artifact_pb(a: &ArtifactRecord) -> pb::ArtifactRecord {
+    pb::ArtifactRecord {
+        url: a.url.clone(),
+        manifest_digest: a.manifest_digest.as_bytes().to_vec(),
+        kind: match a.kind {
+            ArtifactKind::Canonical => pb::ArtifactKind::Canonical,
+            ArtifactKind::Delta => pb::ArtifactKind::Delta,
+        } as i32,
+        base_version_digest: a.base.map(|b| b.as_bytes().to_vec()).unwrap_or_default(),
+    }
+}
+
+/// Decodes an artifact record (the URL is checked where it is recorded).
+pub(crate) fn artifact(p: &pb::ArtifactRecord, field: &str) -> Result<ArtifactRecord, Error> {
+    let kind = match pb::ArtifactKind::try_from(p.kind) {
+        Ok(pb::ArtifactKind::Canonical) => ArtifactKind::Canonical,
+        Ok(pb::ArtifactKind::Delta) => ArtifactKind::Delta,
+        _ => {
+            return Err(invalid(
+                &format!("{field}.kind"),
+                format!("unknown artifact kind {}", p.kind),
+            ))
+        }
+    };
+    Ok(ArtifactRecord {
+        url: non_empty(&p.url, &format!("{field}.url"))?,
+        manifest_digest: digest(&p.manifest_digest, &format!("{field}.manifest_digest"))?,
+        kind,
+        base: opt_digest(
+            &p.base_version_digest,
+            &format!("{field}.base_version_digest"),
+        )?,
+    })
 }
 
 /// Encodes a release.
@@ -517,6 +554,12 @@ pub(crate) fn version_info(p: &pb::VersionInfo) -> Result<VersionInfo, Error> {
             .iter()
             .enumerate()
             .map(|(i, m)| manifest(m, &format!("manifests[{i}]")))
+            .collect::<Result<_, _>>()?,
+        artifacts: p
+            .artifacts
+            .iter()
+            .enumerate()
+            .map(|(i, a)| artifact(a, &format!("artifacts[{i}]")))
             .collect::<Result<_, _>>()?,
         commit_workers: p.commit_workers.clone(),
         release: p

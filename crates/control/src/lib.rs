@@ -52,6 +52,6 @@ pub use refit::{
 };
 pub use server::{serve, spawn, ControlPlaneConfig, ServerHandle};
 pub use types::{
-    Command, CoverageGap, FleetStatus, Release, StagedReport, VersionInfo, VersionState,
-    VersionSummary, WorkerBrief, WorkerState, WorkerStatus,
+    ArtifactKind, ArtifactRecord, Command, CoverageGap, FleetStatus, Release, StagedReport,
+    VersionInfo, VersionState, VersionSummary, WorkerBrief, WorkerState, WorkerStatus,
 };

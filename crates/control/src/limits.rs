@@ -131,6 +131,24 @@ pub fn label(field: &str, s: &str) -> Result<(), Error> {
     bytes(field, s.len(), MAX_LABEL_BYTES)
 }
 
+/// Most artifacts recorded per version.
+pub const MAX_ARTIFACTS: usize = 64;
+
+/// Checks an artifact URL: at most [`MAX_NAME_BYTES`], and `s3://bucket[/prefix]` as
+/// [`mx_artifact::ArtifactUrl`] parses it.
+///
+/// # Errors
+/// [`Error::InvalidField`] naming `field` and what is wrong.
+pub fn artifact_url(field: &str, s: &str) -> Result<(), Error> {
+    bytes(field, s.len(), MAX_NAME_BYTES)?;
+    s.parse::<mx_artifact::ArtifactUrl>()
+        .map(|_| ())
+        .map_err(|e| Error::InvalidField {
+            field: field.to_string(),
+            reason: e.to_string(),
+        })
+}
+
 /// Checks a tensor or agent name's length (at most [`MAX_NAME_BYTES`]; emptiness is checked
 /// where it matters).
 ///

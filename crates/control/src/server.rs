@@ -859,6 +859,27 @@ impl ControlPlane for Service {
         self.shared.mutate(rec).await?;
         Ok(Response::new(pb::ReleaseVersionResponse {}))
     }
+
+    async fn register_artifact(
+        &self,
+        req: Request<pb::RegisterArtifactRequest>,
+    ) -> Result<Response<pb::RegisterArtifactResponse>, Status> {
+        let r = req.into_inner();
+        let artifact = r
+            .artifact
+            .as_ref()
+            .ok_or_else(|| Error::InvalidField {
+                field: "artifact".into(),
+                reason: "missing".into(),
+            })
+            .and_then(|a| convert::artifact(a, "artifact"))?;
+        let rec = Record::Artifact {
+            label: convert::label(&r.label, "label")?,
+            artifact,
+        };
+        self.shared.mutate(rec).await?;
+        Ok(Response::new(pb::RegisterArtifactResponse {}))
+    }
 }
 
 /// Validates a refit request, journals its BEGIN and starts its driver; returns its id. A refit

@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 use crate::refit::{
     Action, CallResult, EngineEndpoint, Outcome, Phase, Refit, Rejoined, WorkerCall,
 };
-use crate::types::Release;
+use crate::types::{ArtifactKind, ArtifactRecord, Release};
 use crate::types::{
     Command, CoverageGap, FleetStatus, StagedReport, VersionInfo, VersionState, VersionSummary,
     WorkerState, WorkerStatus,
@@ -54,6 +54,13 @@ pub enum Record {
         label: String,
         /// The releasing slot.
         slot: u32,
+    },
+    /// An artifact of a READY version was written to object storage.
+    Artifact {
+        /// Version label.
+        label: String,
+        /// Where, its manifest's digest, and its base for a delta.
+        artifact: ArtifactRecord,
     },
     /// A worker registers (or re-registers, which resets it to IDLE).
     Register {
@@ -186,6 +193,8 @@ struct Version {
     stage_set: Vec<String>,
     /// Whether its sources may stop serving it (the first reason reached sticks).
     release: Option<Release>,
+    /// Its artifacts in object storage, in registration order.
+    artifacts: Vec<ArtifactRecord>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -302,6 +311,7 @@ impl State {
                     Check::Apply
                 })
             }
+            Record::Artifact { label, artifact } => self.check_artifact(label, artifact),
             Record::Register {
                 worker_id,
                 ranks,
@@ -429,6 +439,7 @@ impl State {
                         retired: BTreeMap::new(),
                         stage_set: Vec::new(),
                         release: None,
+                        artifacts: Vec::new(),
                     },
                 );
                 Effects::default()
@@ -452,6 +463,14 @@ impl State {
             Record::Release { label, slot } => {
                 if let Some(v) = self.versions.get_mut(&label) {
                     v.release.get_or_insert(Release::Source { slot });
+                }
+                Effects::default()
+            }
+            Record::Artifact { label, artifact } => {
+                if let Some(v) = self.versions.get_mut(&label) {
+                    if !v.artifacts.iter().any(|a| a.url == artifact.url) {
+                        v.artifacts.push(artifact);
+                    }
                 }
                 Effects::default()
             }
@@ -1334,6 +1353,7 @@ impl State {
             manifests: v.slots.values().cloned().collect(),
             commit_workers: v.commit_set.clone(),
             release: v.release.clone(),
+            artifacts: v.artifacts.clone(),
         })
     }
 
@@ -1418,6 +1438,79 @@ fn is_extension(held: &SourceManifest, m: &SourceManifest) -> bool {
         && m.pack_seconds.to_bits() == held.pack_seconds.to_bits()
         && m.shards == held.shards
         && m.pieces[..held.pieces.len()] == held.pieces[..]
+}
+
+impl State {
+    /// An artifact may be recorded for a READY (or later) version: its URL parses, a delta names
+    /// a known version other than this one as its base, a canonical artifact none. The same URL
+    /// again with the same record changes nothing; with another is refused (an artifact is
+    /// written once: export a new version to a new prefix).
+    fn check_artifact(&self, label: &str, a: &ArtifactRecord) -> Result<Check, Error> {
+        let v = self.version(label)?;
+        let Some(digest) = v.digest else {
+            return Err(invalid(
+                "label",
+                format!(
+                    "version {label} is {}: only a READY version has artifacts",
+                    v.state
+                ),
+            ));
+        };
+        crate::limits::artifact_url("artifact.url", &a.url)?;
+        match (a.kind, a.base) {
+            (ArtifactKind::Canonical, Some(_)) => {
+                return Err(invalid(
+                    "artifact.base_version_digest",
+                    "a canonical artifact has no base",
+                ))
+            }
+            (ArtifactKind::Delta, None) => {
+                return Err(invalid(
+                    "artifact.base_version_digest",
+                    "a delta names its base version",
+                ))
+            }
+            (ArtifactKind::Delta, Some(b)) => {
+                if b == digest {
+                    return Err(invalid(
+                        "artifact.base_version_digest",
+                        "a delta's base is another version",
+                    ));
+                }
+                if !self.versions.values().any(|o| o.digest == Some(b)) {
+                    return Err(invalid(
+                        "artifact.base_version_digest",
+                        format!("no READY version has id mx:{b} (the base must be recorded first)"),
+                    ));
+                }
+            }
+            (ArtifactKind::Canonical, None) => {}
+        }
+        if let Some(old) = v.artifacts.iter().find(|o| o.url == a.url) {
+            return if old == a {
+                Ok(Check::Noop)
+            } else {
+                Err(invalid(
+                    "artifact.url",
+                    format!(
+                        "{} is recorded for {label} already, with another manifest or kind",
+                        a.url
+                    ),
+                ))
+            };
+        }
+        if v.artifacts.len() >= crate::limits::MAX_ARTIFACTS {
+            return Err(invalid(
+                "artifact",
+                format!(
+                    "{label} has {} artifacts already (at most {})",
+                    v.artifacts.len(),
+                    crate::limits::MAX_ARTIFACTS
+                ),
+            ));
+        }
+        Ok(Check::Apply)
+    }
 }
 
 fn check_register(worker_id: &str, ranks: &[u32], layout: &LayoutSpec) -> Result<Check, Error> {

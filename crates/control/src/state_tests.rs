@@ -900,3 +900,96 @@ fn a_republish_that_only_adds_pieces_is_accepted_without_counting() {
         Err(Error::VersionState { .. })
     ));
 }
+
+#[test]
+fn artifacts_are_recorded_with_their_lineage_and_checked() {
+    use crate::types::{ArtifactKind, ArtifactRecord};
+    let (mut st, d1) = ready_state();
+    let canonical = ArtifactRecord {
+        url: "s3://mx-runs/v1".into(),
+        manifest_digest: Digest::of(b"m1"),
+        kind: ArtifactKind::Canonical,
+        base: None,
+    };
+    let rec = |label: &str, a: &ArtifactRecord| Record::Artifact {
+        label: label.into(),
+        artifact: a.clone(),
+    };
+    assert_eq!(st.check(&rec("v1", &canonical)).unwrap(), Check::Apply);
+    st.apply(rec("v1", &canonical)).unwrap();
+    // The same record again changes nothing; the same URL with another manifest is refused.
+    assert_eq!(st.check(&rec("v1", &canonical)).unwrap(), Check::Noop);
+    let other = ArtifactRecord {
+        manifest_digest: Digest::of(b"m1'"),
+        ..canonical.clone()
+    };
+    let e = st.check(&rec("v1", &other)).unwrap_err().to_string();
+    assert!(
+        e.contains("artifact.url") && e.contains("s3://mx-runs/v1"),
+        "{e}"
+    );
+    // A delta needs a known base other than itself; a canonical artifact none.
+    let d2 = second_version(&mut st, "v2");
+    let delta = ArtifactRecord {
+        url: "s3://mx-runs/v2".into(),
+        manifest_digest: Digest::of(b"m2"),
+        kind: ArtifactKind::Delta,
+        base: Some(d1),
+    };
+    for (bad, field) in [
+        (
+            ArtifactRecord {
+                base: None,
+                ..delta.clone()
+            },
+            "base_version_digest",
+        ),
+        (
+            ArtifactRecord {
+                base: Some(d2),
+                ..delta.clone()
+            },
+            "base_version_digest",
+        ),
+        (
+            ArtifactRecord {
+                base: Some(Digest::of(b"nope")),
+                ..delta.clone()
+            },
+            "no READY version",
+        ),
+        (
+            ArtifactRecord {
+                kind: ArtifactKind::Canonical,
+                ..delta.clone()
+            },
+            "no base",
+        ),
+        (
+            ArtifactRecord {
+                url: "s3://Bad/x".into(),
+                ..delta.clone()
+            },
+            "artifact.url",
+        ),
+    ] {
+        let e = st.check(&rec("v2", &bad)).unwrap_err().to_string();
+        assert!(e.contains(field), "{e}");
+    }
+    st.apply(rec("v2", &delta)).unwrap();
+    let info = st.version_info("v2").unwrap();
+    assert_eq!(info.artifacts, vec![delta]);
+    assert_eq!(
+        st.version_info("v1").unwrap().artifacts,
+        vec![canonical.clone()]
+    );
+    // Only a READY version has artifacts.
+    st.apply(Record::Declare {
+        label: "v3".into(),
+        trainer_layout: LAYOUT,
+        tensors: vec![spec("w", &[4, 2])],
+    })
+    .unwrap();
+    let e = st.check(&rec("v3", &canonical)).unwrap_err().to_string();
+    assert!(e.contains("READY"), "{e}");
+}

@@ -168,6 +168,32 @@ impl fmt::Display for Release {
     }
 }
 
+/// What an artifact holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ArtifactKind {
+    /// Whole tensors (Hugging Face safetensors files with an index).
+    Canonical,
+    /// An exact-base XOR delta.
+    Delta,
+}
+
+/// A version written to object storage (`mx-artifact`), as the control plane records it: the
+/// artifact's URL, the blake3 of its manifest object (readers check the manifest against it, so
+/// what the bucket holds cannot pass for another version), and, for a delta, its base version
+/// (the lineage: full, delta, delta, ...).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ArtifactRecord {
+    /// `s3://bucket/prefix`.
+    pub url: String,
+    /// blake3 of `<url>/mx-artifact.json`.
+    pub manifest_digest: Digest,
+    /// Canonical or delta.
+    pub kind: ArtifactKind,
+    /// Delta only: the version it is against.
+    pub base: Option<Digest>,
+}
+
 /// A region of a declared tensor that no published shard covers.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CoverageGap {
@@ -204,6 +230,8 @@ pub struct VersionInfo {
     pub commit_workers: Vec<String>,
     /// Whether (and why) its sources may stop serving it; see [`Release`].
     pub release: Option<Release>,
+    /// Its artifacts in object storage, in registration order.
+    pub artifacts: Vec<ArtifactRecord>,
 }
 
 /// One line of the fleet status per version.

@@ -38,6 +38,7 @@
 //! dropped, and peer re-publishing by workers.
 #![forbid(unsafe_code)]
 
+mod export;
 mod publisher;
 mod spec;
 mod work;
@@ -51,6 +52,8 @@ pub use mx_layout::VersionId;
 use mx_layout::{DType, LayoutSpec, TensorBox};
 pub use mx_nixl::ForeignMemory;
 
+pub use export::{export_version, ExportBase, ExportSpec};
+pub use mx_artifact::{ArtifactUrl, ExportOptions, Exported, StoreOptions, WholeTensor};
 pub use publisher::{PublishOptions, Published, Publisher, PublisherConfig};
 pub use spec::{MemoryId, ShardSpec};
 
@@ -123,6 +126,17 @@ pub enum Error {
     /// A background task failed to run (panicked or was cancelled).
     #[error("task failed: {0}")]
     Task(String),
+    /// An export cannot start: the version (or its base) is not READY.
+    #[error("exporting {label:?}: {reason}")]
+    Export {
+        /// The version's label.
+        label: String,
+        /// Why not.
+        reason: String,
+    },
+    /// Writing or reading an artifact failed (bytes that are not the version, the object store).
+    #[error(transparent)]
+    Artifact(#[from] mx_artifact::Error),
 }
 
 /// What is wrong with one [`ShardSpec`].
