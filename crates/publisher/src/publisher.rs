@@ -362,6 +362,19 @@ impl Publisher {
         &self.cfg.model
     }
 
+    /// Exports a READY version to object storage from whole tensors the trainer assembled
+    /// (typically on one rank, e.g. `DTensor.full_tensor()`), and records the artifact at the
+    /// control plane: [`crate::export_version`] with this publisher's control plane and model.
+    ///
+    /// # Errors
+    /// As [`crate::export_version`].
+    pub async fn export(
+        &self,
+        spec: &crate::ExportSpec<'_>,
+    ) -> Result<mx_artifact::Exported, Error> {
+        crate::export_version(&self.shared.client, &self.cfg.model, spec).await
+    }
+
     /// This publisher's slot (trainer rank).
     pub fn slot(&self) -> u32 {
         self.cfg.slot
