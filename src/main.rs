@@ -1,6 +1,7 @@
 //! `mx`: live policy-weight refit for RL. The binary is thin: each subcommand parses its flags
 //! and calls into the crates (see README.md for the architecture).
 
+mod export_cmd;
 mod plan_cmd;
 mod provenance;
 mod refit_cmd;
@@ -184,6 +185,9 @@ enum Cmd {
     /// Move a worker set to a version: STAGE, PREPARE (pause), APPLY, VERIFY, RESUME, CHECK
     /// (post-update generation against golden tokens), COMMIT; or ABORT / ROLLBACK.
     Refit(refit_cmd::RefitArgs),
+    /// Export a READY version to object storage (S3): canonical safetensors, or an XOR delta
+    /// against --base; recorded at the control plane so workers can stage from it.
+    Export(export_cmd::ExportArgs),
     /// Run the refit fault matrix against an embedded fleet and print the table.
     Validate(validate::ValidateArgs),
     /// Benchmarks: pull vs memcpy, refit vs the disk path, the planner and the control plane at
@@ -407,6 +411,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Cmd::Refit(args) => runtime()?.block_on(refit_cmd::run(args)),
         Cmd::Validate(args) => validate::run(args),
         Cmd::Bench(cmd) => bench::run(cmd),
+        Cmd::Export(a) => runtime()?.block_on(export_cmd::run(a)),
         Cmd::Declare {
             control,
             model,

@@ -38,5 +38,7 @@ pub use format::{
     ArtifactKind, ArtifactManifest, Chunk, Location, ObjectEntry, TensorEntry, FORMAT, INDEX_NAME,
     MANIFEST_NAME, MAX_CHUNK_BYTES,
 };
-pub use read::{Artifact, ArtifactSource, ByteRead, Chain, DEFAULT_CHAIN_LIMIT, TENSOR_ADDR_BITS};
+pub use read::{
+    read_version, Artifact, ArtifactSource, ByteRead, Chain, DEFAULT_CHAIN_LIMIT, TENSOR_ADDR_BITS,
+};
 pub use store::{ArtifactUrl, Store, StoreOptions};

@@ -400,6 +400,14 @@ impl ArtifactSource {
     /// [`Error::OutOfRange`] for a read outside `into` or the tensors; [`Error::Store`],
     /// [`Error::Missing`]; [`Error::BadChunk`] for a chunk whose bytes are not the manifest's.
     pub fn read(&self, reads: &[ByteRead], into: &mut [u8]) -> Result<(), Error> {
+        self.rt.block_on(self.read_async(reads, into))
+    }
+
+    /// [`ArtifactSource::read`] for async callers (on any runtime).
+    ///
+    /// # Errors
+    /// As [`ArtifactSource::read`].
+    pub async fn read_async(&self, reads: &[ByteRead], into: &mut [u8]) -> Result<(), Error> {
         for r in reads {
             let ok = usize::try_from(r.local)
                 .ok()
@@ -416,10 +424,10 @@ impl ArtifactSource {
             }
         }
         if let Some(c) = &self.chain.canonical {
-            self.rt.block_on(self.read_canonical(c, reads, into))?;
+            self.read_canonical(c, reads, into).await?;
         }
         for d in &self.chain.deltas {
-            self.xor_delta(d, reads, into)?;
+            self.xor_delta(d, reads, into).await?;
         }
         Ok(())
     }
@@ -515,14 +523,20 @@ impl ArtifactSource {
 
     /// XORs delta `d`'s bytes over `reads` into `into`, in batches of at most
     /// [`DELTA_BATCH_BYTES`] decompressed.
-    fn xor_delta(&self, d: &Artifact, reads: &[ByteRead], into: &mut [u8]) -> Result<(), Error> {
+    async fn xor_delta(
+        &self,
+        d: &Artifact,
+        reads: &[ByteRead],
+        into: &mut [u8],
+    ) -> Result<(), Error> {
         let m = &d.manifest;
         let url = d.url.to_string();
         let cb = m.chunk_bytes;
         // Distinct chunks needed, in order of first need, batched.
         let mut start = 0;
         while start < reads.len() {
-            let mut want: Vec<(usize, usize)> = Vec::new();
+            let mut want: Vec<ChunkKey> = Vec::new();
+            let mut seen: std::collections::HashSet<ChunkKey> = std::collections::HashSet::new();
             let mut held = 0u64;
             let mut end = start;
             while end < reads.len() && (held < DELTA_BATCH_BYTES || end == start) {
@@ -531,7 +545,7 @@ impl ArtifactSource {
                     let (k0, k1) = (r.offset / cb, (r.offset + r.len - 1) / cb);
                     for k in k0..=k1 {
                         let key = (r.tensor, k as usize);
-                        if m.chunks[r.tensor][k as usize].is_some() && !want.contains(&key) {
+                        if m.chunks[r.tensor][k as usize].is_some() && seen.insert(key) {
                             want.push(key);
                             held += cb;
                         }
@@ -539,7 +553,7 @@ impl ArtifactSource {
                 }
                 end += 1;
             }
-            let plain = self.rt.block_on(self.fetch_chunks(d, &want))?;
+            let plain = self.fetch_chunks(d, &want).await?;
             for r in &reads[start..end] {
                 if r.len == 0 {
                     continue;
@@ -636,6 +650,56 @@ impl ArtifactSource {
         }
         Ok(out)
     }
+}
+
+/// Reads a whole version from its artifact at `url` (whose manifest must have the recorded
+/// digest `expected`, when given): the chain is resolved from nothing held (it must start from a
+/// canonical artifact), every tensor is read whole and checked against the target manifest's
+/// whole-tensor blake3. Returns (name, dtype, shape) and bytes per tensor, in artifact order.
+/// For exporters that need a base's bytes; holds the whole model in memory.
+///
+/// # Errors
+/// The errors of [`Chain::resolve`] and [`ArtifactSource::read_async`]; [`Error::BadManifest`]
+/// naming a tensor whose bytes do not match its digest.
+pub async fn read_version(
+    store: &Store,
+    url: &ArtifactUrl,
+    expected: Option<Digest>,
+) -> Result<Vec<(mx_layout::TensorSpec, Vec<u8>)>, Error> {
+    let chain = Chain::resolve(store, url, expected, None, DEFAULT_CHAIN_LIMIT).await?;
+    let src = ArtifactSource::new(store.clone(), chain, Handle::current())?;
+    let mut out = Vec::with_capacity(src.manifest.shards.len());
+    for (i, s) in src.manifest.shards.iter().enumerate() {
+        let n = usize::try_from(s.len).map_err(|_| Error::OutOfRange {
+            url: url.to_string(),
+            addr: s.addr,
+            len: s.len,
+        })?;
+        let mut buf = vec![0u8; n];
+        let read = ByteRead {
+            tensor: i,
+            offset: 0,
+            len: s.len,
+            local: 0,
+        };
+        src.read_async(&[read], &mut buf).await?;
+        if Digest::of(&buf) != s.digest {
+            return Err(Error::BadManifest {
+                url: url.to_string(),
+                reason: format!(
+                    "tensor {}: the bytes read do not have the manifest's blake3",
+                    s.tensor
+                ),
+            });
+        }
+        let spec = mx_layout::TensorSpec {
+            name: s.tensor.clone(),
+            dtype: s.dtype,
+            shape: s.global_shape.clone(),
+        };
+        out.push((spec, buf));
+    }
+    Ok(out)
 }
 
 /// Bytes of one read inside a GET: `len` bytes from object offset `at` to buffer offset `local`.

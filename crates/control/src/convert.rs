@@ -340,6 +340,8 @@ pub(crate) fn staged(p: &pb::StagedReport, field: &str) -> Result<StagedReport, 
         descriptors: p.descriptors,
         seconds: finite_seconds(p.seconds, &format!("{field}seconds"))?,
         strategies: p.strategies.iter().map(|(k, v)| (k.clone(), *v)).collect(),
+        source: p.source.clone(),
+        wire_bytes: p.wire_bytes,
     })
 }
 
@@ -355,6 +357,8 @@ pub(crate) fn staged_pb(r: &StagedReport) -> pb::StagedReport {
         descriptors: r.descriptors,
         seconds: r.seconds,
         strategies: r.strategies.iter().map(|(k, v)| (k.clone(), *v)).collect(),
+        source: r.source.clone(),
+        wire_bytes: r.wire_bytes,
     }
 }
 

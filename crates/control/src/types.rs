@@ -110,6 +110,13 @@ pub struct StagedReport {
     pub seconds: f64,
     /// Strategy name -> number of pieces pulled with it.
     pub strategies: BTreeMap<String, u64>,
+    /// What served the bytes: `trainer`, `artifact_canonical`, `artifact_delta`, `peer`; empty
+    /// when nothing was pulled.
+    #[serde(default)]
+    pub source: String,
+    /// Bytes moved from the source (an artifact: bytes fetched from the object store).
+    #[serde(default)]
+    pub wire_bytes: u64,
 }
 
 /// Why a version's sources may stop serving it: their memory may be written again (a trainer

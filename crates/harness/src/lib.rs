@@ -9,7 +9,8 @@
 //!   memory it owns, published through mx-publisher, a synthetic training step between
 //!   versions, and the fault-injection byte flip;
 //! - [`fleet`]: spawning and watching those processes; [`refits`]: waiting for and printing
-//!   refits; [`report`]: every JSON report names the build that produced it.
+//!   refits; [`report`]: every JSON report names the build that produced it; [`s3`]: an
+//!   S3-compatible server (moto) on loopback for tests and benchmarks.
 //!
 //! No product library depends on this crate; the `mx` binary dispatches into it.
 
@@ -18,6 +19,7 @@ pub mod demo;
 pub mod fleet;
 pub mod refits;
 pub mod report;
+pub mod s3;
 mod slice;
 pub mod trainer;
 pub mod validate;

@@ -43,6 +43,10 @@ pub enum Error {
         /// What failed.
         source: Box<dyn std::error::Error + Send + Sync>,
     },
+    /// Resolving or opening an artifact failed (its manifest missing, corrupt or not the one
+    /// recorded, a chain that does not lead from the version held, the store misconfigured).
+    #[error(transparent)]
+    Artifact(#[from] mx_artifact::Error),
     /// A delta applies only to its exact base, and the version resident is another.
     #[error("the delta {url} gives {version} from base {base}, but this worker holds {held}")]
     WrongBase {

@@ -605,6 +605,38 @@ impl Instance {
         .await
     }
 
+    /// Plans, reads and verifies version `digest` from an artifact chain in object storage
+    /// into staging ([`mx_puller::Puller::stage_artifact`]). Live weights are not touched.
+    ///
+    /// # Errors
+    /// [`Error::Puller`]: another version, a delta against a base not resident, object-store
+    /// and verification errors (a failed stage leaves nothing staged).
+    pub async fn stage_artifact(
+        &self,
+        label: &str,
+        digest: Digest,
+        source: Arc<mx_artifact::ArtifactSource>,
+    ) -> Result<StageReport, Error> {
+        let sh = Arc::clone(&self.shared);
+        let label = label.to_string();
+        blocking(move || {
+            let mut st = lock(&sh.state);
+            let res = st
+                .puller
+                .stage_artifact(VersionId(digest), source, &ExecOptions::default());
+            *lock(&sh.versions) = st.versions();
+            let r = res?;
+            tracing::info!(
+                label,
+                source = r.source,
+                wire_bytes = r.wire_bytes,
+                "staged"
+            );
+            Ok(r)
+        })
+        .await
+    }
+
     /// Pauses generation (see [`PauseMode`]) and returns once no request is running; clears
     /// every cache tier when `clear_cache`.
     ///

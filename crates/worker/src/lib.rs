@@ -50,6 +50,7 @@ pub mod failpoints;
 mod gate;
 pub mod http;
 mod instance;
+mod sources;
 mod store;
 mod worker;
 
@@ -93,6 +94,14 @@ pub enum Error {
     /// The control plane failed.
     #[error("control plane: {0}")]
     Control(#[from] mx_control::Error),
+    /// No source of the version could serve it: every one tried failed.
+    #[error("no source could stage {label}: {tried}")]
+    NoSource {
+        /// The version's label.
+        label: String,
+        /// Each source tried and its error.
+        tried: String,
+    },
     /// The engine refused the weights or the request.
     #[error("engine: {0}")]
     Engine(#[from] mx_engine::Error),

@@ -444,6 +444,8 @@ impl Worker {
                             descriptors: stats.descriptors,
                             seconds: t0.elapsed().as_secs_f64(),
                             strategies: stats.strategies,
+                            source: stats.source,
+                            wire_bytes: stats.wire_bytes,
                         }
                     }
                     Err(e) => {
@@ -493,6 +495,6 @@ impl Worker {
             fetch_s = t.elapsed().as_secs_f64(),
             "fetched manifests"
         );
-        self.inst.stage(label, digest, info.manifests).await
+        crate::sources::stage_from_any(&self.inst, label, digest, info).await
     }
 }

@@ -620,6 +620,8 @@ pub(crate) async fn sim_workers(a: SimArgs) -> anyhow::Result<()> {
                         descriptors: 0,
                         seconds: 0.0,
                         strategies: Default::default(),
+                        source: String::new(),
+                        wire_bytes: 0,
                     })
                     .await?;
             }

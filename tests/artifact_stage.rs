@@ -5,15 +5,13 @@
 //! base the worker does not hold, an object store that never answers.
 //!
 //! Needs NIXL (staging buffers are registered), `.mx/models/smollm2-135m` and `moto_server`
-//! (`.mx/venv/bin/moto_server`, or `MX_MOTO_SERVER`); without them the tests print a skip
+//! (`.mx/venv/bin/moto_server`, or `MX_MOTO_SERVER`; see `mx_harness::s3`); without them the tests print a skip
 //! message and pass, unless `MX_REQUIRE_NIXL=1` (CI), where they fail.
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)] // tests: panics are failures
 
 use std::collections::HashMap;
-use std::io::{Read as _, Write as _};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpListener;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -32,7 +30,24 @@ use mx_puller::exec::ExecOptions;
 use mx_puller::{Error, Puller, PullerConfig};
 
 fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// A loopback S3 server and a client factory for it.
+struct Moto(mx_harness::s3::LoopbackS3);
+
+impl Moto {
+    fn start() -> Moto {
+        Moto(mx_harness::s3::LoopbackS3::start().unwrap())
+    }
+
+    fn bucket(&self, name: &str) {
+        self.0.bucket(name).unwrap();
+    }
+
+    fn store(&self, url: &ArtifactUrl) -> Store {
+        Store::from_vars(url, StoreOptions::default(), self.0.vars()).unwrap()
+    }
 }
 
 fn required(test: &str, what: &str) -> bool {
@@ -54,97 +69,10 @@ fn ready(test: &str) -> bool {
             ".mx/models/smollm2-135m is missing (run scripts/setup.sh)",
         );
     }
-    if moto_binary().is_none() {
+    if mx_harness::s3::moto_binary().is_none() {
         return required(test, "moto_server is missing (run scripts/setup.sh)");
     }
     true
-}
-
-fn moto_binary() -> Option<PathBuf> {
-    let p = std::env::var_os("MX_MOTO_SERVER")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| repo().join(".mx/venv/bin/moto_server"));
-    p.exists().then_some(p)
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// A moto S3 server on loopback, killed on drop.
-struct Moto {
-    child: Child,
-    endpoint: String,
-}
-
-impl Moto {
-    fn start() -> Moto {
-        let port = free_port();
-        let child = Command::new(moto_binary().unwrap())
-            .args(["-H", "127.0.0.1", "-p", &port.to_string()])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let m = Moto {
-            child,
-            endpoint: format!("http://127.0.0.1:{port}"),
-        };
-        let t = Instant::now();
-        while t.elapsed() < Duration::from_secs(60) {
-            if m.request("GET", "/").is_some() {
-                return m;
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        panic!("moto_server did not answer on {}", m.endpoint);
-    }
-
-    /// One plain HTTP/1.1 request (moto does not check signatures); the status line's code.
-    fn request(&self, method: &str, path: &str) -> Option<u16> {
-        let addr = self.endpoint.trim_start_matches("http://");
-        let mut s = TcpStream::connect(addr).ok()?;
-        write!(
-            s,
-            "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
-        )
-        .ok()?;
-        let mut out = String::new();
-        s.read_to_string(&mut out).ok()?;
-        out.split_whitespace().nth(1)?.parse().ok()
-    }
-
-    fn bucket(&self, name: &str) {
-        assert_eq!(self.request("PUT", &format!("/{name}")), Some(200));
-    }
-
-    fn vars(&self) -> Vec<(String, String)> {
-        [
-            ("AWS_ENDPOINT_URL", self.endpoint.as_str()),
-            ("AWS_REGION", "us-east-1"),
-            ("AWS_ACCESS_KEY_ID", "mx-test"),
-            ("AWS_SECRET_ACCESS_KEY", "mx-test-secret"),
-            ("AWS_ALLOW_HTTP", "true"),
-        ]
-        .into_iter()
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect()
-    }
-
-    fn store(&self, url: &ArtifactUrl) -> Store {
-        Store::from_vars(url, StoreOptions::default(), self.vars()).unwrap()
-    }
-}
-
-impl Drop for Moto {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 /// One version: whole tensors, its trainer shards (FSDP-2, digested independently) and id.

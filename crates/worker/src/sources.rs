@@ -1,0 +1,102 @@
+//! Where a worker stages a version from, in order of cost: the trainer ranks that published it
+//! (NIXL), then its artifacts in object storage: a delta whose exact base is resident, then the
+//! canonical artifacts, then any other delta whose chain resolves (through its base URLs, on top
+//! of a canonical artifact). A source that fails (unreachable, a failed read, bytes that do not
+//! verify, a delta against another base) is dropped and the next is tried; the stage fails only
+//! when no source is left, naming what each one answered. Nothing unverified is ever staged.
+
+use std::sync::Arc;
+
+use mx_artifact::{ArtifactSource, ArtifactUrl, Chain, Store, StoreOptions, DEFAULT_CHAIN_LIMIT};
+use mx_control::{ArtifactKind, ArtifactRecord, VersionInfo};
+use mx_layout::{Digest, VersionId};
+use mx_puller::StageReport;
+
+use crate::{Error, Instance};
+
+/// The artifacts of `info` in the order a worker holding `held` tries them.
+pub(crate) fn artifact_order(info: &VersionInfo, held: Option<VersionId>) -> Vec<&ArtifactRecord> {
+    let rank = |a: &ArtifactRecord| match (a.kind, a.base) {
+        (ArtifactKind::Delta, Some(b)) if Some(VersionId(b)) == held => 0,
+        (ArtifactKind::Canonical, _) => 1,
+        _ => 2,
+    };
+    let mut v: Vec<&ArtifactRecord> = info.artifacts.iter().collect();
+    v.sort_by_key(|a| rank(a));
+    v
+}
+
+/// Stages `label` (`digest`) on `inst` from the first source that serves it.
+///
+/// # Errors
+/// [`Error::NoSource`] naming every source tried and its error (a puller without a data plane
+/// fails at once with [`Error::Puller`]).
+pub(crate) async fn stage_from_any(
+    inst: &Instance,
+    label: &str,
+    digest: Digest,
+    info: VersionInfo,
+) -> Result<StageReport, Error> {
+    let mut tried: Vec<String> = Vec::new();
+    if !info.manifests.is_empty() {
+        match inst.stage(label, digest, info.manifests.clone()).await {
+            Ok(r) => return Ok(r),
+            Err(Error::Puller(mx_puller::Error::NoDataPlane)) => {
+                return Err(Error::Puller(mx_puller::Error::NoDataPlane))
+            }
+            Err(e) => {
+                tracing::warn!(label, "trainer sources failed, trying the next source: {e}");
+                tried.push(format!("trainer ranks: {e}"));
+            }
+        }
+    }
+    let held = inst
+        .resident_version()
+        .as_deref()
+        .and_then(VersionId::from_engine);
+    for a in artifact_order(&info, held) {
+        match stage_artifact(inst, label, digest, a, held).await {
+            Ok(r) => return Ok(r),
+            Err(e) => {
+                tracing::warn!(
+                    label,
+                    url = a.url,
+                    "artifact source failed, trying the next source: {e}"
+                );
+                tried.push(format!("{}: {e}", a.url));
+            }
+        }
+    }
+    Err(Error::NoSource {
+        label: label.to_string(),
+        tried: if tried.is_empty() {
+            "none recorded".into()
+        } else {
+            tried.join("; ")
+        },
+    })
+}
+
+/// Resolves `a`'s chain for what is held and stages from it.
+async fn stage_artifact(
+    inst: &Instance,
+    label: &str,
+    digest: Digest,
+    a: &ArtifactRecord,
+    held: Option<VersionId>,
+) -> Result<StageReport, Error> {
+    let url: ArtifactUrl = a.url.parse().map_err(mx_puller::Error::from)?;
+    let store = Store::from_env(&url, StoreOptions::default()).map_err(mx_puller::Error::from)?;
+    let chain = Chain::resolve(
+        &store,
+        &url,
+        Some(a.manifest_digest),
+        held,
+        DEFAULT_CHAIN_LIMIT,
+    )
+    .await
+    .map_err(mx_puller::Error::from)?;
+    let source = ArtifactSource::new(store, chain, tokio::runtime::Handle::current())
+        .map_err(mx_puller::Error::from)?;
+    inst.stage_artifact(label, digest, Arc::new(source)).await
+}
