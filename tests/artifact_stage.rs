@@ -11,27 +11,25 @@
 
 use std::collections::HashMap;
 use std::net::TcpListener;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+mod common;
 
 use mx_artifact::{
     export_canonical, export_delta, ArtifactSource, ArtifactUrl, Chain, DeltaBase, ExportOptions,
     ExportRequest, Store, StoreOptions, WholeTensor, DEFAULT_CHAIN_LIMIT,
 };
 use mx_checkpoint::Checkpoint;
-use mx_layout::plan::decompose;
 use mx_layout::{
     rank_layout, rank_layouts, version_digest, Digest, LayoutSpec, ModelInfo, RankLayout,
-    ShardEntry, TensorBox, TensorSpec, VersionId,
+    ShardEntry, TensorSpec, VersionId,
 };
 use mx_nixl::Agent;
 use mx_puller::exec::ExecOptions;
 use mx_puller::{Error, Puller, PullerConfig};
 
-fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
+use common::repo;
 
 /// A loopback S3 server and a client factory for it.
 struct Moto(mx_harness::s3::LoopbackS3);
@@ -95,7 +93,7 @@ impl Version {
         for r in 0..2 {
             for mut s in rank_layout(model, fsdp, r).unwrap().shard_entries(0) {
                 let i = by_name[s.tensor.as_str()];
-                s.digest = Digest::of(&slice(&bytes[i], &specs[i], &s.shard));
+                s.digest = Digest::of(&common::slice(&bytes[i], &specs[i], &s.shard));
                 shards.push(s);
             }
         }
@@ -118,31 +116,8 @@ impl Version {
 
     /// A rank's live bytes, built element by element from the whole tensors.
     fn reference(&self, rl: &RankLayout) -> Vec<u8> {
-        let mut buf = vec![0u8; rl.total_bytes as usize];
-        for p in &rl.params {
-            for piece in &p.pieces {
-                let i = self
-                    .specs
-                    .iter()
-                    .position(|s| s.name == piece.tensor)
-                    .unwrap();
-                let s = slice(&self.bytes[i], &self.specs[i], &piece.region);
-                buf[piece.offset as usize..piece.offset as usize + s.len()].copy_from_slice(&s);
-            }
-        }
-        buf
+        common::reference_rank(rl, &self.specs, &self.bytes)
     }
-}
-
-/// `region`'s bytes of a whole tensor, row-major.
-fn slice(full: &[u8], spec: &TensorSpec, region: &TensorBox) -> Vec<u8> {
-    let es = spec.dtype.size_bytes() as usize;
-    let (run, starts) = decompose(region, &TensorBox::full(&spec.shape));
-    let mut out = Vec::new();
-    for s in starts {
-        out.extend_from_slice(&full[s as usize * es..(s + run) as usize * es]);
-    }
-    out
 }
 
 /// SmolLM2's checkpoint (v1) and a training step's worth of change (v2): about one element in

@@ -26,3 +26,58 @@ pub(crate) fn model(name: &str) -> Option<PathBuf> {
     );
     None
 }
+
+/// A rank's live bytes built element by element from whole tensors (`specs[i]`'s row-major
+/// bytes are `bytes[i]`), none of the planner's code involved.
+pub(crate) fn reference_rank(
+    rl: &mx_layout::RankLayout,
+    specs: &[mx_layout::TensorSpec],
+    bytes: &[Vec<u8>],
+) -> Vec<u8> {
+    let mut buf = vec![0u8; rl.total_bytes as usize];
+    for p in &rl.params {
+        for piece in &p.pieces {
+            let i = specs.iter().position(|s| s.name == piece.tensor).unwrap();
+            let s = slice(&bytes[i], &specs[i], &piece.region);
+            buf[piece.offset as usize..piece.offset as usize + s.len()].copy_from_slice(&s);
+        }
+    }
+    buf
+}
+
+/// `region`'s bytes of a whole tensor, row-major.
+pub(crate) fn slice(
+    full: &[u8],
+    spec: &mx_layout::TensorSpec,
+    region: &mx_layout::TensorBox,
+) -> Vec<u8> {
+    let es = spec.dtype.size_bytes() as usize;
+    let (run, starts) =
+        mx_layout::plan::decompose(region, &mx_layout::TensorBox::full(&spec.shape));
+    let mut out = Vec::new();
+    for s in starts {
+        out.extend_from_slice(&full[s as usize * es..(s + run) as usize * es]);
+    }
+    out
+}
+
+/// The demo's version `step` of a checkpoint: its tensors (name, dtype, shape) and bytes after
+/// the deterministic training steps 2..=step.
+pub(crate) fn demo_version(
+    dir: &std::path::Path,
+    step: u32,
+) -> (Vec<mx_layout::TensorSpec>, Vec<Vec<u8>>) {
+    let ck = mx_checkpoint::Checkpoint::open(dir).unwrap();
+    let specs = ck.specs();
+    let bytes = specs
+        .iter()
+        .map(|s| {
+            let mut b = ck.tensor(&s.name).unwrap().data.to_vec();
+            for k in 2..=step {
+                mx_layout::update::training_step(s.dtype, &mut b, k);
+            }
+            b
+        })
+        .collect();
+    (specs, bytes)
+}

@@ -134,6 +134,8 @@ fn staged(worker: &str, label: &str, rank: u32) -> StagedReport {
         descriptors: 3,
         seconds: 0.1 + f64::from(rank) / 3.0,
         strategies: [("exact".to_string(), 2), ("packed".to_string(), 1)].into(),
+        source: "artifact_delta".into(),
+        wire_bytes: 4096 + u64::from(rank),
     }
 }
 
