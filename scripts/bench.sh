@@ -5,6 +5,7 @@
 #   - refit vs the disk path (write a checkpoint, update_weights_from_disk), end to end,
 #   - the planner at Kimi-K2 / DeepSeek-V3 scale and a Kimi-K2 projection onto real hardware,
 #   - the control plane's stage/commit round with 1,000 simulated workers,
+#   - real AdamW steps of SmolLM2 exported as XOR deltas vs the full checkpoint (delta_vs_full),
 # and writes one JSON report (keys pull_vs_memcpy, refit_vs_disk_speedup,
 # plan_ms_per_worker_kimi_k2, commit_ms_1000_workers, then every part's details).
 #
@@ -43,6 +44,25 @@ export UCX_MODULES="${UCX_MODULES:-^efa}"
 # Where cargo put the binary: CARGO_TARGET_DIR when set (relative to this directory, as for cargo).
 MX_BIN="${CARGO_TARGET_DIR:-$REPO/target}/release/mx"
 "$MX_BIN" bench all --report "$report" "${args[@]}"
+
+# Real AdamW steps of SmolLM2 (fp32 master weights served as bf16) exported as XOR deltas through
+# mx's Python API into a loopback S3 server: the delta's size against the full checkpoint.
+delta_json="$(mktemp)"
+printf 'bench: %s\n' "examples/delta_vs_full.py" >&2
+(cd "$REPO/examples" && "$REPO/.mx/venv/bin/python" delta_vs_full.py --report "$delta_json")
+"$REPO/.mx/venv/bin/python" - "$report" "$delta_json" <<'PY'
+import json
+import sys
+
+report_path, delta_path = sys.argv[1:3]
+with open(report_path) as f:
+    report = json.load(f)
+with open(delta_path) as f:
+    report["delta_vs_full"] = json.load(f)["delta_vs_full"]
+with open(report_path, "w") as f:
+    json.dump(report, f, indent=2)
+PY
+rm -f "$delta_json"
 
 if ((criterion)); then
     printf 'bench: %s\n' "cargo bench --bench planner" >&2

@@ -84,6 +84,17 @@ class Publisher:
     def wait_staged(self, label: str, timeout: float = 600.0) -> str: ...
     def wait_committed(self, label: str, timeout: float = 600.0) -> None: ...
     def release(self, label: str, timeout: float = 600.0) -> None: ...
+    def export(
+        self,
+        label: str,
+        tensors: list[tuple[str, str, list[int], int, int, object]],
+        to: str,
+        base_label: str | None = None,
+        base_tensors: list[tuple[str, str, list[int], int, int, object]] | None = None,
+        extra: list[tuple[str, bytes]] | None = None,
+        chunk_bytes: int = 4 << 20,
+        timeout: float = 600.0,
+    ) -> str: ...
     def close(self) -> None: ...
 
 class Puller:

@@ -93,6 +93,77 @@ def _spans(storages: Iterable[tuple[int, int]]) -> dict[tuple[int, int], tuple[i
     return out
 
 
+def _whole_tensors(
+    tensors: Any, model: Model, what: str
+) -> list[tuple[str, str, list[int], int, int, Any]]:
+    """``name -> torch tensor`` as the extension's export takes them: ``(name, dtype, shape,
+    address, nbytes, owner)``, each a whole, host (CPU), dense, contiguous tensor of the model's
+    dtype and shape (``owner`` keeps it and its storage referenced)."""
+    if not isinstance(tensors, Mapping):
+        raise TypeError(
+            f"{what} must be a mapping name -> torch.Tensor, not {type(tensors).__name__}"
+        )
+    out = []
+    for name, t in tensors.items():
+        if not isinstance(name, str):
+            raise TypeError(f"{what}: tensor names must be str, got {name!r}")
+        at = f"{what}[{name!r}]"
+        if not _memory._is_torch(t):
+            raise ValueError(f"{at}: expected a torch.Tensor, got {type(t).__name__}")
+        if hasattr(t, "full_tensor") or hasattr(t, "_local_tensor"):
+            raise ValueError(
+                f"{at}: a DTensor (one rank's shard); export takes whole tensors: pass "
+                "t.full_tensor() (gathered on the exporting rank)"
+            )
+        if t.device.type != "cpu":
+            raise ValueError(
+                f"{at}: a {t.device.type} tensor; export reads host memory: pass t.cpu()"
+            )
+        if str(t.layout) != "torch.strided":
+            raise ValueError(f"{at}: a {t.layout} tensor; export needs a dense tensor")
+        if not t.is_contiguous():
+            raise ValueError(
+                f"{at}: not contiguous (shape {tuple(t.shape)}, strides {tuple(t.stride())}); "
+                "pass t.contiguous()"
+            )
+        dtype = _memory._DTYPES.get(str(t.dtype).removeprefix("torch."))
+        if dtype is None:
+            raise ValueError(f"{at}: dtype {t.dtype} has no safetensors equivalent")
+        try:
+            spec = model.tensor(name)
+        except KeyError:
+            raise ValueError(f"{at}: the model has no such tensor") from None
+        shape = tuple(int(d) for d in t.shape)
+        if (dtype, shape) != (spec.dtype, tuple(spec.shape)):
+            raise ValueError(
+                f"{at}: {dtype} {list(shape)}, but the model's tensor is {spec.dtype} "
+                f"{list(spec.shape)}: export takes whole tensors"
+            )
+        region = _memory.describe(t, at, writable=False)
+        out.append((name, dtype, list(shape), region.addr, region.nbytes, region))
+    return out
+
+
+def _extra_files(extra_files: Any) -> list[tuple[str, bytes]]:
+    if extra_files is None:
+        return []
+    if not isinstance(extra_files, Mapping):
+        raise TypeError(
+            f"extra_files must be a mapping name -> bytes, not {type(extra_files).__name__}"
+        )
+    out = []
+    for name, data in extra_files.items():
+        if not isinstance(name, str):
+            raise TypeError(f"extra_files: file names must be str, got {name!r}")
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise TypeError(
+                f"extra_files[{name!r}]: expected bytes, got {type(data).__name__} "
+                "(encode text first, e.g. json.dumps(config).encode())"
+            )
+        out.append((name, bytes(data)))
+    return out
+
+
 class Publisher:
     """A trainer rank's side of mx: publishes the shards it holds, from the memory that holds
     them, as policy versions workers pull exactly their bytes from.
@@ -269,6 +340,94 @@ class Publisher:
             MxError: ``NotFound``, ``DeadlineExceeded``.
         """
         self._inner.release(label, float(timeout))
+
+    def export(
+        self,
+        label: str,
+        tensors: Mapping[str, Any],
+        *,
+        to: str,
+        base: tuple[str, Mapping[str, Any]] | None = None,
+        extra_files: Mapping[str, bytes] | None = None,
+        chunk_bytes: int = 4 << 20,
+        timeout: float = 600.0,
+    ) -> dict[str, Any]:
+        """Exports READY version ``label`` to object storage at ``to`` and records the artifact
+        at the control plane, from the version's whole tensors.
+
+        Before writing anything it proves that ``tensors`` are the version: every trainer
+        shard published for ``label`` (by any slot) must equal, by blake3, its box of these
+        tensors, and their Merkle root must be the version id. Bytes that differ (a tensor
+        written since it was published, the wrong step) are refused, naming the tensor.
+
+        Without ``base`` it writes a canonical Hugging Face checkpoint: ``model-0000K-of-
+        0000N.safetensors`` files with ``model.safetensors.index.json``, the ``extra_files``
+        beside them (e.g. ``config.json``), and the mx manifest ``mx-artifact.json``. With
+        ``base=(base_label, base_tensors)`` it writes an exact-base XOR delta: ``base_label``
+        must be a READY version and ``base_tensors`` exactly its whole tensors (the trainer
+        keeps, or can rebuild, the bytes of the version it deltas against; when the base was
+        exported, they are checked against its artifact's tensor digests, and every reader
+        checks the result against this version's digests); ranges of ``chunk_bytes`` where the
+        two are equal store nothing, the rest are the zstd-compressed XOR. Readers apply a delta
+        only onto that exact base.
+
+        The trainer assembles the whole tensors and one rank (typically rank 0) exports them:
+        for FSDP2 every rank calls ``p.full_tensor()`` (a collective) on each DTensor and rank
+        0 keeps ``{checkpoint_name: full.cpu()}``. They are read in place (no copy): do not
+        write them until this returns. The object store is configured from the standard AWS
+        environment of this process: ``AWS_ENDPOINT_URL``, ``AWS_REGION``, ``AWS_ACCESS_KEY_ID``,
+        ``AWS_SECRET_ACCESS_KEY`` (``AWS_SESSION_TOKEN``), and ``AWS_ALLOW_HTTP=true`` for an
+        ``http://`` endpoint.
+
+        Args:
+            label: the version (READY: every slot published it).
+            tensors: ``name -> torch.Tensor``, every tensor of the version, each whole, on the
+                CPU and contiguous, of the model's dtype and shape; written in this order.
+            to: ``s3://bucket/prefix``, a fresh prefix for this version.
+            base: ``(base_label, base_tensors)`` for a delta; None for a canonical checkpoint.
+            extra_files: ``name -> bytes`` written beside a canonical checkpoint.
+            chunk_bytes: a delta's range size (bytes of a tensor fetched and checked as one).
+            timeout: seconds for the whole export (the artifact is recorded only once
+                complete; objects written before a timeout stay under ``to``).
+
+        Returns:
+            ``{"url", "manifest_digest" (blake3 hex of the manifest), "kind" ("canonical" or
+            "delta"), "label", "version" ("mx:<hex>"), "base" (the base's "mx:<hex>" or None),
+            "base_url", "tensors", "data_bytes" (bytes of the objects written, manifest
+            excluded), "seconds"}``.
+
+        Raises:
+            ValueError: a tensor that is not a whole, CPU, contiguous torch tensor of the
+                model's dtype and shape (named); a bad ``to``, ``chunk_bytes`` or file name;
+                ``extra_files`` with a delta.
+            MxError: ``InvalidArgument`` (bytes that are not the version, naming the tensor),
+                ``FailedPrecondition`` (the version or the base not READY), ``NotFound`` (no
+                such version), ``Unavailable`` (the object store), ``DeadlineExceeded``.
+        """
+        if not isinstance(label, str) or not isinstance(to, str):
+            raise TypeError("label and to must be str")
+        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int):
+            raise TypeError(f"chunk_bytes must be an int, got {chunk_bytes!r}")
+        if chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+        whole = _whole_tensors(tensors, self._model, "tensors")
+        base_label, base_whole = None, None
+        if base is not None:
+            if not (isinstance(base, tuple) and len(base) == 2 and isinstance(base[0], str)):
+                raise TypeError("base must be a tuple (base_label, {name: tensor})")
+            base_label = base[0]
+            base_whole = _whole_tensors(base[1], self._model, "base")
+        text = self._inner.export(
+            label,
+            whole,
+            to,
+            base_label,
+            base_whole,
+            _extra_files(extra_files),
+            int(chunk_bytes),
+            float(timeout),
+        )
+        return json.loads(text)
 
     def close(self) -> None:
         """Stops serving and deregisters the memory (which stays the caller's); drops the

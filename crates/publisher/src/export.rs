@@ -98,7 +98,17 @@ pub async fn export_version(
         ),
         Some(b) => {
             let binfo = client.get_version(b.label).await?;
-            let (bid, _) = version_of(&binfo)?;
+            let (bid, bshards) = version_of(&binfo)?;
+            // The base bytes must be the base version exactly (its shards, its root), whether or
+            // not it has an artifact: a delta against other bytes would be useless to every
+            // worker holding the real base.
+            mx_artifact::prove_version(&ExportRequest {
+                version: bid,
+                label: Some(b.label),
+                shards: &bshards,
+                tensors: b.tensors,
+                layouts: &[],
+            })?;
             // The newest artifact of the base (a reader resolves chains through it).
             let base_url: Option<ArtifactUrl> = match binfo.artifacts.last() {
                 Some(a) => Some(a.url.parse()?),

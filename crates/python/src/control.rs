@@ -340,6 +340,12 @@ fn version_json(v: &VersionInfo) -> Value {
         "coverage_gaps": v.coverage_gaps,
         "manifests": v.manifests.len(),
         "commit_workers": v.commit_workers,
+        "artifacts": v.artifacts.iter().map(|a| json!({
+            "url": a.url,
+            "manifest_digest": a.manifest_digest.to_string(),
+            "kind": a.kind,
+            "base": a.base.map(|b| mx_layout::VersionId(b).to_string()),
+        })).collect::<Vec<_>>(),
     })
 }
 
