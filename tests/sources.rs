@@ -1,10 +1,11 @@
 //! Sources besides the trainer, process by process: `mx control`, `mx publish` trainer ranks,
 //! `mx worker`s of two layouts and `mx export` to a real S3-compatible server (moto on
-//! loopback). Once every publisher is SIGKILLed, a refit still commits from the artifacts (a
-//! delta on the workers holding its base), and a worker that joins afterwards is brought to the
-//! committed version from the canonical artifact, never from the trainer; every live byte is
-//! checked against slices of the checkpoint computed here, and the post-update generation
-//! against golden tokens.
+//! loopback). Once every publisher is SIGKILLed, refits still commit from the artifacts: with the
+//! delta corrupted a worker falls back to the canonical artifact; with no source left a refit
+//! aborts before anything is applied; a worker holding the base stages the delta; a worker that
+//! joins afterwards is brought to the committed version from the canonical artifact, never from
+//! the trainer. Every live byte is checked against slices of the checkpoint computed here, and
+//! the post-update generation against golden tokens.
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)] // tests: panics are failures
 
 use std::path::Path;
@@ -17,6 +18,7 @@ use common::{demo_version, model, reference_rank};
 use mx_control::client::ControlClient;
 use mx_harness::s3::LoopbackS3;
 use mx_layout::{rank_layouts, ModelInfo};
+use object_store::ObjectStoreExt as _;
 
 /// Children killed (SIGKILL) on drop.
 struct Kids(Vec<Child>);
@@ -71,6 +73,23 @@ fn rt() -> tokio::runtime::Runtime {
         .enable_all()
         .build()
         .unwrap()
+}
+
+/// Waits until `log` has a line containing `needle`; returns that line.
+fn wait_log(log: &Path, needle: &str, secs: u64) -> String {
+    let t = Instant::now();
+    loop {
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        if let Some(l) = text.lines().find(|l| l.contains(needle)) {
+            return l.to_string();
+        }
+        assert!(
+            t.elapsed().as_secs() < secs,
+            "{} never logged {needle:?}",
+            log.display()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
 
 /// Waits until `f` holds (polling the control plane), up to `secs`.
@@ -345,23 +364,79 @@ fn publishers_dead_the_fleet_refits_and_a_new_worker_joins_from_artifacts() {
             .collect::<Vec<_>>(),
     );
 
-    let (ok, out) = refit("step-2", "a,b", "2");
+    // The delta's first object corrupted (one flipped byte): worker a drops the delta, naming
+    // the chunk, and stages from the canonical artifact instead.
+    let store = mx_artifact::Store::from_vars(
+        &"s3://mx-e2e".parse().unwrap(),
+        mx_artifact::StoreOptions::default(),
+        s3.vars(),
+    )
+    .unwrap();
+    let os = store.object_store();
+    let delta_obj = object_store::path::Path::from("run/step-2/delta-00000.bin");
+    let full_manifest = object_store::path::Path::from("run/step-2-full/mx-artifact.json");
+    let good = rt
+        .block_on(async { os.get(&delta_obj).await?.bytes().await })
+        .unwrap();
+    let mut bad = good.to_vec();
+    let mid = bad.len() / 2;
+    bad[mid] ^= 0x10;
+    rt.block_on(os.put(&delta_obj, bad.into())).unwrap();
+    let (ok, out) = refit("step-2", "a", "2");
+    assert!(ok && out.contains("COMMITTED"), "{out}");
+    let source_of = |id: &str| {
+        let st = rt.block_on(c.get_status()).unwrap();
+        let w = st
+            .workers
+            .iter()
+            .find(|w| w.worker_id == id)
+            .unwrap()
+            .clone();
+        (w.last_staged.clone().unwrap(), w.admitted)
+    };
+    assert_eq!(source_of("a").0.source, "artifact_canonical");
+    assert!(wait_log(&log("a"), "chunk", 10).contains("blake3"));
+
+    // With the canonical artifact gone too, no source is left: b's refit aborts before anything
+    // is applied, naming every source tried; b stays on step-1, its bytes untouched.
+    let full_bytes = rt
+        .block_on(async { os.get(&full_manifest).await?.bytes().await })
+        .unwrap();
+    rt.block_on(os.delete(&full_manifest)).unwrap();
+    let (ok, out) = refit("step-2", "b", "2");
+    assert!(!ok && out.contains("ABORTED"), "{out}");
+    let (r, _) = source_of("b");
+    assert!(
+        !r.ok && r.error.contains("no source could stage step-2"),
+        "{r:?}"
+    );
+    assert!(
+        r.error.contains("trainer ranks") && r.error.contains("run/step-2-full"),
+        "{r:?}"
+    );
+    check_live(&format!("http://127.0.0.1:{pb}"), &info, "tp:1", &dir, 1);
+
+    // Both put back: b stages the delta onto its resident step-1.
+    rt.block_on(os.put(&delta_obj, good.into())).unwrap();
+    rt.block_on(os.put(&full_manifest, full_bytes.into()))
+        .unwrap();
+    let (ok, out) = refit("step-2", "b", "2");
     assert!(ok && out.contains("COMMITTED"), "{out}");
     let st = rt.block_on(c.get_status()).unwrap();
     for id in ["a", "b"] {
         let w = st.workers.iter().find(|w| w.worker_id == id).unwrap();
-        let r = w.last_staged.as_ref().unwrap();
-        assert_eq!(r.source, "artifact_delta", "{id}: {r:?}");
-        // Only delta ranges were read (the demo's synthetic step changes every element, so
-        // they are most of it here; real optimizer steps are measured by `mx bench sources`).
-        let delta_bytes = delta["data_bytes"].as_u64().unwrap();
-        assert!(
-            r.wire_bytes > 0 && r.wire_bytes <= delta_bytes,
-            "{id} fetched {} bytes, the delta has {delta_bytes}",
-            r.wire_bytes
-        );
         assert!(w.admitted, "{id} not admitted: {w:?}");
     }
+    let (r, _) = source_of("b");
+    assert_eq!(r.source, "artifact_delta", "{r:?}");
+    // Only delta ranges were read (the demo's synthetic step changes every element, so they are
+    // most of it here; real optimizer steps: examples/delta_vs_full.py).
+    let delta_bytes = delta["data_bytes"].as_u64().unwrap();
+    assert!(
+        r.wire_bytes > 0 && r.wire_bytes <= delta_bytes,
+        "b fetched {} bytes, the delta has {delta_bytes}",
+        r.wire_bytes
+    );
     check_live(&format!("http://127.0.0.1:{pa}"), &info, "tp:3", &dir, 2);
     check_live(&format!("http://127.0.0.1:{pb}"), &info, "tp:1", &dir, 2);
 
