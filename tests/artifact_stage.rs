@@ -29,7 +29,7 @@ use mx_nixl::Agent;
 use mx_puller::exec::ExecOptions;
 use mx_puller::{Error, Puller, PullerConfig};
 
-use common::repo;
+use common::{repo, rt};
 
 /// A loopback S3 server and a client factory for it.
 struct Moto(mx_harness::s3::LoopbackS3);
@@ -171,14 +171,6 @@ fn puller(model: &ModelInfo, name: &str) -> Puller {
 fn live(p: &Puller) -> Vec<Vec<u8>> {
     let n = p.rank_layouts().len();
     (0..n).map(|i| p.host_rank(i).unwrap().to_vec()).collect()
-}
-
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap()
 }
 
 /// Exports v1 canonical and v2 as a delta against it; returns their URLs and manifest digests.

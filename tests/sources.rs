@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 mod common;
 
-use common::{demo_version, model, reference_rank};
+use common::{demo_version, model, reference_rank, rt};
 use mx_control::client::ControlClient;
 use mx_harness::s3::LoopbackS3;
 use mx_layout::{rank_layouts, ModelInfo};
@@ -65,14 +65,6 @@ fn free_port() -> u16 {
         .local_addr()
         .unwrap()
         .port()
-}
-
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap()
 }
 
 /// Waits until `log` has a line containing `needle`; returns that line.

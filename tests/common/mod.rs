@@ -81,3 +81,12 @@ pub(crate) fn demo_version(
         .collect();
     (specs, bytes)
 }
+
+/// A two-worker tokio runtime for tests that call async clients from sync code.
+pub(crate) fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
