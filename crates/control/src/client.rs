@@ -531,6 +531,45 @@ impl ControlClient {
         Ok(())
     }
 
+    /// Serves READY version `label`, resident on worker `worker_id`, from that worker's memory
+    /// as described by `manifest` (journaled; the same manifest again is a no-op).
+    ///
+    /// # Errors
+    /// [`Error::Rpc`]: `NotFound` for an unknown label or worker, `InvalidArgument` naming the
+    /// field (the version not resident on the worker, a shard that is not a region of the
+    /// version's record for the worker's layout, a piece whose digest differs from the record).
+    pub async fn serve_peer(
+        &self,
+        label: &str,
+        worker_id: &str,
+        manifest: &SourceManifest,
+    ) -> Result<(), Error> {
+        self.rpc()
+            .serve_peer(pb::ServePeerRequest {
+                label: label.to_string(),
+                worker_id: worker_id.to_string(),
+                manifest: Some(convert::manifest_pb(manifest)),
+            })
+            .await
+            .map_err(|s| Error::rpc("ServePeer", s))?;
+        Ok(())
+    }
+
+    /// Stops worker `worker_id` serving `label` (every version when `None`) from its memory.
+    ///
+    /// # Errors
+    /// [`Error::Rpc`].
+    pub async fn withdraw_peer(&self, worker_id: &str, label: Option<&str>) -> Result<(), Error> {
+        self.rpc()
+            .withdraw_peer(pb::WithdrawPeerRequest {
+                worker_id: worker_id.to_string(),
+                label: label.unwrap_or_default().to_string(),
+            })
+            .await
+            .map_err(|s| Error::rpc("WithdrawPeer", s))?;
+        Ok(())
+    }
+
     /// Records an artifact of READY version `label` (journaled; the same record again is a
     /// no-op).
     ///

@@ -14,8 +14,8 @@ use crate::refit::{
     EngineApi, EngineEndpoint, GenerationCheck, ModelLimits, Outcome, PauseMode, Refit, RefitSpec,
 };
 use crate::types::{
-    ArtifactKind, ArtifactRecord, Command, CoverageGap, FleetStatus, Release, StagedReport,
-    VersionInfo, VersionState, VersionSummary, WorkerState, WorkerStatus,
+    ArtifactKind, ArtifactRecord, Command, CoverageGap, FleetStatus, PeerSource, Release,
+    StagedReport, VersionInfo, VersionState, VersionSummary, WorkerState, WorkerStatus,
 };
 use crate::Error;
 
@@ -59,7 +59,7 @@ fn finite_seconds(v: f64, field: &str) -> Result<f64, Error> {
     }
 }
 
-fn non_empty(s: &str, field: &str) -> Result<String, Error> {
+pub(crate) fn non_empty(s: &str, field: &str) -> Result<String, Error> {
     if s.is_empty() {
         Err(invalid(field, "empty"))
     } else {
@@ -431,6 +431,14 @@ pub(crate) fn version_info_pb(v: &VersionInfo) -> pb::VersionInfo {
         commit_workers: v.commit_workers.clone(),
         release: v.release.as_ref().map(release_pb),
         artifacts: v.artifacts.iter().map(artifact_pb).collect(),
+        peers: v
+            .peers
+            .iter()
+            .map(|p| pb::PeerSource {
+                worker_id: p.worker_id.clone(),
+                manifest: Some(manifest_pb(&p.manifest)),
+            })
+            .collect(),
     }
 }
 
@@ -565,6 +573,22 @@ pub(crate) fn version_info(p: &pb::VersionInfo) -> Result<VersionInfo, Error> {
             .enumerate()
             .map(|(i, a)| artifact(a, &format!("artifacts[{i}]")))
             .collect::<Result<_, _>>()?,
+        peers: p
+            .peers
+            .iter()
+            .enumerate()
+            .map(|(i, x)| {
+                let field = format!("peers[{i}]");
+                Ok(PeerSource {
+                    worker_id: non_empty(&x.worker_id, &format!("{field}.worker_id"))?,
+                    manifest: x
+                        .manifest
+                        .as_ref()
+                        .ok_or_else(|| invalid(&format!("{field}.manifest"), "missing"))
+                        .and_then(|m| manifest(m, &format!("{field}.manifest")))?,
+                })
+            })
+            .collect::<Result<_, Error>>()?,
         commit_workers: p.commit_workers.clone(),
         release: p
             .release

@@ -52,6 +52,7 @@ pub use refit::{
 };
 pub use server::{serve, spawn, ControlPlaneConfig, ServerHandle};
 pub use types::{
-    ArtifactKind, ArtifactRecord, Command, CoverageGap, FleetStatus, Release, StagedReport,
-    VersionInfo, VersionState, VersionSummary, WorkerBrief, WorkerState, WorkerStatus,
+    ArtifactKind, ArtifactRecord, Command, CoverageGap, FleetStatus, PeerSource, Release,
+    StagedReport, VersionInfo, VersionState, VersionSummary, WorkerBrief, WorkerState,
+    WorkerStatus,
 };

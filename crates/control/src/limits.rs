@@ -134,6 +134,9 @@ pub fn label(field: &str, s: &str) -> Result<(), Error> {
 /// Most artifacts recorded per version.
 pub const MAX_ARTIFACTS: usize = 64;
 
+/// Most workers serving one version as peers at once.
+pub const MAX_PEERS: usize = 1024;
+
 /// Checks an artifact URL: at most [`MAX_NAME_BYTES`], and `s3://bucket[/prefix]` as
 /// [`mx_artifact::ArtifactUrl`] parses it.
 ///

@@ -880,6 +880,45 @@ impl ControlPlane for Service {
         self.shared.mutate(rec).await?;
         Ok(Response::new(pb::RegisterArtifactResponse {}))
     }
+
+    async fn serve_peer(
+        &self,
+        req: Request<pb::ServePeerRequest>,
+    ) -> Result<Response<pb::ServePeerResponse>, Status> {
+        let r = req.into_inner();
+        let manifest = r
+            .manifest
+            .as_ref()
+            .ok_or_else(|| Error::InvalidField {
+                field: "manifest".into(),
+                reason: "missing".into(),
+            })
+            .and_then(|m| convert::manifest(m, "manifest"))?;
+        let rec = Record::Peer {
+            label: convert::label(&r.label, "label")?,
+            worker_id: convert::non_empty(&r.worker_id, "worker_id")?,
+            manifest,
+        };
+        self.shared.mutate(rec).await?;
+        Ok(Response::new(pb::ServePeerResponse {}))
+    }
+
+    async fn withdraw_peer(
+        &self,
+        req: Request<pb::WithdrawPeerRequest>,
+    ) -> Result<Response<pb::WithdrawPeerResponse>, Status> {
+        let r = req.into_inner();
+        let rec = Record::PeerWithdraw {
+            worker_id: convert::non_empty(&r.worker_id, "worker_id")?,
+            label: if r.label.is_empty() {
+                None
+            } else {
+                Some(convert::label(&r.label, "label")?)
+            },
+        };
+        self.shared.mutate(rec).await?;
+        Ok(Response::new(pb::WithdrawPeerResponse {}))
+    }
 }
 
 /// Validates a refit request, journals its BEGIN and starts its driver; returns its id. A refit

@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 use crate::refit::{
     Action, CallResult, EngineEndpoint, Outcome, Phase, Refit, Rejoined, WorkerCall,
 };
-use crate::types::{ArtifactKind, ArtifactRecord, Release};
+use crate::types::{ArtifactKind, ArtifactRecord, PeerSource, Release};
 use crate::types::{
     Command, CoverageGap, FleetStatus, StagedReport, VersionInfo, VersionState, VersionSummary,
     WorkerState, WorkerStatus,
@@ -61,6 +61,23 @@ pub enum Record {
         label: String,
         /// Where, its manifest's digest, and its base for a delta.
         artifact: ArtifactRecord,
+    },
+    /// A worker that holds a version resident serves it from its memory.
+    Peer {
+        /// Version label.
+        label: String,
+        /// The serving worker.
+        worker_id: String,
+        /// Its manifest (its shards: regions of the version's record; its pieces).
+        manifest: SourceManifest,
+    },
+    /// A worker stops serving a version (`label`), or every version (`None`), from its memory.
+    PeerWithdraw {
+        /// The worker.
+        worker_id: String,
+        /// The version; `None`: all.
+        #[serde(default)]
+        label: Option<String>,
     },
     /// A worker registers (or re-registers, which resets it to IDLE).
     Register {
@@ -195,6 +212,8 @@ struct Version {
     release: Option<Release>,
     /// Its artifacts in object storage, in registration order.
     artifacts: Vec<ArtifactRecord>,
+    /// Workers serving it from their memory: worker id -> manifest.
+    peers: BTreeMap<String, SourceManifest>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -312,6 +331,18 @@ impl State {
                 })
             }
             Record::Artifact { label, artifact } => self.check_artifact(label, artifact),
+            Record::Peer {
+                label,
+                worker_id,
+                manifest,
+            } => self.check_peer(label, worker_id, manifest),
+            Record::PeerWithdraw { worker_id, label } => {
+                Ok(if self.serving(worker_id, label.as_deref()) {
+                    Check::Apply
+                } else {
+                    Check::Noop
+                })
+            }
             Record::Register {
                 worker_id,
                 ranks,
@@ -440,6 +471,7 @@ impl State {
                         stage_set: Vec::new(),
                         release: None,
                         artifacts: Vec::new(),
+                        peers: BTreeMap::new(),
                     },
                 );
                 Effects::default()
@@ -474,6 +506,20 @@ impl State {
                 }
                 Effects::default()
             }
+            Record::Peer {
+                label,
+                worker_id,
+                manifest,
+            } => {
+                if let Some(v) = self.versions.get_mut(&label) {
+                    v.peers.insert(worker_id, manifest);
+                }
+                Effects::default()
+            }
+            Record::PeerWithdraw { worker_id, label } => {
+                self.withdraw_peer(&worker_id, label.as_deref());
+                Effects::default()
+            }
             Record::Register {
                 worker_id,
                 instance,
@@ -482,6 +528,8 @@ impl State {
                 engine,
                 resident_version,
             } => {
+                // A new process (or a restarted one) serves nothing it has not offered again.
+                self.withdraw_peer(&worker_id, None);
                 let command_seq = self.workers.get(&worker_id).map_or(0, |w| w.command_seq);
                 let departed_from = self.workers.get(&worker_id).and_then(|w| w.departed_from);
                 // A new registration reports what is resident: a fence ends here, and the open
@@ -629,6 +677,10 @@ impl State {
                 worker_id,
                 action,
             } => {
+                // Its memory is about to change: it stops being a source first.
+                if matches!(action, Action::Apply { .. }) {
+                    self.withdraw_peer(&worker_id, None);
+                }
                 if let Some(r) = self.refits.get_mut(&id) {
                     let phase = r.phase;
                     if let Some(w) = r.workers.get_mut(&worker_id) {
@@ -726,6 +778,10 @@ impl State {
                     } else if settled {
                         w.departed_from = None;
                     }
+                }
+                // A worker that left serves nothing; a fenced one's memory is unknown.
+                for wid in departed.iter().chain(&fenced) {
+                    self.withdraw_peer(wid, None);
                 }
                 Effects::default()
             }
@@ -1354,6 +1410,14 @@ impl State {
             commit_workers: v.commit_set.clone(),
             release: v.release.clone(),
             artifacts: v.artifacts.clone(),
+            peers: v
+                .peers
+                .iter()
+                .map(|(w, m)| PeerSource {
+                    worker_id: w.clone(),
+                    manifest: m.clone(),
+                })
+                .collect(),
         })
     }
 
@@ -1441,6 +1505,114 @@ fn is_extension(held: &SourceManifest, m: &SourceManifest) -> bool {
 }
 
 impl State {
+    /// Whether `worker_id` serves `label` (any version when `None`) as a peer.
+    fn serving(&self, worker_id: &str, label: Option<&str>) -> bool {
+        self.versions
+            .iter()
+            .any(|(l, v)| label.is_none_or(|x| x == l) && v.peers.contains_key(worker_id))
+    }
+
+    /// Stops `worker_id` serving `label` (every version when `None`).
+    fn withdraw_peer(&mut self, worker_id: &str, label: Option<&str>) {
+        for (l, v) in &mut self.versions {
+            if label.is_none_or(|x| x == l) {
+                v.peers.remove(worker_id);
+            }
+        }
+    }
+
+    /// A worker may serve a version as a peer when it is registered, the version is READY and
+    /// resident on it (as the control plane last learned), its manifest is well formed, every
+    /// shard is a region the version's record holds for the worker's layout with the same
+    /// digest (the trainers' pieces it verified when it staged), and every piece it cut for a
+    /// (layout, rank, region) the record already holds has the recorded digest.
+    fn check_peer(&self, label: &str, worker_id: &str, m: &SourceManifest) -> Result<Check, Error> {
+        let v = self.version(label)?;
+        let Some(digest) = v.digest else {
+            return Err(invalid(
+                "label",
+                format!(
+                    "version {label} is {}: only a READY version is served",
+                    v.state
+                ),
+            ));
+        };
+        let w = self
+            .workers
+            .get(worker_id)
+            .ok_or_else(|| Error::UnknownWorker {
+                worker_id: worker_id.to_string(),
+            })?;
+        let id = crate::refit::version_id(&digest);
+        if w.resident_id.as_deref() != Some(id.as_str()) {
+            return Err(invalid(
+                "worker_id",
+                format!(
+                    "worker {worker_id} holds {}, not {label} ({id}): it can serve only what is resident",
+                    w.resident_id.as_deref().unwrap_or("nothing")
+                ),
+            ));
+        }
+        crate::limits::manifest("manifest", m)?;
+        mx_layout::plan::validate_manifest(m).map_err(|e| invalid("manifest", e.to_string()))?;
+        // The record: every piece the trainers published, by (layout, rank, tensor, region).
+        let mut record: std::collections::HashMap<(LayoutSpec, u32, &str, &TensorBox), Digest> =
+            std::collections::HashMap::new();
+        for s in v.slots.values() {
+            for p in &s.pieces {
+                record.insert(
+                    (p.layout, p.dest_rank, p.tensor.as_str(), &p.region),
+                    p.digest,
+                );
+            }
+        }
+        let held: std::collections::HashSet<(&str, &TensorBox, Digest)> = v
+            .slots
+            .values()
+            .flat_map(|s| s.pieces.iter())
+            .filter(|p| p.layout == w.layout)
+            .map(|p| (p.tensor.as_str(), &p.region, p.digest))
+            .collect();
+        for (i, s) in m.shards.iter().enumerate() {
+            if !held.contains(&(s.tensor.as_str(), &s.shard, s.digest)) {
+                return Err(invalid(
+                    format!("manifest.shards[{i}]"),
+                    format!(
+                        "tensor {} region {} with digest {} is not a region of {label}'s record for layout {}",
+                        s.tensor, s.shard, s.digest, w.layout
+                    ),
+                ));
+            }
+        }
+        for (i, p) in m.pieces.iter().enumerate() {
+            if let Some(d) = record.get(&(p.layout, p.dest_rank, p.tensor.as_str(), &p.region)) {
+                if *d != p.digest {
+                    return Err(invalid(
+                        format!("manifest.pieces[{i}]"),
+                        format!(
+                            "tensor {} region {} for {} rank {}: digest {}, the record has {d}",
+                            p.tensor, p.region, p.layout, p.dest_rank, p.digest
+                        ),
+                    ));
+                }
+            }
+        }
+        if v.peers.get(worker_id) == Some(m) {
+            return Ok(Check::Noop);
+        }
+        if !v.peers.contains_key(worker_id) && v.peers.len() >= crate::limits::MAX_PEERS {
+            return Err(invalid(
+                "worker_id",
+                format!(
+                    "{label} has {} peers already (at most {})",
+                    v.peers.len(),
+                    crate::limits::MAX_PEERS
+                ),
+            ));
+        }
+        Ok(Check::Apply)
+    }
+
     /// An artifact may be recorded for a READY (or later) version: its URL parses, a delta names
     /// a known version other than this one as its base, a canonical artifact none. The same URL
     /// again with the same record changes nothing; with another is refused (an artifact is

@@ -993,3 +993,99 @@ fn artifacts_are_recorded_with_their_lineage_and_checked() {
     let e = st.check(&rec("v3", &canonical)).unwrap_err().to_string();
     assert!(e.contains("READY"), "{e}");
 }
+
+#[test]
+fn peers_serve_only_what_is_resident_and_recorded_and_are_withdrawn_before_their_memory_changes() {
+    let mut st = State::new();
+    st.apply(Record::Declare {
+        label: "v1".into(),
+        trainer_layout: LAYOUT,
+        tensors: vec![spec("w", &[4, 2])],
+    })
+    .unwrap();
+    // Each trainer slot cut one piece for layout LAYOUT: its own rows, for the rank of its slot.
+    let piece = |slot: u32, digest: Digest| mx_layout::DestPiece {
+        layout: LAYOUT,
+        dest_rank: slot,
+        tensor: "w".into(),
+        region: bx(&[u64::from(slot) * 2, 0], &[2, 2]),
+        digest,
+        packed_addr: None,
+    };
+    for slot in 0..2u32 {
+        let sh = shard("w", &[4, 2], bx(&[u64::from(slot) * 2, 0], &[2, 2]));
+        let mut m = manifest(slot, vec![sh.clone()]);
+        m.pieces.push(piece(slot, sh.digest));
+        st.apply(Record::Publish {
+            label: "v1".into(),
+            manifest: m,
+        })
+        .unwrap();
+    }
+    let d = st.version_info("v1").unwrap().version_digest.unwrap();
+    let reg = |resident: Option<String>| Record::Register {
+        worker_id: "p".into(),
+        instance: "p".into(),
+        ranks: vec![0, 1],
+        layout: LAYOUT,
+        engine: None,
+        resident_version: resident,
+    };
+    // The peer's memory: both regions it verified, at its own addresses, with the record's
+    // digests.
+    let mut peer = manifest(0, vec![]);
+    peer.agent_name = "peer-p".into();
+    for slot in 0..2u32 {
+        let mut sh = shard("w", &[4, 2], bx(&[u64::from(slot) * 2, 0], &[2, 2]));
+        sh.addr = 1 << 30 | u64::from(slot) * 8;
+        peer.shards.push(sh);
+    }
+    peer.pieces.push(piece(1, peer.shards[1].digest));
+    let serve = |m: &SourceManifest| Record::Peer {
+        label: "v1".into(),
+        worker_id: "p".into(),
+        manifest: m.clone(),
+    };
+    // Not registered, then not resident: refused.
+    assert!(st.check(&serve(&peer)).is_err());
+    st.apply(reg(Some("disk:/ckpt".into()))).unwrap();
+    let e = st.check(&serve(&peer)).unwrap_err().to_string();
+    assert!(e.contains("only what is resident"), "{e}");
+    st.apply(reg(Some(crate::refit::version_id(&d)))).unwrap();
+    assert_eq!(st.check(&serve(&peer)).unwrap(), Check::Apply);
+    // A shard that is not a region of the record, or a piece that contradicts it: refused,
+    // naming the entry.
+    let mut bad = peer.clone();
+    bad.shards[1].digest = Digest::of(b"torn");
+    let e = st.check(&serve(&bad)).unwrap_err().to_string();
+    assert!(
+        e.contains("manifest.shards[1]") && e.contains("not a region"),
+        "{e}"
+    );
+    let mut bad = peer.clone();
+    bad.pieces[0].digest = Digest::of(b"other");
+    let e = st.check(&serve(&bad)).unwrap_err().to_string();
+    assert!(
+        e.contains("manifest.pieces[0]") && e.contains("the record has"),
+        "{e}"
+    );
+    // Served, listed; the same again changes nothing.
+    st.apply(serve(&peer)).unwrap();
+    let peers = st.version_info("v1").unwrap().peers;
+    assert_eq!(peers.len(), 1);
+    assert_eq!(peers[0].worker_id, "p");
+    assert_eq!(peers[0].manifest, peer);
+    assert_eq!(st.check(&serve(&peer)).unwrap(), Check::Noop);
+    // Withdrawn by the worker, or by its re-registration (a new process).
+    let withdraw = Record::PeerWithdraw {
+        worker_id: "p".into(),
+        label: None,
+    };
+    assert_eq!(st.check(&withdraw).unwrap(), Check::Apply);
+    st.apply(withdraw.clone()).unwrap();
+    assert!(st.version_info("v1").unwrap().peers.is_empty());
+    assert_eq!(st.check(&withdraw).unwrap(), Check::Noop);
+    st.apply(serve(&peer)).unwrap();
+    st.apply(reg(Some(crate::refit::version_id(&d)))).unwrap();
+    assert!(st.version_info("v1").unwrap().peers.is_empty());
+}

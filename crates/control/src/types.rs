@@ -201,6 +201,17 @@ pub struct ArtifactRecord {
     pub base: Option<Digest>,
 }
 
+/// A worker serving a version it applied, from its own memory: a NIXL source like a trainer
+/// rank. Its shards are regions whose digests the version's record holds for the worker's
+/// layout (checked when it starts serving); its pieces for other layouts join the record.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PeerSource {
+    /// The serving worker.
+    pub worker_id: String,
+    /// What it serves, where (its NIXL agent and memory).
+    pub manifest: SourceManifest,
+}
+
 /// A region of a declared tensor that no published shard covers.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CoverageGap {
@@ -239,6 +250,8 @@ pub struct VersionInfo {
     pub release: Option<Release>,
     /// Its artifacts in object storage, in registration order.
     pub artifacts: Vec<ArtifactRecord>,
+    /// Workers serving it from their memory, by worker id.
+    pub peers: Vec<PeerSource>,
 }
 
 /// One line of the fleet status per version.
