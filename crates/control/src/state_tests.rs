@@ -1037,7 +1037,7 @@ fn peers_serve_only_what_is_resident_and_recorded_and_are_withdrawn_before_their
     peer.agent_name = "peer-p".into();
     for slot in 0..2u32 {
         let mut sh = shard("w", &[4, 2], bx(&[u64::from(slot) * 2, 0], &[2, 2]));
-        sh.addr = 1 << 30 | u64::from(slot) * 8;
+        sh.addr = (1 << 30) | (u64::from(slot) * 8);
         peer.shards.push(sh);
     }
     peer.pieces.push(piece(1, peer.shards[1].digest));
