@@ -122,6 +122,10 @@ enum Cmd {
         /// Version id of the --load weights (default: disk:<DIR>).
         #[arg(long, requires = "load")]
         load_version: Option<String>,
+        /// Do not serve the resident version to other workers (a peer source) from the live
+        /// memory.
+        #[arg(long)]
+        no_peer: bool,
     },
     /// The main job: a real multi-process refit of a real checkpoint, verified byte for byte.
     Demo(demo::DemoArgs),
@@ -377,6 +381,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             reconnect_timeout_s,
             load,
             load_version,
+            no_peer,
         } => runtime()?.block_on(async move {
             let ranks = if ranks.is_empty() {
                 (0..layout.world_size).collect()
@@ -397,6 +402,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     .then(|| Duration::from_secs(reconnect_timeout_s)),
                 load,
                 load_version,
+                serve_peers: !no_peer,
             })
             .await?;
             eprintln!(

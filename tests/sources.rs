@@ -132,272 +132,316 @@ fn check_live(http: &str, model: &ModelInfo, layout: &str, dir: &Path, step: u32
     }
 }
 
-#[test]
-fn publishers_dead_the_fleet_refits_and_a_new_worker_joins_from_artifacts() {
-    let Some(dir) = model("smollm2-135m") else {
-        return;
-    };
-    let s3 = LoopbackS3::start().expect("moto_server (run scripts/setup.sh)");
-    s3.bucket("mx-e2e").unwrap();
-    let md = dir.to_str().unwrap();
-    let tmp = tempfile::tempdir().unwrap();
-    let log = |n: &str| tmp.path().join(format!("{n}.log"));
-    let addr_file = tmp.path().join("addr");
-    let journal = tmp.path().join("j.jsonl");
-    let mut kids = Kids(vec![spawn(
-        &s3,
-        &[
-            "control",
-            "--listen",
-            "127.0.0.1:0",
-            "--journal",
-            journal.to_str().unwrap(),
-            "--addr-file",
-            addr_file.to_str().unwrap(),
-        ],
-        &log("control"),
-    )]);
-    let t = Instant::now();
-    while !addr_file.exists() {
-        assert!(t.elapsed().as_secs() < 30, "control plane did not start");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let a = format!("http://{}", std::fs::read_to_string(&addr_file).unwrap());
-    let rt = rt();
-    let c = rt.block_on(ControlClient::connect(&a)).unwrap();
-    let ck = mx_checkpoint::Checkpoint::open(&dir).unwrap();
-    let info = ModelInfo::from_hf_config(ck.config().unwrap(), ck.specs()).unwrap();
+/// A local fleet of `mx` processes around one control plane, all with the S3 variables.
+struct Fleet {
+    s3: LoopbackS3,
+    dir: std::path::PathBuf,
+    md: String,
+    tmp: tempfile::TempDir,
+    a: String,
+    rt: tokio::runtime::Runtime,
+    c: ControlClient,
+    info: ModelInfo,
+    kids: Kids,
+}
 
-    // Two workers of two layouts, registered before anything is published.
-    let worker = |id: &str, layout: &str, port: u16| -> Child {
-        spawn(
+impl Fleet {
+    /// Starts moto and `mx control`; `None` when the model (or NIXL) is missing and not required.
+    fn start() -> Option<Fleet> {
+        let dir = model("smollm2-135m")?;
+        let s3 = LoopbackS3::start().expect("moto_server (run scripts/setup.sh)");
+        let tmp = tempfile::tempdir().unwrap();
+        let addr_file = tmp.path().join("addr");
+        let journal = tmp.path().join("j.jsonl");
+        let kids = Kids(vec![spawn(
             &s3,
             &[
-                "worker",
-                "--control",
-                &a,
-                "--model",
-                md,
-                "--layout",
-                layout,
-                "--id",
-                id,
-                "--http",
-                &format!("127.0.0.1:{port}"),
+                "control",
+                "--listen",
+                "127.0.0.1:0",
+                "--journal",
+                journal.to_str().unwrap(),
+                "--addr-file",
+                addr_file.to_str().unwrap(),
             ],
-            &log(id),
-        )
-    };
-    let (pa, pb, pd) = (free_port(), free_port(), free_port());
-    kids.0.push(worker("a", "tp:3", pa));
-    kids.0.push(worker("b", "tp:1", pb));
-    wait_for(&rt, &c, "workers a and b connected", 120, |s| {
-        ["a", "b"]
-            .iter()
-            .all(|id| s.workers.iter().any(|w| w.worker_id == *id && w.connected))
-    });
+            &tmp.path().join("control.log"),
+        )]);
+        let t = Instant::now();
+        while !addr_file.exists() {
+            assert!(t.elapsed().as_secs() < 30, "control plane did not start");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let a = format!("http://{}", std::fs::read_to_string(&addr_file).unwrap());
+        let rt = rt();
+        let c = rt.block_on(ControlClient::connect(&a)).unwrap();
+        let ck = mx_checkpoint::Checkpoint::open(&dir).unwrap();
+        let info = ModelInfo::from_hf_config(ck.config().unwrap(), ck.specs()).unwrap();
+        Some(Fleet {
+            md: dir.to_str().unwrap().to_string(),
+            dir,
+            s3,
+            tmp,
+            a,
+            rt,
+            c,
+            info,
+            kids,
+        })
+    }
 
-    // Two trainer ranks publish step-1, then step-2 once step-1 is committed and declared.
-    let (ok, out) = mx(
-        &s3,
-        &[
+    fn log(&self, name: &str) -> std::path::PathBuf {
+        self.tmp.path().join(format!("{name}.log"))
+    }
+
+    fn mx(&self, args: &[&str]) -> (bool, String) {
+        mx(&self.s3, args)
+    }
+
+    /// Starts `mx worker` `id` of `layout` (plus `extra` flags); returns its HTTP port.
+    fn worker(&mut self, id: &str, layout: &str, extra: &[&str]) -> u16 {
+        let port = free_port();
+        let http = format!("127.0.0.1:{port}");
+        let mut args = vec![
+            "worker",
+            "--control",
+            &self.a,
+            "--model",
+            &self.md,
+            "--layout",
+            layout,
+            "--id",
+            id,
+            "--http",
+            &http,
+        ];
+        args.extend_from_slice(extra);
+        let child = spawn(&self.s3, &args, &self.log(id));
+        self.kids.0.push(child);
+        port
+    }
+
+    fn wait_for(&self, what: &str, secs: u64, f: impl Fn(&mx_control::FleetStatus) -> bool) {
+        wait_for(&self.rt, &self.c, what, secs, f);
+    }
+
+    fn wait_connected(&self, ids: &[&str]) {
+        self.wait_for("workers connected", 120, |s| {
+            ids.iter()
+                .all(|id| s.workers.iter().any(|w| w.worker_id == *id && w.connected))
+        });
+    }
+
+    fn declare(&self, label: &str) {
+        let (ok, out) = self.mx(&[
             "declare",
             "--control",
-            &a,
+            &self.a,
             "--model",
-            md,
+            &self.md,
             "--trainer-layout",
             "fsdp:2",
             "--label",
-            "step-1",
-        ],
-    );
-    assert!(ok, "{out}");
-    let mut publishers = Kids(
-        ["0", "1"]
-            .iter()
-            .map(|r| {
-                spawn(
-                    &s3,
-                    &[
-                        "publish",
-                        "--control",
-                        &a,
-                        "--model",
-                        md,
-                        "--layout",
-                        "fsdp:2",
-                        "--rank",
-                        r,
-                        "--steps",
-                        "2",
-                    ],
-                    &log(&format!("publish{r}")),
-                )
-            })
-            .collect(),
-    );
-    let ready = |label: &'static str| {
-        move |s: &mx_control::FleetStatus| {
+            label,
+        ]);
+        assert!(ok, "{out}");
+    }
+
+    /// Two `fsdp:2` trainer ranks publishing versions step-1..=step-`steps`.
+    fn publishers(&self, steps: &str) -> Kids {
+        Kids(
+            ["0", "1"]
+                .iter()
+                .map(|r| {
+                    spawn(
+                        &self.s3,
+                        &[
+                            "publish",
+                            "--control",
+                            &self.a,
+                            "--model",
+                            &self.md,
+                            "--layout",
+                            "fsdp:2",
+                            "--rank",
+                            r,
+                            "--steps",
+                            steps,
+                        ],
+                        &self.log(&format!("publish{r}")),
+                    )
+                })
+                .collect(),
+        )
+    }
+
+    fn wait_ready(&self, label: &str) {
+        self.wait_for(&format!("{label} READY"), 120, |s| {
             s.versions
                 .iter()
                 .any(|v| v.label == label && v.version_digest.is_some())
-        }
-    };
-    wait_for(&rt, &c, "step-1 READY", 120, ready("step-1"));
-    let refit = |label: &str, workers: &str, golden: &str| {
-        mx(
-            &s3,
-            &[
-                "refit",
-                "--control",
-                &a,
-                "--label",
-                label,
-                "--workers",
-                workers,
-                "--golden-model",
-                md,
-                "--golden-version",
-                golden,
-            ],
-        )
-    };
-    let (ok, out) = refit("step-1", "a,b", "1");
-    assert!(ok && out.contains("COMMITTED"), "{out}");
-    let (ok, out) = mx(
-        &s3,
-        &[
-            "export",
-            "--control",
-            &a,
-            "--label",
-            "step-1",
-            "--checkpoint",
-            md,
-            "--to",
-            "s3://mx-e2e/run/step-1",
-        ],
-    );
-    assert!(ok, "{out}");
+        });
+    }
 
-    let (ok, out) = mx(
-        &s3,
-        &[
-            "declare",
+    /// `mx refit` with the golden tokens of demo version `golden`.
+    fn refit(&self, label: &str, workers: &str, golden: &str) -> (bool, String) {
+        self.mx(&[
+            "refit",
             "--control",
-            &a,
-            "--model",
-            md,
-            "--trainer-layout",
-            "fsdp:2",
+            &self.a,
             "--label",
-            "step-2",
-        ],
-    );
+            label,
+            "--workers",
+            workers,
+            "--golden-model",
+            &self.md,
+            "--golden-version",
+            golden,
+        ])
+    }
+
+    fn worker_status(&self, id: &str) -> mx_control::WorkerStatus {
+        let st = self.rt.block_on(self.c.get_status()).unwrap();
+        st.workers
+            .iter()
+            .find(|w| w.worker_id == id)
+            .unwrap()
+            .clone()
+    }
+
+    fn source_of(&self, id: &str) -> mx_control::StagedReport {
+        self.worker_status(id).last_staged.unwrap()
+    }
+
+    fn check_live(&self, port: u16, layout: &str, step: u32) {
+        check_live(
+            &format!("http://127.0.0.1:{port}"),
+            &self.info,
+            layout,
+            &self.dir,
+            step,
+        );
+    }
+}
+
+/// SIGKILLs every process of `k`.
+fn kill_all(k: &mut Kids) {
+    for mut p in std::mem::take(&mut k.0) {
+        p.kill().unwrap();
+        p.wait().unwrap();
+    }
+}
+
+#[test]
+fn publishers_dead_the_fleet_refits_and_a_new_worker_joins_from_artifacts() {
+    let Some(mut f) = Fleet::start() else {
+        return;
+    };
+    f.s3.bucket("mx-e2e").unwrap();
+    // Two workers of two layouts, registered before anything is published; not serving peers
+    // (only the artifacts are under test here).
+    let pa = f.worker("a", "tp:3", &["--no-peer"]);
+    let pb = f.worker("b", "tp:1", &["--no-peer"]);
+    f.wait_connected(&["a", "b"]);
+
+    // Two trainer ranks publish step-1, then step-2 once step-1 is committed and declared.
+    f.declare("step-1");
+    let mut publishers = f.publishers("2");
+    f.wait_ready("step-1");
+    let (ok, out) = f.refit("step-1", "a,b", "1");
+    assert!(ok && out.contains("COMMITTED"), "{out}");
+    let (ok, out) = f.mx(&[
+        "export",
+        "--control",
+        &f.a,
+        "--label",
+        "step-1",
+        "--checkpoint",
+        &f.md,
+        "--to",
+        "s3://mx-e2e/run/step-1",
+    ]);
     assert!(ok, "{out}");
-    wait_for(&rt, &c, "step-2 READY", 120, ready("step-2"));
-    let (ok, delta) = mx(
-        &s3,
-        &[
-            "export",
-            "--control",
-            &a,
-            "--label",
-            "step-2",
-            "--checkpoint",
-            md,
-            "--step",
-            "2",
-            "--base",
-            "step-1",
-            "--to",
-            "s3://mx-e2e/run/step-2",
-            "--json",
-        ],
-    );
+    f.declare("step-2");
+    f.wait_ready("step-2");
+    let (ok, delta) = f.mx(&[
+        "export",
+        "--control",
+        &f.a,
+        "--label",
+        "step-2",
+        "--checkpoint",
+        &f.md,
+        "--step",
+        "2",
+        "--base",
+        "step-1",
+        "--to",
+        "s3://mx-e2e/run/step-2",
+        "--json",
+    ]);
     assert!(ok, "{delta}");
-    let (ok, full) = mx(
-        &s3,
-        &[
-            "export",
-            "--control",
-            &a,
-            "--label",
-            "step-2",
-            "--checkpoint",
-            md,
-            "--step",
-            "2",
-            "--to",
-            "s3://mx-e2e/run/step-2-full",
-            "--json",
-        ],
-    );
+    let (ok, full) = f.mx(&[
+        "export",
+        "--control",
+        &f.a,
+        "--label",
+        "step-2",
+        "--checkpoint",
+        &f.md,
+        "--step",
+        "2",
+        "--to",
+        "s3://mx-e2e/run/step-2-full",
+        "--json",
+    ]);
     assert!(ok, "{full}");
     let delta: serde_json::Value = serde_json::from_str(delta.lines().last().unwrap()).unwrap();
     assert_eq!(delta["kind"], "delta");
-    let v2 = rt.block_on(c.get_version("step-2")).unwrap();
+    let v2 = f.rt.block_on(f.c.get_version("step-2")).unwrap();
     assert_eq!(v2.artifacts.len(), 2);
     assert_eq!(
         v2.artifacts[0].base,
-        rt.block_on(c.get_version("step-1")).unwrap().version_digest,
+        f.rt.block_on(f.c.get_version("step-1"))
+            .unwrap()
+            .version_digest,
         "the delta's lineage names step-1"
     );
 
     // Every publisher SIGKILLed: nothing can be pulled from a trainer any more.
-    drop(
-        std::mem::take(&mut publishers.0)
-            .into_iter()
-            .map(|mut p| {
-                p.kill().unwrap();
-                p.wait().unwrap()
-            })
-            .collect::<Vec<_>>(),
-    );
+    kill_all(&mut publishers);
 
     // The delta's first object corrupted (one flipped byte): worker a drops the delta, naming
     // the chunk, and stages from the canonical artifact instead.
     let store = mx_artifact::Store::from_vars(
         &"s3://mx-e2e".parse().unwrap(),
         mx_artifact::StoreOptions::default(),
-        s3.vars(),
+        f.s3.vars(),
     )
     .unwrap();
     let os = store.object_store();
     let delta_obj = object_store::path::Path::from("run/step-2/delta-00000.bin");
     let full_manifest = object_store::path::Path::from("run/step-2-full/mx-artifact.json");
-    let good = rt
-        .block_on(async { os.get(&delta_obj).await?.bytes().await })
-        .unwrap();
+    let good =
+        f.rt.block_on(async { os.get(&delta_obj).await?.bytes().await })
+            .unwrap();
     let mut bad = good.to_vec();
     let mid = bad.len() / 2;
     bad[mid] ^= 0x10;
-    rt.block_on(os.put(&delta_obj, bad.into())).unwrap();
-    let (ok, out) = refit("step-2", "a", "2");
+    f.rt.block_on(os.put(&delta_obj, bad.into())).unwrap();
+    let (ok, out) = f.refit("step-2", "a", "2");
     assert!(ok && out.contains("COMMITTED"), "{out}");
-    let source_of = |id: &str| {
-        let st = rt.block_on(c.get_status()).unwrap();
-        let w = st
-            .workers
-            .iter()
-            .find(|w| w.worker_id == id)
-            .unwrap()
-            .clone();
-        (w.last_staged.clone().unwrap(), w.admitted)
-    };
-    assert_eq!(source_of("a").0.source, "artifact_canonical");
-    assert!(wait_log(&log("a"), "chunk", 10).contains("blake3"));
+    assert_eq!(f.source_of("a").source, "artifact_canonical");
+    assert!(wait_log(&f.log("a"), "chunk", 10).contains("blake3"));
 
     // With the canonical artifact gone too, no source is left: b's refit aborts before anything
     // is applied, naming every source tried; b stays on step-1, its bytes untouched.
-    let full_bytes = rt
-        .block_on(async { os.get(&full_manifest).await?.bytes().await })
-        .unwrap();
-    rt.block_on(os.delete(&full_manifest)).unwrap();
-    let (ok, out) = refit("step-2", "b", "2");
+    let full_bytes =
+        f.rt.block_on(async { os.get(&full_manifest).await?.bytes().await })
+            .unwrap();
+    f.rt.block_on(os.delete(&full_manifest)).unwrap();
+    let (ok, out) = f.refit("step-2", "b", "2");
     assert!(!ok && out.contains("ABORTED"), "{out}");
-    let (r, _) = source_of("b");
+    let r = f.source_of("b");
     assert!(
         !r.ok && r.error.contains("no source could stage step-2"),
         "{r:?}"
@@ -406,20 +450,18 @@ fn publishers_dead_the_fleet_refits_and_a_new_worker_joins_from_artifacts() {
         r.error.contains("trainer ranks") && r.error.contains("run/step-2-full"),
         "{r:?}"
     );
-    check_live(&format!("http://127.0.0.1:{pb}"), &info, "tp:1", &dir, 1);
+    f.check_live(pb, "tp:1", 1);
 
     // Both put back: b stages the delta onto its resident step-1.
-    rt.block_on(os.put(&delta_obj, good.into())).unwrap();
-    rt.block_on(os.put(&full_manifest, full_bytes.into()))
+    f.rt.block_on(os.put(&delta_obj, good.into())).unwrap();
+    f.rt.block_on(os.put(&full_manifest, full_bytes.into()))
         .unwrap();
-    let (ok, out) = refit("step-2", "b", "2");
+    let (ok, out) = f.refit("step-2", "b", "2");
     assert!(ok && out.contains("COMMITTED"), "{out}");
-    let st = rt.block_on(c.get_status()).unwrap();
     for id in ["a", "b"] {
-        let w = st.workers.iter().find(|w| w.worker_id == id).unwrap();
-        assert!(w.admitted, "{id} not admitted: {w:?}");
+        assert!(f.worker_status(id).admitted, "{id} not admitted");
     }
-    let (r, _) = source_of("b");
+    let r = f.source_of("b");
     assert_eq!(r.source, "artifact_delta", "{r:?}");
     // Only delta ranges were read (the demo's synthetic step changes every element, so they are
     // most of it here; real optimizer steps: examples/delta_vs_full.py).
@@ -429,30 +471,78 @@ fn publishers_dead_the_fleet_refits_and_a_new_worker_joins_from_artifacts() {
         "b fetched {} bytes, the delta has {delta_bytes}",
         r.wire_bytes
     );
-    check_live(&format!("http://127.0.0.1:{pa}"), &info, "tp:3", &dir, 2);
-    check_live(&format!("http://127.0.0.1:{pb}"), &info, "tp:1", &dir, 2);
+    f.check_live(pa, "tp:3", 2);
+    f.check_live(pb, "tp:1", 2);
 
     // A worker joins the running fleet: brought to step-2 from the canonical artifact (it holds
     // nothing a delta applies to), then admitted.
-    kids.0.push(worker("d", "tp:3", pd));
-    wait_for(&rt, &c, "worker d connected", 120, |s| {
-        s.workers.iter().any(|w| w.worker_id == "d" && w.connected)
-    });
-    let (ok, out) = refit("step-2", "d", "2");
+    let pd = f.worker("d", "tp:3", &["--no-peer"]);
+    f.wait_connected(&["d"]);
+    let (ok, out) = f.refit("step-2", "d", "2");
     assert!(ok && out.contains("COMMITTED"), "{out}");
-    let st = rt.block_on(c.get_status()).unwrap();
-    let d = st.workers.iter().find(|w| w.worker_id == "d").unwrap();
-    assert_eq!(d.last_staged.as_ref().unwrap().source, "artifact_canonical");
-    assert!(d.admitted, "{d:?}");
-    check_live(&format!("http://127.0.0.1:{pd}"), &info, "tp:3", &dir, 2);
+    assert_eq!(f.source_of("d").source, "artifact_canonical");
+    assert!(f.worker_status("d").admitted);
+    f.check_live(pd, "tp:3", 2);
     // The fleet kept serving: a and b stayed admitted through d's join.
     for id in ["a", "b"] {
-        assert!(
-            st.workers
-                .iter()
-                .find(|w| w.worker_id == id)
-                .unwrap()
-                .admitted
-        );
+        assert!(f.worker_status(id).admitted);
     }
+}
+
+#[test]
+fn peers_bring_joining_workers_of_any_layout_to_the_committed_version() {
+    let Some(mut f) = Fleet::start() else {
+        return;
+    };
+    let pa = f.worker("a", "tp:3", &[]);
+    let pb = f.worker("b", "tp:1", &[]);
+    f.wait_connected(&["a", "b"]);
+    f.declare("step-1");
+    let mut publishers = f.publishers("1");
+    f.wait_ready("step-1");
+    let (ok, out) = f.refit("step-1", "a,b", "1");
+    assert!(ok && out.contains("COMMITTED"), "{out}");
+    assert_eq!(f.source_of("a").source, "trainer");
+    // Both serve step-1 from their memory once it is resident.
+    let peers = |f: &Fleet| -> Vec<String> {
+        let v = f.rt.block_on(f.c.get_version("step-1")).unwrap();
+        v.peers.into_iter().map(|p| p.worker_id).collect()
+    };
+    let t = Instant::now();
+    while peers(&f) != ["a", "b"] {
+        assert!(t.elapsed().as_secs() < 60, "peers: {:?}", peers(&f));
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // Every publisher SIGKILLed; no artifact exists: only peers can serve step-1 now.
+    kill_all(&mut publishers);
+
+    // A tp:3 worker joins: staged from its own layout's peer (a), committed, admitted; it serves
+    // step-1 in turn.
+    let pd = f.worker("d", "tp:3", &[]);
+    f.wait_connected(&["d"]);
+    let (ok, out) = f.refit("step-1", "d", "1");
+    assert!(ok && out.contains("COMMITTED"), "{out}");
+    let r = f.source_of("d");
+    assert_eq!(r.source, "peer", "{r:?}");
+    assert!(f.worker_status("d").admitted);
+    f.check_live(pd, "tp:3", 1);
+
+    // Peer b (the tp:1 group, first for a tp:1 worker) is SIGKILLed but still offered: the
+    // joining tp:1 worker e fails on it, drops it, and stages from the tp:3 peers (another
+    // layout: pieces they cut for tp:1, from their verified memory).
+    let b = f.kids.0.iter().position(|_| true).map(|_| ());
+    let _ = b;
+    let i = 2; // kids: control, a, b, d
+    let mut dead = f.kids.0.remove(i);
+    dead.kill().unwrap();
+    dead.wait().unwrap();
+    let pe = f.worker("e", "tp:1", &[]);
+    f.wait_connected(&["e"]);
+    let (ok, out) = f.refit("step-1", "e", "1");
+    assert!(ok && out.contains("COMMITTED"), "{out}");
+    let r = f.source_of("e");
+    assert_eq!(r.source, "peer", "{r:?}");
+    assert!(wait_log(&f.log("e"), "peer sources failed", 10).contains("tp:1"));
+    f.check_live(pe, "tp:1", 1);
+    let _ = (pa, pb);
 }

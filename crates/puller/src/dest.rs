@@ -366,6 +366,27 @@ impl RankMemory {
         })
     }
 
+    /// The host address of layout bytes `offset..offset + len` when they lie in one host span.
+    pub(crate) fn host_addr(&self, offset: u64, len: u64) -> Option<u64> {
+        let end = offset.checked_add(len)?;
+        let s = self
+            .spans
+            .iter()
+            .find(|s| s.offset <= offset && end <= s.offset.saturating_add(s.len))?;
+        s.memory.host()?;
+        s.memory.data_ptr().checked_add(offset - s.offset)
+    }
+
+    /// (host address, length) of every non-empty host span (for NIXL registration); `None` when
+    /// a span is device memory.
+    pub(crate) fn host_spans(&self) -> Option<Vec<(u64, u64)>> {
+        self.spans
+            .iter()
+            .filter(|s| s.len > 0)
+            .map(|s| s.memory.host().map(|_| (s.memory.data_ptr(), s.len)))
+            .collect()
+    }
+
     /// The whole rank's bytes when it is one host buffer.
     pub(crate) fn whole_host(&self) -> Option<&[u8]> {
         match self.spans.as_slice() {

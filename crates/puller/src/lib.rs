@@ -36,13 +36,15 @@
 //! (a [`DestMemory`] for device memory implements its own `read`/`write`).
 //!
 //! `unsafe` is denied except in `dest::HostRegion` (raw host pointers from the C ABI and the
-//! Python package), where each block says why it holds.
+//! Python package) and the NIXL registration of the live memory served to peers
+//! (`peer.rs`), where each block says why it holds.
 #![deny(unsafe_code)]
 
 mod costs;
 mod dest;
 mod error;
 pub mod exec;
+mod peer;
 mod puller;
 
 pub use dest::{DestMemory, DestTensor, HostRegion};

@@ -173,13 +173,16 @@ const OBJECT_STORE_COST: CostModel = CostModel {
 /// them in place into memory the engine registered. See the crate docs.
 #[derive(Debug)]
 pub struct Puller {
-    dest: Vec<RankLayout>,
-    memory: Vec<RankMemory>,
-    exec: Option<Executor<NixlLanes>>,
+    pub(crate) dest: Vec<RankLayout>,
+    /// NIXL registrations of the live memory, made once it is served to peers
+    /// ([`Puller::peer_manifest`]). Declared before `memory` so they are dropped first.
+    pub(crate) peer_regs: Vec<mx_nixl::ForeignMemory>,
+    pub(crate) memory: Vec<RankMemory>,
+    pub(crate) exec: Option<Executor<NixlLanes>>,
     cost: Option<CostModel>,
     plan_cache: Option<PlanCache>,
     staged: Option<Staged>,
-    resident: Option<String>,
+    pub(crate) resident: Option<String>,
     retained: Option<Retained>,
 }
 
@@ -213,6 +216,7 @@ impl Puller {
             .map(|&r| rank_layout(&cfg.model, cfg.layout, r))
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Puller {
+            peer_regs: Vec::new(),
             memory: dest.iter().map(RankMemory::new).collect(),
             retained: cfg.retain.then(|| Retained {
                 id: None,
@@ -407,10 +411,22 @@ impl Puller {
         manifests: &[SourceManifest],
         opts: &ExecOptions,
     ) -> Result<StageReport, Error> {
+        self.stage_checked(version, manifests, opts, true)
+    }
+
+    /// [`Puller::stage`], checking the manifests' Merkle root only when `check_root` (peer
+    /// sources are vouched for by the control plane instead).
+    pub(crate) fn stage_checked(
+        &mut self,
+        version: VersionId,
+        manifests: &[SourceManifest],
+        opts: &ExecOptions,
+        check_root: bool,
+    ) -> Result<StageReport, Error> {
         let found = VersionId(mx_layout::version_digest(
             manifests.iter().flat_map(|m| m.shards.iter()),
         ));
-        if found != version {
+        if check_root && found != version {
             return Err(Error::WrongManifests {
                 wanted: version.to_string(),
                 found: found.to_string(),

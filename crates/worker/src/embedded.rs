@@ -344,6 +344,7 @@ impl EmbeddedPuller {
             reconnect_timeout: None,
             load: None,
             load_version: None,
+            serve_peers: false,
         };
         let w = match external {
             None => Worker::serve(cfg, inst.clone()).await?,

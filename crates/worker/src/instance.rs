@@ -605,6 +605,62 @@ impl Instance {
         .await
     }
 
+    /// The model this instance serves.
+    pub fn model(&self) -> &ModelInfo {
+        &self.shared.model
+    }
+
+    /// Its inference layout.
+    pub fn layout(&self) -> mx_layout::LayoutSpec {
+        self.shared.cfg.layout
+    }
+
+    /// The resident version `v` as a peer source ([`mx_puller::Puller::peer_manifest`]):
+    /// `record` the version's trainer manifests, `layouts` every registered layout's ranks.
+    ///
+    /// # Errors
+    /// [`Error::Puller`]: not resident, a region not contiguous in the live memory, device
+    /// memory, NIXL.
+    pub async fn peer_manifest(
+        &self,
+        v: VersionId,
+        record: Vec<SourceManifest>,
+        layouts: Vec<Vec<mx_layout::RankLayout>>,
+    ) -> Result<SourceManifest, Error> {
+        let sh = Arc::clone(&self.shared);
+        blocking(move || {
+            let mut st = lock(&sh.state);
+            Ok(st.puller.peer_manifest(v, &record, &layouts)?)
+        })
+        .await
+    }
+
+    /// Stages version `digest` from peer sources (manifests the control plane checked against
+    /// the version's record; [`mx_puller::Puller::stage_vouched`]).
+    ///
+    /// # Errors
+    /// As [`Instance::stage`].
+    pub async fn stage_peers(
+        &self,
+        label: &str,
+        digest: Digest,
+        manifests: Vec<SourceManifest>,
+    ) -> Result<StageReport, Error> {
+        let sh = Arc::clone(&self.shared);
+        let label = label.to_string();
+        blocking(move || {
+            let mut st = lock(&sh.state);
+            let res =
+                st.puller
+                    .stage_vouched(VersionId(digest), &manifests, &ExecOptions::default());
+            *lock(&sh.versions) = st.versions();
+            let r = res?;
+            tracing::info!(label, source = r.source, "staged");
+            Ok(r)
+        })
+        .await
+    }
+
     /// Plans, reads and verifies version `digest` from an artifact chain in object storage
     /// into staging ([`mx_puller::Puller::stage_artifact`]). Live weights are not touched.
     ///

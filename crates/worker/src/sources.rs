@@ -1,5 +1,6 @@
 //! Where a worker stages a version from, in order of cost: the trainer ranks that published it
-//! (NIXL), then its artifacts in object storage: a delta whose exact base is resident, then the
+//! (NIXL), then workers serving it from their memory (peers, NIXL; one layout's group at a time,
+//! the worker's own layout first), then its artifacts in object storage: a delta whose exact base is resident, then the
 //! canonical artifacts, then any other delta whose chain resolves (through its base URLs, on top
 //! of a canonical artifact). A source that fails (unreachable, a failed read, bytes that do not
 //! verify, a delta against another base) is dropped and the next is tried; the stage fails only
@@ -47,6 +48,39 @@ pub(crate) async fn stage_from_any(
             Err(e) => {
                 tracing::warn!(label, "trainer sources failed, trying the next source: {e}");
                 tried.push(format!("trainer ranks: {e}"));
+            }
+        }
+    }
+    // Peers, one layout at a time (shards of different layouts overlap), this worker's own
+    // layout first.
+    let mine = inst.layout();
+    let mut layouts: Vec<mx_layout::LayoutSpec> =
+        info.peers.iter().map(|p| p.manifest.layout).collect();
+    layouts.sort_by_key(|l| (*l != mine, l.to_string()));
+    layouts.dedup();
+    for l in layouts {
+        let group: Vec<mx_layout::SourceManifest> = info
+            .peers
+            .iter()
+            .filter(|p| p.manifest.layout == l)
+            .enumerate()
+            .map(|(i, p)| {
+                let mut m = p.manifest.clone();
+                m.slot = i as u32;
+                m
+            })
+            .collect();
+        let names: Vec<&str> = info
+            .peers
+            .iter()
+            .filter(|p| p.manifest.layout == l)
+            .map(|p| p.worker_id.as_str())
+            .collect();
+        match inst.stage_peers(label, digest, group).await {
+            Ok(r) => return Ok(r),
+            Err(e) => {
+                tracing::warn!(label, layout = %l, "peer sources failed, trying the next source: {e}");
+                tried.push(format!("peers {} ({l}): {e}", names.join(",")));
             }
         }
     }

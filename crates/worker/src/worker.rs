@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use mx_control::client::{Backoff, CommandStream, ControlClient};
 use mx_control::{Command, EngineApi, EngineEndpoint, Registration, StagedReport};
-use mx_layout::{Digest, LayoutSpec};
+use mx_layout::{Digest, LayoutSpec, VersionId};
 use mx_nixl::Agent;
 
 use crate::http::{self, HttpServer};
@@ -54,7 +54,13 @@ pub struct WorkerConfig {
     pub load: Option<PathBuf>,
     /// Version id of the initial weights (default `disk:<load>`).
     pub load_version: Option<String>,
+    /// Serve the resident mx version to other workers from the live memory (a peer source,
+    /// [`mx_puller::Puller::peer_manifest`]), re-offered whenever the resident version changes.
+    pub serve_peers: bool,
 }
+
+/// How often a worker serving peers looks whether its resident version changed.
+const PEER_POLL: Duration = Duration::from_millis(500);
 
 /// Where the engine routes the control plane calls live.
 enum Routes {
@@ -306,6 +312,88 @@ impl Worker {
     /// [`WorkerConfig::reconnect_timeout`]. Stage failures are reported to the control plane,
     /// not returned. (Applies do not come over the stream: a refit calls the engine routes.)
     pub async fn run(&self) -> Result<(), Error> {
+        if !self.cfg.serve_peers {
+            return self.run_commands().await;
+        }
+        tokio::select! {
+            r = self.run_commands() => r,
+            () = self.peer_loop() => Ok(()),
+        }
+    }
+
+    /// Offers the resident mx version as a peer source whenever it changes (and withdraws the
+    /// offer of the previous one; the control plane already withdrew it at the APPLY intent).
+    /// Failures are retried at a slower pace, logged once per version.
+    async fn peer_loop(&self) {
+        let mut served: Option<VersionId> = None;
+        let mut failed: Option<(VersionId, Instant)> = None;
+        loop {
+            tokio::time::sleep(PEER_POLL).await;
+            let want = self
+                .inst
+                .resident_version()
+                .as_deref()
+                .and_then(VersionId::from_engine);
+            if want == served {
+                continue;
+            }
+            if served.is_some() {
+                // Best effort: the control plane withdrew it before the apply already.
+                let _ = self.client().withdraw_peer(&self.cfg.worker_id, None).await;
+                served = None;
+            }
+            let Some(v) = want else { continue };
+            if let Some((fv, at)) = failed {
+                if fv == v && at.elapsed() < Duration::from_secs(5) {
+                    continue;
+                }
+            }
+            match self.serve_as_peer(v).await {
+                Ok(label) => {
+                    tracing::info!(worker = self.cfg.worker_id, label, "serving {v} to peers");
+                    served = Some(v);
+                    failed = None;
+                }
+                Err(e) => {
+                    if failed.is_none_or(|(fv, _)| fv != v) {
+                        tracing::warn!(
+                            worker = self.cfg.worker_id,
+                            "cannot serve {v} to peers (retrying every 5 s): {e}"
+                        );
+                    }
+                    failed = Some((v, Instant::now()));
+                }
+            }
+        }
+    }
+
+    /// Describes the resident version `v` from the live memory and offers it to the control
+    /// plane; returns its label.
+    async fn serve_as_peer(&self, v: VersionId) -> Result<String, Error> {
+        let c = self.client();
+        let label = c
+            .get_status()
+            .await?
+            .versions
+            .iter()
+            .find(|x| x.version_digest == Some(v.digest()))
+            .map(|x| x.label.clone())
+            .ok_or_else(|| Error::UnknownVersionId { id: v.to_string() })?;
+        let info = c.get_version(&label).await?;
+        let model = self.inst.model().clone();
+        let layouts: Vec<Vec<mx_layout::RankLayout>> = c
+            .list_layouts()
+            .await?
+            .into_iter()
+            .filter_map(|l| mx_layout::rank_layouts(&model, l).ok())
+            .collect();
+        let m = self.inst.peer_manifest(v, info.manifests, layouts).await?;
+        c.serve_peer(&label, &self.cfg.worker_id, &m).await?;
+        Ok(label)
+    }
+
+    /// The command loop of [`Worker::run`].
+    async fn run_commands(&self) -> Result<(), Error> {
         let mut stream = if self.registered.load(Ordering::SeqCst) {
             match self.client().watch_commands(&self.cfg.worker_id).await {
                 Ok(s) => s,

@@ -381,6 +381,7 @@ async fn an_engine_with_no_model_is_refitted_and_its_generation_skipped() {
                 reconnect_timeout: None,
                 load: None,
                 load_version: None,
+                serve_peers: false,
             },
             inst.clone(),
         )

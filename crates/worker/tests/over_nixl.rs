@@ -41,6 +41,7 @@ fn worker_config(control: &str, dir: &Path, id: &str) -> WorkerConfig {
         reconnect_timeout: None,
         load: None,
         load_version: None,
+        serve_peers: false,
     }
 }
 
