@@ -4,8 +4,11 @@
 //! delta corrupted a worker falls back to the canonical artifact; with no source left a refit
 //! aborts before anything is applied; a worker holding the base stages the delta; a worker that
 //! joins afterwards is brought to the committed version from the canonical artifact, never from
-//! the trainer. Every live byte is checked against slices of the checkpoint computed here, and
-//! the post-update generation against golden tokens.
+//! the trainer. Peers: workers serve the committed version from their memory; joining workers of
+//! their layout, of another layout, and of a layout registered after the version was published
+//! stage from them with every publisher dead; a peer SIGKILLed mid-pull is dropped and another
+//! layout's peers serve the version. Every live byte is checked against slices of the checkpoint
+//! computed here, and the post-update generation against golden tokens.
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)] // tests: panics are failures
 
 use std::path::Path;
@@ -98,7 +101,14 @@ fn wait_for(
         if f(&s) {
             return;
         }
-        assert!(t.elapsed().as_secs() < secs, "{what} never happened: {s:?}");
+        if t.elapsed().as_secs() >= secs {
+            let ws: Vec<String> = s
+                .workers
+                .iter()
+                .map(|w| format!("{} connected={} {:?}", w.worker_id, w.connected, w.state))
+                .collect();
+            panic!("{what} never happened: workers {ws:?}");
+        }
         std::thread::sleep(Duration::from_millis(100));
     }
 }
@@ -143,6 +153,8 @@ struct Fleet {
     c: ControlClient,
     info: ModelInfo,
     kids: Kids,
+    /// The name of each process of `kids`, in order.
+    ids: Vec<String>,
 }
 
 impl Fleet {
@@ -186,6 +198,7 @@ impl Fleet {
             c,
             info,
             kids,
+            ids: vec!["control".into()],
         })
     }
 
@@ -217,6 +230,7 @@ impl Fleet {
         args.extend_from_slice(extra);
         let child = spawn(&self.s3, &args, &self.log(id));
         self.kids.0.push(child);
+        self.ids.push(id.to_string());
         port
     }
 
@@ -224,11 +238,30 @@ impl Fleet {
         wait_for(&self.rt, &self.c, what, secs, f);
     }
 
+    /// Waits until workers `ids` are connected; on a timeout the panic shows their logs' tails.
     fn wait_connected(&self, ids: &[&str]) {
-        self.wait_for("workers connected", 120, |s| {
-            ids.iter()
+        let t = Instant::now();
+        loop {
+            let s = self.rt.block_on(self.c.get_status()).unwrap();
+            if ids
+                .iter()
                 .all(|id| s.workers.iter().any(|w| w.worker_id == *id && w.connected))
-        });
+            {
+                return;
+            }
+            if t.elapsed().as_secs() >= 120 {
+                let logs: Vec<String> = ids
+                    .iter()
+                    .map(|id| {
+                        let log = std::fs::read_to_string(self.log(id)).unwrap_or_default();
+                        let tail = log[log.len().saturating_sub(3000)..].to_string();
+                        format!("--- {id}:\n{tail}")
+                    })
+                    .collect();
+                panic!("workers {ids:?} not connected:\n{}", logs.join("\n"));
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
     }
 
     fn declare(&self, label: &str) {
@@ -310,6 +343,51 @@ impl Fleet {
 
     fn source_of(&self, id: &str) -> mx_control::StagedReport {
         self.worker_status(id).last_staged.unwrap()
+    }
+
+    /// Waits until exactly `ids` serve `label` as peers.
+    fn wait_peers(&self, label: &str, ids: &[&str]) {
+        let t = Instant::now();
+        loop {
+            let v = self.rt.block_on(self.c.get_version(label)).unwrap();
+            let have: Vec<String> = v.peers.into_iter().map(|p| p.worker_id).collect();
+            if have == ids {
+                return;
+            }
+            assert!(
+                t.elapsed().as_secs() < 60,
+                "peers of {label}: {have:?}, want {ids:?}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Sets failpoints (a JSON object) on the worker serving HTTP on `port`.
+    fn failpoint(&self, port: u16, body: &str) {
+        let out = Command::new("curl")
+            .args([
+                "-sf",
+                "-X",
+                "POST",
+                "-H",
+                "content-type: application/json",
+                "-d",
+                body,
+            ])
+            .arg(format!("http://127.0.0.1:{port}/mx/failpoints"))
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "POST failpoints {body} to :{port} failed"
+        );
+    }
+
+    /// The process of worker `id` (started by [`Fleet::worker`]), no longer killed on drop.
+    fn take(&mut self, id: &str) -> Child {
+        let i = self.ids.iter().position(|x| x == id).unwrap();
+        self.ids.remove(i);
+        self.kids.0.remove(i)
     }
 
     fn check_live(&self, port: u16, layout: &str, step: u32) {
@@ -494,8 +572,8 @@ fn peers_bring_joining_workers_of_any_layout_to_the_committed_version() {
     let Some(mut f) = Fleet::start() else {
         return;
     };
-    let pa = f.worker("a", "tp:3", &[]);
-    let pb = f.worker("b", "tp:1", &[]);
+    let _pa = f.worker("a", "tp:3", &[]);
+    let _pb = f.worker("b", "tp:1", &[]);
     f.wait_connected(&["a", "b"]);
     f.declare("step-1");
     let mut publishers = f.publishers("1");
@@ -504,15 +582,7 @@ fn peers_bring_joining_workers_of_any_layout_to_the_committed_version() {
     assert!(ok && out.contains("COMMITTED"), "{out}");
     assert_eq!(f.source_of("a").source, "trainer");
     // Both serve step-1 from their memory once it is resident.
-    let peers = |f: &Fleet| -> Vec<String> {
-        let v = f.rt.block_on(f.c.get_version("step-1")).unwrap();
-        v.peers.into_iter().map(|p| p.worker_id).collect()
-    };
-    let t = Instant::now();
-    while peers(&f) != ["a", "b"] {
-        assert!(t.elapsed().as_secs() < 60, "peers: {:?}", peers(&f));
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    f.wait_peers("step-1", &["a", "b"]);
     // Every publisher SIGKILLed; no artifact exists: only peers can serve step-1 now.
     kill_all(&mut publishers);
 
@@ -526,23 +596,47 @@ fn peers_bring_joining_workers_of_any_layout_to_the_committed_version() {
     assert_eq!(r.source, "peer", "{r:?}");
     assert!(f.worker_status("d").admitted);
     f.check_live(pd, "tp:3", 1);
+    f.wait_peers("step-1", &["a", "b", "d"]);
 
-    // Peer b (the tp:1 group, first for a tp:1 worker) is SIGKILLed but still offered: the
-    // joining tp:1 worker e fails on it, drops it, and stages from the tp:3 peers (another
-    // layout: pieces they cut for tp:1, from their verified memory).
-    let b = f.kids.0.iter().position(|_| true).map(|_| ());
-    let _ = b;
-    let i = 2; // kids: control, a, b, d
-    let mut dead = f.kids.0.remove(i);
-    dead.kill().unwrap();
-    dead.wait().unwrap();
-    let pe = f.worker("e", "tp:1", &[]);
+    // Another tp:3 worker joins, pulling from the tp:3 peers a (slot 0) then d (slot 1) with a
+    // pause between them; d is SIGKILLed in that pause: the pull from d fails, the tp:3 group is
+    // dropped and the tp:1 peer b (another layout: pieces it cut for tp:3 from its verified
+    // memory) serves the whole version instead.
+    let pe = f.worker("e", "tp:3", &["--failpoints"]);
     f.wait_connected(&["e"]);
-    let (ok, out) = f.refit("step-1", "e", "1");
+    f.failpoint(pe, r#"{"stage.sleep_between_sources_ms": 3000}"#);
+    let mut d = Kids(vec![f.take("d")]);
+    let refit = std::thread::scope(|s| {
+        let h = s.spawn(|| f.refit("step-1", "e", "1"));
+        wait_log(&f.log("e"), "sleeping after this source's bytes", 60);
+        kill_all(&mut d);
+        h.join().unwrap()
+    });
+    let (ok, out) = refit;
     assert!(ok && out.contains("COMMITTED"), "{out}");
     let r = f.source_of("e");
     assert_eq!(r.source, "peer", "{r:?}");
-    assert!(wait_log(&f.log("e"), "peer sources failed", 10).contains("tp:1"));
-    f.check_live(pe, "tp:1", 1);
-    let _ = (pa, pb);
+    let log = wait_log(&f.log("e"), "peer sources failed", 10);
+    assert!(log.contains("mx-worker-d"), "{log}");
+    f.check_live(pe, "tp:3", 1);
+    assert!(f.worker_status("e").admitted);
+
+    // A worker of a layout registered only now (replicated:1, checkpoint names: the version's record has no pieces for
+    // it) joins: the peers re-offer step-1 with pieces cut for it, and it stages from them.
+    let pg = f.worker("g", "replicated:1", &[]);
+    f.wait_connected(&["g"]);
+    f.wait_for("peers re-offered with replicated:1 pieces", 60, |_| {
+        let v = f.rt.block_on(f.c.get_version("step-1")).unwrap();
+        v.peers.iter().any(|p| {
+            p.worker_id == "a"
+                && p.manifest
+                    .pieces
+                    .iter()
+                    .any(|x| x.layout.to_string() == "replicated:1")
+        })
+    });
+    let (ok, out) = f.refit("step-1", "g", "1");
+    assert!(ok && out.contains("COMMITTED"), "{out}");
+    assert_eq!(f.source_of("g").source, "peer");
+    f.check_live(pg, "replicated:1", 1);
 }

@@ -59,6 +59,7 @@ impl Puller {
             }
         }
         self.peer_regs = regs;
+        self.peer_progress = Some(agent.spawn_progress(std::time::Duration::from_millis(1)));
         Ok(())
     }
 

@@ -177,6 +177,9 @@ pub struct Puller {
     /// NIXL registrations of the live memory, made once it is served to peers
     /// ([`Puller::peer_manifest`]). Declared before `memory` so they are dropped first.
     pub(crate) peer_regs: Vec<mx_nixl::ForeignMemory>,
+    /// Progresses the agent while it serves peers (an agent that only serves READs must
+    /// progress, or peers cannot connect; the puller itself polls only while it pulls).
+    pub(crate) peer_progress: Option<mx_nixl::ProgressThread>,
     pub(crate) memory: Vec<RankMemory>,
     pub(crate) exec: Option<Executor<NixlLanes>>,
     cost: Option<CostModel>,
@@ -217,6 +220,7 @@ impl Puller {
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Puller {
             peer_regs: Vec::new(),
+            peer_progress: None,
             memory: dest.iter().map(RankMemory::new).collect(),
             retained: cfg.retain.then(|| Retained {
                 id: None,

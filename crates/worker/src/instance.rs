@@ -588,6 +588,21 @@ impl Instance {
         digest: Digest,
         manifests: Vec<SourceManifest>,
     ) -> Result<StageReport, Error> {
+        self.stage_with(label, move |p, opts| {
+            p.stage(VersionId(digest), &manifests, opts)
+        })
+        .await
+    }
+
+    /// Runs one stage on the puller (under the state lock, off the async threads) with the
+    /// execution options the failpoints set, and publishes the resulting versions.
+    async fn stage_with(
+        &self,
+        label: &str,
+        f: impl FnOnce(&mut mx_puller::Puller, &ExecOptions) -> Result<StageReport, mx_puller::Error>
+            + Send
+            + 'static,
+    ) -> Result<StageReport, Error> {
         let sh = Arc::clone(&self.shared);
         let opts = ExecOptions {
             sleep_between_sources: self.shared.failpoints.get().stage_sleep_between_sources,
@@ -596,10 +611,16 @@ impl Instance {
         let label = label.to_string();
         blocking(move || {
             let mut st = lock(&sh.state);
-            let res = st.puller.stage(VersionId(digest), &manifests, &opts);
+            let res = f(&mut st.puller, &opts);
             *lock(&sh.versions) = st.versions();
             let r = res?;
-            tracing::info!(label, staging_bytes = r.staging_bytes, "staged");
+            tracing::info!(
+                label,
+                source = r.source,
+                staging_bytes = r.staging_bytes,
+                wire_bytes = r.wire_bytes,
+                "staged"
+            );
             Ok(r)
         })
         .await
@@ -646,17 +667,8 @@ impl Instance {
         digest: Digest,
         manifests: Vec<SourceManifest>,
     ) -> Result<StageReport, Error> {
-        let sh = Arc::clone(&self.shared);
-        let label = label.to_string();
-        blocking(move || {
-            let mut st = lock(&sh.state);
-            let res =
-                st.puller
-                    .stage_vouched(VersionId(digest), &manifests, &ExecOptions::default());
-            *lock(&sh.versions) = st.versions();
-            let r = res?;
-            tracing::info!(label, source = r.source, "staged");
-            Ok(r)
+        self.stage_with(label, move |p, opts| {
+            p.stage_vouched(VersionId(digest), &manifests, opts)
         })
         .await
     }
@@ -673,22 +685,8 @@ impl Instance {
         digest: Digest,
         source: Arc<mx_artifact::ArtifactSource>,
     ) -> Result<StageReport, Error> {
-        let sh = Arc::clone(&self.shared);
-        let label = label.to_string();
-        blocking(move || {
-            let mut st = lock(&sh.state);
-            let res = st
-                .puller
-                .stage_artifact(VersionId(digest), source, &ExecOptions::default());
-            *lock(&sh.versions) = st.versions();
-            let r = res?;
-            tracing::info!(
-                label,
-                source = r.source,
-                wire_bytes = r.wire_bytes,
-                "staged"
-            );
-            Ok(r)
+        self.stage_with(label, move |p, opts| {
+            p.stage_artifact(VersionId(digest), source, opts)
         })
         .await
     }

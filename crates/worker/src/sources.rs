@@ -1,6 +1,7 @@
-//! Where a worker stages a version from, in order of cost: the trainer ranks that published it
-//! (NIXL), then workers serving it from their memory (peers, NIXL; one layout's group at a time,
-//! the worker's own layout first), then its artifacts in object storage: a delta whose exact base is resident, then the
+//! Where a worker stages a version from, in order of cost: workers serving it from their memory
+//! (peers, NIXL; one layout's group at a time, the worker's own layout first: a joining worker
+//! never loads the trainer while a peer can serve it), then the trainer ranks that published it
+//! (NIXL), then its artifacts in object storage: a delta whose exact base is resident, then the
 //! canonical artifacts, then any other delta whose chain resolves (through its base URLs, on top
 //! of a canonical artifact). A source that fails (unreachable, a failed read, bytes that do not
 //! verify, a delta against another base) is dropped and the next is tried; the stage fails only
@@ -39,18 +40,6 @@ pub(crate) async fn stage_from_any(
     info: VersionInfo,
 ) -> Result<StageReport, Error> {
     let mut tried: Vec<String> = Vec::new();
-    if !info.manifests.is_empty() {
-        match inst.stage(label, digest, info.manifests.clone()).await {
-            Ok(r) => return Ok(r),
-            Err(Error::Puller(mx_puller::Error::NoDataPlane)) => {
-                return Err(Error::Puller(mx_puller::Error::NoDataPlane))
-            }
-            Err(e) => {
-                tracing::warn!(label, "trainer sources failed, trying the next source: {e}");
-                tried.push(format!("trainer ranks: {e}"));
-            }
-        }
-    }
     // Peers, one layout at a time (shards of different layouts overlap), this worker's own
     // layout first.
     let mine = inst.layout();
@@ -78,9 +67,24 @@ pub(crate) async fn stage_from_any(
             .collect();
         match inst.stage_peers(label, digest, group).await {
             Ok(r) => return Ok(r),
+            Err(Error::Puller(mx_puller::Error::NoDataPlane)) => {
+                return Err(Error::Puller(mx_puller::Error::NoDataPlane))
+            }
             Err(e) => {
                 tracing::warn!(label, layout = %l, "peer sources failed, trying the next source: {e}");
                 tried.push(format!("peers {} ({l}): {e}", names.join(",")));
+            }
+        }
+    }
+    if !info.manifests.is_empty() {
+        match inst.stage(label, digest, info.manifests.clone()).await {
+            Ok(r) => return Ok(r),
+            Err(Error::Puller(mx_puller::Error::NoDataPlane)) => {
+                return Err(Error::Puller(mx_puller::Error::NoDataPlane))
+            }
+            Err(e) => {
+                tracing::warn!(label, "trainer sources failed, trying the next source: {e}");
+                tried.push(format!("trainer ranks: {e}"));
             }
         }
     }

@@ -322,10 +322,11 @@ impl Worker {
     }
 
     /// Offers the resident mx version as a peer source whenever it changes (and withdraws the
-    /// offer of the previous one; the control plane already withdrew it at the APPLY intent).
-    /// Failures are retried at a slower pace, logged once per version.
+    /// offer of the previous one; the control plane already withdrew it at the APPLY intent),
+    /// and again when a layout registers (the offer carries pieces cut for every registered
+    /// layout). Failures are retried at a slower pace, logged once per version.
     async fn peer_loop(&self) {
-        let mut served: Option<VersionId> = None;
+        let mut served: Option<(VersionId, Vec<mx_layout::LayoutSpec>)> = None;
         let mut failed: Option<(VersionId, Instant)> = None;
         loop {
             tokio::time::sleep(PEER_POLL).await;
@@ -334,24 +335,36 @@ impl Worker {
                 .resident_version()
                 .as_deref()
                 .and_then(VersionId::from_engine);
-            if want == served {
+            let Some(v) = want else {
+                if served.take().is_some() {
+                    let _ = self.client().withdraw_peer(&self.cfg.worker_id, None).await;
+                }
+                continue;
+            };
+            let Ok(mut layouts) = self.client().list_layouts().await else {
+                continue;
+            };
+            layouts.sort_by_key(ToString::to_string);
+            if served
+                .as_ref()
+                .is_some_and(|(sv, sl)| *sv == v && *sl == layouts)
+            {
                 continue;
             }
-            if served.is_some() {
+            if served.as_ref().is_some_and(|(sv, _)| *sv != v) {
                 // Best effort: the control plane withdrew it before the apply already.
                 let _ = self.client().withdraw_peer(&self.cfg.worker_id, None).await;
                 served = None;
             }
-            let Some(v) = want else { continue };
             if let Some((fv, at)) = failed {
                 if fv == v && at.elapsed() < Duration::from_secs(5) {
                     continue;
                 }
             }
-            match self.serve_as_peer(v).await {
+            match self.serve_as_peer(v, &layouts).await {
                 Ok(label) => {
                     tracing::info!(worker = self.cfg.worker_id, label, "serving {v} to peers");
-                    served = Some(v);
+                    served = Some((v, layouts));
                     failed = None;
                 }
                 Err(e) => {
@@ -367,9 +380,13 @@ impl Worker {
         }
     }
 
-    /// Describes the resident version `v` from the live memory and offers it to the control
-    /// plane; returns its label.
-    async fn serve_as_peer(&self, v: VersionId) -> Result<String, Error> {
+    /// Describes the resident version `v` from the live memory, with pieces for every layout of
+    /// `layouts`, and offers it to the control plane; returns its label.
+    async fn serve_as_peer(
+        &self,
+        v: VersionId,
+        layouts: &[mx_layout::LayoutSpec],
+    ) -> Result<String, Error> {
         let c = self.client();
         let label = c
             .get_status()
@@ -381,11 +398,9 @@ impl Worker {
             .ok_or_else(|| Error::UnknownVersionId { id: v.to_string() })?;
         let info = c.get_version(&label).await?;
         let model = self.inst.model().clone();
-        let layouts: Vec<Vec<mx_layout::RankLayout>> = c
-            .list_layouts()
-            .await?
-            .into_iter()
-            .filter_map(|l| mx_layout::rank_layouts(&model, l).ok())
+        let layouts: Vec<Vec<mx_layout::RankLayout>> = layouts
+            .iter()
+            .filter_map(|l| mx_layout::rank_layouts(&model, *l).ok())
             .collect();
         let m = self.inst.peer_manifest(v, info.manifests, layouts).await?;
         c.serve_peer(&label, &self.cfg.worker_id, &m).await?;
