@@ -148,3 +148,34 @@ fn orchestrator_gated_commit_makes_no_pause_or_resume_calls() {
     assert_eq!(calls.get("apply"), Some(&60), "{calls:?}");
     assert_eq!(calls.len(), 1, "{calls:?}");
 }
+
+#[test]
+fn sources_bench_stages_one_rank_from_each_source() {
+    if common::model("smollm2-135m").is_none() || mx_harness::s3::moto_binary().is_none() {
+        assert!(
+            std::env::var("MX_REQUIRE_NIXL").as_deref() != Ok("1"),
+            "the model or moto_server is missing (run scripts/setup.sh)"
+        );
+        return;
+    }
+    let r = bench(&["sources", "--reps", "1"]);
+    let row = |s: &str| r[s].clone();
+    let useful = row("trainer")["useful_bytes"].as_u64().unwrap();
+    assert!(useful > 0);
+    for s in ["trainer", "peer", "artifact_canonical", "artifact_delta"] {
+        // The same rank staged the same version (the bench checks each stage's source).
+        assert_eq!(row(s)["useful_bytes"].as_u64(), Some(useful), "{s}");
+        assert!(row(s)["stage_s"].as_f64().unwrap() > 0.0, "{s}");
+        assert!(row(s)["wire_bytes"].as_u64().unwrap() > 0, "{s}");
+    }
+    // Trainer ranks and the peer serve exactly the rank's bytes over NIXL.
+    assert_eq!(row("trainer")["wire_bytes"].as_u64(), Some(useful));
+    assert_eq!(row("peer")["wire_bytes"].as_u64(), Some(useful));
+    // The canonical artifact's ranged reads cover at least the rank's bytes; the delta of a
+    // 0.5% step is a small fraction of them.
+    assert!(row("artifact_canonical")["wire_bytes"].as_u64().unwrap() >= useful);
+    let delta = row("artifact_delta")["wire_bytes"].as_u64().unwrap();
+    assert!(delta * 10 < useful, "delta read {delta} of {useful} bytes");
+    let changed = r["changed_elements"].as_f64().unwrap();
+    assert!((0.004..0.006).contains(&changed), "{changed}");
+}

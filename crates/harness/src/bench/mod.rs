@@ -6,6 +6,7 @@ pub mod control;
 pub mod disk;
 pub mod plan;
 pub mod pull;
+pub mod sources;
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -25,6 +26,9 @@ pub enum BenchCmd {
     /// The planner at DeepSeek-V3 / Kimi-K2 scale, and a Kimi-K2 refit projected onto real
     /// hardware.
     Plan(plan::PlanArgs),
+    /// One rank staging the same version from each source: trainer ranks, a peer, the canonical
+    /// artifact, the XOR delta.
+    Sources(sources::SourcesArgs),
     /// Control plane at fleet scale: simulated workers doing stage/commit rounds over loopback.
     Control(control::ControlArgs),
     /// One process of simulated workers (started by `mx bench control`).
@@ -108,6 +112,8 @@ struct AllReport {
     control: control::ControlReport,
     control_full_lifecycle: control::ControlReport,
     control_orchestrator_gated: control::ControlReport,
+    /// One rank staging one version from each source (trainer, peer, canonical, delta).
+    sources: sources::SourcesReport,
 }
 
 fn write_json(path: &Option<PathBuf>, value: &impl serde::Serialize) -> anyhow::Result<()> {
@@ -132,7 +138,7 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
             let mut controls = Vec::new();
             for (gated, from_apply) in [(false, false), (true, false), (true, true)] {
                 eprintln!(
-                    "[1/4] control plane, 1,000 simulated workers, orchestrator-gated: {gated}, versions from APPLY answers: {from_apply}"
+                    "[1/5] control plane, 1,000 simulated workers, orchestrator-gated: {gated}, versions from APPLY answers: {from_apply}"
                 );
                 controls.push(rt.block_on(control::run(&control::ControlArgs {
                     workers: 1000,
@@ -152,7 +158,7 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
             else {
                 anyhow::bail!("control plane benchmark produced no report");
             };
-            eprintln!("[2/4] planner at frontier scale and the hardware projection");
+            eprintln!("[2/5] planner at frontier scale and the hardware projection");
             let plan = plan::run(&plan::PlanArgs {
                 trainer_ranks: 256,
                 trainer_ep: 64,
@@ -166,7 +172,7 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
                 commit_ms: control.commit_ms,
                 json: None,
             })?;
-            eprintln!("[3/4] pull vs memcpy");
+            eprintln!("[3/5] pull vs memcpy");
             let pull = rt.block_on(pull::run(&pull::PullArgs {
                 model: a.model.clone(),
                 trainer_layout: "fsdp:4".parse()?,
@@ -176,10 +182,17 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
                 keep: false,
                 json: None,
             }))?;
-            eprintln!("[4/4] refit vs the disk path");
+            eprintln!("[4/5] refit vs the disk path");
             let disk = rt.block_on(disk::run(&disk::DiskArgs {
                 model: a.model.clone(),
                 reps: if quick { 3 } else { 7 },
+                keep: false,
+                json: None,
+            }))?;
+            eprintln!("[5/5] one rank staging from each source");
+            let sources = rt.block_on(sources::run(&sources::SourcesArgs {
+                model: a.model.clone(),
+                reps: if quick { 3 } else { 5 },
                 keep: false,
                 json: None,
             }))?;
@@ -199,6 +212,7 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
                 control: control_lean,
                 control_full_lifecycle: control,
                 control_orchestrator_gated: control_gated,
+                sources,
             };
             println!(
                 "\nsummary: pull_vs_memcpy {:.2}, refit_vs_disk_speedup {:.2}, plan_ms_per_worker_kimi_k2 {:.1}, commit_ms_1000_workers {:.1} (full lifecycle {:.1}, gated with read-back {:.1}) ({:.0} s)",
@@ -222,6 +236,10 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
         }
         BenchCmd::Disk(a) => {
             let r = rt.block_on(disk::run(&a))?;
+            write_json(&a.json, &r)
+        }
+        BenchCmd::Sources(a) => {
+            let r = rt.block_on(sources::run(&a))?;
             write_json(&a.json, &r)
         }
         BenchCmd::Plan(a) => {
