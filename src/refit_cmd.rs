@@ -27,6 +27,12 @@ pub(crate) struct RefitArgs {
     /// worker, matched to registered workers by system_url.
     #[arg(long, conflicts_with = "workers")]
     pub(crate) discovery: Option<String>,
+    /// Elastic join: only the connected workers (of --workers, or every registered one) whose
+    /// resident version is not --label, e.g. workers that registered into a running fleet. The
+    /// fleet's other workers keep serving untouched; a worker stages a version committed before
+    /// from peers and artifacts first. Nothing to join is success.
+    #[arg(long)]
+    pub(crate) join: bool,
     /// In-flight requests at PREPARE: keep, wait or abort.
     #[arg(long, default_value = "wait")]
     pub(crate) pause_mode: PauseMode,
@@ -116,6 +122,30 @@ pub(crate) async fn run(a: RefitArgs) -> anyhow::Result<()> {
             .collect()
     } else {
         a.workers.clone()
+    };
+    let workers = if a.join {
+        let info = client.get_version(&a.label).await?;
+        let target = info
+            .version_digest
+            .with_context(|| format!("{} is not READY: nothing to join", a.label))?;
+        let joining: Vec<String> = workers
+            .into_iter()
+            .filter(|id| {
+                status.workers.iter().any(|w| {
+                    w.worker_id == *id && w.connected && w.resident_version != Some(target)
+                })
+            })
+            .collect();
+        if joining.is_empty() {
+            println!(
+                "nothing to join: every connected target worker runs {}",
+                a.label
+            );
+            return Ok(());
+        }
+        joining
+    } else {
+        workers
     };
     if workers.is_empty() {
         bail!("no target workers: none registered with engine routes (start `mx worker`)");

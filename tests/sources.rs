@@ -332,6 +332,22 @@ impl Fleet {
         ])
     }
 
+    /// `mx refit --join` to `label` (every connected worker not running it), golden-checked.
+    fn join(&self, label: &str, golden: &str) -> (bool, String) {
+        self.mx(&[
+            "refit",
+            "--control",
+            &self.a,
+            "--label",
+            label,
+            "--join",
+            "--golden-model",
+            &self.md,
+            "--golden-version",
+            golden,
+        ])
+    }
+
     fn worker_status(&self, id: &str) -> mx_control::WorkerStatus {
         let st = self.rt.block_on(self.c.get_status()).unwrap();
         st.workers
@@ -556,7 +572,8 @@ fn publishers_dead_the_fleet_refits_and_a_new_worker_joins_from_artifacts() {
     // nothing a delta applies to), then admitted.
     let pd = f.worker("d", "tp:3", &["--no-peer"]);
     f.wait_connected(&["d"]);
-    let (ok, out) = f.refit("step-2", "d", "2");
+    let (ok, out) = f.join("step-2", "2");
+    assert!(out.contains(r#"on ["d"]"#), "{out}");
     assert!(ok && out.contains("COMMITTED"), "{out}");
     assert_eq!(f.source_of("d").source, "artifact_canonical");
     assert!(f.worker_status("d").admitted);
@@ -590,7 +607,8 @@ fn peers_bring_joining_workers_of_any_layout_to_the_committed_version() {
     // step-1 in turn.
     let pd = f.worker("d", "tp:3", &[]);
     f.wait_connected(&["d"]);
-    let (ok, out) = f.refit("step-1", "d", "1");
+    let (ok, out) = f.join("step-1", "1");
+    assert!(out.contains(r#"on ["d"]"#), "{out}");
     assert!(ok && out.contains("COMMITTED"), "{out}");
     let r = f.source_of("d");
     assert_eq!(r.source, "peer", "{r:?}");

@@ -1,11 +1,13 @@
 //! Where a worker stages a version from, in order of cost: workers serving it from their memory
-//! (peers, NIXL; one layout's group at a time, the worker's own layout first: a joining worker
-//! never loads the trainer while a peer can serve it), then the trainer ranks that published it
-//! (NIXL), then its artifacts in object storage: a delta whose exact base is resident, then the
-//! canonical artifacts, then any other delta whose chain resolves (through its base URLs, on top
-//! of a canonical artifact). A source that fails (unreachable, a failed read, bytes that do not
+//! (peers, NIXL; one layout's group at a time, the worker's own layout first), then the trainer
+//! ranks that published it (NIXL), then its artifacts in object storage: a delta whose exact
+//! base is resident, then the canonical artifacts, then any other delta whose chain resolves
+//! (through its base URLs, on top of a canonical artifact). A source that fails (unreachable, a failed read, bytes that do not
 //! verify, a delta against another base) is dropped and the next is tried; the stage fails only
 //! when no source is left, naming what each one answered. Nothing unverified is ever staged.
+//!
+//! The fleet's committed version (a worker joining the fleet, or one brought back) goes to the
+//! trainer ranks last: they have moved on to training, and a join must not load them.
 
 use std::sync::Arc;
 
@@ -28,7 +30,8 @@ pub(crate) fn artifact_order(info: &VersionInfo, held: Option<VersionId>) -> Vec
     v
 }
 
-/// Stages `label` (`digest`) on `inst` from the first source that serves it.
+/// Stages `label` (`digest`) on `inst` from the first source that serves it; `joining`: the
+/// fleet already committed `label` (the trainer ranks are tried last).
 ///
 /// # Errors
 /// [`Error::NoSource`] naming every source tried and its error (a puller without a data plane
@@ -38,6 +41,7 @@ pub(crate) async fn stage_from_any(
     label: &str,
     digest: Digest,
     info: VersionInfo,
+    joining: bool,
 ) -> Result<StageReport, Error> {
     let mut tried: Vec<String> = Vec::new();
     // Peers, one layout at a time (shards of different layouts overlap), this worker's own
@@ -76,16 +80,12 @@ pub(crate) async fn stage_from_any(
             }
         }
     }
-    if !info.manifests.is_empty() {
-        match inst.stage(label, digest, info.manifests.clone()).await {
-            Ok(r) => return Ok(r),
-            Err(Error::Puller(mx_puller::Error::NoDataPlane)) => {
-                return Err(Error::Puller(mx_puller::Error::NoDataPlane))
-            }
-            Err(e) => {
-                tracing::warn!(label, "trainer sources failed, trying the next source: {e}");
-                tried.push(format!("trainer ranks: {e}"));
-            }
+    // The fleet's committed version is served by peers and artifacts first: its trainer ranks
+    // have moved on to training (a joining worker must not load them); they are the last resort.
+    let trainer_last = joining;
+    if !trainer_last {
+        if let Some(r) = stage_trainer(inst, label, digest, &info, &mut tried).await? {
+            return Ok(r);
         }
     }
     let held = inst
@@ -105,6 +105,11 @@ pub(crate) async fn stage_from_any(
             }
         }
     }
+    if trainer_last {
+        if let Some(r) = stage_trainer(inst, label, digest, &info, &mut tried).await? {
+            return Ok(r);
+        }
+    }
     Err(Error::NoSource {
         label: label.to_string(),
         tried: if tried.is_empty() {
@@ -113,6 +118,33 @@ pub(crate) async fn stage_from_any(
             tried.join("; ")
         },
     })
+}
+
+/// Stages from the trainer ranks' manifests, if any; a failure is recorded in `tried`.
+///
+/// # Errors
+/// Only a puller without a data plane.
+async fn stage_trainer(
+    inst: &Instance,
+    label: &str,
+    digest: Digest,
+    info: &VersionInfo,
+    tried: &mut Vec<String>,
+) -> Result<Option<StageReport>, Error> {
+    if info.manifests.is_empty() {
+        return Ok(None);
+    }
+    match inst.stage(label, digest, info.manifests.clone()).await {
+        Ok(r) => Ok(Some(r)),
+        Err(Error::Puller(mx_puller::Error::NoDataPlane)) => {
+            Err(Error::Puller(mx_puller::Error::NoDataPlane))
+        }
+        Err(e) => {
+            tracing::warn!(label, "trainer sources failed, trying the next source: {e}");
+            tried.push(format!("trainer ranks: {e}"));
+            Ok(None)
+        }
+    }
 }
 
 /// Resolves `a`'s chain for what is held and stages from it.

@@ -598,6 +598,14 @@ impl Worker {
             fetch_s = t.elapsed().as_secs_f64(),
             "fetched manifests"
         );
-        crate::sources::stage_from_any(&self.inst, label, digest, info).await
+        // A join: the fleet already committed this version (best effort: unknown counts as no).
+        let committed = self
+            .client()
+            .get_status()
+            .await
+            .ok()
+            .and_then(|s| s.fleet_version);
+        let joining = committed.is_some_and(|(l, _)| l == label);
+        crate::sources::stage_from_any(&self.inst, label, digest, info, joining).await
     }
 }
