@@ -27,6 +27,13 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Run the control plane (gRPC) with a durable file journal.
+    ///
+    /// Authentication is required: a token file maps bearer tokens to roles (orchestrator,
+    /// publisher, worker, reader; one `token,role,name[,scope]` per line, see `mx_control::auth`),
+    /// and a non-loopback address also needs TLS. Clients send their token from
+    /// MX_CONTROL_TOKEN or MX_CONTROL_TOKEN_FILE and trust the server's CA from MX_CONTROL_CA
+    /// (`https://` URLs). Only a loopback address may run without tokens, with
+    /// --insecure-loopback.
     Control {
         /// Listen address, `host:port` (port 0 picks a free port).
         #[arg(long, default_value = "127.0.0.1:7700", value_parser = parse_listen)]
@@ -37,6 +44,24 @@ enum Cmd {
         /// Write the bound address here once listening.
         #[arg(long)]
         addr_file: Option<PathBuf>,
+        /// Token file: `token,role,name[,scope]` per line (roles: orchestrator, publisher
+        /// SLOTS, worker ID|PREFIX*, reader).
+        #[arg(long, env = "MX_CONTROL_TOKENS")]
+        tokens: Option<PathBuf>,
+        /// TLS certificate chain (PEM); with --tls-key, the control plane serves https.
+        #[arg(long, env = "MX_CONTROL_TLS_CERT", requires = "tls_key")]
+        tls_cert: Option<PathBuf>,
+        /// TLS private key (PEM) of --tls-cert.
+        #[arg(long, env = "MX_CONTROL_TLS_KEY", requires = "tls_cert")]
+        tls_key: Option<PathBuf>,
+        /// Serve without authentication (loopback addresses only; logged as a warning): any
+        /// local process could then publish, register workers and refit the fleet.
+        #[arg(long, conflicts_with = "tokens")]
+        insecure_loopback: bool,
+        /// A file holding the bearer token sent on every engine call (the engines' API key;
+        /// `mx worker --http-token-file` requires it).
+        #[arg(long, env = "MX_ENGINE_TOKEN_FILE")]
+        engine_token_file: Option<PathBuf>,
     },
     /// Run one trainer rank: load its shards, publish versions step-1..step-N.
     Publish {
@@ -126,6 +151,10 @@ enum Cmd {
         /// memory.
         #[arg(long)]
         no_peer: bool,
+        /// A file holding the bearer token every call to the engine routes must carry (the
+        /// control plane's --engine-token-file). Required for a non-loopback --http.
+        #[arg(long, env = "MX_ENGINE_TOKEN_FILE")]
+        http_token_file: Option<PathBuf>,
     },
     /// The main job: a real multi-process refit of a real checkpoint, verified byte for byte.
     Demo(demo::DemoArgs),
@@ -299,7 +328,27 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             listen,
             journal,
             addr_file,
+            tokens,
+            tls_cert,
+            tls_key,
+            insecure_loopback,
+            engine_token_file,
         } => runtime()?.block_on(async move {
+            let security = mx_control::Security {
+                tokens: match &tokens {
+                    Some(f) => Some(std::sync::Arc::new(mx_control::auth::TokenTable::load(f)?)),
+                    None => None,
+                },
+                tls: match (&tls_cert, &tls_key) {
+                    (Some(c), Some(k)) => Some(mx_control::TlsIdentity::load(c, k)?),
+                    _ => None,
+                },
+                insecure_loopback,
+                engine_token: match &engine_token_file {
+                    Some(f) => Some(mx_control::auth::read_token_file(f)?),
+                    None => None,
+                },
+            };
             if let Some(dir) = journal.parent() {
                 std::fs::create_dir_all(dir)
                     .with_context(|| format!("creating {}", dir.display()))?;
@@ -307,6 +356,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let (addr, handle) = mx_control::spawn(mx_control::ControlPlaneConfig {
                 listen,
                 journal_path: journal,
+                security,
             })
             .await?;
             if let Some(f) = addr_file {
@@ -382,7 +432,12 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             load,
             load_version,
             no_peer,
+            http_token_file,
         } => runtime()?.block_on(async move {
+            let http_token = match &http_token_file {
+                Some(f) => Some(mx_control::auth::read_token_file(f)?),
+                None => None,
+            };
             let ranks = if ranks.is_empty() {
                 (0..layout.world_size).collect()
             } else {
@@ -390,6 +445,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             };
             let w = mx_worker::Worker::start(mx_worker::WorkerConfig {
                 control,
+                http_token,
                 model_dir: model,
                 layout,
                 ranks,

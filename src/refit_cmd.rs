@@ -89,7 +89,13 @@ pub(crate) async fn run(a: RefitArgs) -> anyhow::Result<()> {
     let client = ControlClient::connect(&a.control).await?;
     let status = client.get_status().await?;
     let workers = if let Some(url) = &a.discovery {
-        let d = mx_adapters::dynamo::DynamoClient::new(url, Duration::from_secs(10))
+        // The discovery route of an `mx worker` started with --http-token-file needs the token.
+        let token = match std::env::var_os("MX_ENGINE_TOKEN_FILE") {
+            Some(f) => Some(mx_control::auth::read_token_file(std::path::Path::new(&f))?),
+            None => None,
+        };
+        let http = mx_adapters::http_client(token.as_deref()).map_err(anyhow::Error::msg)?;
+        let d = mx_adapters::dynamo::DynamoClient::with_client(http, url, Duration::from_secs(10))
             .discover()
             .await?;
         let mut ids = Vec::new();

@@ -121,6 +121,7 @@ fn a_journal_of_the_retired_commit_path_is_refused_naming_the_line() {
         vec!["journal", journal.to_str().unwrap()],
         vec![
             "control",
+            "--insecure-loopback",
             "--listen",
             "127.0.0.1:0",
             "--journal",

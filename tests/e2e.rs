@@ -200,6 +200,7 @@ fn start_control(dir: &Path) -> (Kids, String) {
     let journal = dir.join("j.jsonl");
     let kids = Kids(vec![spawn(&[
         "control",
+        "--insecure-loopback",
         "--listen",
         "127.0.0.1:0",
         "--journal",
@@ -574,6 +575,7 @@ fn http_post(url: &str, body: &str) -> Option<(u16, String)> {
 fn control_at(journal: &Path, listen: &str) -> std::process::Child {
     let c = spawn(&[
         "control",
+        "--insecure-loopback",
         "--listen",
         listen,
         "--journal",

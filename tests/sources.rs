@@ -169,6 +169,7 @@ impl Fleet {
             &s3,
             &[
                 "control",
+                "--insecure-loopback",
                 "--listen",
                 "127.0.0.1:0",
                 "--journal",

@@ -78,6 +78,7 @@ pub unsafe extern "C" fn mx_control_plane_start(
         let (bound, handle) = runtime()?.block_on(mx_control::spawn(ControlPlaneConfig {
             listen: addr,
             journal_path: journal.into(),
+            security: mx_control::Security::insecure_loopback(),
         }))?;
         let plane = ControlPlane {
             handle: Mutex::new(Some(handle)),

@@ -170,8 +170,13 @@ impl DynamoClient {
     /// A client for the listener at `base_url` (e.g. `http://127.0.0.1:8000`); every call has
     /// `timeout` as its deadline.
     pub fn new(base_url: &str, timeout: Duration) -> DynamoClient {
+        DynamoClient::with_client(reqwest::Client::new(), base_url, timeout)
+    }
+
+    /// [`new`](Self::new) over `http` (e.g. [`crate::http_client`] with an engine token).
+    pub fn with_client(http: reqwest::Client, base_url: &str, timeout: Duration) -> DynamoClient {
         DynamoClient {
-            http: reqwest::Client::new(),
+            http,
             base_url: base_url.trim_end_matches('/').to_string(),
             timeout,
         }

@@ -43,6 +43,25 @@ pub mod vllm;
 
 pub use engine::{client_for, Answer, ApplyAnswer, EngineApi, EngineClient};
 
+/// An HTTP client for engine routes that sends `authorization: Bearer <token>` with every
+/// request when `token` is set (the engine's API key: vLLM's `--api-key`, SGLang's
+/// `--api-key`, `mx worker --http-token-file`), with `TCP_NODELAY`.
+///
+/// # Errors
+/// A message when the token is not a valid header value (not printable ASCII).
+pub fn http_client(token: Option<&str>) -> Result<reqwest::Client, String> {
+    let mut b = reqwest::Client::builder().tcp_nodelay(true);
+    if let Some(t) = token {
+        let mut v = reqwest::header::HeaderValue::from_str(&format!("Bearer {}", t.trim()))
+            .map_err(|_| "engine token: not printable ASCII".to_string())?;
+        v.set_sensitive(true);
+        let mut h = reqwest::header::HeaderMap::new();
+        h.insert(reqwest::header::AUTHORIZATION, v);
+        b = b.default_headers(h);
+    }
+    b.build().map_err(|e| format!("HTTP client: {e}"))
+}
+
 use std::time::Duration;
 
 use serde::de::DeserializeOwned;

@@ -4,7 +4,9 @@
 use std::time::Duration;
 
 use mx_layout::{Digest, LayoutSpec, SourceManifest, TensorSpec};
-use tonic::transport::{Channel, Endpoint};
+use tonic::metadata::{Ascii, MetadataValue};
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
 
 use crate::convert;
 use crate::pb;
@@ -25,7 +27,7 @@ use crate::Error;
 /// that vanished without closing the connection.
 #[derive(Debug, Clone)]
 pub struct ControlClient {
-    inner: ControlPlaneClient<Channel>,
+    inner: ControlPlaneClient<InterceptedService<Channel, Bearer>>,
     /// Sent with registrations and command streams (0: none, an older client's behaviour).
     incarnation: u64,
 }
@@ -113,20 +115,138 @@ impl CommandStream {
 }
 
 /// The endpoint of `addr` (`host:port` or `http://host:port`), with keepalive pings.
-fn endpoint(addr: &str) -> Result<Endpoint, Error> {
+/// What a client presents to the control plane: a bearer token (see [`crate::auth`]) and, for
+/// `https://` addresses, the CA certificate that signed the server's.
+///
+/// [`ClientAuth::from_env`] reads the standard variables, so every mx process (CLI, workers,
+/// publishers, the Python and C bindings) is configured the same way:
+/// `MX_CONTROL_TOKEN` (the token) or `MX_CONTROL_TOKEN_FILE` (a file holding it), and
+/// `MX_CONTROL_CA` (a PEM file).
+#[derive(Clone, Default)]
+pub struct ClientAuth {
+    token: Option<MetadataValue<Ascii>>,
+    ca_pem: Option<Vec<u8>>,
+}
+
+impl std::fmt::Debug for ClientAuth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never the token.
+        f.debug_struct("ClientAuth")
+            .field("token", &self.token.as_ref().map(|_| "<set>"))
+            .field("ca", &self.ca_pem.as_ref().map(Vec::len))
+            .finish()
+    }
+}
+
+impl ClientAuth {
+    /// No token, no CA (a control plane run with `--insecure-loopback`).
+    pub fn none() -> ClientAuth {
+        ClientAuth::default()
+    }
+
+    /// From `MX_CONTROL_TOKEN` / `MX_CONTROL_TOKEN_FILE` and `MX_CONTROL_CA` (each optional;
+    /// both token variables at once is an error).
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the variable or file at fault.
+    pub fn from_env() -> Result<ClientAuth, Error> {
+        let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+        let read = |k: &str, path: &str| {
+            std::fs::read(path).map_err(|e| Error::Config {
+                what: format!("{k}={path}"),
+                reason: e.to_string(),
+            })
+        };
+        let token = match (var("MX_CONTROL_TOKEN"), var("MX_CONTROL_TOKEN_FILE")) {
+            (Some(_), Some(_)) => {
+                return Err(Error::Config {
+                    what: "MX_CONTROL_TOKEN and MX_CONTROL_TOKEN_FILE".into(),
+                    reason: "both set; give one".into(),
+                })
+            }
+            (Some(t), None) => Some(t),
+            (None, Some(f)) => Some(
+                String::from_utf8_lossy(&read("MX_CONTROL_TOKEN_FILE", &f)?)
+                    .trim()
+                    .to_string(),
+            ),
+            (None, None) => None,
+        };
+        let mut a = ClientAuth::none();
+        if let Some(t) = token {
+            a = a.with_token(&t)?;
+        }
+        if let Some(ca) = var("MX_CONTROL_CA") {
+            a.ca_pem = Some(read("MX_CONTROL_CA", &ca)?);
+        }
+        Ok(a)
+    }
+
+    /// Sends `token` as `authorization: Bearer <token>`.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a token that is not printable ASCII.
+    pub fn with_token(mut self, token: &str) -> Result<ClientAuth, Error> {
+        let v = format!("Bearer {}", token.trim())
+            .parse::<MetadataValue<Ascii>>()
+            .ok()
+            .filter(|_| token.trim().bytes().all(|b| b.is_ascii_graphic()))
+            .ok_or_else(|| Error::Config {
+                what: "control-plane token".into(),
+                reason: "not printable ASCII".into(),
+            })?;
+        self.token = Some(v);
+        Ok(self)
+    }
+
+    /// Trusts the CA certificate `pem` for `https://` addresses.
+    pub fn with_ca_pem(mut self, pem: Vec<u8>) -> ClientAuth {
+        self.ca_pem = Some(pem);
+        self
+    }
+}
+
+/// Adds the bearer token, if any, to every call.
+#[derive(Debug, Clone)]
+pub struct Bearer(Option<MetadataValue<Ascii>>);
+
+impl tonic::service::Interceptor for Bearer {
+    fn call(&mut self, mut req: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+        if let Some(t) = &self.0 {
+            req.metadata_mut().insert("authorization", t.clone());
+        }
+        Ok(req)
+    }
+}
+
+fn endpoint(addr: &str, auth: &ClientAuth) -> Result<Endpoint, Error> {
     let uri = if addr.contains("://") {
         addr.to_string()
     } else {
         format!("http://{addr}")
     };
-    Ok(Endpoint::from_shared(uri)
-        .map_err(|e| Error::InvalidField {
-            field: "addr".into(),
-            reason: format!("{addr:?}: {e}"),
-        })?
+    let bad = |reason: String| Error::InvalidField {
+        field: "addr".into(),
+        reason: format!("{addr:?}: {reason}"),
+    };
+    let mut ep = Endpoint::from_shared(uri.clone())
+        .map_err(|e| bad(e.to_string()))?
         .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
         .keep_alive_timeout(KEEPALIVE_INTERVAL)
-        .keep_alive_while_idle(true))
+        .keep_alive_while_idle(true);
+    if uri.starts_with("https://") {
+        crate::auth::install_crypto_provider();
+        let ca = auth.ca_pem.as_ref().ok_or_else(|| Error::Config {
+            what: format!("control plane {addr}"),
+            reason: "an https:// address needs the CA certificate that signed the server's \
+                     (MX_CONTROL_CA=FILE)"
+                .into(),
+        })?;
+        ep = ep
+            .tls_config(ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca)))
+            .map_err(|e| bad(e.to_string()))?;
+    }
+    Ok(ep)
 }
 
 fn ids(worker_ids: &[impl AsRef<str>]) -> Vec<String> {
@@ -134,33 +254,48 @@ fn ids(worker_ids: &[impl AsRef<str>]) -> Vec<String> {
 }
 
 impl ControlClient {
-    /// Connects to `addr` (`host:port` or `http://host:port`).
+    /// Connects to `addr` (`host:port`, `http://host:port` or `https://host:port`) with the
+    /// credentials of [`ClientAuth::from_env`].
     ///
     /// # Errors
-    /// [`Error::InvalidField`] for a malformed address; [`Error::Transport`] when it cannot connect.
+    /// [`Error::InvalidField`] for a malformed address; [`Error::Config`] for bad credential
+    /// variables; [`Error::Transport`] when it cannot connect.
     pub async fn connect(addr: &str) -> Result<ControlClient, Error> {
-        let channel = endpoint(addr)?
+        ControlClient::connect_with(addr, &ClientAuth::from_env()?).await
+    }
+
+    /// [`connect`](Self::connect) with explicit credentials.
+    ///
+    /// # Errors
+    /// As [`connect`](Self::connect).
+    pub async fn connect_with(addr: &str, auth: &ClientAuth) -> Result<ControlClient, Error> {
+        let channel = endpoint(addr, auth)?
             .connect()
             .await
             .map_err(|source| Error::Transport {
                 addr: addr.to_string(),
                 source,
             })?;
-        Ok(ControlClient::over(channel))
+        Ok(ControlClient::over(channel, auth))
     }
 
     /// A client for `addr` that connects at its first call (and again after the control plane
     /// restarted), so it can be made while the control plane is away.
     ///
     /// # Errors
-    /// [`Error::InvalidField`] for a malformed address.
+    /// [`Error::InvalidField`] for a malformed address; [`Error::Config`] for bad credential
+    /// variables ([`ClientAuth::from_env`]).
     pub fn connect_lazy(addr: &str) -> Result<ControlClient, Error> {
-        Ok(ControlClient::over(endpoint(addr)?.connect_lazy()))
+        let auth = ClientAuth::from_env()?;
+        Ok(ControlClient::over(
+            endpoint(addr, &auth)?.connect_lazy(),
+            &auth,
+        ))
     }
 
-    fn over(channel: Channel) -> ControlClient {
+    fn over(channel: Channel, auth: &ClientAuth) -> ControlClient {
         ControlClient {
-            inner: ControlPlaneClient::new(channel)
+            inner: ControlPlaneClient::with_interceptor(channel, Bearer(auth.token.clone()))
                 .max_decoding_message_size(MAX_MESSAGE_BYTES)
                 .max_encoding_message_size(MAX_MESSAGE_BYTES),
             incarnation: 0,
@@ -176,7 +311,7 @@ impl ControlClient {
         self
     }
 
-    fn rpc(&self) -> ControlPlaneClient<Channel> {
+    fn rpc(&self) -> ControlPlaneClient<InterceptedService<Channel, Bearer>> {
         self.inner.clone()
     }
 

@@ -193,6 +193,14 @@ pub enum Error {
         /// What happened.
         reason: String,
     },
+    /// The security configuration (token file, TLS files, the bind policy) is unusable.
+    #[error("{what}: {reason}")]
+    Config {
+        /// What is at fault, e.g. `token file /etc/mx/tokens`.
+        what: String,
+        /// Why.
+        reason: String,
+    },
 }
 
 /// A version state that may be absent (label not declared), shown as `undeclared`.
@@ -240,6 +248,7 @@ impl Error {
             | Error::JournalCorrupt { .. }
             | Error::Replay { .. }
             | Error::Bind { .. }
+            | Error::Config { .. }
             | Error::Task { .. } => Code::Internal,
         }
     }

@@ -17,6 +17,7 @@ use tokio::sync::{mpsc, oneshot, watch, Notify};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
+use crate::auth;
 use crate::convert;
 use crate::journal::Journal;
 use crate::pb;
@@ -31,13 +32,113 @@ pub(crate) use crate::limits::MAX_MESSAGE_BYTES;
 /// Longest `WaitVersion` long poll (one day), in milliseconds.
 const MAX_WAIT_MS: u64 = 24 * 3600 * 1000;
 
-/// Where the control plane listens and keeps its journal.
+/// Where the control plane listens and keeps its journal, and how it authenticates callers.
 #[derive(Debug, Clone)]
 pub struct ControlPlaneConfig {
     /// Listen address; port 0 picks a free port (see [`spawn`]).
     pub listen: SocketAddr,
     /// The journal file (created if missing, replayed if present).
     pub journal_path: PathBuf,
+    /// Authentication and transport security (see [`Security`] for the bind policy).
+    pub security: Security,
+}
+
+/// How the control plane authenticates callers and protects the wire.
+///
+/// The bind policy ([`Security::check`]): without tokens the control plane serves only a
+/// loopback address and only with `insecure_loopback` set (a warning is logged at start);
+/// bearer tokens on a non-loopback address need TLS (a token sent in plaintext over a network
+/// is a token given away).
+#[derive(Debug, Clone, Default)]
+pub struct Security {
+    /// Bearer tokens and their roles ([`crate::auth`]); `None`: no authentication.
+    pub tokens: Option<Arc<crate::auth::TokenTable>>,
+    /// The server's TLS certificate chain and key (PEM); `None`: plaintext HTTP/2.
+    pub tls: Option<TlsIdentity>,
+    /// Serve without tokens (loopback addresses only).
+    pub insecure_loopback: bool,
+    /// Bearer token sent on every engine call (the workers' engine routes require it).
+    pub engine_token: Option<String>,
+}
+
+/// A TLS server identity: certificate chain and private key, PEM.
+#[derive(Clone)]
+pub struct TlsIdentity {
+    cert_pem: Vec<u8>,
+    key_pem: Vec<u8>,
+}
+
+impl std::fmt::Debug for TlsIdentity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never the key.
+        write!(
+            f,
+            "TlsIdentity({} B certificate chain)",
+            self.cert_pem.len()
+        )
+    }
+}
+
+impl TlsIdentity {
+    /// Reads a PEM certificate chain and its PEM private key.
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the file that cannot be read or holds no PEM block.
+    pub fn load(cert: &std::path::Path, key: &std::path::Path) -> Result<TlsIdentity, Error> {
+        let read = |p: &std::path::Path, what: &str| {
+            let b = std::fs::read(p).map_err(|e| Error::Config {
+                what: format!("TLS {what} {}", p.display()),
+                reason: e.to_string(),
+            })?;
+            if !String::from_utf8_lossy(&b).contains("-----BEGIN ") {
+                return Err(Error::Config {
+                    what: format!("TLS {what} {}", p.display()),
+                    reason: "no PEM block".into(),
+                });
+            }
+            Ok(b)
+        };
+        Ok(TlsIdentity {
+            cert_pem: read(cert, "certificate")?,
+            key_pem: read(key, "key")?,
+        })
+    }
+}
+
+impl Security {
+    /// No authentication, plaintext: loopback only, by explicit choice (tests, one machine).
+    pub fn insecure_loopback() -> Security {
+        Security {
+            insecure_loopback: true,
+            ..Security::default()
+        }
+    }
+
+    /// Checks the bind policy for `listen` (see [`Security`]).
+    ///
+    /// # Errors
+    /// [`Error::Config`] saying what is missing.
+    pub fn check(&self, listen: SocketAddr) -> Result<(), Error> {
+        let loopback = listen.ip().is_loopback();
+        let refuse = |reason: &str| {
+            Err(Error::Config {
+                what: format!("control plane on {listen}"),
+                reason: reason.into(),
+            })
+        };
+        match (&self.tokens, loopback) {
+            (None, false) => refuse(
+                "authentication is required on a non-loopback address: give a token file                  (--tokens FILE) and a TLS certificate (--tls-cert, --tls-key)",
+            ),
+            (None, true) if !self.insecure_loopback => refuse(
+                "no token file given: serving without authentication needs the explicit                  --insecure-loopback (every local process could then refit the fleet)",
+            ),
+            (Some(_), false) if self.tls.is_none() => refuse(
+                "bearer tokens over plaintext on a non-loopback address: give --tls-cert and                  --tls-key",
+            ),
+            _ => Ok(()),
+        }
+    }
 }
 
 /// The state and how far it has been applied. The journal itself belongs to the journal thread
@@ -226,7 +327,11 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Shared {
-    fn open(journal_path: &std::path::Path) -> Result<Shared, Error> {
+    fn open(journal_path: &std::path::Path, engine_token: Option<&str>) -> Result<Shared, Error> {
+        let http = mx_adapters::http_client(engine_token).map_err(|reason| Error::Config {
+            what: "engine token".into(),
+            reason,
+        })?;
         let (journal, entries) = Journal::open(journal_path)?;
         let mut state = State::new();
         for (i, e) in entries.into_iter().enumerate() {
@@ -267,10 +372,7 @@ impl Shared {
             closing: watch::Sender::new(false),
             mail: Mutex::new(HashMap::new()),
             limits: Mutex::new(HashMap::new()),
-            http: reqwest::Client::builder()
-                .tcp_nodelay(true)
-                .build()
-                .unwrap_or_default(),
+            http,
         })
     }
 
@@ -535,7 +637,11 @@ impl ControlPlane for Service {
         &self,
         req: Request<pb::PublishRequest>,
     ) -> Result<Response<pb::PublishResponse>, Status> {
+        let who = auth::principal(&req)?;
         let r = req.into_inner();
+        if let Some(m) = &r.manifest {
+            who.check_slot(m.slot)?;
+        }
         let manifest = r
             .manifest
             .as_ref()
@@ -569,8 +675,10 @@ impl ControlPlane for Service {
         &self,
         req: Request<pb::RegisterWorkerRequest>,
     ) -> Result<Response<pb::RegisterWorkerResponse>, Status> {
+        let who = auth::principal(&req)?;
         let r = req.into_inner();
         check_worker_id(&r.worker_id)?;
+        who.check_worker(&r.worker_id)?;
         let limits = r.model_limits.as_ref().map(convert::model_limits);
         let id = r.worker_id.clone();
         let incarnation = r.incarnation;
@@ -641,8 +749,10 @@ impl ControlPlane for Service {
         &self,
         req: Request<pb::WatchCommandsRequest>,
     ) -> Result<Response<Self::WatchCommandsStream>, Status> {
+        let who = auth::principal(&req)?;
         let r = req.into_inner();
         let worker_id = r.worker_id;
+        who.check_worker(&worker_id)?;
         if !self.shared.read(|s| s.has_worker(&worker_id)) {
             return Err(Error::UnknownWorker { worker_id }.into());
         }
@@ -703,7 +813,10 @@ impl ControlPlane for Service {
         &self,
         req: Request<pb::StagedReport>,
     ) -> Result<Response<pb::ReportStagedResponse>, Status> {
-        let report = convert::staged(&req.into_inner(), "")?;
+        let who = auth::principal(&req)?;
+        let r = req.into_inner();
+        who.check_worker(&r.worker_id)?;
+        let report = convert::staged(&r, "")?;
         self.shared.mutate(Record::Staged { report }).await?;
         Ok(Response::new(pb::ReportStagedResponse {}))
     }
@@ -712,13 +825,14 @@ impl ControlPlane for Service {
         &self,
         req: Request<pb::GetVersionRequest>,
     ) -> Result<Response<pb::VersionInfo>, Status> {
+        let who = auth::principal(&req)?;
         let label = convert::label(&req.into_inner().label, "label")?;
         let info = self
             .shared
             .read_durable(|s| s.version_info(&label))
             .await
             .ok_or(Error::UnknownVersion { label })?;
-        Ok(Response::new(convert::version_info_pb(&info)))
+        Ok(Response::new(redact(convert::version_info_pb(&info), &who)))
     }
 
     async fn get_status(
@@ -811,6 +925,7 @@ impl ControlPlane for Service {
         &self,
         req: Request<pb::WaitVersionRequest>,
     ) -> Result<Response<pb::WaitVersionResponse>, Status> {
+        let who = auth::principal(&req)?;
         let r = req.into_inner();
         convert::label(&r.label, "label")?;
         let wanted = convert::version_state(r.state, "state")?;
@@ -825,7 +940,9 @@ impl ControlPlane for Service {
         let info = self.shared.read_durable(|s| s.version_info(&r.label)).await;
         Ok(Response::new(pb::WaitVersionResponse {
             reached,
-            version: info.as_ref().map(convert::version_info_pb),
+            version: info
+                .as_ref()
+                .map(|i| redact(convert::version_info_pb(i), &who)),
         }))
     }
 
@@ -851,7 +968,9 @@ impl ControlPlane for Service {
         &self,
         req: Request<pb::ReleaseVersionRequest>,
     ) -> Result<Response<pb::ReleaseVersionResponse>, Status> {
+        let who = auth::principal(&req)?;
         let r = req.into_inner();
+        who.check_slot(r.slot)?;
         let rec = Record::Release {
             label: convert::label(&r.label, "label")?,
             slot: r.slot,
@@ -885,7 +1004,9 @@ impl ControlPlane for Service {
         &self,
         req: Request<pb::ServePeerRequest>,
     ) -> Result<Response<pb::ServePeerResponse>, Status> {
+        let who = auth::principal(&req)?;
         let r = req.into_inner();
+        who.check_worker(&r.worker_id)?;
         let manifest = r
             .manifest
             .as_ref()
@@ -907,7 +1028,9 @@ impl ControlPlane for Service {
         &self,
         req: Request<pb::WithdrawPeerRequest>,
     ) -> Result<Response<pb::WithdrawPeerResponse>, Status> {
+        let who = auth::principal(&req)?;
         let r = req.into_inner();
+        who.check_worker(&r.worker_id)?;
         let rec = Record::PeerWithdraw {
             worker_id: convert::non_empty(&r.worker_id, "worker_id")?,
             label: if r.label.is_empty() {
@@ -1044,7 +1167,11 @@ async fn start_refit(shared: &Arc<Shared>, mut spec: RefitSpec) -> Result<u64, E
 /// Replays the journal and returns the service with its shared state; starts the recovery of a
 /// refit the journal left open.
 fn build(cfg: &ControlPlaneConfig) -> Result<(ControlPlaneServer<Service>, Arc<Shared>), Error> {
-    let shared = Arc::new(Shared::open(&cfg.journal_path)?);
+    cfg.security.check(cfg.listen)?;
+    let shared = Arc::new(Shared::open(
+        &cfg.journal_path,
+        cfg.security.engine_token.as_deref(),
+    )?);
     if let Some(id) = shared.read(State::open_refit_id) {
         tokio::spawn(crate::driver::drive(Arc::clone(&shared), id, true));
     }
@@ -1059,6 +1186,7 @@ fn build(cfg: &ControlPlaneConfig) -> Result<(ControlPlaneServer<Service>, Arc<S
 async fn run(
     svc: ControlPlaneServer<Service>,
     shared: Arc<Shared>,
+    security: Security,
     listener: tokio::net::TcpListener,
     addr: SocketAddr,
     shutdown: impl Future<Output = ()> + Send + 'static,
@@ -1071,12 +1199,27 @@ async fn run(
     // Nagle + delayed ACKs would add ~40 ms to small RPCs on loopback: set TCP_NODELAY on every
     // accepted connection.
     let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
-    tonic::transport::Server::builder()
+    let mut server = tonic::transport::Server::builder();
+    if let Some(id) = &security.tls {
+        auth::install_crypto_provider();
+        server = server
+            .tls_config(tonic::transport::ServerTlsConfig::new().identity(
+                tonic::transport::Identity::from_pem(&id.cert_pem, &id.key_pem),
+            ))
+            .map_err(|source| Error::Transport {
+                addr: addr.to_string(),
+                source,
+            })?;
+    }
+    server
         .tcp_nodelay(true)
         // A worker whose host vanished without closing its connection must not hold its id
         // (and block its replacement) for longer than a missed ping.
         .http2_keepalive_interval(Some(crate::client::KEEPALIVE_INTERVAL))
         .http2_keepalive_timeout(Some(crate::client::KEEPALIVE_INTERVAL))
+        .layer(auth::AuthLayer {
+            table: security.tokens.clone(),
+        })
         .add_service(svc)
         .serve_with_incoming_shutdown(incoming, closing)
         .await
@@ -1109,8 +1252,44 @@ pub async fn serve(
 ) -> Result<(), Error> {
     let (svc, shared) = build(&cfg)?;
     let (listener, bound) = bind(cfg.listen).await?;
-    tracing::info!(addr = %bound, journal = %cfg.journal_path.display(), "control plane listening");
-    run(svc, shared, listener, bound, shutdown).await
+    log_listening(&cfg, bound);
+    run(svc, shared, cfg.security, listener, bound, shutdown).await
+}
+
+fn log_listening(cfg: &ControlPlaneConfig, bound: SocketAddr) {
+    let sec = &cfg.security;
+    let auth = match &sec.tokens {
+        Some(t) => format!("bearer tokens ({} principals)", t.len()),
+        None => "NONE".to_string(),
+    };
+    let tls = if sec.tls.is_some() { "on" } else { "off" };
+    tracing::info!(addr = %bound, journal = %cfg.journal_path.display(), %auth, tls, "control plane listening");
+    if sec.tokens.is_none() {
+        tracing::warn!(
+            addr = %bound,
+            "serving WITHOUT authentication (--insecure-loopback): any local process can \
+             publish, register workers and refit the fleet"
+        );
+    }
+}
+
+/// What a caller gets of a version's record: NIXL agent metadata only for workers, manifests
+/// only for workers and publishers ([`crate::auth`]).
+fn redact(mut info: pb::VersionInfo, who: &auth::Principal) -> pb::VersionInfo {
+    if !who.sees_manifests() {
+        info.manifests.clear();
+        info.peers.clear();
+    } else if !who.sees_sources() {
+        for m in &mut info.manifests {
+            m.agent_metadata.clear();
+        }
+        for p in &mut info.peers {
+            if let Some(m) = &mut p.manifest {
+                m.agent_metadata.clear();
+            }
+        }
+    }
+    info
 }
 
 /// A control plane running in a background task (see [`spawn`]).
@@ -1150,13 +1329,13 @@ impl ServerHandle {
 pub async fn spawn(cfg: ControlPlaneConfig) -> Result<(SocketAddr, ServerHandle), Error> {
     let (svc, shared) = build(&cfg)?;
     let (listener, bound) = bind(cfg.listen).await?;
-    tracing::info!(addr = %bound, journal = %cfg.journal_path.display(), "control plane listening");
+    log_listening(&cfg, bound);
     let (stop, stopped) = oneshot::channel::<()>();
     let shutdown = async move {
         // A dropped handle stops the server too.
         let _ = stopped.await;
     };
-    let task = tokio::spawn(run(svc, shared, listener, bound, shutdown));
+    let task = tokio::spawn(run(svc, shared, cfg.security, listener, bound, shutdown));
     Ok((
         bound,
         ServerHandle {

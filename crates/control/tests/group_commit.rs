@@ -21,6 +21,7 @@ async fn concurrent_registrations_are_journaled_once_each_and_replayed() {
     let cfg = ControlPlaneConfig {
         listen: "127.0.0.1:0".parse().unwrap(),
         journal_path: journal.clone(),
+        security: mx_control::Security::insecure_loopback(),
     };
     let (addr, handle) = spawn(cfg.clone()).await.unwrap();
     let client = ControlClient::connect(&addr.to_string()).await.unwrap();

@@ -22,6 +22,7 @@ fn cfg(journal: &Path) -> ControlPlaneConfig {
     ControlPlaneConfig {
         listen: "127.0.0.1:0".parse().unwrap(),
         journal_path: journal.to_path_buf(),
+        security: mx_control::Security::insecure_loopback(),
     }
 }
 

@@ -35,6 +35,7 @@ async fn start(journal: &Path) -> (ControlClient, ServerHandle) {
     let (addr, handle) = spawn(ControlPlaneConfig {
         listen: "127.0.0.1:0".parse().unwrap(),
         journal_path: journal.to_path_buf(),
+        security: mx_control::Security::insecure_loopback(),
     })
     .await
     .unwrap();
@@ -786,6 +787,7 @@ async fn a_journal_of_the_retired_commit_path_is_refused_naming_the_line() {
     let err = spawn(ControlPlaneConfig {
         listen: "127.0.0.1:0".parse().unwrap(),
         journal_path: path.clone(),
+        security: mx_control::Security::insecure_loopback(),
     })
     .await
     .unwrap_err();
@@ -872,6 +874,7 @@ async fn restart_replays_the_journal_to_the_same_state() {
     let err = spawn(ControlPlaneConfig {
         listen: "127.0.0.1:0".parse().unwrap(),
         journal_path: path.clone(),
+        security: mx_control::Security::insecure_loopback(),
     })
     .await
     .unwrap_err();

@@ -243,6 +243,7 @@ async fn run_async(args: DemoArgs) -> anyhow::Result<()> {
         &work,
         &[
             "control".into(),
+            "--insecure-loopback".into(),
             "--listen".into(),
             "127.0.0.1:0".into(),
             "--journal".into(),

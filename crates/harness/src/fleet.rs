@@ -227,6 +227,7 @@ pub(crate) async fn start_control(
         work,
         &[
             "control".into(),
+            "--insecure-loopback".into(),
             "--listen".into(),
             listen.clone(),
             "--journal".into(),

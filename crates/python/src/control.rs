@@ -132,6 +132,7 @@ impl ControlPlane {
         let cfg = ControlPlaneConfig {
             listen: addr,
             journal_path: journal.clone(),
+            security: mx_control::Security::insecure_loopback(),
         };
         let started = py.detach(|| rt.block_on(mx_control::spawn(cfg)));
         let (bound, handle) = started.map_err(|e| control_error(py, &e))?;

@@ -333,6 +333,7 @@ impl EmbeddedPuller {
         };
         let cfg = WorkerConfig {
             control,
+            http_token: None,
             model_dir: std::path::PathBuf::new(),
             layout: self.layout,
             ranks: self.ranks.clone(),

@@ -88,13 +88,28 @@ impl Drop for HttpServer {
 struct Ctx {
     inst: Instance,
     url: Arc<String>,
+    /// `Bearer <token>` every request must carry, when set.
+    token: Option<Arc<String>>,
 }
 
 /// Binds `addr` and serves `inst`'s routes on it until the returned server is shut down.
 ///
 /// # Errors
 /// [`Error::Bind`] when the address cannot be bound.
-pub async fn serve(inst: Instance, addr: SocketAddr) -> Result<HttpServer, Error> {
+pub async fn serve(
+    inst: Instance,
+    addr: SocketAddr,
+    token: Option<String>,
+) -> Result<HttpServer, Error> {
+    if token.is_none() && !addr.ip().is_loopback() {
+        return Err(Error::BadRequest {
+            field: "http".into(),
+            reason: format!(
+                "engine routes on {addr} without a token: give --http-token-file \
+                 (MX_ENGINE_TOKEN_FILE) or bind a loopback address"
+            ),
+        });
+    }
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .map_err(|source| Error::Bind { addr, source })?;
@@ -105,6 +120,7 @@ pub async fn serve(inst: Instance, addr: SocketAddr) -> Result<HttpServer, Error
     let ctx = Ctx {
         inst,
         url: Arc::new(format!("http://{addr}")),
+        token: token.map(|t| Arc::new(format!("Bearer {t}"))),
     };
     let mut router = Router::new()
         .route("/v1/rl/workers", get(discovery))
@@ -131,6 +147,10 @@ pub async fn serve(inst: Instance, addr: SocketAddr) -> Result<HttpServer, Error
             ctx.clone(),
             refuse_when_retired,
         ))
+        .route_layer(axum::middleware::from_fn_with_state(
+            ctx.clone(),
+            require_token,
+        ))
         .with_state(ctx);
     let (tx, rx) = oneshot::channel::<()>();
     let task = tokio::spawn(async move {
@@ -152,6 +172,32 @@ pub async fn serve(inst: Instance, addr: SocketAddr) -> Result<HttpServer, Error
 
 /// Every route answers 410 Gone once the instance is retired (another process holds its worker
 /// id): `{"status": "error", "message": "worker ... was displaced: ..."}`.
+/// Refuses a request without the configured bearer token (401, before anything else runs).
+async fn require_token(
+    State(ctx): State<Ctx>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let Some(want) = &ctx.token else {
+        return next.run(req).await;
+    };
+    let got = req.headers().get(axum::http::header::AUTHORIZATION);
+    // Compared through blake3 so the time taken does not depend on where they differ.
+    let same = got.is_some_and(|g| blake3::hash(g.as_bytes()) == blake3::hash(want.as_bytes()));
+    if same {
+        next.run(req).await
+    } else {
+        (
+            StatusCode::UNAUTHORIZED,
+            Json(serde_json::json!({
+                "error": "this worker's engine routes require `authorization: Bearer <token>` \
+                          (MX_ENGINE_TOKEN_FILE on the control plane)"
+            })),
+        )
+            .into_response()
+    }
+}
+
 async fn refuse_when_retired(
     State(ctx): State<Ctx>,
     req: axum::extract::Request,

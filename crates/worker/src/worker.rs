@@ -30,6 +30,10 @@ const REPORT_EVERY: Duration = Duration::from_secs(30);
 pub struct WorkerConfig {
     /// Control plane address, `http://host:port`.
     pub control: String,
+    /// Bearer token the engine routes (`--http`) require of every caller
+    /// (`authorization: Bearer <token>`), e.g. the control plane's engine calls; `None`: open
+    /// routes (refused on a non-loopback address).
+    pub http_token: Option<String>,
     /// Model directory: its config.json and safetensors header give the tensor list (no weights
     /// are read unless `load` names it).
     pub model_dir: PathBuf,
@@ -160,7 +164,7 @@ impl Worker {
     /// # Errors
     /// As [`Worker::start`], after the instance exists.
     pub async fn serve(cfg: WorkerConfig, inst: Instance) -> Result<Worker, Error> {
-        let http = http::serve(inst.clone(), cfg.http).await?;
+        let http = http::serve(inst.clone(), cfg.http, cfg.http_token.clone()).await?;
         tracing::info!(
             worker = cfg.worker_id,
             url = http.url(),

@@ -370,6 +370,7 @@ async fn an_engine_with_no_model_is_refitted_and_its_generation_skipped() {
         Worker::serve(
             WorkerConfig {
                 control: control.clone(),
+                http_token: None,
                 model_dir: dir.clone(),
                 layout: tp3(),
                 ranks: vec![0, 1, 2],

@@ -30,6 +30,7 @@ const WAIT: Duration = Duration::from_secs(180);
 fn worker_config(control: &str, dir: &Path, id: &str) -> WorkerConfig {
     WorkerConfig {
         control: control.to_string(),
+        http_token: None,
         model_dir: dir.to_path_buf(),
         layout: tp3(),
         ranks: vec![0, 1, 2],

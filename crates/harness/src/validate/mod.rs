@@ -108,6 +108,7 @@ fn s(v: &str) -> String {
 fn control_args(listen: &str, journal: &Path) -> Vec<String> {
     vec![
         s("control"),
+        s("--insecure-loopback"),
         s("--listen"),
         s(listen),
         s("--journal"),

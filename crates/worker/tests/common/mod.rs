@@ -41,6 +41,7 @@ pub(crate) async fn control_plane(
     let (addr, handle) = mx_control::spawn(mx_control::ControlPlaneConfig {
         listen: listen.parse().expect("listen address parses"),
         journal_path: dir.join("journal.jsonl"),
+        security: mx_control::Security::insecure_loopback(),
     })
     .await
     .expect("control plane starts");
@@ -93,7 +94,7 @@ pub(crate) async fn serve(
         None,
     )
     .expect("instance opens");
-    let http = mx_worker::http::serve(inst.clone(), "127.0.0.1:0".parse().expect("addr"))
+    let http = mx_worker::http::serve(inst.clone(), "127.0.0.1:0".parse().expect("addr"), None)
         .await
         .expect("HTTP binds");
     (inst, http)
