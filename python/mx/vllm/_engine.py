@@ -305,6 +305,7 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
 
             self._reloading = False
             finalize_layerwise_reload(self.model, self.model_config)
+            _refresh_tied_heads(self.model)
 
     # --- installing -----------------------------------------------------------------------
     def _to_host(self, version: str) -> str:
@@ -360,6 +361,7 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
                 initialize_layerwise_reload(self.model)
                 self._into_vllm(failpoint=False)
                 finalize_layerwise_reload(self.model, self.model_config)
+                _refresh_tied_heads(self.model)
             else:
                 self._into_vllm(failpoint=False)
         except BaseException as e2:
@@ -404,3 +406,23 @@ def _fail_after(tensors, failpoint: tuple[str, int]):
                 os.killpg(os.getpgrp(), signal.SIGKILL)
             raise RuntimeError(f"mx failpoint {name}:{limit}: failing the install")
         yield item
+
+
+def _refresh_tied_heads(model: Any) -> None:
+    """Re-runs the weight processing of an ``lm_head`` tied to the input embedding.
+
+    On CPUs with AVX512-BF16 (and on AMD Zen) vLLM's CPU backend prepacks each GEMM weight into a
+    kernel handle when it processes weights after loading (``dispatch_cpu_unquantized_gemm``),
+    the tied ``lm_head`` included. A layerwise reload reloads the embedding but skips the tied
+    head, which has no checkpoint tensor of its own ("ParallelLMHead: Failed to load weights"),
+    so the head would keep projecting with the packed copy of the old embedding. Its weight is
+    the embedding's tensor, already holding the new version: processing it again repacks it.
+    """
+    config = getattr(model, "config", None)
+    if not getattr(config, "tie_word_embeddings", False):
+        return
+    head = getattr(model, "lm_head", None)
+    method = getattr(head, "quant_method", None)
+    if head is None or method is None or not hasattr(method, "process_weights_after_loading"):
+        return
+    method.process_weights_after_loading(head)
