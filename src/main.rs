@@ -6,7 +6,7 @@ mod plan_cmd;
 mod provenance;
 mod refit_cmd;
 
-use mx_harness::refits::{print_refit, wait_end};
+use mx_harness::refits::print_refit;
 use mx_harness::{bench, demo, runtime, trainer, validate};
 
 use std::path::PathBuf;
@@ -62,6 +62,11 @@ enum Cmd {
         /// `mx worker --http-token-file` requires it).
         #[arg(long, env = "MX_ENGINE_TOKEN_FILE")]
         engine_token_file: Option<PathBuf>,
+        /// Serve Prometheus `/metrics`, `/health` and `/ready` over plain HTTP on this address
+        /// (unauthenticated, like most scrape targets: counts and durations only, no ids,
+        /// manifests or metadata).
+        #[arg(long, env = "MX_CONTROL_METRICS", value_parser = parse_listen)]
+        metrics: Option<std::net::SocketAddr>,
     },
     /// Run one trainer rank: load its shards, publish versions step-1..step-N.
     Publish {
@@ -214,6 +219,10 @@ enum Cmd {
         /// Control plane address.
         #[arg(long, default_value = "http://127.0.0.1:7700")]
         control: String,
+        /// Print the status as one JSON object (versions, workers, fleet_version, open_refit)
+        /// instead of text.
+        #[arg(long)]
+        json: bool,
     },
     /// Move a worker set to a version: STAGE, PREPARE (pause), APPLY, VERIFY, RESUME, CHECK
     /// (post-update generation against golden tokens), COMMIT; or ABORT / ROLLBACK.
@@ -266,10 +275,40 @@ const EXIT_CONTROL_UNREACHABLE: i32 = 69;
 /// (sysexits' EX_TEMPFAIL: nothing is wrong with the process; run it again).
 const EXIT_NOT_COMMITTED: i32 = 75;
 
+/// `mx refit` / `mx commit`: the refit ended ABORTED (nothing was applied; every worker kept
+/// its version).
+const EXIT_ABORTED: i32 = 10;
+/// `mx refit` / `mx commit`: the refit ended ROLLED_BACK (every worker is back on its previous
+/// version).
+const EXIT_ROLLED_BACK: i32 = 11;
+/// `mx refit` / `mx commit`: the refit ended FENCED (a worker could not be brought back and
+/// stays gated until refitted again).
+const EXIT_FENCED: i32 = 12;
+/// The control plane refused the caller's credentials or role (sysexits' EX_NOPERM).
+const EXIT_NO_PERMISSION: i32 = 77;
+
 /// The exit status for `e`: the documented ones above for the errors that have one, 1
-/// otherwise. (`mx control` exits 74 itself when its journal cannot be written.)
+/// otherwise. (`mx control` exits 74 itself when its journal cannot be written.) Every
+/// command exits 69 when the control plane is unreachable.
 fn exit_code(e: &anyhow::Error) -> i32 {
     for cause in e.chain() {
+        if let Some(r) = cause.downcast_ref::<refit_cmd::NotCommitted>() {
+            return match r.outcome {
+                Some(mx_control::Outcome::Aborted) => EXIT_ABORTED,
+                Some(mx_control::Outcome::RolledBack) => EXIT_ROLLED_BACK,
+                Some(mx_control::Outcome::Fenced) => EXIT_FENCED,
+                _ => 1,
+            };
+        }
+        if let Some(c) = cause.downcast_ref::<mx_control::Error>() {
+            match c.code() {
+                tonic::Code::Unavailable => return EXIT_CONTROL_UNREACHABLE,
+                tonic::Code::Unauthenticated | tonic::Code::PermissionDenied => {
+                    return EXIT_NO_PERMISSION
+                }
+                _ => {}
+            }
+        }
         if let Some(w) = cause.downcast_ref::<mx_worker::Error>() {
             match w {
                 mx_worker::Error::Displaced { .. } => return EXIT_DISPLACED,
@@ -333,6 +372,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             tls_key,
             insecure_loopback,
             engine_token_file,
+            metrics,
         } => runtime()?.block_on(async move {
             let security = mx_control::Security {
                 tokens: match &tokens {
@@ -368,6 +408,22 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 })?;
             }
             eprintln!("mx control listening on {addr}");
+            // Dropped (and stopped) when the control plane stops.
+            let _probes = match metrics {
+                Some(m) => {
+                    let probes = mx_control::observe::serve(
+                        m,
+                        mx_control::observe::router(handle.probe()),
+                    )
+                    .await?;
+                    eprintln!(
+                        "mx control metrics at http://{}/metrics (/health, /ready)",
+                        probes.addr()
+                    );
+                    Some(probes)
+                }
+                None => None,
+            };
             terminated().await?;
             handle.shutdown().await?;
             Ok(())
@@ -505,14 +561,38 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let c = mx_control::client::ControlClient::connect(&control).await?;
             let t = std::time::Instant::now();
             c.stage(&label, &workers).await?;
-            let (reached, briefs) = c
-                .wait_workers(
-                    &label,
-                    &workers,
-                    mx_control::WorkerState::Staged,
-                    Duration::from_secs(wait_s),
-                )
-                .await?;
+            // Long polls of at most 2 s, a progress line whenever the staged count moved.
+            let deadline = t + Duration::from_secs(wait_s);
+            let mut shown = None;
+            let (reached, briefs) = loop {
+                let left = deadline.saturating_duration_since(std::time::Instant::now());
+                let (reached, briefs) = c
+                    .wait_workers(
+                        &label,
+                        &workers,
+                        mx_control::WorkerState::Staged,
+                        left.min(Duration::from_secs(2)),
+                    )
+                    .await?;
+                let staged = briefs
+                    .iter()
+                    .filter(|b| b.state == mx_control::WorkerState::Staged)
+                    .count();
+                if shown != Some(staged) {
+                    shown = Some(staged);
+                    eprintln!(
+                        "stage {label} [{:7.1} s] {staged}/{} workers staged",
+                        t.elapsed().as_secs_f64(),
+                        workers.len()
+                    );
+                }
+                let failed = briefs
+                    .iter()
+                    .any(|b| b.state == mx_control::WorkerState::Failed);
+                if reached || failed || left.is_zero() {
+                    break (reached, briefs);
+                }
+            };
             if let Some(b) = briefs
                 .iter()
                 .find(|b| b.state == mx_control::WorkerState::Failed)
@@ -574,15 +654,14 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 verify_from_apply_answer: false,
             };
             let id = c.refit(&spec).await?;
-            let r = wait_end(&c, id, Duration::from_secs(wait_s.saturating_add(900))).await?;
+            let r = refit_cmd::wait_with_progress(
+                &c,
+                id,
+                Duration::from_secs(wait_s.saturating_add(900)),
+            )
+            .await?;
             print_refit(&r);
-            if r.outcome != Some(mx_control::Outcome::Committed) {
-                anyhow::bail!(
-                    "refit {id} of {label} ended {}: {}",
-                    r.outcome.map(|o| o.to_string()).unwrap_or_default(),
-                    r.reason
-                );
-            }
+            refit_cmd::NotCommitted::check(&r)?;
             println!(
                 "{label} COMMITTED on {} workers by refit {id}: version {}",
                 r.workers.len(),
@@ -590,9 +669,13 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             );
             Ok(())
         }),
-        Cmd::Status { control } => runtime()?.block_on(async move {
+        Cmd::Status { control, json } => runtime()?.block_on(async move {
             let c = mx_control::client::ControlClient::connect(&control).await?;
             let s = c.get_status().await?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&s)?);
+                return Ok(());
+            }
             if s.versions.is_empty() && s.workers.is_empty() {
                 println!("no versions declared, no workers registered");
             }
@@ -664,7 +747,37 @@ fn run(cli: Cli) -> anyhow::Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::error_chain;
+    use super::{error_chain, exit_code};
+
+    #[test]
+    fn each_refit_outcome_and_control_plane_failure_has_its_exit_status() {
+        use mx_control::Outcome;
+        let ended = |outcome| {
+            anyhow::Error::new(crate::refit_cmd::NotCommitted {
+                id: 7,
+                label: "step-3".into(),
+                outcome,
+                reason: "why".into(),
+            })
+            .context("mx refit")
+        };
+        assert_eq!(exit_code(&ended(Some(Outcome::Aborted))), 10);
+        assert_eq!(exit_code(&ended(Some(Outcome::RolledBack))), 11);
+        assert_eq!(exit_code(&ended(Some(Outcome::Fenced))), 12);
+        assert_eq!(exit_code(&ended(None)), 1);
+        let rpc = |code| {
+            anyhow::Error::new(mx_control::Error::Rpc {
+                rpc: "Refit",
+                code,
+                message: "m".into(),
+            })
+        };
+        assert_eq!(exit_code(&rpc(tonic::Code::Unavailable)), 69);
+        assert_eq!(exit_code(&rpc(tonic::Code::Unauthenticated)), 77);
+        assert_eq!(exit_code(&rpc(tonic::Code::PermissionDenied)), 77);
+        assert_eq!(exit_code(&rpc(tonic::Code::InvalidArgument)), 1);
+        assert_eq!(exit_code(&anyhow::anyhow!("other")), 1);
+    }
 
     /// Prints its source inline and also returns it from `source()`, as `#[error("x: {0}")]`
     /// with `#[from]` does.

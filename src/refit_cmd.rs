@@ -1,6 +1,7 @@
 //! `mx refit`: the orchestrator's command. Asks the control plane to move a worker set to a
 //! version (STAGE, PREPARE, APPLY, VERIFY, RESUME, CHECK, COMMIT, or ABORT / ROLLBACK), waits
-//! for the end and prints what happened on each worker. Exit status 0 only when COMMITTED.
+//! for the end and prints what happened on each worker. Exit status 0 only when COMMITTED
+//! (the others are listed at `exit_code` in main.rs).
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -8,7 +9,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use mx_control::client::ControlClient;
 use mx_control::{GenerationCheck, Outcome, PauseMode, RefitSpec};
-use mx_harness::refits::{golden, print_refit, wait_end};
+use mx_harness::refits::{golden, print_refit, wait_end_reporting, Progress};
 
 /// Flags of `mx refit`.
 #[derive(clap::Args, Debug, Clone)]
@@ -190,19 +191,74 @@ pub(crate) async fn run(a: RefitArgs) -> anyhow::Result<()> {
     };
     let id = client.refit(&spec).await?;
     eprintln!("refit {id}: {} on {:?}", spec.label, spec.worker_ids);
-    let refit = wait_end(&client, id, Duration::from_secs(3600)).await?;
+    let refit = wait_with_progress(&client, id, Duration::from_secs(3600)).await?;
     print_refit(&refit);
     if let Some(p) = &a.json {
         mx_harness::report::write_report(p, &refit)
             .with_context(|| format!("writing {}", p.display()))?;
     }
-    if refit.outcome != Some(Outcome::Committed) {
-        bail!(
-            "refit {id} to {} ended {}: {}",
-            refit.spec.label,
-            refit.outcome.map(|o| o.to_string()).unwrap_or_default(),
-            refit.reason
-        );
-    }
-    Ok(())
+    NotCommitted::check(&refit)
 }
+
+/// Waits for refit `id` to end, printing a line on stderr at every phase (and every staged
+/// worker count in STAGE); gives up once the control plane stayed unreachable for
+/// [`UNREACHABLE_AFTER`].
+pub(crate) async fn wait_with_progress(
+    client: &ControlClient,
+    id: u64,
+    timeout: Duration,
+) -> anyhow::Result<mx_control::Refit> {
+    let mut progress = Progress::default();
+    wait_end_reporting(client, id, timeout, Some(UNREACHABLE_AFTER), |r| {
+        for line in progress.lines(r) {
+            eprintln!("{line}");
+        }
+    })
+    .await
+}
+
+/// How long `mx refit` and `mx commit` wait for an unreachable control plane (a restart takes
+/// seconds: the journal is replayed and the open refit recovered) before exiting 69.
+pub(crate) const UNREACHABLE_AFTER: Duration = Duration::from_secs(60);
+
+/// A refit that ended without COMMITTED: the error `mx refit` and `mx commit` exit with (its
+/// outcome picks the exit status, see `exit_code` in main.rs).
+#[derive(Debug)]
+pub(crate) struct NotCommitted {
+    pub(crate) id: u64,
+    pub(crate) label: String,
+    pub(crate) outcome: Option<Outcome>,
+    pub(crate) reason: String,
+}
+
+impl NotCommitted {
+    /// `Ok` for a COMMITTED refit, the error otherwise.
+    pub(crate) fn check(r: &mx_control::Refit) -> anyhow::Result<()> {
+        if r.outcome == Some(Outcome::Committed) {
+            return Ok(());
+        }
+        Err(NotCommitted {
+            id: r.id,
+            label: r.spec.label.clone(),
+            outcome: r.outcome,
+            reason: r.reason.clone(),
+        }
+        .into())
+    }
+}
+
+impl std::fmt::Display for NotCommitted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "refit {} to {} ended {}: {}",
+            self.id,
+            self.label,
+            self.outcome
+                .map_or_else(|| "OPEN".to_string(), |o| o.to_string()),
+            self.reason
+        )
+    }
+}
+
+impl std::error::Error for NotCommitted {}

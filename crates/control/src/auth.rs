@@ -33,6 +33,7 @@ use std::task::{Context, Poll};
 
 use tonic::Status;
 
+use crate::observe;
 use crate::Error;
 
 /// The gRPC service whose methods [`allowed`] covers (`/mx.v1.ControlPlane/<Method>`).
@@ -84,6 +85,28 @@ impl std::fmt::Display for Role {
         f.write_str(self.name())
     }
 }
+
+/// Every method of the service (`mx.v1.ControlPlane`), in the proto's order.
+pub const METHODS: &[&str] = &[
+    "DeclareVersion",
+    "Publish",
+    "ReleaseVersion",
+    "RegisterWorker",
+    "WatchCommands",
+    "ReportStaged",
+    "ServePeer",
+    "WithdrawPeer",
+    "Stage",
+    "Refit",
+    "RegisterArtifact",
+    "ListLayouts",
+    "GetVersion",
+    "GetStatus",
+    "WaitVersion",
+    "WaitWorkers",
+    "WaitRefit",
+    "WaitReleased",
+];
 
 /// The roles that may call `method` (the RPC's name in the service, e.g. `"Publish"`); empty
 /// for a method not in the table (refused to everyone).
@@ -485,6 +508,8 @@ where
     }
 
     fn call(&mut self, mut req: http::Request<B>) -> Self::Future {
+        let method = method_label(req.uri().path());
+        metrics::counter!(observe::RPC_REQUESTS_TOTAL, "method" => method).increment(1);
         let found = authorize(
             self.table.as_deref(),
             req.uri().path(),
@@ -493,13 +518,49 @@ where
         match found {
             Ok(p) => {
                 req.extensions_mut().insert(p);
-                Box::pin(self.inner.call(req))
+                let answer = self.inner.call(req);
+                Box::pin(async move {
+                    let res = answer.await?;
+                    count_error(method, res.headers());
+                    Ok(res)
+                })
             }
             Err(status) => {
                 tracing::warn!(path = req.uri().path(), "refused: {}", status.message());
-                Box::pin(async move { Ok(status.into_http()) })
+                let res = status.into_http();
+                count_error(method, res.headers());
+                Box::pin(async move { Ok(res) })
             }
         }
+    }
+}
+
+/// The method of `path` (`/mx.v1.ControlPlane/Method`) as a metric label: its name when the
+/// service has it, `unknown` otherwise (a caller must not be able to mint label values).
+fn method_label(path: &str) -> &'static str {
+    let method = path
+        .strip_prefix('/')
+        .and_then(|p| p.strip_prefix(SERVICE))
+        .and_then(|p| p.strip_prefix('/'))
+        .unwrap_or("");
+    METHODS
+        .iter()
+        .find(|m| **m == method)
+        .copied()
+        .unwrap_or("unknown")
+}
+
+/// Counts an answer whose headers carry a non-OK `grpc-status` (an error answered at once, the
+/// trailers-only form tonic uses for a failed unary call or a refused stream).
+fn count_error(method: &'static str, headers: &http::HeaderMap) {
+    let code = headers
+        .get("grpc-status")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<i32>().ok())
+        .map(tonic::Code::from_i32);
+    if let Some(code) = code.filter(|c| *c != tonic::Code::Ok) {
+        metrics::counter!(observe::RPC_ERRORS_TOTAL, "method" => method, "code" => observe::code_label(code))
+            .increment(1);
     }
 }
 
@@ -510,6 +571,30 @@ mod tests {
     use super::*;
 
     const T: &str = "0123456789abcdef0123456789abcdef";
+
+    #[test]
+    fn methods_are_the_service_descriptors() {
+        use prost::Message;
+        let set = prost_types::FileDescriptorSet::decode(crate::pb::FILE_DESCRIPTOR_SET).unwrap();
+        let mut described: Vec<String> = set
+            .file
+            .iter()
+            .flat_map(|f| &f.service)
+            .filter(|s| s.name() == "ControlPlane")
+            .flat_map(|s| &s.method)
+            .map(|m| m.name().to_string())
+            .collect();
+        let mut ours: Vec<String> = METHODS.iter().map(|m| m.to_string()).collect();
+        described.sort();
+        ours.sort();
+        assert_eq!(described, ours);
+        for m in METHODS {
+            assert!(!allowed(m).is_empty(), "{m} is refused to every role");
+            assert_eq!(method_label(&format!("/{SERVICE}/{m}")), *m);
+        }
+        assert_eq!(method_label("/mx.v1.ControlPlane/Nope"), "unknown");
+        assert_eq!(method_label("/other.Service/GetStatus"), "unknown");
+    }
 
     #[test]
     fn token_files_parse_strictly() {

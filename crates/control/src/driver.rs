@@ -12,6 +12,7 @@ use mx_adapters::generate::Generation;
 use mx_adapters::{client_for, Answer, EngineClient};
 use mx_layout::VersionId;
 
+use crate::observe;
 use crate::refit::{
     now_ms, Action, CallResult, EngineApi, EngineEndpoint, Outcome, Phase, Refit, RefitSpec,
 };
@@ -191,6 +192,12 @@ async fn perform(engine: &dyn EngineClient, action: &Action, spec: &RefitSpec) -
             _ => None,
         };
         if let Some(p) = problem {
+            let check = if matches!(action, Action::Generate) {
+                "generation"
+            } else {
+                "version"
+            };
+            metrics::counter!(observe::VERIFICATION_FAILURES_TOTAL, "check" => check).increment(1);
             r.ok = false;
             r.error = p;
         }
@@ -198,10 +205,23 @@ async fn perform(engine: &dyn EngineClient, action: &Action, spec: &RefitSpec) -
     r
 }
 
+/// `action` as a metric label.
+fn action_label(action: &Action) -> &'static str {
+    match action {
+        Action::Pause => "pause",
+        Action::Apply { .. } => "apply",
+        Action::ReadVersion => "read_version",
+        Action::Resume => "resume",
+        Action::Generate => "generate",
+    }
+}
+
 /// Drives refit `id` to its end. Errors are journaling failures (the driver stops; a restart
 /// recovers from the journal).
 pub(crate) async fn drive(shared: Arc<Shared>, id: u64, recovering: bool) {
-    if let Err(e) = drive_inner(&shared, id, recovering).await {
+    use tracing::Instrument;
+    let span = tracing::info_span!("refit", id, recovering);
+    if let Err(e) = drive_inner(&shared, id, recovering).instrument(span).await {
         tracing::error!(refit = id, "refit driver stopped: {e}");
     }
 }
@@ -218,6 +238,8 @@ struct Ctx<'a> {
     recovering: bool,
     /// APPLY calls whose intent was journaled (for the `apply-sent:<n>` failpoint).
     applies_sent: AtomicUsize,
+    /// The phase this driver entered last and when, for [`observe::REFIT_PHASE_SECONDS`].
+    current: std::sync::Mutex<Option<(Phase, Instant)>>,
 }
 
 impl Ctx<'_> {
@@ -232,6 +254,7 @@ impl Ctx<'_> {
 
     async fn phase(&self, phase: Phase, reason: String, recovered: bool) -> Result<(), Error> {
         tracing::info!(refit = self.id, %phase, reason, "refit phase");
+        self.phase_ended(Some(phase));
         self.shared
             .mutate(Record::RefitPhase {
                 id: self.id,
@@ -352,6 +375,11 @@ impl Ctx<'_> {
             }
         };
         result.seconds = t0.elapsed().as_secs_f64();
+        let what = action_label(&action);
+        let outcome = if result.ok { "ok" } else { "failed" };
+        metrics::counter!(observe::ENGINE_CALLS_TOTAL, "action" => what, "result" => outcome)
+            .increment(1);
+        metrics::histogram!(observe::ENGINE_CALL_SECONDS, "action" => what).record(result.seconds);
         if workers.len() > 1 {
             result.message = format!(
                 "one call for the {} workers of engine {}: {}",
@@ -454,6 +482,19 @@ impl Ctx<'_> {
         }
     }
 
+    /// Records the duration of the phase entered last and remembers `next` as the current one.
+    fn phase_ended(&self, next: Option<Phase>) {
+        let mut cur = self
+            .current
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some((p, since)) = cur.take() {
+            metrics::histogram!(observe::REFIT_PHASE_SECONDS, "phase" => p.to_string().to_lowercase())
+                .record(since.elapsed().as_secs_f64());
+        }
+        *cur = next.map(|p| (p, Instant::now()));
+    }
+
     async fn end(&self, outcome: Outcome, reason: String) -> Result<(), Error> {
         self.end_with(outcome, reason, Vec::new(), Vec::new()).await
     }
@@ -499,12 +540,20 @@ impl Ctx<'_> {
         } else {
             tracing::warn!(refit = self.id, %outcome, reason, ?fenced, ?departed, "refit ended");
         }
+        self.phase_ended(None);
+        let at_ms = now_ms();
+        let outcome_label = outcome.to_string().to_lowercase();
+        if let Some(began) = self.shared.read(|s| s.refit(self.id).map(|r| r.started_ms)) {
+            metrics::histogram!(observe::REFIT_SECONDS, "outcome" => outcome_label.clone())
+                .record(at_ms.saturating_sub(began) as f64 / 1e3);
+        }
+        metrics::counter!(observe::REFITS_TOTAL, "outcome" => outcome_label).increment(1);
         self.shared
             .mutate(Record::RefitEnd {
                 id: self.id,
                 outcome,
                 reason,
-                at_ms: now_ms(),
+                at_ms,
                 recovered: self.recovering,
                 fenced,
                 departed,
@@ -533,6 +582,8 @@ async fn drive_inner(shared: &Arc<Shared>, id: u64, recovering: bool) -> Result<
         http: shared.http.clone(),
         recovering,
         applies_sent: AtomicUsize::new(applies_sent),
+        // BEGIN entered the first phase; a recovered refit's phase is timed from the recovery.
+        current: std::sync::Mutex::new(Some((refit.phase, Instant::now()))),
     };
     if recovering {
         return recover(&ctx).await;
@@ -612,10 +663,14 @@ async fn drive_inner(shared: &Arc<Shared>, id: u64, recovering: bool) -> Result<
     let mut failure = None;
     ctx.call_many(reads, 0, |w, r| {
         let wrong = match &r.version {
-            Some(v) if v != &refit.target => Some(format!(
-                "worker {w}: resident version {v} is not {} ({})",
-                refit.target, refit.spec.label
-            )),
+            Some(v) if v != &refit.target => {
+                metrics::counter!(observe::VERIFICATION_FAILURES_TOTAL, "check" => "version")
+                    .increment(1);
+                Some(format!(
+                    "worker {w}: resident version {v} is not {} ({})",
+                    refit.target, refit.spec.label
+                ))
+            }
             _ => None,
         };
         if failure.is_none() {

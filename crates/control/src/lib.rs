@@ -34,6 +34,7 @@ mod driver;
 mod error;
 pub mod journal;
 pub mod limits;
+pub mod observe;
 pub mod refit;
 mod server;
 pub mod state;

@@ -20,6 +20,7 @@ use tonic::{Request, Response, Status};
 use crate::auth;
 use crate::convert;
 use crate::journal::Journal;
+use crate::observe;
 use crate::pb;
 use crate::pb::control_plane_server::{ControlPlane, ControlPlaneServer};
 use crate::state::{Check, Effects, Record, State};
@@ -290,12 +291,18 @@ fn committer(
             }
             core.applied_seq
         };
+        let t = std::time::Instant::now();
         if let Err(e) = journal.write_synced(&lines) {
             tracing::error!(
                 "journal write failed, the control plane stops (a restart replays the journal): {e}"
             );
             eprintln!("mx control: {e}; exiting so that a restart replays the durable journal");
             std::process::exit(74);
+        }
+        if !lines.is_empty() {
+            metrics::counter!(observe::JOURNAL_BYTES_TOTAL).increment(lines.len() as u64);
+            metrics::counter!(observe::JOURNAL_SYNCS_TOTAL).increment(1);
+            metrics::histogram!(observe::JOURNAL_SYNC_SECONDS).record(t.elapsed().as_secs_f64());
         }
         durable.send_if_modified(|d| {
             let moved = *d != last;
@@ -440,6 +447,15 @@ impl Shared {
     /// True while `worker_id` has an open command stream.
     pub(crate) fn connected(&self, worker_id: &str) -> bool {
         self.mailbox(worker_id).open_streams.load(Ordering::SeqCst) > 0
+    }
+
+    /// The ids of every worker with an open command stream.
+    fn connected_ids(&self) -> std::collections::HashSet<String> {
+        lock(&self.mail)
+            .iter()
+            .filter(|(_, m)| m.open_streams.load(Ordering::SeqCst) > 0)
+            .map(|(id, _)| id.clone())
+            .collect()
     }
 
     /// A receiver woken after every state or connection change.
@@ -1298,12 +1314,23 @@ pub struct ServerHandle {
     addr: SocketAddr,
     stop: Option<oneshot::Sender<()>>,
     task: tokio::task::JoinHandle<Result<(), Error>>,
+    shared: std::sync::Weak<Shared>,
 }
 
 impl ServerHandle {
     /// The bound address.
     pub fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// The control plane's readiness and fleet gauges, for [`observe::router`]: ready while it
+    /// serves (journal replayed, listening, not shutting down); each scrape sets
+    /// [`observe::WORKERS`], [`observe::WORKERS_CONNECTED`], [`observe::WORKERS_ADMITTED`],
+    /// [`observe::VERSIONS`] and [`observe::REFIT_OPEN`].
+    pub fn probe(&self) -> Arc<dyn observe::Probe> {
+        Arc::new(ControlProbe {
+            shared: self.shared.clone(),
+        })
     }
 
     /// Stops the server and waits until it has stopped (journal closed).
@@ -1335,6 +1362,7 @@ pub async fn spawn(cfg: ControlPlaneConfig) -> Result<(SocketAddr, ServerHandle)
         // A dropped handle stops the server too.
         let _ = stopped.await;
     };
+    let weak = Arc::downgrade(&shared);
     let task = tokio::spawn(run(svc, shared, cfg.security, listener, bound, shutdown));
     Ok((
         bound,
@@ -1342,8 +1370,57 @@ pub async fn spawn(cfg: ControlPlaneConfig) -> Result<(SocketAddr, ServerHandle)
             addr: bound,
             stop: Some(stop),
             task,
+            shared: weak,
         },
     ))
+}
+
+/// [`ServerHandle::probe`].
+struct ControlProbe {
+    shared: std::sync::Weak<Shared>,
+}
+
+impl observe::Probe for ControlProbe {
+    fn ready(&self) -> Result<(), String> {
+        match self.shared.upgrade() {
+            None => Err("the control plane has stopped".into()),
+            Some(s) if *s.closing.borrow() => Err("the control plane is shutting down".into()),
+            Some(_) => Ok(()),
+        }
+    }
+
+    fn refresh(&self) {
+        let Some(shared) = self.shared.upgrade() else {
+            return;
+        };
+        // Connections first (the mail lock), then the state (the core lock): never both held.
+        let connected = shared.connected_ids();
+        let t = shared.read(|s| s.tallies(|id| connected.contains(id)));
+        for w in [
+            WorkerState::Idle,
+            WorkerState::Staging,
+            WorkerState::Staged,
+            WorkerState::Failed,
+        ] {
+            let n = t.workers.get(&w).copied().unwrap_or(0);
+            metrics::gauge!(observe::WORKERS, "state" => w.to_string().to_lowercase())
+                .set(n as f64);
+        }
+        metrics::gauge!(observe::WORKERS_CONNECTED).set(t.connected as f64);
+        metrics::gauge!(observe::WORKERS_ADMITTED).set(t.admitted as f64);
+        for v in [
+            VersionState::Declared,
+            VersionState::Publishing,
+            VersionState::Ready,
+            VersionState::Committing,
+            VersionState::Committed,
+        ] {
+            let n = t.versions.get(&v).copied().unwrap_or(0);
+            metrics::gauge!(observe::VERSIONS, "state" => v.to_string().to_lowercase())
+                .set(n as f64);
+        }
+        metrics::gauge!(observe::REFIT_OPEN).set(if t.refit_open { 1.0 } else { 0.0 });
+    }
 }
 
 #[cfg(test)]

@@ -49,7 +49,7 @@ impl fmt::Display for VersionState {
 /// Lifecycle of a worker for the version it was last asked to stage. (Applies are not worker
 /// states: a refit applies through the worker's engine routes and journals each call, see
 /// [`crate::refit`].)
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub enum WorkerState {
     /// Registered, nothing asked.
     Idle,
@@ -255,7 +255,7 @@ pub struct VersionInfo {
 }
 
 /// One line of the fleet status per version.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct VersionSummary {
     /// Label.
     pub label: String,
@@ -266,7 +266,7 @@ pub struct VersionSummary {
 }
 
 /// One registered worker (an inference instance holding `ranks` of `layout`).
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct WorkerStatus {
     /// Worker id.
     pub worker_id: String,
@@ -314,7 +314,7 @@ pub struct WorkerBrief {
 }
 
 /// `GetStatus`: every version (in declaration order) and every worker (by id).
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct FleetStatus {
     /// Versions.
     pub versions: Vec<VersionSummary>,

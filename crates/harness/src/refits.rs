@@ -25,20 +25,97 @@ pub fn golden(
 
 /// Long-polls refit `id` until it ended (reconnecting while the control plane restarts).
 pub async fn wait_end(client: &ControlClient, id: u64, timeout: Duration) -> anyhow::Result<Refit> {
+    wait_end_reporting(client, id, timeout, None, |_| {}).await
+}
+
+/// [`wait_end`], calling `report` with the refit as it stands after every poll (about every
+/// 2 s, and at its end), and giving up with the control plane's error once it stayed
+/// unreachable for `unreachable_after` (`None`: until `timeout`).
+///
+/// # Errors
+/// The refit is unknown; it did not end within `timeout`; the last [`mx_control::Error`] of
+/// the control plane when it stayed unreachable.
+pub async fn wait_end_reporting(
+    client: &ControlClient,
+    id: u64,
+    timeout: Duration,
+    unreachable_after: Option<Duration>,
+    mut report: impl FnMut(&Refit),
+) -> anyhow::Result<Refit> {
     let t = std::time::Instant::now();
+    let mut away_since: Option<std::time::Instant> = None;
     loop {
         match client.wait_refit(id, Duration::from_secs(2)).await {
-            Ok((true, Some(r))) => return Ok(r),
+            Ok((true, Some(r))) => {
+                report(&r);
+                return Ok(r);
+            }
             Ok((_, None)) => bail!("refit {id} is unknown to the control plane"),
-            Ok(_) => {}
+            Ok((false, Some(r))) => {
+                away_since = None;
+                report(&r);
+            }
             Err(e) => {
                 tracing::debug!("waiting for refit {id}: {e}");
+                let since = *away_since.get_or_insert_with(std::time::Instant::now);
+                if unreachable_after.is_some_and(|d| since.elapsed() >= d) {
+                    return Err(anyhow::Error::new(e).context(format!(
+                        "waiting for refit {id}: the control plane stayed unreachable for {:.0} s",
+                        since.elapsed().as_secs_f64()
+                    )));
+                }
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
         }
         if t.elapsed() > timeout {
             bail!("refit {id} did not end within {timeout:?}");
         }
+    }
+}
+
+/// Lines of a refit's progress for a terminal while it runs: one per phase entered (with its
+/// start, seconds after BEGIN, from the journaled record, so phases shorter than a poll are
+/// shown too), one per change of the staged count during STAGE, and the outcome.
+#[derive(Debug, Default)]
+pub struct Progress {
+    phases: usize,
+    staged: Option<usize>,
+    ended: bool,
+}
+
+impl Progress {
+    /// The lines for what changed in `r` since the last call (none when nothing did).
+    pub fn lines(&mut self, r: &Refit) -> Vec<String> {
+        let mut out = Vec::new();
+        let at = |ms: u64| ms.saturating_sub(r.started_ms) as f64 / 1e3;
+        for (phase, began) in r.phases.iter().skip(self.phases) {
+            out.push(format!("refit {} [{:7.1} s] {phase}", r.id, at(*began)));
+        }
+        self.phases = r.phases.len();
+        if r.phase == mx_control::Phase::Stage && r.outcome.is_none() {
+            let staged = r
+                .workers
+                .values()
+                .filter(|w| w.stage_seconds > 0.0 || w.stage_bytes > 0)
+                .count();
+            if self.staged != Some(staged) {
+                self.staged = Some(staged);
+                let bytes: u64 = r.workers.values().map(|w| w.stage_bytes).sum();
+                out.push(format!(
+                    "refit {} [{:7.1} s] STAGE: {staged}/{} workers staged, {:.1} MB pulled",
+                    r.id,
+                    at(mx_control::refit::now_ms()),
+                    r.workers.len(),
+                    bytes as f64 / 1e6
+                ));
+            }
+        }
+        if let (Some(o), false) = (r.outcome, self.ended) {
+            self.ended = true;
+            let end = r.ended_ms.unwrap_or_else(mx_control::refit::now_ms);
+            out.push(format!("refit {} [{:7.1} s] {o}", r.id, at(end)));
+        }
+        out
     }
 }
 

@@ -170,3 +170,32 @@ pub enum Error {
     #[error("internal: {0}")]
     Task(String),
 }
+
+impl Error {
+    /// The error's kind as a short stable name (`source_unreachable`, `verify`, ...), for metric
+    /// labels and logs: one name per variant, never data from the error.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Error::Layout(_) => "layout",
+            Error::Nixl(_) => "nixl",
+            Error::NoDataPlane => "no_data_plane",
+            Error::SourceUnreachable { .. } => "source_unreachable",
+            Error::Pull { .. } => "pull",
+            Error::ObjectRead { .. } => "object_read",
+            Error::Artifact(_) => "artifact",
+            Error::WrongBase { .. } => "wrong_base",
+            Error::SourceRange { .. } => "source_range",
+            Error::Verify { .. } => "verify",
+            Error::WrongManifests { .. } => "wrong_manifests",
+            Error::BadDestination { .. } => "bad_destination",
+            Error::DestinationChanged { .. } => "destination_changed",
+            Error::BadRanks { .. } => "bad_ranks",
+            Error::UnknownRank { .. } => "unknown_rank",
+            Error::Unregistered { .. } => "unregistered",
+            Error::Memory { .. } => "memory",
+            Error::UnknownVersion { .. } => "unknown_version",
+            Error::NoRollback { .. } => "no_rollback",
+            Error::Task(_) => "task",
+        }
+    }
+}

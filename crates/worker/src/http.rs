@@ -151,7 +151,12 @@ pub async fn serve(
             ctx.clone(),
             require_token,
         ))
-        .with_state(ctx);
+        .with_state(ctx.clone())
+        // Probes and the scrape answer without the engine token (as probers and scrapers
+        // expect); they expose counts, durations and readiness only.
+        .merge(mx_control::observe::router(Arc::new(WorkerProbe {
+            inst: ctx.inst,
+        })));
     let (tx, rx) = oneshot::channel::<()>();
     let task = tokio::spawn(async move {
         let res = axum::serve(listener, router)
@@ -170,8 +175,23 @@ pub async fn serve(
     })
 }
 
-/// Every route answers 410 Gone once the instance is retired (another process holds its worker
-/// id): `{"status": "error", "message": "worker ... was displaced: ..."}`.
+/// The worker's readiness: ready while it holds resident weights and is not retired.
+struct WorkerProbe {
+    inst: Instance,
+}
+
+impl mx_control::observe::Probe for WorkerProbe {
+    fn ready(&self) -> Result<(), String> {
+        if let Some(why) = self.inst.retired() {
+            return Err(format!("retired: {why}"));
+        }
+        match self.inst.resident_version() {
+            Some(_) => Ok(()),
+            None => Err("no resident weights yet (nothing applied)".into()),
+        }
+    }
+}
+
 /// Refuses a request without the configured bearer token (401, before anything else runs).
 async fn require_token(
     State(ctx): State<Ctx>,
@@ -198,6 +218,8 @@ async fn require_token(
     }
 }
 
+/// Every route answers 410 Gone once the instance is retired (another process holds its worker
+/// id): `{"status": "error", "message": "worker ... was displaced: ..."}`.
 async fn refuse_when_retired(
     State(ctx): State<Ctx>,
     req: axum::extract::Request,

@@ -22,6 +22,7 @@ use crate::failpoints::{FailpointValues, Failpoints};
 use crate::gate::{Gate, PauseMode, PauseOutcome, Step};
 use crate::store::load_disk;
 use crate::Error;
+use mx_control::observe;
 
 /// The cache tiers an apply clears: the engine's decode KV cache and its prefix cache.
 pub const CACHE_TIERS: [&str; 2] = ["kv_cache", "prefix_cache"];
@@ -610,10 +611,33 @@ impl Instance {
         };
         let label = label.to_string();
         blocking(move || {
+            let t0 = Instant::now();
             let mut st = lock(&sh.state);
             let res = f(&mut st.puller, &opts);
             *lock(&sh.versions) = st.versions();
-            let r = res?;
+            let seconds = t0.elapsed().as_secs_f64();
+            let r = match res {
+                Ok(r) => r,
+                Err(e) => {
+                    metrics::histogram!(observe::STAGE_SECONDS, "result" => "failed")
+                        .record(seconds);
+                    metrics::counter!(observe::STAGE_FAILURES_TOTAL, "kind" => e.kind())
+                        .increment(1);
+                    if matches!(e, mx_puller::Error::Verify { .. }) {
+                        metrics::counter!(observe::VERIFICATION_FAILURES_TOTAL, "check" => "stage")
+                            .increment(1);
+                    }
+                    return Err(e.into());
+                }
+            };
+            metrics::histogram!(observe::STAGE_SECONDS, "result" => "ok").record(seconds);
+            if !r.source.is_empty() {
+                metrics::counter!(observe::STAGE_BYTES_TOTAL, "source" => source_label(&r.source))
+                    .increment(r.wire_bytes);
+                if seconds > 0.0 {
+                    metrics::gauge!(observe::STAGE_GBPS).set(r.wire_bytes as f64 / seconds / 1e9);
+                }
+            }
             tracing::info!(
                 label,
                 source = r.source,
@@ -993,7 +1017,31 @@ fn rebuild_engine(
     Ok(CACHE_TIERS.iter().map(|s| s.to_string()).collect())
 }
 
+/// A stage's source ([`mx_puller::StageReport::source`]) as a metric label (a fixed set).
+fn source_label(source: &str) -> &'static str {
+    match source {
+        "trainer" => "trainer",
+        "peer" => "peer",
+        "artifact_canonical" => "artifact_canonical",
+        "artifact_delta" => "artifact_delta",
+        _ => "other",
+    }
+}
+
 fn apply_blocking(
+    sh: &Shared,
+    source: ApplySource,
+    clear_cache: bool,
+) -> Result<ApplyOutcome, Error> {
+    let t0 = Instant::now();
+    let res = apply_locked(sh, source, clear_cache);
+    let result = if res.is_ok() { "ok" } else { "failed" };
+    metrics::histogram!(observe::APPLY_SECONDS, "result" => result)
+        .record(t0.elapsed().as_secs_f64());
+    res
+}
+
+fn apply_locked(
     sh: &Shared,
     source: ApplySource,
     clear_cache: bool,
