@@ -133,8 +133,9 @@ impl ArtifactManifest {
                 });
             }
         }
+        // Strict: a key repeated in any object (also after unescaping) is refused, naming it.
         let m: ArtifactManifest =
-            serde_json::from_slice(bytes).map_err(|e| Error::BadManifest {
+            mx_layout::strict_json::from_slice(bytes).map_err(|e| Error::BadManifest {
                 url: url.to_string(),
                 reason: e.to_string(),
             })?;

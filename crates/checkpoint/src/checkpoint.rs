@@ -3,10 +3,10 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Component, Path, PathBuf};
 
-use mx_layout::{DType, TensorSpec};
+use mx_layout::{strict_json, DType, LayoutSpec, ModelInfo, Scheme, TensorSpec};
 use serde_json::Value;
 
-use crate::file::{Entry, MappedFile};
+use crate::file::{json_error, Entry, MappedFile};
 use crate::Error;
 
 /// File name of a single-file checkpoint.
@@ -16,11 +16,22 @@ pub const INDEX_FILE: &str = "model.safetensors.index.json";
 /// File name of the model configuration.
 pub const CONFIG_FILE: &str = "config.json";
 
+/// The word embedding a tied-embedding (`tie_word_embeddings`) llama-family model reuses as its
+/// output projection.
+const EMBEDDING: &str = "model.embed_tokens.weight";
+/// The output projection, redundant in a tied-embedding model.
+const LM_HEAD: &str = "lm_head.weight";
+
 /// An open HF safetensors checkpoint: every file memory-mapped and validated, every tensor known.
 ///
 /// Opened from a directory holding `model.safetensors`, or `model.safetensors.index.json` and the
 /// shard files its `weight_map` names (the index wins when both exist). Tensor data is borrowed
 /// straight from the read-only mappings; nothing is copied.
+///
+/// When `config.json` ties the word embeddings (`tie_word_embeddings: true`) and the checkpoint
+/// also holds an `lm_head.weight`, that tensor must equal `model.embed_tokens.weight` byte for
+/// byte ([`Error::TiedEmbeddingMismatch`] otherwise), and is then left out of the checkpoint's
+/// tensors, so it is neither declared, published nor pulled a second time.
 #[derive(Debug)]
 pub struct Checkpoint {
     dir: PathBuf,
@@ -77,12 +88,13 @@ impl Checkpoint {
             });
         };
         let config = read_config(&dir.join(CONFIG_FILE))?;
-        Ok(Checkpoint {
+        Checkpoint {
             dir: dir.to_path_buf(),
             files,
             tensors,
             config,
-        })
+        }
+        .untie()
     }
 
     /// Opens one safetensors file as a checkpoint; `dir()` is its parent, and `config.json` there
@@ -94,12 +106,80 @@ impl Checkpoint {
         let dir = path.parent().map(Path::to_path_buf).unwrap_or_default();
         let (files, tensors) = open_files(&[path.to_path_buf()])?;
         let config = read_config(&dir.join(CONFIG_FILE))?;
-        Ok(Checkpoint {
+        Checkpoint {
             dir,
             files,
             tensors,
             config,
-        })
+        }
+        .untie()
+    }
+
+    /// Checks a tied-embedding checkpoint's `lm_head.weight` against its embedding and drops it
+    /// when identical (see [`Checkpoint`]).
+    fn untie(mut self) -> Result<Checkpoint, Error> {
+        let tied = self
+            .config
+            .as_ref()
+            .and_then(|c| c.get("tie_word_embeddings"))
+            .and_then(Value::as_bool)
+            .unwrap_or(false);
+        if !tied || !self.tensors.contains_key(LM_HEAD) {
+            return Ok(self);
+        }
+        let mismatch = |reason: String| Error::TiedEmbeddingMismatch {
+            dir: self.dir.clone(),
+            embedding: EMBEDDING.into(),
+            lm_head: LM_HEAD.into(),
+            reason,
+        };
+        let head = self.tensor(LM_HEAD)?;
+        let Ok(embed) = self.tensor(EMBEDDING) else {
+            return Err(mismatch(format!("there is no {EMBEDDING}")));
+        };
+        if (head.dtype, &head.shape) != (embed.dtype, &embed.shape) {
+            return Err(mismatch(format!(
+                "{} {:?} against {} {:?}",
+                head.dtype, head.shape, embed.dtype, embed.shape
+            )));
+        }
+        if let Some(at) = head.data.iter().zip(embed.data).position(|(a, b)| a != b) {
+            return Err(mismatch(format!(
+                "their bytes differ (first at byte {at} of {})",
+                head.data.len()
+            )));
+        }
+        self.tensors.remove(LM_HEAD);
+        Ok(self)
+    }
+
+    /// The model as mx lays it out, for `layouts`: from `config.json` and the tensors
+    /// ([`ModelInfo::from_hf_config`]), or without `config.json` a generic model
+    /// ([`ModelInfo::generic`]) when every layout is replicated or FSDP, which need no model
+    /// shape.
+    ///
+    /// # Errors
+    /// [`Error::NoConfig`] naming `config.json` and the first layout that needs it (tensor
+    /// parallelism); [`Error::Model`] when `config.json` does not describe the tensors.
+    pub fn model_info(&self, layouts: &[LayoutSpec]) -> Result<ModelInfo, Error> {
+        match &self.config {
+            Some(config) => {
+                ModelInfo::from_hf_config(config, self.specs()).map_err(|source| Error::Model {
+                    dir: self.dir.clone(),
+                    source,
+                })
+            }
+            None => match layouts
+                .iter()
+                .find(|l| !matches!(l.scheme, Scheme::Replicated | Scheme::Fsdp))
+            {
+                Some(l) => Err(Error::NoConfig {
+                    file: self.dir.join(CONFIG_FILE),
+                    layout: l.to_string(),
+                }),
+                None => Ok(ModelInfo::generic(self.specs())),
+            },
+        }
     }
 
     /// All tensor names, sorted.
@@ -212,32 +292,16 @@ fn open_files(paths: &[PathBuf]) -> Result<(Vec<MappedFile>, Tensors), Error> {
 
 /// Opens a sharded checkpoint and checks that the index and the shards agree exactly.
 fn open_sharded(dir: &Path, index: &Path) -> Result<(Vec<MappedFile>, Tensors), Error> {
-    let bad = |reason: String| Error::BadIndex {
-        index: index.to_path_buf(),
-        reason,
-    };
-    let text = std::fs::read_to_string(index).map_err(|source| Error::Io {
+    let text = std::fs::read(index).map_err(|source| Error::Io {
         op: "reading",
         path: index.to_path_buf(),
         source,
     })?;
-    let json: Value = serde_json::from_str(&text).map_err(|e| bad(format!("not JSON: {e}")))?;
-    let map = json
-        .get("weight_map")
-        .and_then(Value::as_object)
-        .ok_or_else(|| bad("missing or non-object \"weight_map\"".to_string()))?;
+    let weight_map = parse_index(index, &text)?;
     // tensor -> shard file name, and the first tensor naming each file.
     let mut wanted: BTreeMap<&str, &str> = BTreeMap::new();
     let mut shard_names: BTreeMap<&str, &str> = BTreeMap::new();
-    for (tensor, file) in map {
-        let file = file
-            .as_str()
-            .ok_or_else(|| bad(format!("tensor {tensor}: file name is not a string")))?;
-        if !is_plain_file_name(file) {
-            return Err(bad(format!(
-                "tensor {tensor}: file {file:?} is not a plain file name"
-            )));
-        }
+    for (tensor, file) in &weight_map {
         wanted.insert(tensor, file);
         shard_names.entry(file).or_insert(tensor);
     }
@@ -278,13 +342,65 @@ fn open_sharded(dir: &Path, index: &Path) -> Result<(Vec<MappedFile>, Tensors), 
     Ok((files, tensors))
 }
 
-/// True for a single normal path component (no separators, no `..`, not absolute).
+/// Parses the text of `model.safetensors.index.json` (`index` names it in errors) into its
+/// `weight_map`: tensor name -> shard file name, every file name a plain name in the same
+/// directory. Other top-level keys (`metadata`) are allowed; no key may repeat anywhere.
+///
+/// # Errors
+/// [`Error::DuplicateKey`] naming a repeated key; [`Error::BadIndex`] for text that is not JSON,
+/// a missing or non-object `weight_map`, or a file name that is not a string or not plain.
+pub fn parse_index(index: &Path, text: &[u8]) -> Result<BTreeMap<String, String>, Error> {
+    let bad = |reason: String| Error::BadIndex {
+        index: index.to_path_buf(),
+        reason,
+    };
+    let json: Value = strict_json::from_slice(text)
+        .map_err(|e| json_error(index, e, |r| bad(format!("not JSON: {r}"))))?;
+    let map = json
+        .get("weight_map")
+        .and_then(Value::as_object)
+        .ok_or_else(|| bad("missing or non-object \"weight_map\"".to_string()))?;
+    let mut out = BTreeMap::new();
+    for (tensor, file) in map {
+        let file = file
+            .as_str()
+            .ok_or_else(|| bad(format!("tensor {tensor}: file name is not a string")))?;
+        if !is_plain_file_name(file) {
+            return Err(bad(format!(
+                "tensor {tensor}: file {file:?} is not a plain file name"
+            )));
+        }
+        out.insert(tensor.clone(), file.to_string());
+    }
+    Ok(out)
+}
+
+/// Parses the text of a `config.json` (`file` names it in errors) as strict JSON.
+///
+/// # Errors
+/// [`Error::DuplicateKey`] naming a repeated key; [`Error::BadConfig`] for text that is not
+/// JSON or not an object.
+pub fn parse_config(file: &Path, text: &[u8]) -> Result<Value, Error> {
+    let bad = |reason: String| Error::BadConfig {
+        file: file.to_path_buf(),
+        reason,
+    };
+    let v: Value = strict_json::from_slice(text).map_err(|e| json_error(file, e, bad))?;
+    if !v.is_object() {
+        return Err(bad("not a JSON object".to_string()));
+    }
+    Ok(v)
+}
+
+/// True for a single normal path component (no separators, no `..`, not absolute). The text
+/// must be that component exactly: `Path::components` drops a trailing `/` or `/.`, so
+/// `"shard/"` would otherwise pass (found by the `safetensors_index` fuzz target).
 fn is_plain_file_name(name: &str) -> bool {
     let mut comps = Path::new(name).components();
-    matches!(
-        (comps.next(), comps.next()),
-        (Some(Component::Normal(_)), None)
-    )
+    match (comps.next(), comps.next()) {
+        (Some(Component::Normal(c)), None) => c == std::ffi::OsStr::new(name),
+        _ => false,
+    }
 }
 
 /// Reads `path` as JSON if it exists.
@@ -292,15 +408,10 @@ fn read_config(path: &Path) -> Result<Option<Value>, Error> {
     if !path.is_file() {
         return Ok(None);
     }
-    let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
+    let text = std::fs::read(path).map_err(|source| Error::Io {
         op: "reading",
         path: path.to_path_buf(),
         source,
     })?;
-    serde_json::from_str(&text)
-        .map(Some)
-        .map_err(|e| Error::BadConfig {
-            file: path.to_path_buf(),
-            reason: e.to_string(),
-        })
+    parse_config(path, &text).map(Some)
 }

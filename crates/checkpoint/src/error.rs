@@ -189,4 +189,56 @@ pub enum Error {
         /// The name asked for.
         name: String,
     },
+    /// A JSON object (in a header, the index or `config.json`) holds a key twice, also when
+    /// the two spellings differ only by escaping.
+    #[error("{file}: duplicate key {key:?} in the JSON object at {path}")]
+    DuplicateKey {
+        /// The file.
+        file: PathBuf,
+        /// The repeated key, unescaped.
+        key: String,
+        /// Where the object is (`$` is the top level, then `.key` and `[index]` steps).
+        path: String,
+    },
+    /// A header's `__metadata__` is not an object of strings.
+    #[error("{file}: __metadata__ key {key:?}: {reason}")]
+    BadMetadata {
+        /// The safetensors file.
+        file: PathBuf,
+        /// The metadata key at fault (empty when `__metadata__` itself is not an object).
+        key: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// `config.json` ties the word embeddings (`tie_word_embeddings: true`), and the checkpoint
+    /// holds an output projection that differs from the embedding.
+    #[error("{dir}: config.json ties the word embeddings, but {lm_head} differs from {embedding}: {reason}")]
+    TiedEmbeddingMismatch {
+        /// The checkpoint directory.
+        dir: PathBuf,
+        /// The embedding tensor (`model.embed_tokens.weight`).
+        embedding: String,
+        /// The output projection (`lm_head.weight`).
+        lm_head: String,
+        /// How they differ.
+        reason: String,
+    },
+    /// A layout that needs the model's shape (tensor parallelism), for a checkpoint without
+    /// `config.json`.
+    #[error("{file} is missing: layout {layout} needs the model's shape from it (replicated and fsdp layouts do not)")]
+    NoConfig {
+        /// The missing `config.json`.
+        file: PathBuf,
+        /// The layout that needs it.
+        layout: String,
+    },
+    /// `config.json` and the tensors do not describe a model mx can lay out.
+    #[error("{dir}: {source}")]
+    Model {
+        /// The checkpoint directory.
+        dir: PathBuf,
+        /// The layout crate's error.
+        #[source]
+        source: mx_layout::Error,
+    },
 }

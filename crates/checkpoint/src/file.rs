@@ -1,11 +1,12 @@
 //! One memory-mapped safetensors file: header checks with named errors, then the safetensors
 //! crate's own validation.
 
+use std::collections::BTreeMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
-use mx_layout::DType;
+use mx_layout::{strict_json, DType, JsonError};
 use safetensors::SafeTensors;
 use serde_json::Value;
 
@@ -67,13 +68,20 @@ impl MappedFile {
         // mapped would fault on access, which is the documented limit of this crate). The map's
         // lifetime is tied to `MappedFile`, and every slice handed out borrows from it.
         let map = unsafe { Mmap::map(&file) }.map_err(io("mapping"))?;
-        let tensors = check_header(path, &map)?;
-        if let Err(source) = SafeTensors::read_metadata(&map) {
-            return Err(Error::Safetensors {
-                file: path.to_path_buf(),
-                source,
-            });
-        }
+        let header = Header::parse(path, &map)?;
+        let tensors = header
+            .tensors
+            .into_iter()
+            .map(|t| {
+                let entry = Entry {
+                    dtype: t.dtype,
+                    shape: t.shape,
+                    start: header.data_start + t.begin,
+                    len: t.end - t.begin,
+                };
+                (t.name, entry)
+            })
+            .collect();
         Ok(MappedFile {
             path: path.to_path_buf(),
             map,
@@ -91,8 +99,98 @@ impl MappedFile {
     }
 }
 
+/// One tensor of a safetensors header.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeaderTensor {
+    /// The tensor's name.
+    pub name: String,
+    /// Element type.
+    pub dtype: DType,
+    /// Shape, outermost dimension first.
+    pub shape: Vec<u64>,
+    /// Start of its bytes in the data section (after the header).
+    pub begin: u64,
+    /// End (exclusive) of its bytes in the data section.
+    pub end: u64,
+}
+
+/// A checked safetensors header: what [`Header::parse`] accepts from a file's bytes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Header {
+    /// Tensors, sorted by name; every extent lies in the data section and matches dtype x shape.
+    pub tensors: Vec<HeaderTensor>,
+    /// `__metadata__`: string keys to string values.
+    pub metadata: BTreeMap<String, String>,
+    /// Byte offset of the data section in the file (8 + header length).
+    pub data_start: u64,
+    /// Length of the data section in bytes.
+    pub data_len: u64,
+}
+
+impl Header {
+    /// Parses and checks the header of the safetensors file `bytes` (the whole file; `path` only
+    /// names it in errors), then lets the safetensors crate validate it again (gaps, overlaps,
+    /// trailing bytes).
+    ///
+    /// # Errors
+    /// The header variants of [`Error`] (truncated, too large, past EOF, bad JSON, duplicate key,
+    /// bad metadata, bad entry, unknown dtype, offsets past end, length mismatch) naming the file
+    /// and tensor; [`Error::Safetensors`] for anything else the safetensors crate refuses.
+    pub fn parse(path: &Path, bytes: &[u8]) -> Result<Header, Error> {
+        let header = check_header(path, bytes)?;
+        if let Err(source) = SafeTensors::read_metadata(bytes) {
+            return Err(Error::Safetensors {
+                file: path.to_path_buf(),
+                source,
+            });
+        }
+        Ok(header)
+    }
+
+    /// The header's JSON text (canonical: keys sorted, no padding), which [`Header::parse`]
+    /// reads back as `self` when prefixed by its length and followed by the data section.
+    pub fn to_json(&self) -> String {
+        let mut map = serde_json::Map::new();
+        if !self.metadata.is_empty() {
+            let meta: serde_json::Map<String, Value> = self
+                .metadata
+                .iter()
+                .map(|(k, v)| (k.clone(), Value::String(v.clone())))
+                .collect();
+            map.insert("__metadata__".into(), Value::Object(meta));
+        }
+        for t in &self.tensors {
+            map.insert(
+                t.name.clone(),
+                serde_json::json!({
+                    "dtype": t.dtype.to_string(),
+                    "shape": t.shape,
+                    "data_offsets": [t.begin, t.end],
+                }),
+            );
+        }
+        Value::Object(map).to_string()
+    }
+}
+
+/// Maps a strict-JSON error of `file` onto [`Error`]; `invalid` builds the error for bad JSON.
+pub(crate) fn json_error(
+    file: &Path,
+    e: JsonError,
+    invalid: impl FnOnce(String) -> Error,
+) -> Error {
+    match e {
+        JsonError::DuplicateKey { key, path } => Error::DuplicateKey {
+            file: file.to_path_buf(),
+            key,
+            path,
+        },
+        other => invalid(other.to_string()),
+    }
+}
+
 /// Parses and checks the header of the safetensors bytes `buf` read from `path`.
-fn check_header(path: &Path, buf: &[u8]) -> Result<Vec<(String, Entry)>, Error> {
+fn check_header(path: &Path, buf: &[u8]) -> Result<Header, Error> {
     let file = || path.to_path_buf();
     let file_len = buf.len() as u64;
     let mut prefix = [0u8; 8];
@@ -121,9 +219,11 @@ fn check_header(path: &Path, buf: &[u8]) -> Result<Vec<(String, Entry)>, Error> 
         file: file(),
         reason: format!("not UTF-8: {e}"),
     })?;
-    let json: Value = serde_json::from_str(text).map_err(|e| Error::BadHeader {
-        file: file(),
-        reason: format!("not JSON: {e}"),
+    let json: Value = strict_json::from_str(text).map_err(|e| {
+        json_error(path, e, |reason| Error::BadHeader {
+            file: file(),
+            reason: format!("not JSON: {reason}"),
+        })
     })?;
     let Value::Object(map) = json else {
         return Err(Error::BadHeader {
@@ -133,8 +233,10 @@ fn check_header(path: &Path, buf: &[u8]) -> Result<Vec<(String, Entry)>, Error> 
     };
     let data_len = file_len - data_start;
     let mut out = Vec::with_capacity(map.len());
+    let mut metadata = BTreeMap::new();
     for (name, info) in &map {
         if name == "__metadata__" {
+            metadata = check_metadata(path, info)?;
             continue;
         }
         let bad = |reason: &str| Error::BadTensorEntry {
@@ -195,18 +297,54 @@ fn check_header(path: &Path, buf: &[u8]) -> Result<Vec<(String, Entry)>, Error> 
                 data_len,
             });
         }
-        out.push((
-            name.clone(),
-            Entry {
-                dtype,
-                shape,
-                start: data_start + begin,
-                len: actual,
-            },
-        ));
+        out.push(HeaderTensor {
+            name: name.clone(),
+            dtype,
+            shape,
+            begin,
+            end,
+        });
     }
-    out.sort_by(|a, b| a.0.cmp(&b.0));
-    Ok(out)
+    out.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(Header {
+        tensors: out,
+        metadata,
+        data_start,
+        data_len,
+    })
+}
+
+/// `__metadata__` as string pairs; any other value is an error naming its key.
+fn check_metadata(path: &Path, info: &Value) -> Result<BTreeMap<String, String>, Error> {
+    let bad = |key: &str, reason: String| Error::BadMetadata {
+        file: path.to_path_buf(),
+        key: key.to_string(),
+        reason,
+    };
+    let Value::Object(meta) = info else {
+        return Err(bad(
+            "",
+            format!("__metadata__ is {}, not an object", kind(info)),
+        ));
+    };
+    meta.iter()
+        .map(|(k, v)| match v {
+            Value::String(s) => Ok((k.clone(), s.clone())),
+            other => Err(bad(k, format!("value is {}, not a string", kind(other)))),
+        })
+        .collect()
+}
+
+/// A JSON value's kind, for messages.
+fn kind(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
 }
 
 /// Bytes of a `dtype` tensor of `shape`, or None on u64 overflow.

@@ -8,13 +8,18 @@
 //! tests check pulled bytes against them.
 //!
 //! Main types: [`Checkpoint`] (an open directory), [`TensorView`] (one tensor's bytes),
+//! [`Header`] (a checked safetensors header, parsed from bytes), [`parse_index`] and
+//! [`parse_config`] (the index and `config.json` from their text),
 //! [`write_safetensors`] (writes a file, for tests and tools) and [`Error`].
 //!
 //! Bad input is an [`Error`] naming the file and tensor, never a panic: a file shorter than the
 //! length prefix, a header length past the end of the file or over 100 MB, a header that is not
 //! UTF-8 JSON, a tensor entry without dtype/shape/offsets, a dtype mx does not support, offsets
 //! past the end of the data, a byte length that disagrees with shape x dtype size, and an index
-//! that names a missing file or a tensor its shard lacks (or a shard tensor the index omits). The
+//! that names a missing file or a tensor its shard lacks (or a shard tensor the index omits), a
+//! key repeated in any JSON object (also after unescaping; [`Error::DuplicateKey`]), a
+//! `__metadata__` value that is not a string ([`Error::BadMetadata`] naming its key), and a
+//! tied-embedding `lm_head.weight` that differs from the embedding. The
 //! safetensors crate then validates each file again (gaps, overlaps, trailing bytes).
 //!
 //! Left out: converting dtypes, slicing tensors into layout boxes (mx-layout plans, callers copy),
@@ -28,6 +33,9 @@ mod error;
 mod file;
 mod write;
 
-pub use checkpoint::{Checkpoint, TensorView, CONFIG_FILE, INDEX_FILE, SINGLE_FILE};
+pub use checkpoint::{
+    parse_config, parse_index, Checkpoint, TensorView, CONFIG_FILE, INDEX_FILE, SINGLE_FILE,
+};
 pub use error::Error;
+pub use file::{Header, HeaderTensor};
 pub use write::{write_safetensors, write_safetensors_with_sync};

@@ -724,3 +724,207 @@ fn checkpoint_is_shareable_across_threads() {
     assert_send_sync::<mx_checkpoint::TensorView<'static>>();
     assert_send_sync::<Error>();
 }
+
+// Strict parsing (issue 17): repeated keys, metadata values, tied embeddings, no config.json.
+
+#[test]
+fn header_with_a_repeated_key_is_refused_naming_it() {
+    let entry = r#"{"dtype":"F32","shape":[1],"data_offsets":[0,4]}"#;
+    // Spelled the same, and spelled differently but the same after unescaping.
+    for header in [
+        format!(r#"{{"w":{entry},"w":{entry}}}"#),
+        format!(r#"{{"w":{entry},"\u0077":{entry}}}"#),
+    ] {
+        let (_d, r) = open_raw(&raw_file(&header, &[0; 4]));
+        let err = assert_err(
+            r,
+            |e| matches!(e, Error::DuplicateKey { key, .. } if key == "w"),
+            "a repeated tensor key",
+        );
+        assert!(err.to_string().contains("\"w\""), "{err}");
+    }
+    // Inside a tensor entry and inside __metadata__.
+    let header = r#"{"w":{"dtype":"F32","dtype":"F32","shape":[1],"data_offsets":[0,4]}}"#;
+    let (_d, r) = open_raw(&raw_file(header, &[0; 4]));
+    assert_err(
+        r,
+        |e| matches!(e, Error::DuplicateKey { key, path, .. } if key == "dtype" && path == "$.w"),
+        "a repeated dtype",
+    );
+    let header = format!(r#"{{"__metadata__":{{"format":"pt","form\u0061t":"pt"}},"w":{entry}}}"#);
+    let (_d, r) = open_raw(&raw_file(&header, &[0; 4]));
+    assert_err(
+        r,
+        |e| matches!(e, Error::DuplicateKey { key, path, .. } if key == "format" && path == "$.__metadata__"),
+        "a repeated metadata key",
+    );
+}
+
+#[test]
+fn non_string_metadata_value_is_refused_naming_its_key() {
+    let entry = r#"{"dtype":"F32","shape":[1],"data_offsets":[0,4]}"#;
+    for (meta, key) in [
+        (r#"{"format":"pt","step":7}"#, "step"),
+        (r#"{"nested":{"a":"b"}}"#, "nested"),
+        (r#"{"n":null}"#, "n"),
+        (r#"["pt"]"#, ""),
+    ] {
+        let header = format!(r#"{{"__metadata__":{meta},"w":{entry}}}"#);
+        let (_d, r) = open_raw(&raw_file(&header, &[0; 4]));
+        let err = assert_err(
+            r,
+            |e| matches!(e, Error::BadMetadata { key: k, .. } if k == key),
+            "a non-string metadata value",
+        );
+        assert!(err.to_string().contains(&format!("{key:?}")), "{err}");
+    }
+    // Strings only: accepted, and read back from the header.
+    let header = format!(r#"{{"__metadata__":{{"format":"pt"}},"w":{entry}}}"#);
+    let h = mx_checkpoint::Header::parse(Path::new("f"), &raw_file(&header, &[0; 4])).unwrap();
+    assert_eq!(h.metadata.get("format").map(String::as_str), Some("pt"));
+    assert_eq!(h.tensors.len(), 1);
+}
+
+#[test]
+fn index_and_config_with_a_repeated_key_are_refused_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let shard = vec![t("a", DType::F32, &[2], 1), t("b", DType::F32, &[2], 2)];
+    write_safetensors(&dir.path().join("s1.safetensors"), &shard).unwrap();
+    fs::write(
+        dir.path().join(mx_checkpoint::INDEX_FILE),
+        r#"{"weight_map":{"a":"s1.safetensors","b":"s1.safetensors","\u0061":"s1.safetensors"}}"#,
+    )
+    .unwrap();
+    let err = assert_err(
+        Checkpoint::open(dir.path()),
+        |e| matches!(e, Error::DuplicateKey { key, path, .. } if key == "a" && path == "$.weight_map"),
+        "a repeated weight_map key",
+    );
+    assert!(err.to_string().contains(mx_checkpoint::INDEX_FILE), "{err}");
+
+    let (dir, _) = write_dir(&shard);
+    fs::write(
+        dir.path().join("config.json"),
+        r#"{"model_type":"llama","vocab_size":3,"vocab_size":4}"#,
+    )
+    .unwrap();
+    let err = assert_err(
+        Checkpoint::open(dir.path()),
+        |e| matches!(e, Error::DuplicateKey { key, .. } if key == "vocab_size"),
+        "a repeated config key",
+    );
+    assert!(err.to_string().contains("config.json"), "{err}");
+}
+
+fn tied_dir(lm_head: Option<T>) -> tempfile::TempDir {
+    let mut tensors = vec![
+        t("model.embed_tokens.weight", DType::BF16, &[4, 2], 1),
+        t("model.norm.weight", DType::BF16, &[2], 2),
+    ];
+    tensors.extend(lm_head);
+    let (dir, _) = write_dir(&tensors);
+    fs::write(
+        dir.path().join("config.json"),
+        r#"{"model_type":"llama","tie_word_embeddings":true}"#,
+    )
+    .unwrap();
+    dir
+}
+
+#[test]
+fn tied_lm_head_that_differs_from_the_embedding_is_refused_naming_both() {
+    for head in [
+        t("lm_head.weight", DType::BF16, &[4, 2], 9),
+        t("lm_head.weight", DType::BF16, &[2, 4], 1),
+        t("lm_head.weight", DType::F16, &[4, 2], 1),
+    ] {
+        let dir = tied_dir(Some(head));
+        let err = assert_err(
+            Checkpoint::open(dir.path()),
+            |e| {
+                matches!(e, Error::TiedEmbeddingMismatch { embedding, lm_head, .. }
+                    if embedding == "model.embed_tokens.weight" && lm_head == "lm_head.weight")
+            },
+            "a tied lm_head that differs",
+        );
+        let msg = err.to_string();
+        assert!(msg.contains("lm_head.weight") && msg.contains("model.embed_tokens.weight"));
+    }
+}
+
+#[test]
+fn tied_lm_head_identical_to_the_embedding_is_accepted_and_not_pulled_twice() {
+    let dir = tied_dir(Some(t("lm_head.weight", DType::BF16, &[4, 2], 1)));
+    let ck = Checkpoint::open(dir.path()).unwrap();
+    assert_eq!(
+        ck.tensor_names(),
+        vec!["model.embed_tokens.weight", "model.norm.weight"]
+    );
+    assert!(ck.specs().iter().all(|s| s.name != "lm_head.weight"));
+    assert_eq!(ck.total_bytes(), 4 * 2 * 2 + 2 * 2);
+    // The same checkpoint without the redundant tensor opens to the same tensors.
+    let plain = tied_dir(None);
+    assert_eq!(Checkpoint::open(plain.path()).unwrap().specs(), ck.specs());
+}
+
+#[test]
+fn no_config_is_accepted_for_replicated_and_fsdp_layouts_only() {
+    use mx_layout::{rank_layouts, LayoutSpec};
+    let (dir, _) = write_dir(&sample());
+    assert!(!dir.path().join("config.json").exists());
+    let ck = Checkpoint::open(dir.path()).unwrap();
+    let fsdp: LayoutSpec = "fsdp:2".parse().unwrap();
+    let repl: LayoutSpec = "replicated:1".parse().unwrap();
+    let model = ck.model_info(&[fsdp, repl]).unwrap();
+    assert_eq!(model.family, mx_layout::model::Family::Generic);
+    assert_eq!(model.tensors, ck.specs());
+    let total: u64 = rank_layouts(&model, fsdp)
+        .unwrap()
+        .iter()
+        .map(|r| r.total_bytes)
+        .sum();
+    assert_eq!(total, ck.total_bytes());
+    assert_eq!(
+        rank_layouts(&model, repl).unwrap()[0].total_bytes,
+        ck.total_bytes()
+    );
+
+    let tp: LayoutSpec = "tp:2".parse().unwrap();
+    let err = ck.model_info(&[fsdp, tp]).unwrap_err();
+    match &err {
+        Error::NoConfig { file, layout } => {
+            assert_eq!(file, &dir.path().join("config.json"));
+            assert_eq!(layout, "tp:2");
+        }
+        other => panic!("expected NoConfig, got {other:?}"),
+    }
+    assert!(err.to_string().contains("config.json"), "{err}");
+    // The layout crate refuses the generic model for tensor parallelism too.
+    let err = rank_layouts(&model, tp).unwrap_err();
+    assert!(
+        matches!(&err, mx_layout::Error::NoModelConfig { layout } if layout == "tp:2"),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("config.json"), "{err}");
+}
+
+#[test]
+fn regression_index_file_name_with_a_trailing_slash_is_not_plain() {
+    // Found by the safetensors_index fuzz target: Path::components drops a trailing "/" (and
+    // "/."), so "shard.safetensors/" passed as a plain file name.
+    for name in [
+        "s1.safetensors/",
+        "s1.safetensors/.",
+        "./s1.safetensors",
+        "a/b",
+        "..",
+        "",
+    ] {
+        let text = serde_json::json!({ "weight_map": { "a": name } }).to_string();
+        let err = mx_checkpoint::parse_index(Path::new("i.json"), text.as_bytes()).unwrap_err();
+        assert!(matches!(&err, Error::BadIndex { .. }), "{name:?}: {err:?}");
+    }
+    let text = r#"{"weight_map":{"a":"s1.safetensors"}}"#;
+    let map = mx_checkpoint::parse_index(Path::new("i.json"), text.as_bytes()).unwrap();
+    assert_eq!(map["a"], "s1.safetensors");
+}

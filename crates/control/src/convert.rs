@@ -806,7 +806,7 @@ pub(crate) fn refit_pb(r: &Refit) -> pb::RefitInfo {
 
 /// Decodes a refit from its JSON record.
 pub(crate) fn refit(p: &pb::RefitInfo) -> Result<Refit, Error> {
-    serde_json::from_slice(&p.detail_json)
+    mx_layout::strict_json::from_slice(&p.detail_json)
         .map_err(|e| invalid("detail_json", format!("refit {}: {e}", p.id)))
 }
 

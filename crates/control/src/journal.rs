@@ -53,10 +53,11 @@ use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use mx_layout::{strict_json, JsonError};
 use serde::{Deserialize, Serialize};
 
 use crate::limits::{MAX_BATCH_BYTES, MAX_JOURNAL_LINE_BYTES};
-use crate::state::Record;
+use crate::state::{Record, State};
 use crate::Error;
 
 /// Largest incomplete last line taken for a torn write, in bytes: one group-commit batch
@@ -153,8 +154,12 @@ fn retired_reason(op: &str) -> String {
     )
 }
 
-/// Why a line that is not JSON of a record was refused.
-fn json_reason(line: &[u8], e: &serde_json::Error) -> String {
+/// Why a line that is not JSON of a record was refused. Parsing is strict: a key repeated in
+/// any object of the line (also after unescaping) is refused, naming it.
+fn json_reason(line: &[u8], e: &JsonError) -> String {
+    if let JsonError::DuplicateKey { key, path } = e {
+        return format!("duplicate key {key:?} in the JSON object at {path}");
+    }
     retired_op(line).map_or_else(|| e.to_string(), retired_reason)
 }
 
@@ -175,7 +180,7 @@ fn decode_line(
                     "checksum mismatch in record seq {want}: the line says {stored:08x}, its bytes hash to {computed:08x} (the line changed on disk)"
                 ));
             }
-            let e: Entry = serde_json::from_slice(line).map_err(|e| json_reason(line, &e))?;
+            let e: Entry = strict_json::from_slice(line).map_err(|e| json_reason(line, &e))?;
             (e, true)
         }
         None => {
@@ -187,7 +192,8 @@ fn decode_line(
                     "record seq {want} has no checksum, but line {k} had one: its checksum field was damaged"
                 ));
             }
-            let e: LegacyEntry = serde_json::from_slice(line).map_err(|e| json_reason(line, &e))?;
+            let e: LegacyEntry =
+                strict_json::from_slice(line).map_err(|e| json_reason(line, &e))?;
             let e = Entry {
                 seq: e.seq,
                 unix_ms: e.unix_ms,
@@ -310,6 +316,32 @@ pub fn read_records(path: &Path) -> Result<Vec<Entry>, Error> {
         );
     }
     Ok(parsed.entries)
+}
+
+/// Parses and verifies journal `bytes` as [`read_records`] does a file's (`path` only names them
+/// in errors): every line checked, a torn last record left out.
+///
+/// # Errors
+/// [`Error::JournalCorrupt`] naming the 1-based line of the first bad line.
+pub fn parse_records(path: &Path, bytes: &[u8]) -> Result<Vec<Entry>, Error> {
+    parse(path, bytes).map(|p| p.entries)
+}
+
+/// Replays `entries` into a fresh [`State`], as the control plane does when it starts.
+///
+/// # Errors
+/// [`Error::Replay`] naming the 1-based line (of the journal at `path`) whose record the state
+/// machine refuses.
+pub fn replay(path: &Path, entries: impl IntoIterator<Item = Entry>) -> Result<State, Error> {
+    let mut state = State::new();
+    for (i, e) in entries.into_iter().enumerate() {
+        state.apply(e.record).map_err(|source| Error::Replay {
+            path: path.to_path_buf(),
+            line: i + 1,
+            source: Box::new(source),
+        })?;
+    }
+    Ok(state)
 }
 
 /// Saves a torn tail beside the journal, as `<journal>.torn-<unix_ms>` (a numbered suffix when
@@ -896,6 +928,78 @@ mod tests {
         let (line, reason) = corrupt_line(&err);
         assert_eq!(line, 1);
         assert!(reason.contains("unknown field `crc33`"), "{reason}");
+    }
+
+    #[test]
+    fn a_repeated_key_in_a_record_is_refused_naming_it() {
+        let p = Path::new("j.jsonl");
+        let good = r#"{"seq":1,"unix_ms":5,"record":{"op":"register","worker_id":"a","instance":"i","ranks":[0],"layout":{"scheme":"VllmTp","world_size":1}}}"#;
+        assert_eq!(
+            parse_records(p, format!("{good}\n").as_bytes())
+                .unwrap()
+                .len(),
+            1
+        );
+        // Repeated as spelled, and repeated after unescaping (serde would keep one silently).
+        for (from, to, key, at) in [
+            (
+                "\"instance\":\"i\",",
+                "\"instance\":\"i\",\"instance\":\"j\",",
+                "instance",
+                "$.record",
+            ),
+            (
+                "\"world_size\":1",
+                "\"world_size\":1,\"world_siz\\u0065\":2",
+                "world_size",
+                "$.record.layout",
+            ),
+            (
+                "\"unix_ms\":5,",
+                "\"unix_ms\":5,\"unix_ms\":6,",
+                "unix_ms",
+                "$",
+            ),
+        ] {
+            let line = good.replacen(from, to, 1);
+            assert_ne!(line, good);
+            let err = parse_records(p, format!("{line}\n").as_bytes()).unwrap_err();
+            let (n, reason) = corrupt_line(&err);
+            assert_eq!(n, 1);
+            assert_eq!(
+                reason,
+                format!("duplicate key {key:?} in the JSON object at {at}")
+            );
+        }
+        // With a valid checksum too.
+        let mut buf = Vec::new();
+        let body = good.strip_suffix('}').unwrap().replacen(
+            "\"ranks\":[0]",
+            "\"ranks\":[0],\"ranks\":[1]",
+            1,
+        );
+        buf.extend_from_slice(body.as_bytes());
+        let crc = crc32fast::hash(&buf);
+        buf.extend_from_slice(format!(",\"crc32\":\"{crc:08x}\"}}\n").as_bytes());
+        let err = parse_records(p, &buf).unwrap_err();
+        assert_eq!(
+            corrupt_line(&err).1,
+            "duplicate key \"ranks\" in the JSON object at $.record"
+        );
+    }
+
+    #[test]
+    fn replay_names_the_refused_line() {
+        let p = Path::new("j.jsonl");
+        let text = concat!(
+            r#"{"seq":1,"unix_ms":1,"record":{"op":"stage","label":"nope","worker_ids":["w"]}}"#,
+            "\n"
+        );
+        let entries = parse_records(p, text.as_bytes()).unwrap();
+        match replay(p, entries) {
+            Err(Error::Replay { line, .. }) => assert_eq!(line, 1),
+            other => panic!("expected a replay error, got {:?}", other.map(|_| ())),
+        }
     }
 
     /// A SmolLM2-135M-shaped FSDP slot-0 manifest of `fsdp` slots: 272 BF16 tensors (dim-0

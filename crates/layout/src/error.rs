@@ -122,4 +122,25 @@ pub enum Error {
         /// Why.
         reason: String,
     },
+    /// A layout that needs the model's shape (heads, vocab: tensor parallelism) for a model
+    /// known only by its tensors, from a checkpoint without `config.json`.
+    #[error(
+        "layout {layout} needs the model's shape from config.json, and the checkpoint has none \
+         (only replicated and fsdp layouts work without it)"
+    )]
+    NoModelConfig {
+        /// The layout.
+        layout: String,
+    },
+    /// A tied-embedding model (`tie_word_embeddings: true`) whose checkpoint also holds an
+    /// output projection that is not the embedding.
+    #[error("config.json ties the word embeddings, but {lm_head} is not {embedding}: {reason}")]
+    TiedEmbeddingMismatch {
+        /// The embedding tensor (`model.embed_tokens.weight`).
+        embedding: String,
+        /// The output projection (`lm_head.weight`).
+        lm_head: String,
+        /// How they differ.
+        reason: String,
+    },
 }

@@ -17,6 +17,7 @@ pub mod model;
 pub mod plan;
 #[cfg(test)]
 mod plan_reference;
+pub mod strict_json;
 mod types;
 pub mod update;
 
@@ -27,4 +28,5 @@ pub use manifest::{
     ShardEntry, SourceManifest, TensorSpec,
 };
 pub use model::{rank_layout, rank_layouts, ModelInfo, Param, Piece, RankLayout};
+pub use strict_json::JsonError;
 pub use types::{Digest, LayoutSpec, Scheme, TensorBox, VersionId};

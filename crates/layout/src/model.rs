@@ -27,6 +27,9 @@ pub enum Family {
     Llama,
     /// BERT encoder.
     Bert,
+    /// Known only by its tensors (a checkpoint without `config.json`): replicated and FSDP
+    /// layouts place it, tensor parallelism refuses it ([`Error::NoModelConfig`]).
+    Generic,
 }
 
 /// What the layout needs to know about a model.
@@ -92,7 +95,7 @@ impl ModelInfo {
         }
         let num_kv_heads = match family {
             Family::Llama => cfg_u64(config, "num_key_value_heads").unwrap_or(num_heads),
-            Family::Bert => num_heads,
+            Family::Bert | Family::Generic => num_heads,
         };
         if num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
             return Err(Error::BadConfig {
@@ -115,6 +118,13 @@ impl ModelInfo {
             }
         };
         let vocab_size = cfg_u64(config, "vocab_size")?;
+        let tied = config
+            .get("tie_word_embeddings")
+            .and_then(serde_json::Value::as_bool)
+            .unwrap_or(false);
+        if family == Family::Llama && tied {
+            drop_tied_lm_head(&mut tensors)?;
+        }
         tensors.sort_by(|a, b| a.name.cmp(&b.name));
         let info = ModelInfo {
             family,
@@ -130,6 +140,21 @@ impl ModelInfo {
         Ok(info)
     }
 
+    /// A model known only by its tensors, for a checkpoint without `config.json`: replicated and
+    /// FSDP layouts need nothing else; a tensor-parallel layout is refused by [`rank_layout`]
+    /// with [`Error::NoModelConfig`].
+    pub fn generic(mut tensors: Vec<TensorSpec>) -> ModelInfo {
+        tensors.sort_by(|a, b| a.name.cmp(&b.name));
+        ModelInfo {
+            family: Family::Generic,
+            num_heads: 0,
+            num_kv_heads: 0,
+            head_dim: 0,
+            vocab_size: 0,
+            tensors,
+        }
+    }
+
     /// Checks that every tensor the architecture needs is present with the shape `config.json`
     /// implies, so a checkpoint missing a layer or an embedding is refused instead of leaving an
     /// engine parameter stale.
@@ -140,8 +165,18 @@ impl ModelInfo {
         layers: u64,
     ) -> Result<(), Error> {
         let mut want: Vec<(String, Vec<u64>)> = Vec::new();
-        let q = self.num_heads * self.head_dim;
-        let kv = self.num_kv_heads * self.head_dim;
+        let too_big = |field: &str| Error::BadConfig {
+            field: field.to_string(),
+            reason: "heads x head_dim overflows u64".into(),
+        };
+        let q = self
+            .num_heads
+            .checked_mul(self.head_dim)
+            .ok_or_else(|| too_big("num_attention_heads"))?;
+        let kv = self
+            .num_kv_heads
+            .checked_mul(self.head_dim)
+            .ok_or_else(|| too_big("num_key_value_heads"))?;
         match self.family {
             Family::Llama => {
                 let inter = cfg_u64(config, "intermediate_size")?;
@@ -157,7 +192,7 @@ impl ModelInfo {
                 if !tied {
                     want.push(("lm_head.weight".into(), vec![self.vocab_size, hidden]));
                 }
-                for i in 0..layers {
+                for i in 0..layers.min(self.tensors.len() as u64 + 1) {
                     let l = format!("model.layers.{i}");
                     want.push((format!("{l}.self_attn.q_proj.weight"), vec![q, hidden]));
                     want.push((format!("{l}.self_attn.k_proj.weight"), vec![kv, hidden]));
@@ -170,6 +205,7 @@ impl ModelInfo {
                     want.push((format!("{l}.post_attention_layernorm.weight"), vec![hidden]));
                 }
             }
+            Family::Generic => {}
             Family::Bert => {
                 let inter = cfg_u64(config, "intermediate_size")?;
                 let suffix = "embeddings.word_embeddings.weight";
@@ -180,7 +216,7 @@ impl ModelInfo {
                     .unwrap_or("")
                     .to_string();
                 want.push((format!("{prefix}{suffix}"), vec![self.vocab_size, hidden]));
-                for i in 0..layers {
+                for i in 0..layers.min(self.tensors.len() as u64 + 1) {
                     let l = format!("{prefix}encoder.layer.{i}");
                     for part in ["query", "key", "value"] {
                         want.push((
@@ -386,6 +422,7 @@ fn role(family: Family, name: &str) -> Role {
             }
             Role::Replicated
         }
+        Family::Generic => Role::Replicated,
         Family::Bert => {
             if let Some(r) = fused("attention.self.query.", "attention.self.qkv_proj.", 0)
                 .or_else(|| fused("attention.self.key.", "attention.self.qkv_proj.", 1))
@@ -424,7 +461,37 @@ pub fn fsdp_rows(rows: u64, rank: u32, n: u32) -> (u64, u64) {
 
 /// vLLM's padded vocab size: rounded up to a multiple of 64 (`pad_vocab_size`).
 pub fn padded_vocab(vocab: u64) -> u64 {
-    vocab.div_ceil(64) * 64
+    vocab.div_ceil(64).saturating_mul(64)
+}
+
+/// For a tied-embedding llama-family model: drops a redundant `lm_head.weight` (same dtype and
+/// shape as the embedding; its bytes are compared where they are, in mx-checkpoint) so it is not
+/// placed, published or pulled twice.
+fn drop_tied_lm_head(tensors: &mut Vec<TensorSpec>) -> Result<(), Error> {
+    const EMBED: &str = "model.embed_tokens.weight";
+    const LM_HEAD: &str = "lm_head.weight";
+    let Some(at) = tensors.iter().position(|t| t.name == LM_HEAD) else {
+        return Ok(());
+    };
+    let mismatch = |reason: String| Error::TiedEmbeddingMismatch {
+        embedding: EMBED.into(),
+        lm_head: LM_HEAD.into(),
+        reason,
+    };
+    let head = &tensors[at];
+    let Some(embed) = tensors.iter().find(|t| t.name == EMBED) else {
+        return Err(mismatch(format!(
+            "the checkpoint has {LM_HEAD} but no {EMBED}"
+        )));
+    };
+    if embed.dtype != head.dtype || embed.shape != head.shape {
+        return Err(mismatch(format!(
+            "{} {:?} against {} {:?}",
+            head.dtype, head.shape, embed.dtype, embed.shape
+        )));
+    }
+    tensors.remove(at);
+    Ok(())
 }
 
 struct Builder {
@@ -565,7 +632,7 @@ fn qkv_box(
         model.num_kv_heads
     };
     let rows = spec.shape.first().copied().unwrap_or(0);
-    if rows != heads * model.head_dim {
+    if heads.checked_mul(model.head_dim) != Some(rows) {
         return Err(bad(format!(
             "dim 0 is {rows}, expected {heads} heads x head_dim {}",
             model.head_dim
@@ -648,6 +715,11 @@ pub fn rank_layout(model: &ModelInfo, layout: LayoutSpec, rank: u32) -> Result<R
                 }
             }
         }
+        Scheme::VllmTp if model.family == Family::Generic => {
+            return Err(Error::NoModelConfig {
+                layout: layout.to_string(),
+            })
+        }
         Scheme::VllmTp => vllm_tp(model, layout, rank, &mut b)?,
     }
     Ok(RankLayout {
@@ -693,7 +765,7 @@ fn vllm_tp(model: &ModelInfo, layout: LayoutSpec, rank: u32, b: &mut Builder) ->
                     let vocab = t.shape.first().copied().unwrap_or(0);
                     let padded = padded_vocab(vocab);
                     let tp = u64::from(layout.world_size);
-                    if !padded.is_multiple_of(tp) {
+                    if padded < vocab || !padded.is_multiple_of(tp) {
                         return Err(Error::ImpossibleLayout {
                             layout: layout.to_string(),
                             tensor: t.name.clone(),
@@ -726,7 +798,7 @@ fn vllm_tp(model: &ModelInfo, layout: LayoutSpec, rank: u32, b: &mut Builder) ->
                     tensor: match (expected, part) {
                         (3, p) => {
                             let parts = match model.family {
-                                Family::Llama => ["q_proj", "k_proj", "v_proj"],
+                                Family::Llama | Family::Generic => ["q_proj", "k_proj", "v_proj"],
                                 Family::Bert => ["query", "key", "value"],
                             };
                             name.replace("qkv_proj", parts[p.min(2)])
