@@ -39,6 +39,7 @@ pub mod refit;
 mod server;
 pub mod state;
 pub mod types;
+pub mod wire;
 
 /// The generated wire types and gRPC stubs of `mx.v1` (use the typed API instead where you can).
 #[allow(missing_docs, unreachable_pub, clippy::all, clippy::pedantic)]
