@@ -5,6 +5,7 @@
 #   scripts/test.sh -p mx-layout    arguments go to `cargo test` unchanged
 #   MX_LINT=1 scripts/test.sh       also `cargo fmt --check`, clippy -D warnings and ruff, first (CI does)
 #   scripts/test_ffi_c.sh           only the C ABI test (run here after the Rust tests)
+#   MX_FUZZ=0 scripts/test.sh      without the fuzz targets (scripts/fuzz.sh), run after cargo test
 #
 # After the Rust tests, the C ABI test (scripts/test_ffi_c.sh) and the Python package's tests
 # (python/tests, pytest in .mx/venv, against the package scripts/setup.sh installed); a skipped
@@ -70,6 +71,17 @@ test_cmd=(cargo test --release --no-fail-fast "${scope[@]}" "$@")
 step="${test_cmd[*]}"
 log "$step"
 "${test_cmd[@]}"
+
+# --- fuzzing (issue 17) ---
+# The parsers' fuzz targets (scripts/fuzz.sh: cargo-fuzz on the stable toolchain, each target
+# MX_FUZZ_SECONDS=60 s over its corpus in fuzz/corpus/, about 8 minutes on 2 cores with the
+# build): with the whole workspace; MX_FUZZ=0 leaves them out.
+if ((${#scope[@]})) && [[ "${MX_FUZZ:-1}" != 0 ]]; then
+    step="fuzz targets (scripts/fuzz.sh)"
+    log "$step"
+    bash "$SCRIPT_DIR/fuzz.sh"
+fi
+# --- end fuzzing ---
 
 # The C ABI from C (ffi/tests/c/refit.c against ffi/include/mx.h and libmx.so; the header's
 # drift check is a cargo test above): with the whole workspace, or when mx-ffi is among the
