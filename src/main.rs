@@ -374,21 +374,13 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             engine_token_file,
             metrics,
         } => runtime()?.block_on(async move {
-            let security = mx_control::Security {
-                tokens: match &tokens {
-                    Some(f) => Some(std::sync::Arc::new(mx_control::auth::TokenTable::load(f)?)),
-                    None => None,
-                },
-                tls: match (&tls_cert, &tls_key) {
-                    (Some(c), Some(k)) => Some(mx_control::TlsIdentity::load(c, k)?),
-                    _ => None,
-                },
+            let security = mx_control::Security::from_files(
+                tokens.as_deref(),
+                tls_cert.as_deref(),
+                tls_key.as_deref(),
                 insecure_loopback,
-                engine_token: match &engine_token_file {
-                    Some(f) => Some(mx_control::auth::read_token_file(f)?),
-                    None => None,
-                },
-            };
+                engine_token_file.as_deref(),
+            )?;
             if let Some(dir) = journal.parent() {
                 std::fs::create_dir_all(dir)
                     .with_context(|| format!("creating {}", dir.display()))?;
@@ -537,10 +529,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             label,
         } => runtime()?.block_on(async move {
             let ckpt = mx_checkpoint::Checkpoint::open(&model)?;
-            let config = ckpt
-                .config()
-                .with_context(|| format!("{} has no config.json", ckpt.dir().display()))?;
-            let info = mx_layout::ModelInfo::from_hf_config(config, ckpt.specs())?;
+            let info = ckpt.model_info(&[trainer_layout])?;
             mx_layout::rank_layouts(&info, trainer_layout)?;
             let c = mx_control::client::ControlClient::connect(&control).await?;
             c.declare_version(&label, trainer_layout, &ckpt.specs())

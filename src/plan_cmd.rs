@@ -4,10 +4,9 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use anyhow::Context;
 use mx_checkpoint::Checkpoint;
 use mx_layout::plan::{plan, synthetic_manifests, CostModel};
-use mx_layout::{LayoutSpec, ModelInfo};
+use mx_layout::LayoutSpec;
 use serde::Serialize;
 
 /// Flags of `mx plan`.
@@ -68,10 +67,7 @@ struct PlanReport {
 
 pub(crate) fn run(a: PlanArgs) -> anyhow::Result<()> {
     let ckpt = Checkpoint::open(&a.model)?;
-    let config = ckpt
-        .config()
-        .with_context(|| format!("{} has no config.json", ckpt.dir().display()))?;
-    let model = ModelInfo::from_hf_config(config, ckpt.specs())?;
+    let model = ckpt.model_info(&[a.trainer_layout, a.inference_layout])?;
     let ranks: Vec<u32> = if a.ranks.is_empty() {
         (0..a.inference_layout.world_size).collect()
     } else {

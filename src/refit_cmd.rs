@@ -28,6 +28,10 @@ pub(crate) struct RefitArgs {
     /// worker, matched to registered workers by system_url.
     #[arg(long, conflicts_with = "workers")]
     pub(crate) discovery: Option<String>,
+    /// A file holding the bearer token the discovery route requires (the workers'
+    /// --http-token-file).
+    #[arg(long, env = "MX_ENGINE_TOKEN_FILE")]
+    pub(crate) engine_token_file: Option<PathBuf>,
     /// Elastic join: only the connected workers (of --workers, or every registered one) whose
     /// resident version is not --label, e.g. workers that registered into a running fleet. The
     /// fleet's other workers keep serving untouched; a worker stages a version committed before
@@ -91,8 +95,8 @@ pub(crate) async fn run(a: RefitArgs) -> anyhow::Result<()> {
     let status = client.get_status().await?;
     let workers = if let Some(url) = &a.discovery {
         // The discovery route of an `mx worker` started with --http-token-file needs the token.
-        let token = match std::env::var_os("MX_ENGINE_TOKEN_FILE") {
-            Some(f) => Some(mx_control::auth::read_token_file(std::path::Path::new(&f))?),
+        let token = match &a.engine_token_file {
+            Some(f) => Some(mx_control::auth::read_token_file(f)?),
             None => None,
         };
         let http = mx_adapters::http_client(token.as_deref()).map_err(anyhow::Error::msg)?;

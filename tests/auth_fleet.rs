@@ -13,24 +13,13 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::model;
+use common::{free_port, model, Kids};
 
 const ORCH: &str = "orch-secret-0123456789abcdef0123";
 const PUBL: &str = "publ-secret-0123456789abcdef0123";
 const WORK: &str = "work-secret-0123456789abcdef0123";
 const READ: &str = "read-secret-0123456789abcdef0123";
 const ENGINE: &str = "engine-secret-0123456789abcdef01";
-
-struct Kids(Vec<Child>);
-
-impl Drop for Kids {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
 
 /// `mx ARGS` with `token` as MX_CONTROL_TOKEN and the test CA trusted: (success, output).
 fn mx(dir: &Path, token: &str, args: &[&str]) -> (bool, String) {
@@ -67,14 +56,6 @@ fn spawn(dir: &Path, token: &str, args: &[&str], log: &str) -> Child {
         .stderr(std::fs::File::create(dir.join(log)).unwrap())
         .spawn()
         .unwrap()
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// One HTTP/1.1 POST with an empty JSON body and optional bearer token: the status code.

@@ -7,7 +7,7 @@ use std::process::Command;
 
 mod common;
 
-use common::{model, repo};
+use common::{model, repo, Kids};
 use mx_checkpoint::Checkpoint;
 use mx_layout::Digest;
 
@@ -156,18 +156,6 @@ fn demo_refuses_tp2_over_nine_heads_before_starting_anything() {
         "{text}"
     );
     assert!(text.contains("q_proj"), "{text}");
-}
-
-/// Kills child processes when dropped.
-struct Kids(Vec<std::process::Child>);
-
-impl Drop for Kids {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
 }
 
 fn mx(args: &[&str]) -> (bool, String) {
@@ -472,7 +460,12 @@ fn individual_commands_complete_a_refit_by_hand() {
         out.contains("phases: STAGE -> PREPARE -> APPLY -> VERIFY -> RESUME -> COMMIT"),
         "{out}"
     );
-    let digest = out.split_whitespace().last().unwrap().to_string();
+    let digest = out
+        .lines()
+        .find(|l| l.contains(" COMMITTED on "))
+        .and_then(|l| l.split_whitespace().last())
+        .unwrap()
+        .to_string();
     let (_, s) = mx(&["status", "--control", &a]);
     assert!(s.contains(&format!("resident {digest} admitted")), "{s}");
     // The journal has every mutating call: declare, 2 publishes, stage, staged, then the refit
@@ -739,7 +732,12 @@ fn nothing_stops_serving_while_the_control_plane_is_away_and_a_live_worker_keeps
         "w",
     ]);
     assert!(ok && out.contains("COMMITTED"), "{out}");
-    let digest = out.split_whitespace().last().unwrap().to_string();
+    let digest = out
+        .lines()
+        .find(|l| l.contains(" COMMITTED on "))
+        .and_then(|l| l.split_whitespace().last())
+        .unwrap()
+        .to_string();
     let (code, v) = http_post(&version, "{}").unwrap();
     assert_eq!(code, 200);
     assert!(

@@ -17,23 +17,11 @@ use std::time::{Duration, Instant};
 
 mod common;
 
-use common::{demo_version, model, reference_rank, rt};
+use common::{demo_version, free_port, model, reference_rank, rt, Kids};
 use mx_control::client::ControlClient;
 use mx_harness::s3::LoopbackS3;
 use mx_layout::{rank_layouts, ModelInfo};
 use object_store::ObjectStoreExt as _;
-
-/// Children killed (SIGKILL) on drop.
-struct Kids(Vec<Child>);
-
-impl Drop for Kids {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
 
 /// `mx ARGS` with the S3 variables; (success, stdout + stderr).
 fn mx(s3: &LoopbackS3, args: &[&str]) -> (bool, String) {
@@ -60,14 +48,6 @@ fn spawn(s3: &LoopbackS3, args: &[&str], log: &Path) -> Child {
         .stderr(std::fs::File::create(log).unwrap())
         .spawn()
         .unwrap()
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// Waits until `log` has a line containing `needle`; returns that line.
@@ -316,37 +296,21 @@ impl Fleet {
         });
     }
 
-    /// `mx refit` with the golden tokens of demo version `golden`.
+    /// `mx refit` to `label` of the comma-separated `workers`, golden-checked.
     fn refit(&self, label: &str, workers: &str, golden: &str) -> (bool, String) {
-        self.mx(&[
-            "refit",
-            "--control",
-            &self.a,
-            "--label",
-            label,
-            "--workers",
-            workers,
-            "--golden-model",
-            &self.md,
-            "--golden-version",
-            golden,
-        ])
+        self.refit_with(label, &["--workers", workers], golden)
     }
 
     /// `mx refit --join` to `label` (every connected worker not running it), golden-checked.
     fn join(&self, label: &str, golden: &str) -> (bool, String) {
-        self.mx(&[
-            "refit",
-            "--control",
-            &self.a,
-            "--label",
-            label,
-            "--join",
-            "--golden-model",
-            &self.md,
-            "--golden-version",
-            golden,
-        ])
+        self.refit_with(label, &["--join"], golden)
+    }
+
+    fn refit_with(&self, label: &str, target: &[&str], golden: &str) -> (bool, String) {
+        let mut args = vec!["refit", "--control", &self.a, "--label", label];
+        args.extend_from_slice(target);
+        args.extend_from_slice(&["--golden-model", &self.md, "--golden-version", golden]);
+        self.mx(&args)
     }
 
     fn worker_status(&self, id: &str) -> mx_control::WorkerStatus {

@@ -34,10 +34,19 @@ class ControlPlane:
         journal: path of the durable journal (created if missing, with its directory;
             replayed if present, so a restarted control plane knows where the fleet is).
         listen: ``HOST:PORT`` to serve gRPC on; port 0 picks a free port (see :attr:`url`).
+        tokens: token file, ``token,role,name[,scope]`` per line (as ``mx control --tokens``).
+            Without it the control plane serves a loopback address only, unauthenticated (a
+            warning is logged: every local process could refit the fleet).
+        tls_cert, tls_key: PEM certificate chain and key: serve ``https://`` (both or neither;
+            required with ``tokens`` on a non-loopback ``listen``).
+        engine_token_file: bearer token sent on every engine call (vLLM's ``--api-key``).
+        metrics: ``HOST:PORT`` to serve Prometheus ``/metrics``, ``/health`` and ``/ready`` on
+            (see :attr:`metrics_url`).
 
     Raises:
-        ValueError: a malformed ``listen``.
-        MxError: the journal cannot be read or is corrupt, or the address cannot be bound.
+        ValueError: a malformed ``listen`` or ``metrics``.
+        MxError: the journal cannot be read or is corrupt, an address cannot be bound, a
+            security file cannot be read or parsed, or the bind policy refuses the address.
 
     Use it as a context manager to stop it on exit::
 
@@ -48,17 +57,46 @@ class ControlPlane:
     workers with the ``spawn`` start method instead.
     """
 
-    def __init__(self, journal: str | os.PathLike[str], listen: str = "127.0.0.1:0") -> None:
-        if not isinstance(listen, str):
-            raise TypeError(
-                f"listen must be a str such as '127.0.0.1:0', not {type(listen).__name__}"
-            )
-        self._inner = _mx.ControlPlane(os.fspath(journal), listen)
+    def __init__(
+        self,
+        journal: str | os.PathLike[str],
+        listen: str = "127.0.0.1:0",
+        *,
+        tokens: str | os.PathLike[str] | None = None,
+        tls_cert: str | os.PathLike[str] | None = None,
+        tls_key: str | os.PathLike[str] | None = None,
+        engine_token_file: str | os.PathLike[str] | None = None,
+        metrics: str | None = None,
+    ) -> None:
+        for name, value in (("listen", listen), ("metrics", metrics)):
+            if value is not None and not isinstance(value, str):
+                raise TypeError(
+                    f"{name} must be a str such as '127.0.0.1:0', not {type(value).__name__}"
+                )
+
+        def path(p: str | os.PathLike[str] | None) -> str | None:
+            return None if p is None else os.fspath(p)
+
+        self._inner = _mx.ControlPlane(
+            os.fspath(journal),
+            listen,
+            tokens=path(tokens),
+            tls_cert=path(tls_cert),
+            tls_key=path(tls_key),
+            engine_token_file=path(engine_token_file),
+            metrics=metrics,
+        )
 
     @property
     def url(self) -> str:
-        """``http://HOST:PORT``: what :class:`Control`, workers and publishers connect to."""
+        """``http://HOST:PORT`` (``https://`` with TLS): what :class:`Control`, workers and
+        publishers connect to."""
         return self._inner.url
+
+    @property
+    def metrics_url(self) -> str | None:
+        """``http://HOST:PORT/metrics`` when started with ``metrics``, else ``None``."""
+        return self._inner.metrics_url
 
     @property
     def address(self) -> str:

@@ -13,9 +13,21 @@ class MxError(Exception):
 def nixl_status(probe: bool = False) -> tuple[bool, str | None, str | None]: ...
 
 class ControlPlane:
-    def __init__(self, journal: str | os.PathLike[str], listen: str = "127.0.0.1:0") -> None: ...
+    def __init__(
+        self,
+        journal: str | os.PathLike[str],
+        listen: str = "127.0.0.1:0",
+        *,
+        tokens: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        engine_token_file: str | None = None,
+        metrics: str | None = None,
+    ) -> None: ...
     @property
     def url(self) -> str: ...
+    @property
+    def metrics_url(self) -> str | None: ...
     @property
     def address(self) -> str: ...
     @property

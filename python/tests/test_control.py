@@ -191,3 +191,43 @@ def test_connecting_to_nothing_fails_fast():
     assert e.value.code in ("Unavailable", "DeadlineExceeded"), e.value
     assert "127.0.0.1:1" in str(e.value)
     assert time.monotonic() - t < 10
+
+
+def test_tokens_roles_and_metrics_of_the_embedded_control_plane(tmp_path, monkeypatch):
+    import urllib.request
+
+    orch, reader = "o" * 32, "r" * 32
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"{orch},orchestrator,driver\n{reader},reader,dash\n")
+    with mx.ControlPlane(
+        journal=tmp_path / "journal.jsonl", tokens=tokens, metrics="127.0.0.1:0"
+    ) as cp:
+        monkeypatch.delenv("MX_CONTROL_TOKEN_FILE", raising=False)
+        monkeypatch.delenv("MX_CONTROL_TOKEN", raising=False)
+        with pytest.raises(mx.MxError) as e:
+            mx.Control(cp.url).status()
+        assert e.value.code == "Unauthenticated", e.value
+        monkeypatch.setenv("MX_CONTROL_TOKEN", reader)
+        assert mx.Control(cp.url).status().versions == ()
+        with pytest.raises(mx.MxError) as e:
+            mx.Control(cp.url).declare("v1", TENSORS, trainer_layout="fsdp:1")
+        assert e.value.code == "PermissionDenied", e.value
+        monkeypatch.setenv("MX_CONTROL_TOKEN", orch)
+        mx.Control(cp.url).declare("v1", TENSORS, trainer_layout="fsdp:1")
+        assert cp.metrics_url is not None and cp.metrics_url.endswith("/metrics")
+        page = urllib.request.urlopen(cp.metrics_url, timeout=10).read().decode()
+        assert 'mx_versions{state="declared"} 1' in page, page
+        assert 'code="permission_denied"' in page and 'method="DeclareVersion"' in page, page
+        ready = cp.metrics_url.replace("/metrics", "/ready")
+        assert urllib.request.urlopen(ready, timeout=10).status == 200
+
+
+def test_security_files_are_checked_at_start(tmp_path):
+    with pytest.raises(mx.MxError, match="token file") as e:
+        mx.ControlPlane(journal=tmp_path / "j.jsonl", tokens=tmp_path / "missing")
+    assert "missing" in str(e.value)
+    with pytest.raises(mx.MxError, match="go together"):
+        mx.ControlPlane(journal=tmp_path / "j.jsonl", tls_cert=tmp_path / "cert.pem")
+    # Without tokens only a loopback address is served.
+    with pytest.raises(mx.MxError, match="non-loopback"):
+        mx.ControlPlane(journal=tmp_path / "j.jsonl", listen="0.0.0.0:0")

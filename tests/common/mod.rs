@@ -90,3 +90,25 @@ pub(crate) fn rt() -> tokio::runtime::Runtime {
         .build()
         .unwrap()
 }
+
+/// Child processes, killed (SIGKILL) and reaped when dropped, so a failing test leaves none
+/// behind.
+pub(crate) struct Kids(pub(crate) Vec<std::process::Child>);
+
+impl Drop for Kids {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// A loopback TCP port free at the time of the call.
+pub(crate) fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}

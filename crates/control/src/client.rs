@@ -165,11 +165,7 @@ impl ClientAuth {
                 })
             }
             (Some(t), None) => Some(t),
-            (None, Some(f)) => Some(
-                String::from_utf8_lossy(&read("MX_CONTROL_TOKEN_FILE", &f)?)
-                    .trim()
-                    .to_string(),
-            ),
+            (None, Some(f)) => Some(crate::auth::read_token_file(std::path::Path::new(&f))?),
             (None, None) => None,
         };
         let mut a = ClientAuth::none();

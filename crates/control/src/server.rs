@@ -107,6 +107,44 @@ impl TlsIdentity {
 }
 
 impl Security {
+    /// The security of `mx control`'s flags: a token file (`--tokens`), a TLS certificate
+    /// chain and key (`--tls-cert`, `--tls-key`, both or neither), `--insecure-loopback` and
+    /// the engine token file (`--engine-token-file`). The bind policy is checked when the
+    /// server starts ([`Security::check`]).
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the file that cannot be read or parsed, or a certificate given
+    /// without its key (or the other way round).
+    pub fn from_files(
+        tokens: Option<&std::path::Path>,
+        tls_cert: Option<&std::path::Path>,
+        tls_key: Option<&std::path::Path>,
+        insecure_loopback: bool,
+        engine_token_file: Option<&std::path::Path>,
+    ) -> Result<Security, Error> {
+        let tls = match (tls_cert, tls_key) {
+            (Some(c), Some(k)) => Some(TlsIdentity::load(c, k)?),
+            (None, None) => None,
+            _ => {
+                return Err(Error::Config {
+                    what: "TLS".into(),
+                    reason: "a certificate chain and its key go together (tls_cert, tls_key)"
+                        .into(),
+                })
+            }
+        };
+        Ok(Security {
+            tokens: tokens
+                .map(|f| crate::auth::TokenTable::load(f).map(Arc::new))
+                .transpose()?,
+            tls,
+            insecure_loopback,
+            engine_token: engine_token_file
+                .map(crate::auth::read_token_file)
+                .transpose()?,
+        })
+    }
+
     /// No authentication, plaintext: loopback only, by explicit choice (tests, one machine).
     pub fn insecure_loopback() -> Security {
         Security {

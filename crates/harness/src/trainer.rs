@@ -5,10 +5,9 @@
 //! would. `--fault-flip-byte` flips one byte of a shard after each publish (a memory error or a
 //! racing optimizer step), for the tests of verification.
 
-use anyhow::Context;
 use mx_checkpoint::Checkpoint;
 use mx_layout::plan::decompose;
-use mx_layout::{rank_layout, LayoutSpec, ModelInfo, RankLayout, TensorBox};
+use mx_layout::{rank_layout, LayoutSpec, RankLayout, TensorBox};
 use mx_nixl::{ForeignMemory, HostBuffer};
 use mx_publisher::{Patience, PublishOptions, Publisher, PublisherConfig, ShardSpec};
 use rayon::prelude::*;
@@ -53,10 +52,7 @@ impl DemoTrainer {
     /// Loads this rank's shards and connects its publisher.
     pub async fn start(cfg: TrainerConfig) -> anyhow::Result<DemoTrainer> {
         let ckpt = Checkpoint::open(&cfg.model_dir)?;
-        let config = ckpt.config().with_context(|| {
-            format!("checkpoint {} has no config.json", cfg.model_dir.display())
-        })?;
-        let model = ModelInfo::from_hf_config(config, ckpt.specs())?;
+        let model = ckpt.model_info(&[cfg.layout])?;
         anyhow::ensure!(
             cfg.rank < cfg.layout.world_size,
             "rank {} is outside layout {}",

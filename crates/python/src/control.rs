@@ -66,11 +66,15 @@ pub(crate) struct ControlPlane {
     pid: u32,
     addr: SocketAddr,
     journal: PathBuf,
+    tls: bool,
+    metrics: Option<SocketAddr>,
 }
 
 struct Running {
     rt: Runtime,
     handle: ServerHandle,
+    /// The `/metrics`, `/health`, `/ready` server, when asked for (stops when dropped).
+    probes: Option<mx_control::observe::ProbeServer>,
 }
 
 impl Running {
@@ -80,7 +84,8 @@ impl Running {
     /// # Errors
     /// The error the server itself ended with (a journal or transport failure).
     fn stop(self, grace: Duration) -> Result<(), String> {
-        let Running { rt, handle } = self;
+        let Running { rt, handle, probes } = self;
+        drop(probes);
         // The timer must be created inside the runtime, hence the async block.
         let r = rt.block_on(async { tokio::time::timeout(grace, handle.shutdown()).await });
         rt.shutdown_timeout(Duration::from_secs(1));
@@ -109,11 +114,34 @@ fn listen_addr(listen: &str) -> PyResult<SocketAddr> {
 
 #[pymethods]
 impl ControlPlane {
-    /// Replays (or creates) the journal, binds `listen` and serves until stopped.
+    /// Replays (or creates) the journal, binds `listen` and serves until stopped. Security as
+    /// `mx control`'s flags (`Security::from_files`); without `tokens` it serves loopback only,
+    /// unauthenticated (logged as a warning). `metrics`: `HOST:PORT` of the `/metrics`,
+    /// `/health`, `/ready` server.
     #[new]
-    #[pyo3(signature = (journal, listen = "127.0.0.1:0"))]
-    fn new(py: Python<'_>, journal: PathBuf, listen: &str) -> PyResult<ControlPlane> {
+    #[pyo3(signature = (journal, listen = "127.0.0.1:0", *, tokens = None, tls_cert = None, tls_key = None, engine_token_file = None, metrics = None))]
+    #[allow(clippy::too_many_arguments)] // reason: Python keyword arguments
+    fn new(
+        py: Python<'_>,
+        journal: PathBuf,
+        listen: &str,
+        tokens: Option<PathBuf>,
+        tls_cert: Option<PathBuf>,
+        tls_key: Option<PathBuf>,
+        engine_token_file: Option<PathBuf>,
+        metrics: Option<&str>,
+    ) -> PyResult<ControlPlane> {
         let addr = listen_addr(listen)?;
+        let metrics = metrics.map(listen_addr).transpose()?;
+        let security = mx_control::Security::from_files(
+            tokens.as_deref(),
+            tls_cert.as_deref(),
+            tls_key.as_deref(),
+            tokens.is_none(),
+            engine_token_file.as_deref(),
+        )
+        .map_err(|e| control_error(py, &e))?;
+        let tls = security.tls.is_some();
         if journal.as_os_str().is_empty() {
             return Err(PyValueError::new_err(
                 "journal must be a file path, got \"\"",
@@ -132,22 +160,44 @@ impl ControlPlane {
         let cfg = ControlPlaneConfig {
             listen: addr,
             journal_path: journal.clone(),
-            security: mx_control::Security::insecure_loopback(),
+            security,
         };
-        let started = py.detach(|| rt.block_on(mx_control::spawn(cfg)));
-        let (bound, handle) = started.map_err(|e| control_error(py, &e))?;
+        let started = py.detach(|| {
+            rt.block_on(async {
+                let (bound, handle) = mx_control::spawn(cfg).await?;
+                let probes = match metrics {
+                    Some(m) => Some(
+                        mx_control::observe::serve(m, mx_control::observe::router(handle.probe()))
+                            .await?,
+                    ),
+                    None => None,
+                };
+                Ok::<_, mx_control::Error>((bound, handle, probes))
+            })
+        });
+        let (bound, handle, probes) = started.map_err(|e| control_error(py, &e))?;
+        let metrics = probes.as_ref().map(mx_control::observe::ProbeServer::addr);
         Ok(ControlPlane {
-            running: Mutex::new(Some(Running { rt, handle })),
+            running: Mutex::new(Some(Running { rt, handle, probes })),
             pid: std::process::id(),
             addr: bound,
             journal,
+            tls,
+            metrics,
         })
     }
 
-    /// `http://HOST:PORT`, the URL clients connect to.
+    /// `http://HOST:PORT` (`https://` with TLS), the URL clients connect to.
     #[getter]
     fn url(&self) -> String {
-        format!("http://{}", self.addr)
+        let scheme = if self.tls { "https" } else { "http" };
+        format!("{scheme}://{}", self.addr)
+    }
+
+    /// `http://HOST:PORT/metrics` when started with `metrics`, else `None`.
+    #[getter]
+    fn metrics_url(&self) -> Option<String> {
+        self.metrics.map(|m| format!("http://{m}/metrics"))
     }
 
     /// `HOST:PORT` actually bound.

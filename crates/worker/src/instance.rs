@@ -270,18 +270,15 @@ impl Instance {
     /// [`mx_puller::Error::NoDataPlane`] (disk loads and generation still work).
     ///
     /// # Errors
-    /// [`Error::Checkpoint`], [`Error::NoConfig`], [`Error::Layout`] when the layout cannot
+    /// [`Error::Checkpoint`] (also for a missing config.json under a tensor-parallel layout),
+    /// [`Error::Layout`] when the layout cannot
     /// place the model or a rank is outside it.
     pub fn open(cfg: InstanceConfig, agent: Option<Agent>) -> Result<Instance, Error> {
         check_failpoints(cfg.failpoints)?;
         let ckpt = Checkpoint::open(&cfg.model_dir)?;
-        let config = ckpt
-            .config()
-            .ok_or_else(|| Error::NoConfig {
-                dir: cfg.model_dir.clone(),
-            })?
-            .clone();
-        let model = ModelInfo::from_hf_config(&config, ckpt.specs())?;
+        // Without config.json: replicated and FSDP layouts only, and no generation.
+        let model = ckpt.model_info(&[cfg.layout])?;
+        let config = ckpt.config().cloned().unwrap_or(serde_json::Value::Null);
         let mut puller = Puller::new(
             PullerConfig {
                 model: model.clone(),

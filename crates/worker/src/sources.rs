@@ -6,8 +6,9 @@
 //! verify, a delta against another base) is dropped and the next is tried; the stage fails only
 //! when no source is left, naming what each one answered. Nothing unverified is ever staged.
 //!
-//! The fleet's committed version (a worker joining the fleet, or one brought back) goes to the
-//! trainer ranks last: they have moved on to training, and a join must not load them.
+//! A version the fleet committed before (a worker joining the fleet, one brought back, a
+//! rollback target) goes to the trainer ranks last: they have moved on to training, and a join
+//! must not load them.
 
 use std::sync::Arc;
 
@@ -31,7 +32,7 @@ pub(crate) fn artifact_order(info: &VersionInfo, held: Option<VersionId>) -> Vec
 }
 
 /// Stages `label` (`digest`) on `inst` from the first source that serves it; `joining`: the
-/// fleet already committed `label` (the trainer ranks are tried last).
+/// fleet committed `label` before (its record is COMMITTED; the trainer ranks are tried last).
 ///
 /// # Errors
 /// [`Error::NoSource`] naming every source tried and its error (a puller without a data plane

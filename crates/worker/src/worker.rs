@@ -602,14 +602,9 @@ impl Worker {
             fetch_s = t.elapsed().as_secs_f64(),
             "fetched manifests"
         );
-        // A join: the fleet already committed this version (best effort: unknown counts as no).
-        let committed = self
-            .client()
-            .get_status()
-            .await
-            .ok()
-            .and_then(|s| s.fleet_version);
-        let joining = committed.is_some_and(|(l, _)| l == label);
+        // A join: the fleet committed this version before (workers hold it and serve it as
+        // peers; its record says so, no fleet-wide status needed).
+        let joining = info.state == mx_control::VersionState::Committed;
         crate::sources::stage_from_any(&self.inst, label, digest, info, joining).await
     }
 }
