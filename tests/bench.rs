@@ -66,6 +66,13 @@ fn control_bench_commits_every_round_on_a_simulated_fleet() {
         );
     }
     assert!(r["commit_cpu_us_per_worker"].as_f64().unwrap() > 0.0);
+    // Every RPC of the round was authenticated, and the control plane's memory is reported.
+    assert_eq!(r["auth"], "bearer tokens");
+    let (rss, peak) = (
+        r["control_rss_mb"].as_f64().unwrap(),
+        r["control_peak_rss_mb"].as_f64().unwrap(),
+    );
+    assert!(rss > 1.0 && peak >= rss, "{rss} {peak}");
 }
 
 #[test]

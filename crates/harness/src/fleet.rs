@@ -182,9 +182,18 @@ where
 
 /// Connects to the control plane at `addr`, retrying until it answers or `timeout` passes.
 pub(crate) async fn connect(addr: &str, timeout: Duration) -> anyhow::Result<ControlClient> {
+    connect_with(addr, &mx_control::client::ClientAuth::from_env()?, timeout).await
+}
+
+/// [`connect`] with explicit credentials.
+pub(crate) async fn connect_with(
+    addr: &str,
+    auth: &mx_control::client::ClientAuth,
+    timeout: Duration,
+) -> anyhow::Result<ControlClient> {
     let t = Instant::now();
     loop {
-        if let Ok(c) = ControlClient::connect(addr).await {
+        if let Ok(c) = ControlClient::connect_with(addr, auth).await {
             if c.get_status().await.is_ok() {
                 return Ok(c);
             }
@@ -218,24 +227,38 @@ pub(crate) async fn start_control(
     procs: &mut Procs,
     work: &Path,
 ) -> anyhow::Result<(String, ControlClient)> {
+    start_control_with(
+        procs,
+        work,
+        &["--insecure-loopback".into()],
+        &mx_control::client::ClientAuth::from_env()?,
+    )
+    .await
+}
+
+/// [`start_control`] with extra `mx control` flags (e.g. `--tokens FILE`) and the client's
+/// credentials.
+pub(crate) async fn start_control_with(
+    procs: &mut Procs,
+    work: &Path,
+    security: &[String],
+    auth: &mx_control::client::ClientAuth,
+) -> anyhow::Result<(String, ControlClient)> {
     let port = std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
         .port();
     let listen = format!("127.0.0.1:{port}");
-    procs.spawn(
-        "control",
-        work,
-        &[
-            "control".into(),
-            "--insecure-loopback".into(),
-            "--listen".into(),
-            listen.clone(),
-            "--journal".into(),
-            work.join("journal.jsonl").display().to_string(),
-        ],
-    )?;
+    let mut args = vec![
+        "control".into(),
+        "--listen".into(),
+        listen.clone(),
+        "--journal".into(),
+        work.join("journal.jsonl").display().to_string(),
+    ];
+    args.extend_from_slice(security);
+    procs.spawn("control", work, &args)?;
     let addr = format!("http://{listen}");
-    let client = connect(&addr, Duration::from_secs(30)).await?;
+    let client = connect_with(&addr, auth, Duration::from_secs(30)).await?;
     Ok((addr, client))
 }
 

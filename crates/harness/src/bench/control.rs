@@ -125,11 +125,78 @@ pub(crate) struct ControlReport {
     commit_journal_bytes_per_worker: f64,
     /// Journal bytes per worker per stage round.
     stage_journal_bytes_per_worker: f64,
+    /// Authentication the control plane ran with (`bearer tokens`: every RPC checked).
+    auth: &'static str,
+    /// The control plane's resident memory after the rounds (VmRSS, MB) and its peak (VmHWM).
+    control_rss_mb: f64,
+    /// Peak resident memory of the control plane (MB).
+    control_peak_rss_mb: f64,
     /// The journal file (kept with `--keep`).
     journal_path: String,
     /// With `--rollback`: the refit whose APPLY failed on one worker, from the refit request
     /// until every worker was rolled back, verified and resumed (ms).
     pub(crate) rollback_ms: Option<f64>,
+}
+
+/// Resident and peak resident memory of a process (MB), from `/proc/<pid>/status`.
+fn rss_mb(pid: u32) -> anyhow::Result<(f64, f64)> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let kb = |key: &str| -> anyhow::Result<f64> {
+        let line = status
+            .lines()
+            .find(|l| l.starts_with(key))
+            .with_context(|| format!("no {key} in /proc/{pid}/status"))?;
+        let v = line
+            .split_whitespace()
+            .nth(1)
+            .with_context(|| format!("malformed {line:?}"))?;
+        Ok(v.parse::<f64>()?)
+    };
+    Ok((kb("VmRSS:")? / 1e3, kb("VmHWM:")? / 1e3))
+}
+
+/// The bench's principals: an orchestrator, a publisher and the simulated workers (`sim-*`),
+/// each with a fresh random token; `mx control` runs with them as its token file.
+struct BenchTokens {
+    orchestrator: String,
+    publisher: String,
+    workers: String,
+}
+
+impl BenchTokens {
+    fn new() -> BenchTokens {
+        let fresh = |who: &str| {
+            let nanos = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos())
+                .unwrap_or(0);
+            blake3::hash(format!("{who}:{nanos}:{}", std::process::id()).as_bytes())
+                .to_hex()
+                .to_string()
+        };
+        BenchTokens {
+            orchestrator: fresh("orchestrator"),
+            publisher: fresh("publisher"),
+            workers: fresh("workers"),
+        }
+    }
+
+    /// Writes the token file into `work`; returns its path.
+    fn write(&self, work: &std::path::Path) -> anyhow::Result<PathBuf> {
+        let path = work.join("tokens");
+        std::fs::write(
+            &path,
+            format!(
+                "{},orchestrator,bench\n{},publisher,bench-trainer,*\n{},worker,sim,sim-*\n",
+                self.orchestrator, self.publisher, self.workers
+            ),
+        )?;
+        Ok(path)
+    }
+
+    fn auth(token: &str) -> anyhow::Result<mx_control::client::ClientAuth> {
+        Ok(mx_control::client::ClientAuth::none().with_token(token)?)
+    }
 }
 
 /// CPU seconds (user + system) a process has used, from `/proc/<pid>/stat`.
@@ -211,12 +278,13 @@ fn version_layouts() -> anyhow::Result<(LayoutSpec, LayoutSpec, Vec<mx_layout::T
 /// returns its version id (`mx:<digest>`).
 async fn stage_version(
     client: &ControlClient,
+    publisher: &ControlClient,
     label: &str,
     ids: &[String],
 ) -> anyhow::Result<String> {
     let (trainer, inference, tensors) = version_layouts()?;
     client.declare_version(label, trainer, &tensors).await?;
-    let published = client
+    let published = publisher
         .publish(label, &manifest(label, trainer, inference))
         .await?;
     let digest = published
@@ -259,12 +327,13 @@ fn refit_spec(a: &ControlArgs, label: &str, ids: &[String], step: u64) -> RefitS
 async fn rollback_round(
     a: &ControlArgs,
     client: &ControlClient,
+    publisher: &ControlClient,
     ids: &[String],
     fail_file: &std::path::Path,
 ) -> anyhow::Result<f64> {
     let label = "bench-rollback";
     let before = client.get_status().await?;
-    let target = stage_version(client, label, ids).await?;
+    let target = stage_version(client, publisher, label, ids).await?;
     std::fs::write(fail_file, &target)?;
     let t = Instant::now();
     let id = client
@@ -312,7 +381,18 @@ pub(crate) async fn run(a: &ControlArgs) -> anyhow::Result<ControlReport> {
     let work_dir = WorkDir::create("bench-control", a.keep)?;
     let work = work_dir.path.clone();
     let mut procs = Procs(Vec::new());
-    let (control, client) = crate::fleet::start_control(&mut procs, &work).await?;
+    // Authentication on, as in production: every RPC is checked against the token file.
+    let tokens = BenchTokens::new();
+    let token_file = tokens.write(&work)?;
+    let (control, client) = crate::fleet::start_control_with(
+        &mut procs,
+        &work,
+        &["--tokens".into(), token_file.display().to_string()],
+        &BenchTokens::auth(&tokens.orchestrator)?,
+    )
+    .await?;
+    let publisher =
+        ControlClient::connect_with(&control, &BenchTokens::auth(&tokens.publisher)?).await?;
     let journal = work.join("journal.jsonl");
     let control_pid = procs.pid("control").context("control plane pid")?;
     let fail_file = work.join("fail-apply.version");
@@ -326,7 +406,7 @@ pub(crate) async fn run(a: &ControlArgs) -> anyhow::Result<ControlReport> {
             break;
         }
         let rf = work.join(format!("sim-{p}.ready"));
-        procs.spawn(
+        procs.spawn_env(
             &format!("sim-{p}"),
             &work,
             &[
@@ -342,6 +422,10 @@ pub(crate) async fn run(a: &ControlArgs) -> anyhow::Result<ControlReport> {
                 rf.display().to_string(),
                 "--fail-file".into(),
                 fail_file.display().to_string(),
+            ],
+            &[
+                ("MX_CONTROL_TOKEN", tokens.workers.as_str()),
+                ("MX_CONTROL_TOKEN_FILE", ""),
             ],
         )?;
         ready.push(rf);
@@ -368,7 +452,7 @@ pub(crate) async fn run(a: &ControlArgs) -> anyhow::Result<ControlReport> {
         let j0 = std::fs::metadata(&journal)?.len();
         let c0 = cpu_seconds(control_pid)?;
         let t0 = Instant::now();
-        stage_version(&client, &label, &ids).await?;
+        stage_version(&client, &publisher, &label, &ids).await?;
         let stage_ms = t0.elapsed().as_secs_f64() * 1e3;
         let c1 = cpu_seconds(control_pid)?;
         let j1 = std::fs::metadata(&journal)?.len();
@@ -409,11 +493,12 @@ pub(crate) async fn run(a: &ControlArgs) -> anyhow::Result<ControlReport> {
         });
     }
     let rollback_ms = if a.rollback {
-        Some(rollback_round(a, &client, &ids, &fail_file).await?)
+        Some(rollback_round(a, &client, &publisher, &ids, &fail_file).await?)
     } else {
         None
     };
     procs.check(&work)?;
+    let (control_rss_mb, control_peak_rss_mb) = rss_mb(control_pid)?;
     drop(procs);
     let warmup = (all.len() > 1).then(|| all.remove(0));
     let n = f64::from(a.workers);
@@ -441,6 +526,9 @@ pub(crate) async fn run(a: &ControlArgs) -> anyhow::Result<ControlReport> {
                 .collect::<Vec<_>>(),
         ),
         journal_path: journal.display().to_string(),
+        auth: "bearer tokens",
+        control_rss_mb,
+        control_peak_rss_mb,
         rollback_ms,
         rounds: all,
         warmup,
@@ -451,8 +539,8 @@ pub(crate) async fn run(a: &ControlArgs) -> anyhow::Result<ControlReport> {
 
 fn print_report(r: &ControlReport) {
     println!(
-        "\ncontrol plane, {} simulated workers in {} processes (loopback gRPC + HTTP, journal fsync'd on disk)",
-        r.workers, r.procs
+        "\ncontrol plane, {} simulated workers in {} processes (loopback gRPC + HTTP, {} on every RPC, journal fsync'd on disk)",
+        r.workers, r.procs, r.auth
     );
     println!(
         "{:<10} {:>10} {:>10} {:>34} {:>10} {:>12} {:>12}",
@@ -483,12 +571,14 @@ fn print_report(r: &ControlReport) {
         );
     }
     println!(
-        "median commit round {:.1} ms (target < 100 ms), stage round {:.1} ms; control-plane CPU {:.1} us/worker; journal {:.0} B/worker per commit, {:.0} B/worker per stage",
+        "median commit round {:.1} ms, stage round {:.1} ms; control-plane CPU {:.1} us/worker; journal {:.0} B/worker per commit, {:.0} B/worker per stage; control-plane memory {:.0} MB (peak {:.0} MB)",
         r.commit_ms,
         r.stage_ms,
         r.commit_cpu_us_per_worker,
         r.commit_journal_bytes_per_worker,
-        r.stage_journal_bytes_per_worker
+        r.stage_journal_bytes_per_worker,
+        r.control_rss_mb,
+        r.control_peak_rss_mb
     );
 }
 

@@ -103,6 +103,10 @@ struct AllReport {
     commit_ms_1000_workers_full_lifecycle: f64,
     /// Orchestrator-gated with a separate read-back call per worker (apply, read back, COMMIT).
     commit_ms_1000_workers_orchestrator_gated: f64,
+    /// The round of `commit_ms_1000_workers` on 10,000 simulated workers (ms, median), bearer
+    /// tokens checked on every RPC; its report has the control plane's memory and the journal
+    /// bytes per commit.
+    commit_ms_10000_workers: f64,
     quick: bool,
     seconds: f64,
     machine: Machine,
@@ -112,6 +116,7 @@ struct AllReport {
     control: control::ControlReport,
     control_full_lifecycle: control::ControlReport,
     control_orchestrator_gated: control::ControlReport,
+    control_10000_workers: control::ControlReport,
     /// One rank staging one version from each source (trainer, peer, canonical, delta).
     sources: sources::SourcesReport,
 }
@@ -158,6 +163,18 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
             else {
                 anyhow::bail!("control plane benchmark produced no report");
             };
+            eprintln!("[1/5] control plane, 10,000 simulated workers, the same round");
+            let control_10k = rt.block_on(control::run(&control::ControlArgs {
+                workers: 10_000,
+                procs: 4,
+                rounds: if quick { 4 } else { 6 },
+                apply_parallelism: 0,
+                orchestrator_gated: true,
+                verify_from_apply_answer: true,
+                rollback: false,
+                keep: false,
+                json: None,
+            }))?;
             eprintln!("[2/5] planner at frontier scale and the hardware projection");
             let plan = plan::run(&plan::PlanArgs {
                 trainer_ranks: 256,
@@ -203,6 +220,7 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
                 commit_ms_1000_workers: control_lean.commit_ms,
                 commit_ms_1000_workers_full_lifecycle: control.commit_ms,
                 commit_ms_1000_workers_orchestrator_gated: control_gated.commit_ms,
+                commit_ms_10000_workers: control_10k.commit_ms,
                 quick,
                 seconds: t.elapsed().as_secs_f64(),
                 machine: machine(),
@@ -212,16 +230,18 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
                 control: control_lean,
                 control_full_lifecycle: control,
                 control_orchestrator_gated: control_gated,
+                control_10000_workers: control_10k,
                 sources,
             };
             println!(
-                "\nsummary: pull_vs_memcpy {:.2}, refit_vs_disk_speedup {:.2}, plan_ms_per_worker_kimi_k2 {:.1}, commit_ms_1000_workers {:.1} (full lifecycle {:.1}, gated with read-back {:.1}) ({:.0} s)",
+                "\nsummary: pull_vs_memcpy {:.2}, refit_vs_disk_speedup {:.2}, plan_ms_per_worker_kimi_k2 {:.1}, commit_ms_1000_workers {:.1} (full lifecycle {:.1}, gated with read-back {:.1}), commit_ms_10000_workers {:.1} ({:.0} s)",
                 report.pull_vs_memcpy,
                 report.refit_vs_disk_speedup,
                 report.plan_ms_per_worker_kimi_k2,
                 report.commit_ms_1000_workers,
                 report.commit_ms_1000_workers_full_lifecycle,
                 report.commit_ms_1000_workers_orchestrator_gated,
+                report.commit_ms_10000_workers,
                 report.seconds
             );
             write_json(&Some(a.report), &report)
