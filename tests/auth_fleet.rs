@@ -58,6 +58,23 @@ fn spawn(dir: &Path, token: &str, args: &[&str], log: &str) -> Child {
         .unwrap()
 }
 
+/// `mx declare` of `label` (fsdp:2 trainer) as the orchestrator.
+fn declare(dir: &Path, control: &str, model: &str, label: &str) {
+    let args = [
+        "declare",
+        "--control",
+        control,
+        "--model",
+        model,
+        "--trainer-layout",
+        "fsdp:2",
+        "--label",
+        label,
+    ];
+    let (ok, out) = mx(dir, ORCH, &args);
+    assert!(ok, "{out}");
+}
+
 /// One HTTP/1.1 POST with an empty JSON body and optional bearer token: the status code.
 fn post(port: u16, path: &str, token: Option<&str>) -> u16 {
     http(port, "POST", path, token, "{}").0
@@ -241,22 +258,7 @@ fn an_authenticated_fleet_over_tls_refits_and_refuses_what_each_role_may_not_do(
         401
     );
 
-    let (ok, out) = mx(
-        dir,
-        ORCH,
-        &[
-            "declare",
-            "--control",
-            a,
-            "--model",
-            md,
-            "--trainer-layout",
-            "fsdp:2",
-            "--label",
-            "step-1",
-        ],
-    );
-    assert!(ok, "{out}");
+    declare(dir, a, md, "step-1");
     for r in ["0", "1"] {
         let args = [
             "publish",
@@ -383,22 +385,7 @@ fn an_authenticated_fleet_over_tls_refits_and_refuses_what_each_role_may_not_do(
     assert_eq!(http(http_port, "GET", "/ready", None, "").0, 200);
 
     // A refit whose post-update generation fails rolls back: exit 11, counted as such.
-    let (ok, out) = mx(
-        dir,
-        ORCH,
-        &[
-            "declare",
-            "--control",
-            a,
-            "--model",
-            md,
-            "--trainer-layout",
-            "fsdp:2",
-            "--label",
-            "step-2",
-        ],
-    );
-    assert!(ok, "{out}");
+    declare(dir, a, md, "step-2");
     wait_until("step-2 READY", 120, || {
         let (_, s) = mx(dir, READ, &["status", "--control", a, "--json"]);
         let j: serde_json::Value = serde_json::from_str(&s).unwrap_or_default();

@@ -460,12 +460,7 @@ fn individual_commands_complete_a_refit_by_hand() {
         out.contains("phases: STAGE -> PREPARE -> APPLY -> VERIFY -> RESUME -> COMMIT"),
         "{out}"
     );
-    let digest = out
-        .lines()
-        .find(|l| l.contains(" COMMITTED on "))
-        .and_then(|l| l.split_whitespace().last())
-        .unwrap()
-        .to_string();
+    let digest = committed_digest(&out);
     let (_, s) = mx(&["status", "--control", &a]);
     assert!(s.contains(&format!("resident {digest} admitted")), "{s}");
     // The journal has every mutating call: declare, 2 publishes, stage, staged, then the refit
@@ -732,12 +727,7 @@ fn nothing_stops_serving_while_the_control_plane_is_away_and_a_live_worker_keeps
         "w",
     ]);
     assert!(ok && out.contains("COMMITTED"), "{out}");
-    let digest = out
-        .lines()
-        .find(|l| l.contains(" COMMITTED on "))
-        .and_then(|l| l.split_whitespace().last())
-        .unwrap()
-        .to_string();
+    let digest = committed_digest(&out);
     let (code, v) = http_post(&version, "{}").unwrap();
     assert_eq!(code, 200);
     assert!(
@@ -774,4 +764,13 @@ fn nothing_stops_serving_while_the_control_plane_is_away_and_a_live_worker_keeps
         "the displaced engine still answers"
     );
     assert!(alive(&mut kids, 3), "the new worker must keep the id");
+}
+
+/// The version digest `mx commit` printed on its `<label> COMMITTED on ...: version <hex>` line.
+fn committed_digest(out: &str) -> String {
+    out.lines()
+        .find(|l| l.contains(" COMMITTED on "))
+        .and_then(|l| l.split_whitespace().last())
+        .unwrap_or_else(|| panic!("no COMMITTED line: {out}"))
+        .to_string()
 }

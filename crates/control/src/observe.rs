@@ -274,12 +274,7 @@ impl Drop for ProbeServer {
 /// # Errors
 /// [`Error::Bind`] when the address cannot be bound.
 pub async fn serve(addr: SocketAddr, router: Router) -> Result<ProbeServer, Error> {
-    let listener = tokio::net::TcpListener::bind(addr)
-        .await
-        .map_err(|source| Error::Bind { addr, source })?;
-    let bound = listener
-        .local_addr()
-        .map_err(|source| Error::Bind { addr, source })?;
+    let (listener, bound) = crate::server::bind(addr).await?;
     let (stop, stopped) = oneshot::channel::<()>();
     tokio::spawn(async move {
         let res = axum::serve(listener, router)

@@ -1283,7 +1283,8 @@ async fn run(
         })
 }
 
-async fn bind(addr: SocketAddr) -> Result<(tokio::net::TcpListener, SocketAddr), Error> {
+/// Binds `addr` (port 0 picks one): the listener and the address bound.
+pub(crate) async fn bind(addr: SocketAddr) -> Result<(tokio::net::TcpListener, SocketAddr), Error> {
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .map_err(|source| Error::Bind { addr, source })?;
