@@ -324,27 +324,24 @@ fn check_metadata(path: &Path, info: &Value) -> Result<BTreeMap<String, String>,
     let Value::Object(meta) = info else {
         return Err(bad(
             "",
-            format!("__metadata__ is {}, not an object", kind(info)),
+            format!(
+                "__metadata__ is {}, not an object",
+                mx_layout::strict_json::kind(info)
+            ),
         ));
     };
     meta.iter()
         .map(|(k, v)| match v {
             Value::String(s) => Ok((k.clone(), s.clone())),
-            other => Err(bad(k, format!("value is {}, not a string", kind(other)))),
+            other => Err(bad(
+                k,
+                format!(
+                    "value is {}, not a string",
+                    mx_layout::strict_json::kind(other)
+                ),
+            )),
         })
         .collect()
-}
-
-/// A JSON value's kind, for messages.
-fn kind(v: &Value) -> &'static str {
-    match v {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Array(_) => "an array",
-        Value::Object(_) => "an object",
-    }
 }
 
 /// Bytes of a `dtype` tensor of `shape`, or None on u64 overflow.

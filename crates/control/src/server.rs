@@ -378,14 +378,7 @@ impl Shared {
             reason,
         })?;
         let (journal, entries) = Journal::open(journal_path)?;
-        let mut state = State::new();
-        for (i, e) in entries.into_iter().enumerate() {
-            state.apply(e.record).map_err(|source| Error::Replay {
-                path: journal_path.to_path_buf(),
-                line: i + 1,
-                source: Box::new(source),
-            })?;
-        }
+        let state = crate::journal::replay(journal_path, entries)?;
         tracing::info!(
             journal = %journal_path.display(),
             entries = journal.len(),

@@ -45,6 +45,20 @@ impl JsonError {
     }
 }
 
+/// A JSON value's kind for messages: `null`, `a boolean`, `a number`, `a string`, `an array`,
+/// `an object`.
+pub fn kind(v: &serde_json::Value) -> &'static str {
+    use serde_json::Value;
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
 /// Checks that `bytes` is one JSON value (whitespace around it only) whose objects repeat no
 /// key.
 ///

@@ -268,7 +268,13 @@ fn parse<T: DeserializeOwned>(body: &Bytes) -> Result<T, Error> {
     // serde reads a struct from an array too: the contracts want an object.
     if text.trim_ascii_start().first() != Some(&b'{') {
         return Err(match serde_json::from_slice::<Value>(text) {
-            Ok(v) => bad("body", format!("must be a JSON object, got {}", kind(&v))),
+            Ok(v) => bad(
+                "body",
+                format!(
+                    "must be a JSON object, got {}",
+                    mx_layout::strict_json::kind(&v)
+                ),
+            ),
             Err(e) => bad("body", format!("is not JSON: {e}")),
         });
     }
@@ -287,17 +293,6 @@ fn parse<T: DeserializeOwned>(body: &Bytes) -> Result<T, Error> {
     de.end()
         .map_err(|e| bad("body", format!("is not JSON: {e}")))?;
     Ok(value)
-}
-
-fn kind(v: &Value) -> &'static str {
-    match v {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Array(_) => "an array",
-        Value::Object(_) => "an object",
-    }
 }
 
 fn bad(field: &str, reason: impl Into<String>) -> Error {
