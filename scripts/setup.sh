@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs everything mx needs to build, test and run the demo, idempotently:
-#   - Debian packages: protobuf-compiler (protoc, for tonic), libclang-dev (bindgen in nixl-sys),
+#   - Debian packages: protobuf-compiler (protoc, for tonic) and libprotobuf-dev (its well-known
+#     .proto files, for etcd-client), etcd-server (the HA tests), libclang-dev (bindgen in nixl-sys),
 #     pkg-config, unzip, gcc (the C ABI test, scripts/test_ffi_c.sh), and python3 / python3-venv
 #     when the system python cannot make a venv;
 #   - the model checkpoints and the Python venv ($REPO/.mx/models, $REPO/.mx/venv): setup-models.sh;
@@ -27,6 +28,10 @@ installed libclang-dev || missing+=(libclang-dev)
 command -v unzip >/dev/null 2>&1 || missing+=(unzip)
 command -v pkg-config >/dev/null 2>&1 || missing+=(pkg-config)
 command -v cc >/dev/null 2>&1 || missing+=(gcc)
+# google/protobuf/*.proto for etcd-client's build; etcd itself for the HA tests (a 3-member
+# cluster on loopback).
+[[ -f /usr/include/google/protobuf/descriptor.proto ]] || missing+=(libprotobuf-dev)
+command -v etcd >/dev/null 2>&1 || missing+=(etcd-server)
 if ! command -v python3 >/dev/null 2>&1; then
     missing+=(python3 python3-venv)
 elif ! python3 -c 'import venv, ensurepip' >/dev/null 2>&1; then
@@ -44,7 +49,7 @@ if ((${#missing[@]})); then
     "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive \
         apt-get install -y --no-install-recommends "${missing[@]}" >&2
 else
-    log "Debian packages present (protoc, libclang-dev, unzip, pkg-config, gcc, python3 venv)"
+    log "Debian packages present (protoc, libprotobuf-dev, etcd, libclang-dev, unzip, pkg-config, gcc, python3 venv)"
 fi
 
 # --- models and the Python venv --------------------------------------------------------------------

@@ -14,7 +14,8 @@
 # servers), each with a check of its report. Python tests and the examples are left out when
 # arguments select Rust packages (`-p ...`), or with MX_PYTHON_TESTS=0.
 #
-# NIXL tests fail (instead of skipping) when the NIXL libraries are missing: MX_REQUIRE_NIXL=1.
+# NIXL tests fail (instead of skipping) when the NIXL libraries are missing: MX_REQUIRE_NIXL=1;
+# the HA tests likewise when etcd is missing: MX_REQUIRE_ETCD=1.
 set -euo pipefail
 
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -34,6 +35,7 @@ fi
 bash "$SCRIPT_DIR/setup.sh"
 
 export MX_REQUIRE_NIXL=1
+export MX_REQUIRE_ETCD=1
 export UCX_MODULES='^efa'
 
 if [[ "${MX_LINT:-0}" == 1 ]]; then

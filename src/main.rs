@@ -67,6 +67,23 @@ enum Cmd {
         /// manifests or metadata).
         #[arg(long, env = "MX_CONTROL_METRICS", value_parser = parse_listen)]
         metrics: Option<std::net::SocketAddr>,
+        /// High availability (work in progress): etcd client URLs, comma separated. The replica
+        /// campaigns for leadership and, once elected, keeps the journal in etcd (--journal is
+        /// not used) and serves; a deposed leader exits (74).
+        #[arg(
+            long,
+            env = "MX_CONTROL_ETCD",
+            value_delimiter = ',',
+            requires = "advertise"
+        )]
+        etcd: Vec<String>,
+        /// The URL clients reach this replica at (what followers name as the leader).
+        #[arg(long, env = "MX_CONTROL_ADVERTISE")]
+        advertise: Option<String>,
+        /// The leader lease with --etcd, seconds: a leader that stops renewing is deposed this
+        /// long after.
+        #[arg(long, default_value_t = 5)]
+        lease_ttl_s: i64,
     },
     /// Run one trainer rank: load its shards, publish versions step-1..step-N.
     Publish {
@@ -373,6 +390,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             insecure_loopback,
             engine_token_file,
             metrics,
+            etcd,
+            advertise,
+            lease_ttl_s,
         } => runtime()?.block_on(async move {
             let security = mx_control::Security::from_files(
                 tokens.as_deref(),
@@ -385,12 +405,24 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 std::fs::create_dir_all(dir)
                     .with_context(|| format!("creating {}", dir.display()))?;
             }
-            let (addr, handle) = mx_control::spawn(mx_control::ControlPlaneConfig {
+            let cfg = mx_control::ControlPlaneConfig {
                 listen,
                 journal_path: journal,
                 security,
-            })
-            .await?;
+            };
+            let (addr, handle) = match &advertise {
+                Some(url) if !etcd.is_empty() => {
+                    anyhow::ensure!(lease_ttl_s >= 1, "--lease-ttl-s must be at least 1");
+                    let etcd = mx_control::ha::EtcdConfig {
+                        endpoints: etcd.clone(),
+                        election: "mx/control/leader".into(),
+                        lease_ttl_s,
+                    };
+                    eprintln!("mx control campaigning for leadership on etcd {:?}", etcd.endpoints);
+                    mx_control::spawn_ha(cfg, &etcd, url, "/mx/journal/").await?
+                }
+                _ => mx_control::spawn(cfg).await?,
+            };
             if let Some(f) = addr_file {
                 let tmp = f.with_extension("tmp");
                 std::fs::write(&tmp, addr.to_string())

@@ -50,15 +50,34 @@ pub use engine::{client_for, Answer, ApplyAnswer, EngineApi, EngineClient};
 /// # Errors
 /// A message when the token is not a valid header value (not printable ASCII).
 pub fn http_client(token: Option<&str>) -> Result<reqwest::Client, String> {
+    http_client_with(token, None)
+}
+
+/// The header carrying the control-plane leader's epoch on every engine call (a decimal `u64`):
+/// an engine that has seen a higher one refuses the call (409), so a deposed leader cannot
+/// pause, apply or resume anything (mx-control's `ha` module).
+pub const EPOCH_HEADER: &str = "x-mx-epoch";
+
+/// [`http_client`] that also sends `epoch` in [`EPOCH_HEADER`] on every request.
+///
+/// # Errors
+/// As [`http_client`].
+pub fn http_client_with(
+    token: Option<&str>,
+    epoch: Option<u64>,
+) -> Result<reqwest::Client, String> {
     let mut b = reqwest::Client::builder().tcp_nodelay(true);
+    let mut h = reqwest::header::HeaderMap::new();
     if let Some(t) = token {
         let mut v = reqwest::header::HeaderValue::from_str(&format!("Bearer {}", t.trim()))
             .map_err(|_| "engine token: not printable ASCII".to_string())?;
         v.set_sensitive(true);
-        let mut h = reqwest::header::HeaderMap::new();
         h.insert(reqwest::header::AUTHORIZATION, v);
-        b = b.default_headers(h);
     }
+    if let Some(e) = epoch {
+        h.insert(EPOCH_HEADER, reqwest::header::HeaderValue::from(e));
+    }
+    b = b.default_headers(h);
     b.build().map_err(|e| format!("HTTP client: {e}"))
 }
 

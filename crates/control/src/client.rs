@@ -265,6 +265,9 @@ impl ControlClient {
     /// # Errors
     /// As [`connect`](Self::connect).
     pub async fn connect_with(addr: &str, auth: &ClientAuth) -> Result<ControlClient, Error> {
+        if addr.contains(',') {
+            return ControlClient::connect_leader(addr, auth).await;
+        }
         let channel = endpoint(addr, auth)?
             .connect()
             .await
@@ -273,6 +276,35 @@ impl ControlClient {
                 source,
             })?;
         Ok(ControlClient::over(channel, auth))
+    }
+
+    /// A client of the leader among the replicas `addrs` (comma-separated URLs of a highly
+    /// available control plane): each is tried in order with a cheap call (`ListLayouts`); a
+    /// follower answers `UNAVAILABLE` and the next is tried. (The leader's URL a follower names
+    /// is not followed: it is the replica's advertised URL, which the list should hold.)
+    ///
+    /// # Errors
+    /// The last replica's error when none leads (or none answers).
+    async fn connect_leader(addrs: &str, auth: &ClientAuth) -> Result<ControlClient, Error> {
+        let mut last = None;
+        for a in addrs.split(',').map(str::trim).filter(|a| !a.is_empty()) {
+            let c = match Box::pin(ControlClient::connect_with(a, auth)).await {
+                Ok(c) => c,
+                Err(e) => {
+                    last = Some(e);
+                    continue;
+                }
+            };
+            match c.list_layouts().await {
+                Err(e) if e.code() == tonic::Code::Unavailable => last = Some(e),
+                // The leader answered (a refusal of the credentials is the leader's too).
+                _ => return Ok(c),
+            }
+        }
+        Err(last.unwrap_or_else(|| Error::InvalidField {
+            field: "control".into(),
+            reason: format!("no control-plane URL in {addrs:?}"),
+        }))
     }
 
     /// A client for `addr` that connects at its first call (and again after the control plane

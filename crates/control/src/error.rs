@@ -193,6 +193,15 @@ pub enum Error {
         /// What happened.
         reason: String,
     },
+    /// This replica is no longer the leader of its epoch (a newer leader was elected): it must
+    /// not act, and nothing was written.
+    #[error("fenced at epoch {epoch}: {reason}")]
+    Fenced {
+        /// The epoch this replica led.
+        epoch: i64,
+        /// Why.
+        reason: String,
+    },
     /// The security configuration (token file, TLS files, the bind policy) is unusable.
     #[error("{what}: {reason}")]
     Config {
@@ -242,6 +251,7 @@ impl Error {
             | Error::Refit { .. }
             | Error::WorkerState { .. } => Code::FailedPrecondition,
             Error::WaitNotReached { .. } => Code::DeadlineExceeded,
+            Error::Fenced { .. } => Code::Unavailable,
             Error::Transport { .. } => Code::Unavailable,
             Error::Rpc { code, .. } => *code,
             Error::JournalIo { .. }

@@ -374,11 +374,39 @@ fn save_torn(path: &Path, tail: &[u8]) -> Result<PathBuf, Error> {
     ))
 }
 
+/// Where a journal's lines go: a local file (one machine), or an append-once log in etcd
+/// written by the leader of the control-plane replicas ([`crate::ha`]).
+enum Store {
+    File(File),
+    Etcd {
+        leadership: std::sync::Arc<crate::ha::Leadership>,
+        prefix: String,
+        /// The runtime the etcd calls run on (the journal thread is not one of its threads).
+        rt: tokio::runtime::Handle,
+        /// The next log entry's sequence number (an entry holds one or more whole lines).
+        next_entry: u64,
+    },
+}
+
+impl std::fmt::Debug for Store {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Store::File(file) => write!(f, "File({file:?})"),
+            Store::Etcd {
+                leadership,
+                prefix,
+                next_entry,
+                ..
+            } => write!(f, "Etcd({leadership:?}, {prefix}, next entry {next_entry})"),
+        }
+    }
+}
+
 /// An open journal, positioned to append.
 #[derive(Debug)]
 pub struct Journal {
     path: PathBuf,
-    file: File,
+    file: Store,
     next_seq: u64,
     bytes: u64,
     torn: Option<TornTail>,
@@ -445,10 +473,52 @@ impl Journal {
         }
         let journal = Journal {
             path: path.to_path_buf(),
-            file,
+            file: Store::File(file),
             next_seq,
             bytes: parsed.good_len,
             torn,
+            unverified: parsed.unverified,
+        };
+        Ok((journal, parsed.entries))
+    }
+
+    /// Opens the journal kept in etcd under `prefix` by the leader `leadership`: reads and
+    /// verifies every entry (as [`Journal::open`] does a file; there is no torn tail, an entry
+    /// is written whole or not at all) and returns it with its records. `rt` runs the etcd
+    /// calls of [`Journal::write_synced`].
+    ///
+    /// # Errors
+    /// [`Error::Config`] when etcd cannot be reached; [`Error::JournalCorrupt`] naming a bad
+    /// line; [`Error::InvalidField`] for a gap in the log.
+    pub async fn open_etcd(
+        cfg: &crate::ha::EtcdConfig,
+        leadership: std::sync::Arc<crate::ha::Leadership>,
+        prefix: &str,
+        rt: tokio::runtime::Handle,
+    ) -> Result<(Journal, Vec<Entry>), Error> {
+        let log = crate::ha::read_log(cfg, prefix).await?;
+        let next_entry = log.last().map_or(1, |(seq, _)| seq + 1);
+        let bytes: Vec<u8> = log.into_iter().flat_map(|(_, b)| b).collect();
+        let path = PathBuf::from(format!("etcd:{prefix}"));
+        let parsed = parse(&path, &bytes)?;
+        if parsed.good_len != bytes.len() as u64 {
+            return Err(Error::JournalCorrupt {
+                path,
+                line: parsed.entries.len() + 1,
+                reason: "an entry ends inside a line (entries hold whole lines)".into(),
+            });
+        }
+        let journal = Journal {
+            path,
+            file: Store::Etcd {
+                leadership,
+                prefix: prefix.to_string(),
+                rt,
+                next_entry,
+            },
+            next_seq: parsed.entries.len() as u64 + 1,
+            bytes: parsed.good_len,
+            torn: None,
             unverified: parsed.unverified,
         };
         Ok((journal, parsed.entries))
@@ -540,10 +610,24 @@ impl Journal {
         if lines.is_empty() {
             return Ok(());
         }
-        self.file
-            .write_all(lines)
-            .map_err(io_err(&self.path, "write"))?;
-        self.file.sync_data().map_err(io_err(&self.path, "fsync"))?;
+        match &mut self.file {
+            Store::File(file) => {
+                file.write_all(lines).map_err(io_err(&self.path, "write"))?;
+                file.sync_data().map_err(io_err(&self.path, "fsync"))?;
+            }
+            Store::Etcd {
+                leadership,
+                prefix,
+                rt,
+                next_entry,
+            } => {
+                // Whole lines per entry, each entry at most one etcd request.
+                for chunk in whole_lines(lines, crate::ha::MAX_ENTRY_BYTES) {
+                    rt.block_on(leadership.append(prefix, *next_entry, chunk.to_vec()))?;
+                    *next_entry += 1;
+                }
+            }
+        }
         self.bytes += lines.len() as u64;
         Ok(())
     }
@@ -581,6 +665,28 @@ impl Journal {
 }
 
 /// Makes a newly created journal file's directory entry durable.
+/// `lines` cut after a newline into pieces of at most `max` bytes where the lines allow (a
+/// single longer line is one piece of its own).
+fn whole_lines(lines: &[u8], max: usize) -> Vec<&[u8]> {
+    let mut out = Vec::new();
+    let mut start = 0;
+    while start < lines.len() {
+        let window = &lines[start..lines.len().min(start.saturating_add(max))];
+        let end = match window.iter().rposition(|b| *b == b'\n') {
+            Some(i) if start + window.len() < lines.len() => start + i + 1,
+            _ if start + window.len() == lines.len() => lines.len(),
+            // One line longer than `max`: up to its newline.
+            _ => lines[start..]
+                .iter()
+                .position(|b| *b == b'\n')
+                .map_or(lines.len(), |i| start + i + 1),
+        };
+        out.push(&lines[start..end]);
+        start = end;
+    }
+    out
+}
+
 fn sync_parent(path: &Path) -> Result<(), Error> {
     let dir = match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d,
@@ -605,6 +711,16 @@ fn sync_parent(path: &Path) -> Result<(), Error> {
 mod tests {
     use super::*;
     use mx_layout::{LayoutSpec, Scheme, SourceManifest, TensorSpec};
+
+    #[test]
+    fn batches_are_cut_into_whole_lines() {
+        let lines = b"aaaa\nbb\ncccccccc\nd\n";
+        let cut = whole_lines(lines, 8);
+        assert_eq!(cut, vec![&b"aaaa\nbb\n"[..], b"cccccccc\n", b"d\n"]);
+        assert_eq!(cut.concat(), lines);
+        assert_eq!(whole_lines(lines, 100), vec![&lines[..]]);
+        assert!(whole_lines(b"", 8).is_empty());
+    }
 
     #[test]
     fn a_second_control_plane_cannot_open_a_journal_in_use() {

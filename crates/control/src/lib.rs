@@ -32,6 +32,7 @@ pub mod client;
 mod convert;
 mod driver;
 mod error;
+pub mod ha;
 pub mod journal;
 pub mod limits;
 pub mod observe;
@@ -58,7 +59,7 @@ pub use refit::{
     model_path, version_id, Action, CallResult, EngineApi, EngineEndpoint, GenerationCheck,
     ModelLimits, Outcome, PauseMode, Phase, Refit, RefitSpec, RefitWorker, Registration,
 };
-pub use server::{serve, spawn, ControlPlaneConfig, Security, ServerHandle, TlsIdentity};
+pub use server::{serve, spawn, spawn_ha, ControlPlaneConfig, Security, ServerHandle, TlsIdentity};
 pub use types::{
     ArtifactKind, ArtifactRecord, Command, CoverageGap, FleetStatus, PeerSource, Release,
     StagedReport, VersionInfo, VersionState, VersionSummary, WorkerBrief, WorkerState,

@@ -373,11 +373,25 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 impl Shared {
     fn open(journal_path: &std::path::Path, engine_token: Option<&str>) -> Result<Shared, Error> {
-        let http = mx_adapters::http_client(engine_token).map_err(|reason| Error::Config {
-            what: "engine token".into(),
-            reason,
-        })?;
         let (journal, entries) = Journal::open(journal_path)?;
+        Shared::from_journal(journal, entries, engine_token, None)
+    }
+
+    /// The shared state rebuilt from `entries` of `journal`, appending to it from now on;
+    /// engine calls carry `epoch` when set ([`mx_adapters::EPOCH_HEADER`]).
+    fn from_journal(
+        journal: Journal,
+        entries: Vec<crate::journal::Entry>,
+        engine_token: Option<&str>,
+        epoch: Option<u64>,
+    ) -> Result<Shared, Error> {
+        let journal_path = journal.path().to_path_buf();
+        let journal_path = journal_path.as_path();
+        let http =
+            mx_adapters::http_client_with(engine_token, epoch).map_err(|reason| Error::Config {
+                what: "engine token".into(),
+                reason,
+            })?;
         let state = crate::journal::replay(journal_path, entries)?;
         tracing::info!(
             journal = %journal_path.display(),
@@ -1219,6 +1233,11 @@ fn build(cfg: &ControlPlaneConfig) -> Result<(ControlPlaneServer<Service>, Arc<S
         &cfg.journal_path,
         cfg.security.engine_token.as_deref(),
     )?);
+    Ok(serve_shared(shared))
+}
+
+/// The service over `shared`; starts the recovery of a refit its journal left open.
+fn serve_shared(shared: Arc<Shared>) -> (ControlPlaneServer<Service>, Arc<Shared>) {
     if let Some(id) = shared.read(State::open_refit_id) {
         tokio::spawn(crate::driver::drive(Arc::clone(&shared), id, true));
     }
@@ -1227,7 +1246,114 @@ fn build(cfg: &ControlPlaneConfig) -> Result<(ControlPlaneServer<Service>, Arc<S
     })
     .max_decoding_message_size(MAX_MESSAGE_BYTES)
     .max_encoding_message_size(MAX_MESSAGE_BYTES);
-    Ok((svc, shared))
+    (svc, shared)
+}
+
+/// One replica of a highly available control plane (work in progress): campaigns on
+/// `etcd.election` with `advertise` (the URL clients should use) and, once elected, rebuilds
+/// the state from the journal kept in etcd under `prefix`, serves on `cfg.listen` and sends its
+/// epoch on every engine call. `cfg.journal_path` is not used. A deposed leader's journal
+/// writes fail ([`Error::Fenced`]) and the process stops (status 74), so a supervisor restarts
+/// it as a follower.
+///
+/// # Errors
+/// As [`spawn`]; [`Error::Config`] when etcd cannot be reached.
+pub async fn spawn_ha(
+    cfg: ControlPlaneConfig,
+    etcd: &crate::ha::EtcdConfig,
+    advertise: &str,
+    prefix: &str,
+) -> Result<(SocketAddr, ServerHandle), Error> {
+    cfg.security.check(cfg.listen)?;
+    let (listener, bound) = bind(cfg.listen).await?;
+    // One accept loop hands connections to the server of the moment: the follower's until this
+    // replica is elected, the leader's after (the follower's connections are closed then, and
+    // their clients reconnect to the leader's).
+    let (to_follower, follower_conns) = mpsc::channel(64);
+    let route = Arc::new(Mutex::new(to_follower));
+    {
+        let route = Arc::clone(&route);
+        tokio::spawn(async move {
+            loop {
+                let conn = listener.accept().await.map(|(s, _)| {
+                    let _ = s.set_nodelay(true);
+                    s
+                });
+                let to = lock(&route).clone();
+                if to.send(conn).await.is_err() {
+                    tracing::debug!("connection dropped: its server is gone");
+                }
+            }
+        });
+    }
+    let (stop_follower, follower_stopped) = oneshot::channel::<()>();
+    let follower = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_routes(follower_routes(etcd.clone(), advertise.to_string()))
+            .serve_with_incoming_shutdown(ReceiverStream::new(follower_conns), async move {
+                let _ = follower_stopped.await;
+            }),
+    );
+    let leadership = Arc::new(crate::ha::Leadership::campaign(etcd, advertise).await?);
+    let (to_leader, leader_conns) = mpsc::channel(64);
+    *lock(&route) = to_leader;
+    let _ = stop_follower.send(());
+    let _ = follower.await;
+    let epoch = u64::try_from(leadership.epoch().0).unwrap_or(0);
+    tracing::info!(%bound, epoch, advertise, "elected control-plane leader");
+    let (journal, entries) =
+        Journal::open_etcd(etcd, leadership, prefix, tokio::runtime::Handle::current()).await?;
+    let shared = Arc::new(Shared::from_journal(
+        journal,
+        entries,
+        cfg.security.engine_token.as_deref(),
+        Some(epoch),
+    )?);
+    let (svc, shared) = serve_shared(shared);
+    log_listening(&cfg, bound);
+    let (stop, stopped) = oneshot::channel::<()>();
+    let shutdown = async move {
+        let _ = stopped.await;
+    };
+    let weak = Arc::downgrade(&shared);
+    let task = tokio::spawn(run_on(
+        svc,
+        shared,
+        cfg.security,
+        ReceiverStream::new(leader_conns),
+        bound,
+        shutdown,
+    ));
+    Ok((
+        bound,
+        ServerHandle {
+            addr: bound,
+            stop: Some(stop),
+            task,
+            shared: weak,
+        },
+    ))
+}
+
+/// A follower's answer to every RPC: `UNAVAILABLE`, naming the leader (looked up in etcd at
+/// each call) so a client can go there.
+fn follower_routes(etcd: crate::ha::EtcdConfig, me: String) -> tonic::service::Routes {
+    let router = axum::Router::new().fallback(move || {
+        let (etcd, me) = (etcd.clone(), me.clone());
+        async move {
+            let leader = match crate::ha::leader(&etcd).await {
+                Ok(Some((url, epoch))) => format!("the leader is {url} ({epoch})"),
+                Ok(None) => "no leader is elected yet".to_string(),
+                Err(e) => format!("the leader is unknown: {e}"),
+            };
+            let status = Status::unavailable(format!(
+                "this control-plane replica ({me}) is a follower: {leader}"
+            ));
+            let (parts, body) = status.into_http::<tonic::body::Body>().into_parts();
+            axum::http::Response::from_parts(parts, axum::body::Body::new(body))
+        }
+    });
+    tonic::service::Routes::from(router)
 }
 
 async fn run(
@@ -1238,14 +1364,28 @@ async fn run(
     addr: SocketAddr,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), Error> {
+    // Nagle + delayed ACKs would add ~40 ms to small RPCs on loopback: set TCP_NODELAY on every
+    // accepted connection.
+    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+    run_on(svc, shared, security, incoming, addr, shutdown).await
+}
+
+/// [`run`] over accepted connections from `incoming`.
+async fn run_on(
+    svc: ControlPlaneServer<Service>,
+    shared: Arc<Shared>,
+    security: Security,
+    incoming: impl tokio_stream::Stream<Item = Result<tokio::net::TcpStream, std::io::Error>>
+        + Send
+        + 'static,
+    addr: SocketAddr,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), Error> {
     let closing = async move {
         shutdown.await;
         tracing::info!("control plane shutting down");
         shared.closing.send_replace(true);
     };
-    // Nagle + delayed ACKs would add ~40 ms to small RPCs on loopback: set TCP_NODELAY on every
-    // accepted connection.
-    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
     let mut server = tonic::transport::Server::builder();
     if let Some(id) = &security.tls {
         auth::install_crypto_provider();

@@ -90,6 +90,8 @@ struct Ctx {
     url: Arc<String>,
     /// `Bearer <token>` every request must carry, when set.
     token: Option<Arc<String>>,
+    /// The highest control-plane epoch seen on a call ([`mx_adapters::EPOCH_HEADER`]).
+    epoch: Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// Binds `addr` and serves `inst`'s routes on it until the returned server is shut down.
@@ -121,6 +123,7 @@ pub async fn serve(
         inst,
         url: Arc::new(format!("http://{addr}")),
         token: token.map(|t| Arc::new(format!("Bearer {t}"))),
+        epoch: Arc::new(std::sync::atomic::AtomicU64::new(0)),
     };
     let mut router = Router::new()
         .route("/v1/rl/workers", get(discovery))
@@ -146,6 +149,10 @@ pub async fn serve(
         .route_layer(axum::middleware::from_fn_with_state(
             ctx.clone(),
             refuse_when_retired,
+        ))
+        .route_layer(axum::middleware::from_fn_with_state(
+            ctx.clone(),
+            refuse_stale_epoch,
         ))
         .route_layer(axum::middleware::from_fn_with_state(
             ctx.clone(),
@@ -190,6 +197,50 @@ impl mx_control::observe::Probe for WorkerProbe {
             None => Err("no resident weights yet (nothing applied)".into()),
         }
     }
+}
+
+/// Refuses a call whose [`mx_adapters::EPOCH_HEADER`] is below the highest epoch seen (409: a
+/// newer control-plane leader took over; the caller is deposed). A call without the header is
+/// let through (clients other than a control plane); a malformed one is refused (400).
+async fn refuse_stale_epoch(
+    State(ctx): State<Ctx>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    match epoch_verdict(&ctx.epoch, req.headers().get(mx_adapters::EPOCH_HEADER)) {
+        Ok(()) => next.run(req).await,
+        Err((code, why)) => (code, Json(json!({"error": why}))).into_response(),
+    }
+}
+
+/// Checks `header` against the highest epoch seen and raises it (see [`refuse_stale_epoch`]).
+fn epoch_verdict(
+    highest: &std::sync::atomic::AtomicU64,
+    header: Option<&axum::http::HeaderValue>,
+) -> Result<(), (StatusCode, String)> {
+    let Some(h) = header else {
+        return Ok(());
+    };
+    let epoch = h
+        .to_str()
+        .ok()
+        .and_then(|s| s.parse::<u64>().ok())
+        .ok_or_else(|| {
+            (
+                StatusCode::BAD_REQUEST,
+                format!("{}: not a decimal epoch: {h:?}", mx_adapters::EPOCH_HEADER),
+            )
+        })?;
+    let seen = highest.fetch_max(epoch, std::sync::atomic::Ordering::SeqCst);
+    if epoch < seen {
+        return Err((
+            StatusCode::CONFLICT,
+            format!(
+                "control-plane epoch {epoch} is older than epoch {seen} already seen: a newer leader took over and this caller is deposed"
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// Refuses a request without the configured bearer token (401, before anything else runs).
@@ -627,6 +678,24 @@ mod tests {
 
     fn obj(v: Value) -> Bytes {
         Bytes::from(v.to_string())
+    }
+
+    #[test]
+    fn a_lower_epoch_is_refused_and_a_higher_one_raises_the_bar() {
+        use axum::http::HeaderValue;
+        let seen = std::sync::atomic::AtomicU64::new(0);
+        assert!(epoch_verdict(&seen, None).is_ok());
+        assert!(epoch_verdict(&seen, Some(&HeaderValue::from(7u64))).is_ok());
+        assert!(epoch_verdict(&seen, Some(&HeaderValue::from(7u64))).is_ok());
+        let (code, why) = epoch_verdict(&seen, Some(&HeaderValue::from(6u64))).unwrap_err();
+        assert_eq!(code, StatusCode::CONFLICT);
+        assert!(why.contains("epoch 6 is older than epoch 7"), "{why}");
+        assert!(epoch_verdict(&seen, Some(&HeaderValue::from(9u64))).is_ok());
+        assert!(epoch_verdict(&seen, Some(&HeaderValue::from(7u64))).is_err());
+        // Without the header (not a control plane) the call goes through.
+        assert!(epoch_verdict(&seen, None).is_ok());
+        let (code, _) = epoch_verdict(&seen, Some(&HeaderValue::from_static("nine"))).unwrap_err();
+        assert_eq!(code, StatusCode::BAD_REQUEST);
     }
 
     #[test]
