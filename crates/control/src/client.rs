@@ -25,11 +25,67 @@ use crate::Error;
 /// again (calls made while it is away fail with a transient error, see
 /// [`Error::is_transient`]). HTTP/2 keepalive pings ([`KEEPALIVE_INTERVAL`]) find a control plane
 /// that vanished without closing the connection.
+///
+/// Given several replicas of a highly available control plane (comma-separated URLs), it sends
+/// each call to the replica it believes leads; a call answered `UNAVAILABLE` (a follower, or a
+/// replica that is gone) moves it to the leader the follower named, else to the next replica,
+/// and the caller's retry goes there ([`Error::is_transient`] holds for such errors). A follower
+/// executes nothing, so such a retry never runs a call twice.
 #[derive(Debug, Clone)]
 pub struct ControlClient {
-    inner: ControlPlaneClient<InterceptedService<Channel, Bearer>>,
+    inner: Rpc,
+    /// The replicas of a highly available control plane, when more than one URL was given.
+    replicas: Option<std::sync::Arc<Replicas>>,
     /// Sent with registrations and command streams (0: none, an older client's behaviour).
     incarnation: u64,
+}
+
+type Rpc = ControlPlaneClient<InterceptedService<Channel, Bearer>>;
+
+/// The replicas of a highly available control plane and the one calls go to.
+#[derive(Debug)]
+struct Replicas {
+    /// (URL as given, client on a lazily connecting channel).
+    all: Vec<(String, Rpc)>,
+    /// Index into `all` of the replica believed to lead.
+    current: std::sync::atomic::AtomicUsize,
+}
+
+impl Replicas {
+    fn current(&self) -> usize {
+        self.current.load(std::sync::atomic::Ordering::Relaxed) % self.all.len().max(1)
+    }
+
+    /// After `status` from replica `at`: moves to the leader a follower named (when it is one of
+    /// the replicas), else to the next replica, when `status` says `at` does not serve.
+    fn note(&self, at: usize, status: &tonic::Status) {
+        if status.code() != tonic::Code::Unavailable || self.all.is_empty() {
+            return;
+        }
+        let named = status
+            .message()
+            .split_once("the leader is ")
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .and_then(|url| self.all.iter().position(|(u, _)| same_url(u, url)));
+        let next = named.unwrap_or((at + 1) % self.all.len());
+        // Only the first failure seen at `at` moves the pointer: a late answer from a replica
+        // already left behind must not move it on from the one now chosen.
+        let _ = self.current.compare_exchange(
+            at,
+            next,
+            std::sync::atomic::Ordering::Relaxed,
+            std::sync::atomic::Ordering::Relaxed,
+        );
+    }
+}
+
+/// True when `a` and `b` name the same replica (`host:port` with or without `http://`).
+fn same_url(a: &str, b: &str) -> bool {
+    let bare = |u: &str| {
+        let u = u.trim().trim_end_matches('/');
+        u.split_once("://").map_or(u, |(_, rest)| rest).to_string()
+    };
+    bare(a) == bare(b)
 }
 
 /// How often an idle connection to the control plane is pinged (both ends), and how long a ping
@@ -97,9 +153,17 @@ pub struct PublishOutcome {
 #[derive(Debug)]
 pub struct CommandStream {
     inner: tonic::Streaming<pb::WorkerCommand>,
+    epoch: Option<u64>,
 }
 
 impl CommandStream {
+    /// The epoch of the leader that opened this stream ([`crate::ha`]); `None` from a control
+    /// plane that is not highly available. A worker refuses a stream from a lower epoch than it
+    /// has seen (a deposed leader's).
+    pub fn epoch(&self) -> Option<u64> {
+        self.epoch
+    }
+
     /// The next command; `Ok(None)` when the server ended the stream (it was replaced by a newer
     /// stream of the same worker, or the server shut down).
     ///
@@ -278,26 +342,34 @@ impl ControlClient {
         Ok(ControlClient::over(channel, auth))
     }
 
-    /// A client of the leader among the replicas `addrs` (comma-separated URLs of a highly
-    /// available control plane): each is tried in order with a cheap call (`ListLayouts`); a
-    /// follower answers `UNAVAILABLE` and the next is tried. (The leader's URL a follower names
-    /// is not followed: it is the replica's advertised URL, which the list should hold.)
+    /// A client of the replicas `addrs` (comma-separated URLs of a highly available control
+    /// plane) that starts at the leader: each replica is asked a cheap call (`ListLayouts`) in
+    /// order; a follower answers `UNAVAILABLE` and the next is asked. Later calls follow the
+    /// leadership as the type's documentation says.
     ///
     /// # Errors
-    /// The last replica's error when none leads (or none answers).
+    /// [`Error::InvalidField`] for a malformed or empty list; the last replica's error when
+    /// none leads (or none answers).
     async fn connect_leader(addrs: &str, auth: &ClientAuth) -> Result<ControlClient, Error> {
+        let mut c = ControlClient::replicas(addrs, auth)?;
+        let all = c
+            .replicas
+            .as_ref()
+            .map(|r| r.all.clone())
+            .unwrap_or_default();
         let mut last = None;
-        for a in addrs.split(',').map(str::trim).filter(|a| !a.is_empty()) {
-            let c = match Box::pin(ControlClient::connect_with(a, auth)).await {
-                Ok(c) => c,
-                Err(e) => {
-                    last = Some(e);
-                    continue;
-                }
-            };
+        for (i, (url, rpc)) in all.into_iter().enumerate() {
+            c.inner = rpc;
+            if let Some(r) = &c.replicas {
+                r.current.store(i, std::sync::atomic::Ordering::Relaxed);
+            }
             match c.list_layouts().await {
-                Err(e) if e.code() == tonic::Code::Unavailable => last = Some(e),
-                // The leader answered (a refusal of the credentials is the leader's too).
+                // A replica that is away or follows; a refusal of the credentials is the
+                // leader's own answer.
+                Err(e) if e.is_transient() => {
+                    tracing::debug!(replica = url, "not the leader: {e}");
+                    last = Some(e);
+                }
                 _ => return Ok(c),
             }
         }
@@ -305,6 +377,33 @@ impl ControlClient {
             field: "control".into(),
             reason: format!("no control-plane URL in {addrs:?}"),
         }))
+    }
+
+    /// A client of the replicas `addrs` (comma-separated), each on a lazily connecting
+    /// channel, starting at the first.
+    ///
+    /// # Errors
+    /// [`Error::InvalidField`] for a malformed or empty list.
+    fn replicas(addrs: &str, auth: &ClientAuth) -> Result<ControlClient, Error> {
+        let mut all = Vec::new();
+        for a in addrs.split(',').map(str::trim).filter(|a| !a.is_empty()) {
+            let c = ControlClient::over(endpoint(a, auth)?.connect_lazy(), auth);
+            all.push((a.to_string(), c.inner));
+        }
+        let Some((_, first)) = all.first() else {
+            return Err(Error::InvalidField {
+                field: "control".into(),
+                reason: format!("no control-plane URL in {addrs:?}"),
+            });
+        };
+        Ok(ControlClient {
+            inner: first.clone(),
+            replicas: Some(std::sync::Arc::new(Replicas {
+                current: std::sync::atomic::AtomicUsize::new(0),
+                all,
+            })),
+            incarnation: 0,
+        })
     }
 
     /// A client for `addr` that connects at its first call (and again after the control plane
@@ -315,6 +414,9 @@ impl ControlClient {
     /// variables ([`ClientAuth::from_env`]).
     pub fn connect_lazy(addr: &str) -> Result<ControlClient, Error> {
         let auth = ClientAuth::from_env()?;
+        if addr.contains(',') {
+            return ControlClient::replicas(addr, &auth);
+        }
         Ok(ControlClient::over(
             endpoint(addr, &auth)?.connect_lazy(),
             &auth,
@@ -326,6 +428,7 @@ impl ControlClient {
             inner: ControlPlaneClient::with_interceptor(channel, Bearer(auth.token.clone()))
                 .max_decoding_message_size(MAX_MESSAGE_BYTES)
                 .max_encoding_message_size(MAX_MESSAGE_BYTES),
+            replicas: None,
             incarnation: 0,
         }
     }
@@ -339,8 +442,28 @@ impl ControlClient {
         self
     }
 
-    fn rpc(&self) -> ControlPlaneClient<InterceptedService<Channel, Bearer>> {
-        self.inner.clone()
+    /// The replica calls go to now (its index among the replicas; 0 without) and its client.
+    fn rpc(&self) -> (usize, Rpc) {
+        match &self.replicas {
+            Some(r) => {
+                let at = r.current();
+                let c = r
+                    .all
+                    .get(at)
+                    .map_or_else(|| self.inner.clone(), |(_, c)| c.clone());
+                (at, c)
+            }
+            None => (0, self.inner.clone()),
+        }
+    }
+
+    /// The error of `rpc` that replica `at` answered with `status`; with replicas, moves on from
+    /// one that does not lead ([`Replicas::note`]).
+    fn failed(&self, at: usize, rpc: &'static str, status: tonic::Status) -> Error {
+        if let Some(r) = &self.replicas {
+            r.note(at, &status);
+        }
+        Error::rpc(rpc, status)
     }
 
     /// Declares a version: source slots `0..trainer_layout.world_size` and its tensors.
@@ -355,14 +478,14 @@ impl ControlClient {
         trainer_layout: LayoutSpec,
         tensors: &[TensorSpec],
     ) -> Result<(), Error> {
-        self.rpc()
-            .declare_version(pb::DeclareVersionRequest {
-                label: label.to_string(),
-                trainer_layout: Some(convert::layout_pb(&trainer_layout)),
-                tensors: tensors.iter().map(convert::tensor_spec_pb).collect(),
-            })
-            .await
-            .map_err(|s| Error::rpc("DeclareVersion", s))?;
+        let (at, mut rpc) = self.rpc();
+        rpc.declare_version(pb::DeclareVersionRequest {
+            label: label.to_string(),
+            trainer_layout: Some(convert::layout_pb(&trainer_layout)),
+            tensors: tensors.iter().map(convert::tensor_spec_pb).collect(),
+        })
+        .await
+        .map_err(|s| self.failed(at, "DeclareVersion", s))?;
         Ok(())
     }
 
@@ -377,14 +500,14 @@ impl ControlClient {
         label: &str,
         manifest: &SourceManifest,
     ) -> Result<PublishOutcome, Error> {
-        let r = self
-            .rpc()
+        let (at, mut rpc) = self.rpc();
+        let r = rpc
             .publish(pb::PublishRequest {
                 label: label.to_string(),
                 manifest: Some(convert::manifest_pb(manifest)),
             })
             .await
-            .map_err(|s| Error::rpc("Publish", s))?
+            .map_err(|s| self.failed(at, "Publish", s))?
             .into_inner();
         Ok(PublishOutcome {
             state: convert::version_state(r.state, "state")?,
@@ -403,19 +526,19 @@ impl ControlClient {
     /// [`with_incarnation`](Self::with_incarnation)) or the engine URL is another connected
     /// worker's.
     pub async fn register(&self, reg: &Registration) -> Result<(), Error> {
-        self.rpc()
-            .register_worker(pb::RegisterWorkerRequest {
-                worker_id: reg.worker_id.clone(),
-                instance: reg.instance.clone(),
-                ranks: reg.ranks.clone(),
-                layout: Some(convert::layout_pb(&reg.layout)),
-                engine: reg.engine.as_ref().map(convert::engine_pb),
-                resident_version: reg.resident_version.clone().unwrap_or_default(),
-                model_limits: reg.model_limits.as_ref().map(convert::model_limits_pb),
-                incarnation: self.incarnation,
-            })
-            .await
-            .map_err(|s| Error::rpc("RegisterWorker", s))?;
+        let (at, mut rpc) = self.rpc();
+        rpc.register_worker(pb::RegisterWorkerRequest {
+            worker_id: reg.worker_id.clone(),
+            instance: reg.instance.clone(),
+            ranks: reg.ranks.clone(),
+            layout: Some(convert::layout_pb(&reg.layout)),
+            engine: reg.engine.as_ref().map(convert::engine_pb),
+            resident_version: reg.resident_version.clone().unwrap_or_default(),
+            model_limits: reg.model_limits.as_ref().map(convert::model_limits_pb),
+            incarnation: self.incarnation,
+        })
+        .await
+        .map_err(|s| self.failed(at, "RegisterWorker", s))?;
         Ok(())
     }
 
@@ -449,11 +572,11 @@ impl ControlClient {
     /// [`Error::Rpc`]: `FailedPrecondition` when a refit is open or the version is not READY,
     /// `NotFound` for an unknown label, `InvalidArgument` for a bad check.
     pub async fn refit(&self, spec: &RefitSpec) -> Result<u64, Error> {
-        let r = self
-            .rpc()
+        let (at, mut rpc) = self.rpc();
+        let r = rpc
             .refit(convert::refit_request_pb(spec))
             .await
-            .map_err(|s| Error::rpc("Refit", s))?
+            .map_err(|s| self.failed(at, "Refit", s))?
             .into_inner();
         Ok(r.refit_id)
     }
@@ -468,14 +591,14 @@ impl ControlClient {
         id: u64,
         timeout: Duration,
     ) -> Result<(bool, Option<Refit>), Error> {
-        let r = self
-            .rpc()
+        let (at, mut rpc) = self.rpc();
+        let r = rpc
             .wait_refit(pb::WaitRefitRequest {
                 refit_id: id,
                 timeout_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
             })
             .await
-            .map_err(|s| Error::rpc("WaitRefit", s))?
+            .map_err(|s| self.failed(at, "WaitRefit", s))?
             .into_inner();
         Ok((r.ended, r.refit.as_ref().map(convert::refit).transpose()?))
     }
@@ -485,11 +608,11 @@ impl ControlClient {
     /// # Errors
     /// [`Error::Rpc`] when the call fails.
     pub async fn list_layouts(&self) -> Result<Vec<LayoutSpec>, Error> {
-        let r = self
-            .rpc()
+        let (at, mut rpc) = self.rpc();
+        let r = rpc
             .list_layouts(pb::ListLayoutsRequest {})
             .await
-            .map_err(|s| Error::rpc("ListLayouts", s))?
+            .map_err(|s| self.failed(at, "ListLayouts", s))?
             .into_inner();
         r.layouts
             .iter()
@@ -505,16 +628,30 @@ impl ControlClient {
     /// [`Error::Rpc`] with `FailedPrecondition` when the worker is not registered; with
     /// `AlreadyExists` when its last registration was another incarnation's.
     pub async fn watch_commands(&self, worker_id: &str) -> Result<CommandStream, Error> {
-        let inner = self
-            .rpc()
+        let (at, mut rpc) = self.rpc();
+        let inner = rpc
             .watch_commands(pb::WatchCommandsRequest {
                 worker_id: worker_id.to_string(),
                 incarnation: self.incarnation,
             })
             .await
-            .map_err(|s| Error::rpc("WatchCommands", s))?
-            .into_inner();
-        Ok(CommandStream { inner })
+            .map_err(|s| self.failed(at, "WatchCommands", s))?;
+        let epoch = match inner.metadata().get(mx_adapters::EPOCH_HEADER) {
+            None => None,
+            Some(v) => Some(
+                v.to_str()
+                    .ok()
+                    .and_then(|v| v.parse::<u64>().ok())
+                    .ok_or_else(|| Error::InvalidField {
+                        field: mx_adapters::EPOCH_HEADER.into(),
+                        reason: format!("not a decimal epoch: {v:?}"),
+                    })?,
+            ),
+        };
+        Ok(CommandStream {
+            inner: inner.into_inner(),
+            epoch,
+        })
     }
 
     /// Asks workers to stage a READY version (pull and verify it beside their live weights).
@@ -524,13 +661,13 @@ impl ControlClient {
     /// [`Error::Rpc`] with `FailedPrecondition` unless the version is READY and every worker is
     /// registered and in no open refit (the message names the worker).
     pub async fn stage(&self, label: &str, worker_ids: &[impl AsRef<str>]) -> Result<(), Error> {
-        self.rpc()
-            .stage(pb::StageRequest {
-                label: label.to_string(),
-                worker_ids: ids(worker_ids),
-            })
-            .await
-            .map_err(|s| Error::rpc("Stage", s))?;
+        let (at, mut rpc) = self.rpc();
+        rpc.stage(pb::StageRequest {
+            label: label.to_string(),
+            worker_ids: ids(worker_ids),
+        })
+        .await
+        .map_err(|s| self.failed(at, "Stage", s))?;
         Ok(())
     }
 
@@ -539,10 +676,10 @@ impl ControlClient {
     /// # Errors
     /// [`Error::Rpc`] with `FailedPrecondition` unless the worker is staging that version.
     pub async fn report_staged(&self, report: &StagedReport) -> Result<(), Error> {
-        self.rpc()
-            .report_staged(convert::staged_pb(report))
+        let (at, mut rpc) = self.rpc();
+        rpc.report_staged(convert::staged_pb(report))
             .await
-            .map_err(|s| Error::rpc("ReportStaged", s))?;
+            .map_err(|s| self.failed(at, "ReportStaged", s))?;
         Ok(())
     }
 
@@ -551,13 +688,13 @@ impl ControlClient {
     /// # Errors
     /// [`Error::Rpc`] with `NotFound` for an undeclared label.
     pub async fn get_version(&self, label: &str) -> Result<VersionInfo, Error> {
-        let r = self
-            .rpc()
+        let (at, mut rpc) = self.rpc();
+        let r = rpc
             .get_version(pb::GetVersionRequest {
                 label: label.to_string(),
             })
             .await
-            .map_err(|s| Error::rpc("GetVersion", s))?
+            .map_err(|s| self.failed(at, "GetVersion", s))?
             .into_inner();
         convert::version_info(&r)
     }
@@ -567,11 +704,11 @@ impl ControlClient {
     /// # Errors
     /// [`Error::Rpc`] when the call fails.
     pub async fn get_status(&self) -> Result<FleetStatus, Error> {
-        let r = self
-            .rpc()
+        let (at, mut rpc) = self.rpc();
+        let r = rpc
             .get_status(pb::GetStatusRequest {})
             .await
-            .map_err(|s| Error::rpc("GetStatus", s))?
+            .map_err(|s| self.failed(at, "GetStatus", s))?
             .into_inner();
         convert::fleet(&r)
     }
@@ -589,8 +726,8 @@ impl ControlClient {
         state: WorkerState,
         timeout: Duration,
     ) -> Result<(bool, Vec<WorkerBrief>), Error> {
-        let r = self
-            .rpc()
+        let (at, mut rpc) = self.rpc();
+        let r = rpc
             .wait_workers(pb::WaitWorkersRequest {
                 label: label.to_string(),
                 worker_ids: worker_ids.iter().map(|w| w.as_ref().to_string()).collect(),
@@ -598,7 +735,7 @@ impl ControlClient {
                 timeout_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
             })
             .await
-            .map_err(|s| Error::rpc("WaitWorkers", s))?
+            .map_err(|s| self.failed(at, "WaitWorkers", s))?
             .into_inner();
         let mut out = Vec::with_capacity(r.workers.len());
         for b in r.workers {
@@ -625,15 +762,15 @@ impl ControlClient {
         timeout: Duration,
     ) -> Result<VersionInfo, Error> {
         let timeout_ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX);
-        let r = self
-            .rpc()
+        let (at, mut rpc) = self.rpc();
+        let r = rpc
             .wait_version(pb::WaitVersionRequest {
                 label: label.to_string(),
                 state: convert::version_state_pb(state),
                 timeout_ms,
             })
             .await
-            .map_err(|s| Error::rpc("WaitVersion", s))?
+            .map_err(|s| self.failed(at, "WaitVersion", s))?
             .into_inner();
         let info = r.version.as_ref().map(convert::version_info).transpose()?;
         match info {
@@ -662,14 +799,14 @@ impl ControlClient {
         label: &str,
         timeout: Duration,
     ) -> Result<Option<Release>, Error> {
-        let r = self
-            .rpc()
+        let (at, mut rpc) = self.rpc();
+        let r = rpc
             .wait_released(pb::WaitReleasedRequest {
                 label: label.to_string(),
                 timeout_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
             })
             .await
-            .map_err(|s| Error::rpc("WaitReleased", s))?
+            .map_err(|s| self.failed(at, "WaitReleased", s))?
             .into_inner();
         r.release
             .as_ref()
@@ -684,13 +821,13 @@ impl ControlClient {
     /// [`Error::Rpc`]: `NotFound` for an undeclared label, `InvalidArgument` for a slot outside
     /// the trainer layout.
     pub async fn release_version(&self, label: &str, slot: u32) -> Result<(), Error> {
-        self.rpc()
-            .release_version(pb::ReleaseVersionRequest {
-                label: label.to_string(),
-                slot,
-            })
-            .await
-            .map_err(|s| Error::rpc("ReleaseVersion", s))?;
+        let (at, mut rpc) = self.rpc();
+        rpc.release_version(pb::ReleaseVersionRequest {
+            label: label.to_string(),
+            slot,
+        })
+        .await
+        .map_err(|s| self.failed(at, "ReleaseVersion", s))?;
         Ok(())
     }
 
@@ -707,14 +844,14 @@ impl ControlClient {
         worker_id: &str,
         manifest: &SourceManifest,
     ) -> Result<(), Error> {
-        self.rpc()
-            .serve_peer(pb::ServePeerRequest {
-                label: label.to_string(),
-                worker_id: worker_id.to_string(),
-                manifest: Some(convert::manifest_pb(manifest)),
-            })
-            .await
-            .map_err(|s| Error::rpc("ServePeer", s))?;
+        let (at, mut rpc) = self.rpc();
+        rpc.serve_peer(pb::ServePeerRequest {
+            label: label.to_string(),
+            worker_id: worker_id.to_string(),
+            manifest: Some(convert::manifest_pb(manifest)),
+        })
+        .await
+        .map_err(|s| self.failed(at, "ServePeer", s))?;
         Ok(())
     }
 
@@ -723,13 +860,13 @@ impl ControlClient {
     /// # Errors
     /// [`Error::Rpc`].
     pub async fn withdraw_peer(&self, worker_id: &str, label: Option<&str>) -> Result<(), Error> {
-        self.rpc()
-            .withdraw_peer(pb::WithdrawPeerRequest {
-                worker_id: worker_id.to_string(),
-                label: label.unwrap_or_default().to_string(),
-            })
-            .await
-            .map_err(|s| Error::rpc("WithdrawPeer", s))?;
+        let (at, mut rpc) = self.rpc();
+        rpc.withdraw_peer(pb::WithdrawPeerRequest {
+            worker_id: worker_id.to_string(),
+            label: label.unwrap_or_default().to_string(),
+        })
+        .await
+        .map_err(|s| self.failed(at, "WithdrawPeer", s))?;
         Ok(())
     }
 
@@ -741,13 +878,52 @@ impl ControlClient {
     /// (a version not READY, a malformed URL, a delta without a known base, a URL recorded with
     /// another manifest).
     pub async fn register_artifact(&self, label: &str, a: &ArtifactRecord) -> Result<(), Error> {
-        self.rpc()
-            .register_artifact(pb::RegisterArtifactRequest {
-                label: label.to_string(),
-                artifact: Some(convert::artifact_pb(a)),
-            })
-            .await
-            .map_err(|s| Error::rpc("RegisterArtifact", s))?;
+        let (at, mut rpc) = self.rpc();
+        rpc.register_artifact(pb::RegisterArtifactRequest {
+            label: label.to_string(),
+            artifact: Some(convert::artifact_pb(a)),
+        })
+        .await
+        .map_err(|s| self.failed(at, "RegisterArtifact", s))?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // reason: tests fail loudly on purpose
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn calls_move_to_the_named_leader_else_to_the_next_replica() {
+        let c = ControlClient::replicas(
+            "http://127.0.0.1:1, 127.0.0.1:2,http://127.0.0.1:3/",
+            &ClientAuth::none(),
+        )
+        .unwrap();
+        let r = c.replicas.as_ref().unwrap();
+        let urls: Vec<&str> = r.all.iter().map(|(u, _)| u.as_str()).collect();
+        assert_eq!(
+            urls,
+            ["http://127.0.0.1:1", "127.0.0.1:2", "http://127.0.0.1:3/"]
+        );
+        assert_eq!(c.rpc().0, 0);
+        // A follower names the leader: calls go there (URL spelled differently).
+        let follower = tonic::Status::unavailable(
+            "this control-plane replica (http://127.0.0.1:1) is a follower: the leader is \
+             http://127.0.0.1:3 (epoch 42)",
+        );
+        r.note(0, &follower);
+        assert_eq!(c.rpc().0, 2);
+        // A late failure from the replica already left behind does not move it on.
+        r.note(0, &tonic::Status::unavailable("connection refused"));
+        assert_eq!(c.rpc().0, 2);
+        // The leader gone (no name): the next replica, wrapping around.
+        r.note(2, &tonic::Status::unavailable("connection refused"));
+        assert_eq!(c.rpc().0, 0);
+        // Other errors are the leader's own answers: no move.
+        r.note(0, &tonic::Status::permission_denied("role"));
+        assert_eq!(c.rpc().0, 0);
+        assert!(ControlClient::replicas(" , ", &ClientAuth::none()).is_err());
     }
 }

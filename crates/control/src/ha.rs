@@ -131,6 +131,16 @@ impl Leadership {
         *self.lost.borrow()
     }
 
+    /// A future that completes with `true` once the lease could not be renewed, or with `false`
+    /// once this leadership was dropped (stepped down deliberately); it holds no reference to
+    /// the leadership.
+    pub fn deposed(&self) -> impl std::future::Future<Output = bool> + Send + 'static {
+        let mut rx = self.lost.clone();
+        // The keep-alive task sends `true` before it ends by itself; an aborted one (the
+        // leadership dropped) closes the channel without it.
+        async move { rx.wait_for(|lost| *lost).await.is_ok() }
+    }
+
     /// Writes `puts` (key, value) in one etcd transaction that applies only while this epoch's
     /// election key exists: the fencing of a deposed leader.
     ///
@@ -245,39 +255,67 @@ pub async fn read_log(cfg: &EtcdConfig, prefix: &str) -> Result<Vec<(u64, Vec<u8
     let mut client = Client::connect(&cfg.endpoints, None)
         .await
         .map_err(etcd_err("connect"))?;
-    let resp = client
-        .get(
-            prefix.as_bytes(),
-            Some(
-                etcd_client::GetOptions::new()
-                    .with_prefix()
-                    .with_sort(etcd_client::SortTarget::Key, etcd_client::SortOrder::Ascend),
-            ),
-        )
-        .await
-        .map_err(etcd_err("range"))?;
-    let mut out: Vec<(u64, Vec<u8>)> = Vec::with_capacity(resp.kvs().len());
-    for kv in resp.kvs() {
-        let key = String::from_utf8_lossy(kv.key());
-        let seq = key
-            .strip_prefix(prefix)
-            .filter(|s| s.len() == 20)
-            .and_then(|s| s.parse::<u64>().ok())
-            .ok_or_else(|| Error::InvalidField {
-                field: format!("etcd key {key}"),
-                reason: format!("not {prefix}<20-digit sequence number>"),
-            })?;
-        if let Some((prev, _)) = out.last() {
-            if seq != prev + 1 {
-                return Err(Error::InvalidField {
+    // A range answer must stay under the client's 4 MiB message limit: at most
+    // `PAGE_ENTRIES` entries of at most `MAX_ENTRY_BYTES` each per request.
+    let end = etcd_client::GetOptions::new()
+        .with_sort(etcd_client::SortTarget::Key, etcd_client::SortOrder::Ascend)
+        .with_limit(PAGE_ENTRIES);
+    let mut out: Vec<(u64, Vec<u8>)> = Vec::new();
+    let mut from = prefix.as_bytes().to_vec();
+    loop {
+        let opts = end.clone().with_range(prefix_end(prefix.as_bytes()));
+        let resp = client
+            .get(from.clone(), Some(opts))
+            .await
+            .map_err(etcd_err("range"))?;
+        for kv in resp.kvs() {
+            let key = String::from_utf8_lossy(kv.key());
+            let seq = key
+                .strip_prefix(prefix)
+                .filter(|s| s.len() == 20)
+                .and_then(|s| s.parse::<u64>().ok())
+                .ok_or_else(|| Error::InvalidField {
                     field: format!("etcd key {key}"),
-                    reason: format!("log entry {seq} follows {prev}: a gap"),
-                });
+                    reason: format!("not {prefix}<20-digit sequence number>"),
+                })?;
+            if let Some((prev, _)) = out.last() {
+                if Some(seq) != prev.checked_add(1) {
+                    return Err(Error::InvalidField {
+                        field: format!("etcd key {key}"),
+                        reason: format!("log entry {seq} follows {prev}: a gap"),
+                    });
+                }
             }
+            out.push((seq, kv.value().to_vec()));
         }
-        out.push((seq, kv.value().to_vec()));
+        match resp.kvs().last() {
+            Some(last) if resp.more() => {
+                // The next page starts right after the last key read.
+                from = last.key().to_vec();
+                from.push(0);
+            }
+            _ => return Ok(out),
+        }
     }
-    Ok(out)
+}
+
+/// Entries per range request of [`read_log`].
+const PAGE_ENTRIES: i64 = 3;
+
+/// The end of the range of keys starting with `prefix` (etcd's convention: the prefix with its
+/// last byte below 0xff incremented and what follows dropped; `\0` for "to the end").
+fn prefix_end(prefix: &[u8]) -> Vec<u8> {
+    let mut end = prefix.to_vec();
+    while let Some(&b) = end.last() {
+        if b < 0xff {
+            if let Some(l) = end.last_mut() {
+                *l = b + 1;
+            }
+            return end;
+        }
+        end.pop();
+    }
+    vec![0]
 }
 
 /// The current leader of `cfg.election`: its value (advertised URL) and epoch; `None` when

@@ -260,6 +260,9 @@ pub(crate) struct Shared {
     /// The client of every engine call: one pool of kept-alive connections for the life of the
     /// control plane, so a refit of a thousand workers does not open a thousand connections.
     pub(crate) http: reqwest::Client,
+    /// The leader's epoch of a highly available control plane ([`crate::ha`]): sent on every
+    /// engine call and with every command stream ([`mx_adapters::EPOCH_HEADER`]).
+    epoch: Option<u64>,
 }
 
 /// The journal thread (group commit): takes every record waiting (up to [`MAX_GROUP`] callers, or
@@ -425,6 +428,7 @@ impl Shared {
             mail: Mutex::new(HashMap::new()),
             limits: Mutex::new(HashMap::new()),
             http,
+            epoch,
         })
     }
 
@@ -836,7 +840,16 @@ impl ControlPlane for Service {
         mailbox.notify.notify_waiters();
         let (tx, rx) = mpsc::channel(4);
         tokio::spawn(pump(Arc::clone(&self.shared), worker_id, mailbox, gen, tx));
-        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+        let mut resp =
+            Response::new(Box::pin(ReceiverStream::new(rx)) as Self::WatchCommandsStream);
+        if let Some(e) = self.shared.epoch {
+            // A worker refuses a stream from a lower epoch than it has seen: a deposed leader's.
+            resp.metadata_mut().insert(
+                mx_adapters::EPOCH_HEADER,
+                tonic::metadata::MetadataValue::from(e),
+            );
+        }
+        Ok(resp)
     }
 
     async fn stage(
@@ -1301,6 +1314,24 @@ pub async fn spawn_ha(
     let _ = follower.await;
     let epoch = u64::try_from(leadership.epoch().0).unwrap_or(0);
     tracing::info!(%bound, epoch, advertise, "elected control-plane leader");
+    {
+        // A leader that cannot renew its lease is deposed: another replica may be elected once
+        // the lease expires, and this one's journal writes are fenced from then on. It stops at
+        // once rather than act on a state another leader now owns; a supervisor restarts it as
+        // a follower.
+        let deposed = leadership.deposed();
+        tokio::spawn(async move {
+            if !deposed.await {
+                return;
+            }
+            tracing::error!(
+                epoch,
+                "lost the control-plane leadership (lease not renewed): exiting"
+            );
+            eprintln!("mx control: lost the leadership of epoch {epoch}; exiting (status 74)");
+            std::process::exit(74);
+        });
+    }
     let (journal, entries) =
         Journal::open_etcd(etcd, leadership, prefix, tokio::runtime::Handle::current()).await?;
     let shared = Arc::new(Shared::from_journal(

@@ -90,8 +90,6 @@ struct Ctx {
     url: Arc<String>,
     /// `Bearer <token>` every request must carry, when set.
     token: Option<Arc<String>>,
-    /// The highest control-plane epoch seen on a call ([`mx_adapters::EPOCH_HEADER`]).
-    epoch: Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// Binds `addr` and serves `inst`'s routes on it until the returned server is shut down.
@@ -123,7 +121,6 @@ pub async fn serve(
         inst,
         url: Arc::new(format!("http://{addr}")),
         token: token.map(|t| Arc::new(format!("Bearer {t}"))),
-        epoch: Arc::new(std::sync::atomic::AtomicU64::new(0)),
     };
     let mut router = Router::new()
         .route("/v1/rl/workers", get(discovery))
@@ -207,7 +204,10 @@ async fn refuse_stale_epoch(
     req: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> Response {
-    match epoch_verdict(&ctx.epoch, req.headers().get(mx_adapters::EPOCH_HEADER)) {
+    match epoch_verdict(
+        &ctx.inst.shared.epoch,
+        req.headers().get(mx_adapters::EPOCH_HEADER),
+    ) {
         Ok(()) => next.run(req).await,
         Err((code, why)) => (code, Json(json!({"error": why}))).into_response(),
     }
@@ -231,8 +231,7 @@ fn epoch_verdict(
                 format!("{}: not a decimal epoch: {h:?}", mx_adapters::EPOCH_HEADER),
             )
         })?;
-    let seen = highest.fetch_max(epoch, std::sync::atomic::Ordering::SeqCst);
-    if epoch < seen {
+    if let Err(seen) = crate::instance::admit_epoch(highest, epoch) {
         return Err((
             StatusCode::CONFLICT,
             format!(

@@ -226,6 +226,9 @@ impl EngineSlot {
 #[derive(Debug)]
 pub(crate) struct Shared {
     pub(crate) cfg: InstanceConfig,
+    /// The highest control-plane leader epoch seen, on an engine call or a command stream
+    /// ([`Instance::admit_epoch`]).
+    pub(crate) epoch: std::sync::atomic::AtomicU64,
     config: serde_json::Value,
     pub(crate) model: ModelInfo,
     pub(crate) dest: Vec<RankLayout>,
@@ -263,7 +266,26 @@ pub struct Instance {
     pub(crate) shared: Arc<Shared>,
 }
 
+/// Raises `highest` to `epoch`; `Err(highest)` when `epoch` is lower (see
+/// [`Instance::admit_epoch`]).
+pub(crate) fn admit_epoch(highest: &std::sync::atomic::AtomicU64, epoch: u64) -> Result<(), u64> {
+    let seen = highest.fetch_max(epoch, std::sync::atomic::Ordering::SeqCst);
+    if epoch < seen {
+        return Err(seen);
+    }
+    Ok(())
+}
+
 impl Instance {
+    /// Admits control-plane leader `epoch` ([`mx_adapters::EPOCH_HEADER`]) and raises the
+    /// highest seen to it.
+    ///
+    /// # Errors
+    /// The highest epoch seen, when `epoch` is lower: its sender is a deposed leader.
+    pub fn admit_epoch(&self, epoch: u64) -> Result<(), u64> {
+        admit_epoch(&self.shared.epoch, epoch)
+    }
+
     /// Reads the model's config.json and headers and computes the layout of the held ranks.
     /// No weights are resident until an apply (or [`Instance::apply`] of a disk checkpoint).
     /// `agent` is the NIXL agent staging pulls through; without one, staging fails with
@@ -311,6 +333,7 @@ impl Instance {
         };
         Ok(Instance {
             shared: Arc::new(Shared {
+                epoch: std::sync::atomic::AtomicU64::new(0),
                 max_positions: config
                     .get("max_position_embeddings")
                     .and_then(serde_json::Value::as_u64),
@@ -356,6 +379,7 @@ impl Instance {
         let snapshot = versions.versions();
         Ok(Instance {
             shared: Arc::new(Shared {
+                epoch: std::sync::atomic::AtomicU64::new(0),
                 max_positions: None,
                 config: serde_json::Value::Null,
                 model,

@@ -168,6 +168,18 @@ pub enum Error {
         /// The control plane's refusal.
         reason: String,
     },
+    /// A command stream came from a control-plane leader of a lower epoch than one already
+    /// seen (on an engine call or a stream): a deposed leader. The worker reconnects to the
+    /// replicas it was given instead.
+    #[error("worker {worker_id:?}: the control plane's command stream is of leader epoch {epoch}, older than epoch {seen} already seen (a deposed leader)")]
+    DeposedLeader {
+        /// This worker's id.
+        worker_id: String,
+        /// The stream's epoch.
+        epoch: u64,
+        /// The highest epoch seen.
+        seen: u64,
+    },
     /// The control plane stayed unreachable for the whole reconnect timeout (only with an
     /// explicit [`WorkerConfig::reconnect_timeout`]; by default a worker retries forever).
     #[error("worker {worker_id:?} lost the control plane at {control} and could not reconnect within {seconds} s: {last_error}")]

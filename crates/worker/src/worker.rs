@@ -415,7 +415,11 @@ impl Worker {
     async fn run_commands(&self) -> Result<(), Error> {
         let mut stream = if self.registered.load(Ordering::SeqCst) {
             match self.client().watch_commands(&self.cfg.worker_id).await {
-                Ok(s) => s,
+                Ok(s) if self.admit_stream(&s).is_ok() => s,
+                Ok(_) => {
+                    self.reconnect("a deposed leader's command stream".into())
+                        .await?
+                }
                 Err(e) => {
                     let e = self.displaced_or(e);
                     if matches!(e, Error::Displaced { .. }) {
@@ -519,7 +523,24 @@ impl Worker {
             .watch_commands(&self.cfg.worker_id)
             .await
             .map_err(|e| self.displaced_or(e))?;
+        self.admit_stream(&stream)?;
         Ok((client, stream))
+    }
+
+    /// Refuses a command stream of a deposed leader ([`Error::DeposedLeader`]): one whose epoch
+    /// is lower than the highest this worker has seen.
+    fn admit_stream(&self, stream: &CommandStream) -> Result<(), Error> {
+        match stream.epoch() {
+            Some(epoch) => self
+                .inst
+                .admit_epoch(epoch)
+                .map_err(|seen| Error::DeposedLeader {
+                    worker_id: self.cfg.worker_id.clone(),
+                    epoch,
+                    seen,
+                }),
+            None => Ok(()),
+        }
     }
 
     async fn handle(&self, cmd: Command) {

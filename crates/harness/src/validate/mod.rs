@@ -26,6 +26,7 @@ use crate::fleet::{connect, default_model, Procs, WorkDir};
 use crate::refits::{golden, print_refit, wait_end};
 
 mod chaos;
+mod ha;
 mod restarts;
 
 /// Flags of `mx validate`.
@@ -51,6 +52,11 @@ pub struct ValidateArgs {
     /// Seed of the chaos schedule (the same seed gives the same victims and delays).
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    /// High availability instead of the matrix: the control plane runs as two replicas on a
+    /// 3-member etcd cluster started on loopback (needs `etcd` on PATH), and the leader is
+    /// SIGKILLed at each refit transition (`leader_killed_at_<point>`, after `happy_path`).
+    #[arg(long, conflicts_with = "chaos")]
+    pub ha: bool,
 }
 
 /// One scenario's row.
@@ -99,6 +105,9 @@ struct Fleet {
     versions: BTreeMap<String, (String, Vec<u32>)>,
     /// Publisher processes: (process name, `mx` arguments), to restart them as they started.
     publishers: Vec<(String, Vec<String>)>,
+    /// With `--ha`: the etcd cluster and the replicas (`control` is then their URL list and the
+    /// journal lives in etcd).
+    ha: Option<ha::Ha>,
 }
 
 fn s(v: &str) -> String {
@@ -326,8 +335,8 @@ impl Fleet {
 
     /// Journal completeness, from the file on disk: replayed into a fresh state, every refit
     /// since `from` has BEGIN, END and a result for every call.
-    fn journal_gaps(&self, from: u64) -> anyhow::Result<Vec<String>> {
-        let entries = mx_control::journal::read_records(&self.journal)?;
+    async fn journal_gaps(&self, from: u64) -> anyhow::Result<Vec<String>> {
+        let entries = self.journal_records().await?;
         let mut st = State::new();
         for e in entries {
             st.apply(e.record)?;
@@ -337,6 +346,14 @@ impl Fleet {
             .filter(|r| r.id >= from)
             .flat_map(Refit::journal_gaps)
             .collect())
+    }
+
+    /// Every journal record, from the file on disk or, with `--ha`, from etcd.
+    async fn journal_records(&self) -> anyhow::Result<Vec<mx_control::journal::Entry>> {
+        match &self.ha {
+            Some(ha) => ha.records().await,
+            None => Ok(mx_control::journal::read_records(&self.journal)?),
+        }
     }
 
     async fn wait_registered(&self, id: &str) -> anyhow::Result<()> {
@@ -406,6 +423,7 @@ async fn start_fleet(
     model: &Path,
     keep: bool,
     sources: Sources,
+    with_ha: bool,
 ) -> anyhow::Result<(WorkDir, Fleet)> {
     if !model.join("config.json").exists() {
         bail!(
@@ -423,7 +441,24 @@ async fn start_fleet(
     let control = format!("http://{listen}");
     let journal = work.join("journal.jsonl");
     let mut procs = Procs(Vec::new());
-    procs.spawn("control", &work, &control_args(&listen, &journal))?;
+    let ha = if with_ha {
+        Some(ha::Ha::start(&work)?)
+    } else {
+        None
+    };
+    let control = match &ha {
+        Some(h) => {
+            h.wait_etcd().await?;
+            for (i, name) in ha::REPLICAS.iter().enumerate() {
+                procs.spawn(name, &work, &h.replica_args(i, &journal))?;
+            }
+            h.control_urls()
+        }
+        None => {
+            procs.spawn("control", &work, &control_args(&listen, &journal))?;
+            control
+        }
+    };
     let client = connect(&control, Duration::from_secs(30)).await?;
     let mut f = Fleet {
         work: work.clone(),
@@ -436,6 +471,7 @@ async fn start_fleet(
         http: reqwest::Client::new(),
         versions: BTreeMap::new(),
         publishers: Vec::new(),
+        ha,
     };
 
     eprintln!("computing golden tokens (forward passes over checkpoint + known updates)");
@@ -490,40 +526,20 @@ async fn start_fleet(
 async fn run_async(args: ValidateArgs) -> anyhow::Result<()> {
     let model = args.model.clone().unwrap_or_else(default_model);
     if let Some(n) = args.chaos {
-        let (work_dir, f) = start_fleet(&model, args.keep, Sources::EachVersionServed).await?;
+        let (work_dir, f) =
+            start_fleet(&model, args.keep, Sources::EachVersionServed, false).await?;
         return chaos::run(f, &work_dir, n, args.seed, args.report.as_deref()).await;
     }
-    let (work_dir, mut f) = start_fleet(&model, args.keep, Sources::TrainInPlace).await?;
+    let (work_dir, mut f) = start_fleet(&model, args.keep, Sources::TrainInPlace, args.ha).await?;
     let work = work_dir.path.clone();
 
-    // Scenarios that need a real pull come first: once a worker held step-2 it keeps it pinned
-    // and stages it again without pulling.
-    let mut names: Vec<String> = vec![
-        s("corrupted_source_byte"),
-        s("publisher_killed_mid_pull"),
-        s("happy_path"),
-        s("same_version_twice"),
-        s("post_update_generation_fails"),
-        s("cache_not_cleared"),
-        s("worker_hung_in_apply"),
-    ];
-    names.extend(
-        CRASH_POINTS
-            .iter()
-            .map(|(p, _)| format!("control_plane_killed_at_{p}")),
-    );
-    names.extend([
-        s("stale_outside_the_set"),
-        s("verify_only_check_fails"),
-        s("missing_worker"),
-        s("missing_worker_allowed"),
-        s("stale_worker_rejoins"),
-        // Last: these restart workers empty, so they hold step-1 no more (its sources moved on).
-        s("empty_worker_in_a_failed_refit"),
-        s("worker_restarted_during_apply"),
-        s("engine_changed_behind_the_control_plane"),
-        s("worker_restarted_during_prepare"),
-    ]);
+    let names: Vec<String> = if args.ha {
+        std::iter::once(s("happy_path"))
+            .chain(ha::scenario_names())
+            .collect()
+    } else {
+        matrix_names()
+    };
     let mut reports = Vec::new();
     for name in names {
         if !args.only.is_empty() && !args.only.contains(&name) {
@@ -546,6 +562,7 @@ async fn run_async(args: ValidateArgs) -> anyhow::Result<()> {
         let fleet_consistent = distinct.len() == 1 && known;
         let gaps = f
             .journal_gaps(first_refit)
+            .await
             .unwrap_or_else(|e| vec![e.to_string()]);
         let journal_complete = gaps.is_empty();
         let detail = if gaps.is_empty() {
@@ -605,8 +622,41 @@ async fn run_async(args: ValidateArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The scenarios of the fault matrix, in the order they run.
+fn matrix_names() -> Vec<String> {
+    // Scenarios that need a real pull come first: once a worker held step-2 it keeps it pinned
+    // and stages it again without pulling.
+    let mut names: Vec<String> = vec![
+        s("corrupted_source_byte"),
+        s("publisher_killed_mid_pull"),
+        s("happy_path"),
+        s("same_version_twice"),
+        s("post_update_generation_fails"),
+        s("cache_not_cleared"),
+        s("worker_hung_in_apply"),
+    ];
+    names.extend(
+        CRASH_POINTS
+            .iter()
+            .map(|(p, _)| format!("control_plane_killed_at_{p}")),
+    );
+    names.extend([
+        s("stale_outside_the_set"),
+        s("verify_only_check_fails"),
+        s("missing_worker"),
+        s("missing_worker_allowed"),
+        s("stale_worker_rejoins"),
+        // Last: these restart workers empty, so they hold step-1 no more (its sources moved on).
+        s("empty_worker_in_a_failed_refit"),
+        s("worker_restarted_during_apply"),
+        s("engine_changed_behind_the_control_plane"),
+        s("worker_restarted_during_prepare"),
+    ]);
+    names
+}
+
 async fn next_refit_id(f: &Fleet) -> anyhow::Result<u64> {
-    let entries = mx_control::journal::read_records(&f.journal)?;
+    let entries = f.journal_records().await?;
     let mut last = 0;
     for e in entries {
         if let Record::RefitBegin { refit } = e.record {
@@ -650,14 +700,19 @@ async fn wait_ready(f: &mut Fleet, label: &str) -> anyhow::Result<()> {
 }
 
 /// Runs one scenario; returns (expected, observed, passed, detail).
+/// True when every worker of refit `r` ended with `label`'s version resident.
+fn on(r: &Refit, label: &str, f: &Fleet) -> bool {
+    let v = &f.versions[label].0;
+    r.workers
+        .values()
+        .all(|w| w.resident.as_deref() == Some(v.as_str()))
+}
+
 async fn scenario(f: &mut Fleet, name: &str) -> anyhow::Result<(String, String, bool, String)> {
-    let on = |r: &Refit, label: &str, f: &Fleet| -> bool {
-        let v = &f.versions[label].0;
-        r.workers
-            .values()
-            .all(|w| w.resident.as_deref() == Some(v.as_str()))
-    };
     match name {
+        n if n.starts_with("leader_killed_at_") => {
+            ha::leader_killed_at(f, n.trim_start_matches("leader_killed_at_")).await
+        }
         "happy_path" => {
             f.ensure("step-1").await?;
             let r = f.refit("step-2").await?;

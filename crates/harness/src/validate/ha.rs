@@ -1,0 +1,295 @@
+//! `mx validate --ha`: the fleet's control plane as two replicas on a real 3-member etcd
+//! cluster on loopback (Debian's etcd-server), and the leader SIGKILLed at each refit
+//! transition: the other replica is elected once the dead one's lease runs out, rebuilds the
+//! state from the journal in etcd and finishes or rolls back the refit, as a restarted control
+//! plane does from its file.
+
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use mx_control::ha::EtcdConfig;
+use mx_control::journal::Entry;
+use mx_control::Outcome;
+
+use super::{s, wait_connected, Fleet, CRASH_POINTS, WORKERS};
+use crate::refits::{print_refit, wait_end};
+
+/// The election name and journal prefix `mx control --etcd` uses.
+const ELECTION: &str = "mx/control/leader";
+const JOURNAL_PREFIX: &str = "/mx/journal/";
+/// The leader lease of the replicas, seconds: how long a dead leader holds the leadership.
+const LEASE_TTL_S: i64 = 2;
+/// The replicas' process names.
+pub(super) const REPLICAS: [&str; 2] = ["control-a", "control-b"];
+
+/// A 3-member etcd cluster on loopback, killed on drop.
+pub(super) struct Etcd {
+    kids: Vec<Child>,
+    /// The members' client URLs.
+    pub(super) endpoints: Vec<String>,
+}
+
+impl Drop for Etcd {
+    fn drop(&mut self) {
+        for c in &mut self.kids {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+impl Etcd {
+    /// Starts 3 members with their data and logs under `work`.
+    ///
+    /// # Errors
+    /// When `etcd` is not installed (naming the package) or a member cannot start.
+    pub(super) fn start(work: &Path) -> anyhow::Result<Etcd> {
+        if Command::new("etcd").arg("--version").output().is_err() {
+            bail!("--ha needs etcd on PATH: apt-get install etcd-server (scripts/setup.sh does)");
+        }
+        let mut ports = Vec::new();
+        for _ in 0..3 {
+            ports.push((free_port()?, free_port()?));
+        }
+        let cluster: Vec<String> = ports
+            .iter()
+            .enumerate()
+            .map(|(i, (_, peer))| format!("e{i}=http://127.0.0.1:{peer}"))
+            .collect();
+        let mut etcd = Etcd {
+            kids: Vec::new(),
+            endpoints: ports
+                .iter()
+                .map(|(c, _)| format!("http://127.0.0.1:{c}"))
+                .collect(),
+        };
+        for (i, (client, peer)) in ports.iter().enumerate() {
+            let log = std::fs::File::create(work.join(format!("etcd-{i}.log")))?;
+            let data = work.join(format!("etcd-{i}.data"));
+            let child = Command::new("etcd")
+                .args(["--name", &format!("e{i}")])
+                .arg("--data-dir")
+                .arg(&data)
+                .args([
+                    "--listen-client-urls",
+                    &format!("http://127.0.0.1:{client}"),
+                    "--advertise-client-urls",
+                    &format!("http://127.0.0.1:{client}"),
+                    "--listen-peer-urls",
+                    &format!("http://127.0.0.1:{peer}"),
+                    "--initial-advertise-peer-urls",
+                    &format!("http://127.0.0.1:{peer}"),
+                    "--initial-cluster",
+                    &cluster.join(","),
+                    "--initial-cluster-state",
+                    "new",
+                    "--initial-cluster-token",
+                    "mx-validate",
+                ])
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(log)
+                .spawn()
+                .with_context(|| format!("starting etcd member e{i}"))?;
+            etcd.kids.push(child);
+        }
+        Ok(etcd)
+    }
+
+    /// How the replicas meet on this cluster.
+    pub(super) fn config(&self) -> EtcdConfig {
+        EtcdConfig {
+            endpoints: self.endpoints.clone(),
+            election: ELECTION.into(),
+            lease_ttl_s: LEASE_TTL_S,
+        }
+    }
+}
+
+/// The HA side of a fleet: the cluster and the replicas' listen addresses.
+pub(super) struct Ha {
+    pub(super) etcd: Etcd,
+    /// `host:port` of each of [`REPLICAS`].
+    pub(super) listen: [String; 2],
+}
+
+impl Ha {
+    /// Starts the cluster and picks the replicas' ports.
+    pub(super) fn start(work: &Path) -> anyhow::Result<Ha> {
+        Ok(Ha {
+            etcd: Etcd::start(work)?,
+            listen: [
+                format!("127.0.0.1:{}", free_port()?),
+                format!("127.0.0.1:{}", free_port()?),
+            ],
+        })
+    }
+
+    /// Waits until the etcd cluster answers (its members elect a raft leader first), at most
+    /// 60 s.
+    pub(super) async fn wait_etcd(&self) -> anyhow::Result<()> {
+        let t = Instant::now();
+        loop {
+            match mx_control::ha::leader(&self.etcd.config()).await {
+                Ok(_) => return Ok(()),
+                Err(e) if t.elapsed() > Duration::from_secs(60) => {
+                    bail!("the etcd cluster did not answer within 60 s: {e}")
+                }
+                Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+            }
+        }
+    }
+
+    /// The comma-separated URLs every client is given.
+    pub(super) fn control_urls(&self) -> String {
+        self.listen
+            .iter()
+            .map(|l| format!("http://{l}"))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// `mx control` arguments of replica `i`.
+    pub(super) fn replica_args(&self, i: usize, journal: &Path) -> Vec<String> {
+        let listen = &self.listen[i % 2];
+        vec![
+            s("control"),
+            s("--insecure-loopback"),
+            s("--listen"),
+            listen.clone(),
+            s("--journal"),
+            journal.display().to_string(),
+            s("--etcd"),
+            self.etcd.endpoints.join(","),
+            s("--advertise"),
+            format!("http://{listen}"),
+            s("--lease-ttl-s"),
+            LEASE_TTL_S.to_string(),
+        ]
+    }
+
+    /// The index among [`REPLICAS`] of the one etcd names as the leader, if any.
+    pub(super) async fn leader(&self) -> anyhow::Result<Option<usize>> {
+        let Some((url, _)) = mx_control::ha::leader(&self.etcd.config()).await? else {
+            return Ok(None);
+        };
+        Ok(self
+            .listen
+            .iter()
+            .position(|l| url == format!("http://{l}")))
+    }
+
+    /// Waits until replica `i` leads (the old leader's lease runs out first), at most 60 s.
+    pub(super) async fn wait_leader(&self, i: usize) -> anyhow::Result<()> {
+        let t = Instant::now();
+        loop {
+            if let Ok(Some(l)) = self.leader().await {
+                if l == i {
+                    return Ok(());
+                }
+            }
+            if t.elapsed() > Duration::from_secs(60) {
+                bail!("{} was not elected within 60 s", REPLICAS[i]);
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Every journal record in etcd, in order.
+    pub(super) async fn records(&self) -> anyhow::Result<Vec<Entry>> {
+        let log = mx_control::ha::read_log(&self.etcd.config(), JOURNAL_PREFIX).await?;
+        let bytes: Vec<u8> = log.into_iter().flat_map(|(_, b)| b).collect();
+        Ok(mx_control::journal::parse_records(
+            Path::new("etcd:/mx/journal/"),
+            &bytes,
+        )?)
+    }
+}
+
+/// The scenario names of `--ha`: the leader SIGKILLed at each point of [`CRASH_POINTS`].
+pub(super) fn scenario_names() -> impl Iterator<Item = String> {
+    CRASH_POINTS
+        .iter()
+        .map(|(p, _)| format!("leader_killed_at_{p}"))
+}
+
+/// One `leader_killed_at_<point>` scenario: the follower is restarted with the failpoint
+/// armed, the leader is SIGKILLed so that the armed one leads (no refit is open then), the
+/// SIGKILLed one comes back as a follower, a refit to step-2 starts and the leader kills
+/// itself at `point`; the other replica must take over and end the refit as a restarted control
+/// plane would (`expect`), every worker on the matching version and reconnected to it.
+pub(super) async fn leader_killed_at(
+    f: &mut Fleet,
+    point: &str,
+) -> anyhow::Result<(String, String, bool, String)> {
+    let expect = CRASH_POINTS
+        .iter()
+        .find(|(p, _)| *p == point)
+        .map(|(_, o)| *o)
+        .context("crash point")?;
+    f.ensure("step-1").await?;
+    let ha = f.ha.as_ref().context("an HA scenario without --ha")?;
+    let leader = ha
+        .leader()
+        .await?
+        .context("no control-plane replica leads")?;
+    let armed = 1 - leader;
+    let (armed_args, leader_args) = (
+        ha.replica_args(armed, &f.journal),
+        ha.replica_args(leader, &f.journal),
+    );
+    let work = f.work.clone();
+    f.procs.kill(REPLICAS[armed])?;
+    f.procs.spawn_env(
+        REPLICAS[armed],
+        &work,
+        &armed_args,
+        &[("MX_CONTROL_CRASH_AT", point)],
+    )?;
+    f.procs.kill(REPLICAS[leader])?;
+    let ha = f.ha.as_ref().context("--ha")?;
+    ha.wait_leader(armed).await?;
+    f.procs.spawn(REPLICAS[leader], &work, &leader_args)?;
+    for w in WORKERS {
+        wait_connected(f, w).await?;
+    }
+    let id = f.client.refit(&f.spec("step-2")?).await?;
+    f.procs
+        .wait_exit(REPLICAS[armed], Duration::from_secs(300))?;
+    // The replica that was SIGKILLed before leads again once the armed one's lease ran out.
+    let r = wait_end(&f.client, id, Duration::from_secs(300)).await?;
+    print_refit(&r);
+    f.procs.spawn(REPLICAS[armed], &work, &armed_args)?;
+    let label = if expect == Outcome::Committed {
+        "step-2"
+    } else {
+        "step-1"
+    };
+    let took_over = f.ha.as_ref().context("--ha")?.leader().await? == Some(leader);
+    let ok = r.outcome == Some(expect) && super::on(&r, label, f) && r.recovered && took_over;
+    for w in WORKERS {
+        wait_connected(f, w).await?;
+    }
+    Ok((
+        format!("{expect} by the other replica, all on {label}"),
+        super::outcome_str(&r),
+        ok,
+        format!(
+            "{}; {} took over",
+            r.reason,
+            if took_over {
+                REPLICAS[leader]
+            } else {
+                "no replica"
+            }
+        ),
+    ))
+}
