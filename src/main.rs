@@ -406,6 +406,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     .with_context(|| format!("creating {}", dir.display()))?;
             }
             let cfg = mx_control::ControlPlaneConfig {
+                compaction: Default::default(),
                 listen,
                 journal_path: journal,
                 security,
@@ -740,18 +741,22 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         }),
         Cmd::Journal { path, refits } => {
             anyhow::ensure!(path.exists(), "no journal at {}", path.display());
-            let entries = mx_control::journal::read_records(&path)?;
+            let loaded = mx_control::journal::load(&path)?;
+            if let Some(s) = &loaded.snapshot {
+                eprintln!(
+                    "snapshot {} holds the state after record {} ({} bytes); the journal's records after it follow",
+                    mx_control::snapshot::snapshot_path(&path).display(),
+                    s.seq,
+                    s.bytes
+                );
+            }
             if !refits {
-                for e in entries {
+                for e in loaded.entries {
                     println!("{}", serde_json::to_string(&e)?);
                 }
                 return Ok(());
             }
-            let mut st = mx_control::state::State::new();
-            for (i, e) in entries.into_iter().enumerate() {
-                st.apply(e.record)
-                    .with_context(|| format!("replaying line {} of {}", i + 1, path.display()))?;
-            }
+            let st = loaded.replay(&path)?;
             for r in st.refits() {
                 print_refit(r);
                 let gaps = r.journal_gaps();

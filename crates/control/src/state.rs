@@ -190,7 +190,8 @@ pub struct Effects {
     pub workers: Vec<String>,
 }
 
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 struct Version {
     order: u64,
     trainer_layout: LayoutSpec,
@@ -216,7 +217,8 @@ struct Version {
     peers: BTreeMap<String, SourceManifest>,
 }
 
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 struct Worker {
     instance: String,
     ranks: Vec<u32>,
@@ -243,37 +245,31 @@ struct Worker {
     command_seq: u64,
 }
 
-/// Fleet counts for metrics ([`State::tallies`]).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Tallies {
-    /// Registered workers by stage state.
-    pub workers: BTreeMap<WorkerState, usize>,
-    /// Registered workers with a command stream open.
-    pub connected: usize,
-    /// Connected workers admitted to rollouts.
-    pub admitted: usize,
-    /// Versions by state.
-    pub versions: BTreeMap<VersionState, usize>,
-    /// A refit is open.
-    pub refit_open: bool,
-}
+pub use crate::observe::Tallies;
 
-/// The whole control-plane state: versions by label, workers by id.
-#[derive(Debug, Clone, Default, PartialEq)]
+/// The whole control-plane state: versions by label, workers by id. Serialized whole in a
+/// snapshot ([`crate::snapshot`]).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct State {
     versions: BTreeMap<String, Version>,
     next_order: u64,
     workers: BTreeMap<String, Worker>,
-    refits: BTreeMap<u64, Refit>,
+    pub(crate) refits: BTreeMap<u64, Refit>,
     next_refit: u64,
     /// The version the fleet last committed: (label, version id).
     fleet_version: Option<(String, String)>,
     /// How many times each (version, slot) was published again with a different manifest
     /// (bounded by [`crate::limits::MAX_REPUBLISHES`]).
+    #[serde(with = "crate::snapshot::pair_map")]
     republishes: BTreeMap<(String, u32), u32>,
     /// How many times each (version, slot) was extended with pieces for more destination
     /// layouts (bounded by [`crate::limits::MAX_PIECE_EXTENSIONS`]).
+    #[serde(with = "crate::snapshot::pair_map")]
     extensions: BTreeMap<(String, u32), u32>,
+    /// How many ended refits keep their per-worker detail (configuration, not state).
+    #[serde(skip)]
+    pub(crate) detail: crate::history::RefitDetail,
 }
 
 fn invalid(field: impl Into<String>, reason: impl Into<String>) -> Error {
@@ -798,6 +794,7 @@ impl State {
                 for wid in departed.iter().chain(&fenced) {
                     self.withdraw_peer(wid, None);
                 }
+                crate::history::trim(&mut self.refits, self.detail);
                 Effects::default()
             }
         };

@@ -273,6 +273,7 @@ fn begin_on(st: &State, label: &str, d: Digest, set: &[(&str, Option<&str>)]) ->
             started_ms: 0,
             ended_ms: None,
             recovered: false,
+            trimmed: None,
         }),
     }
 }

@@ -17,7 +17,6 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use mx_control::client::ControlClient;
-use mx_control::state::{Record, State};
 use mx_control::{Action, GenerationCheck, Outcome, PauseMode, Refit, RefitSpec, VersionState};
 use serde::Serialize;
 use serde_json::json;
@@ -327,11 +326,7 @@ impl Fleet {
     /// Journal completeness, from the file on disk: replayed into a fresh state, every refit
     /// since `from` has BEGIN, END and a result for every call.
     fn journal_gaps(&self, from: u64) -> anyhow::Result<Vec<String>> {
-        let entries = mx_control::journal::read_records(&self.journal)?;
-        let mut st = State::new();
-        for e in entries {
-            st.apply(e.record)?;
-        }
+        let st = mx_control::journal::load_state(&self.journal)?;
         Ok(st
             .refits()
             .filter(|r| r.id >= from)
@@ -606,14 +601,7 @@ async fn run_async(args: ValidateArgs) -> anyhow::Result<()> {
 }
 
 async fn next_refit_id(f: &Fleet) -> anyhow::Result<u64> {
-    let entries = mx_control::journal::read_records(&f.journal)?;
-    let mut last = 0;
-    for e in entries {
-        if let Record::RefitBegin { refit } = e.record {
-            last = refit.id;
-        }
-    }
-    Ok(last + 1)
+    Ok(mx_control::journal::load_state(&f.journal)?.next_refit_id())
 }
 
 /// Waits until `label` is READY and records its version id.
