@@ -84,6 +84,17 @@ enum Cmd {
         /// long after.
         #[arg(long, default_value_t = 5)]
         lease_ttl_s: i64,
+        /// Compact the journal into a snapshot (`<journal>.snapshot`) once it holds more than
+        /// this many bytes (0: never by size).
+        #[arg(long, default_value_t = mx_control::snapshot::DEFAULT_MAX_JOURNAL_BYTES)]
+        compact_journal_bytes: u64,
+        /// ... or more than this many records after the last snapshot (0: never by count).
+        #[arg(long, default_value_t = mx_control::snapshot::DEFAULT_MAX_JOURNAL_RECORDS)]
+        compact_journal_records: u64,
+        /// Keep every engine call of the last N refits that ended; older refits keep their
+        /// summary (outcome, phases, times, counts).
+        #[arg(long, default_value_t = mx_control::snapshot::DEFAULT_REFIT_DETAIL)]
+        refit_detail: usize,
     },
     /// Run one trainer rank: load its shards, publish versions step-1..step-N.
     Publish {
@@ -393,6 +404,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             etcd,
             advertise,
             lease_ttl_s,
+            compact_journal_bytes,
+            compact_journal_records,
+            refit_detail,
         } => runtime()?.block_on(async move {
             let security = mx_control::Security::from_files(
                 tokens.as_deref(),
@@ -406,7 +420,11 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     .with_context(|| format!("creating {}", dir.display()))?;
             }
             let cfg = mx_control::ControlPlaneConfig {
-                compaction: Default::default(),
+                compaction: mx_control::snapshot::Compaction {
+                    max_journal_bytes: compact_journal_bytes,
+                    max_journal_records: compact_journal_records,
+                    refit_detail,
+                },
                 listen,
                 journal_path: journal,
                 security,

@@ -38,6 +38,7 @@ pub mod history;
 pub mod journal;
 pub mod limits;
 pub mod observe;
+pub mod record;
 pub mod refit;
 mod server;
 pub mod snapshot;

@@ -1,5 +1,6 @@
 //! Tests of the control-plane state machine (records, refits, admission).
 use super::*;
+use crate::refit::CallResult;
 use mx_layout::{DType, MemDevice, Scheme, ShardEntry};
 
 fn bx(off: &[u64], shape: &[u64]) -> TensorBox {
