@@ -84,6 +84,17 @@ enum Cmd {
         /// long after.
         #[arg(long, default_value_t = 5)]
         lease_ttl_s: i64,
+        /// Compact the journal into a snapshot (`<journal>.snapshot`) once it holds more than
+        /// this many bytes (0: never by size).
+        #[arg(long, default_value_t = mx_control::snapshot::DEFAULT_MAX_JOURNAL_BYTES)]
+        compact_journal_bytes: u64,
+        /// ... or more than this many records after the last snapshot (0: never by count).
+        #[arg(long, default_value_t = mx_control::snapshot::DEFAULT_MAX_JOURNAL_RECORDS)]
+        compact_journal_records: u64,
+        /// Keep every engine call of the last N refits that ended; older refits keep their
+        /// summary (outcome, phases, times, counts).
+        #[arg(long, default_value_t = mx_control::snapshot::DEFAULT_REFIT_DETAIL)]
+        refit_detail: usize,
     },
     /// Run one trainer rank: load its shards, publish versions step-1..step-N.
     Publish {
@@ -393,6 +404,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             etcd,
             advertise,
             lease_ttl_s,
+            compact_journal_bytes,
+            compact_journal_records,
+            refit_detail,
         } => runtime()?.block_on(async move {
             let security = mx_control::Security::from_files(
                 tokens.as_deref(),
@@ -406,6 +420,11 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     .with_context(|| format!("creating {}", dir.display()))?;
             }
             let cfg = mx_control::ControlPlaneConfig {
+                compaction: mx_control::snapshot::Compaction {
+                    max_journal_bytes: compact_journal_bytes,
+                    max_journal_records: compact_journal_records,
+                    refit_detail,
+                },
                 listen,
                 journal_path: journal,
                 security,
@@ -740,18 +759,22 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         }),
         Cmd::Journal { path, refits } => {
             anyhow::ensure!(path.exists(), "no journal at {}", path.display());
-            let entries = mx_control::journal::read_records(&path)?;
+            let loaded = mx_control::journal::load(&path)?;
+            if let Some(s) = &loaded.snapshot {
+                eprintln!(
+                    "snapshot {} holds the state after record {} ({} bytes); the journal's records after it follow",
+                    mx_control::snapshot::snapshot_path(&path).display(),
+                    s.seq,
+                    s.bytes
+                );
+            }
             if !refits {
-                for e in entries {
+                for e in loaded.entries {
                     println!("{}", serde_json::to_string(&e)?);
                 }
                 return Ok(());
             }
-            let mut st = mx_control::state::State::new();
-            for (i, e) in entries.into_iter().enumerate() {
-                st.apply(e.record)
-                    .with_context(|| format!("replaying line {} of {}", i + 1, path.display()))?;
-            }
+            let st = loaded.replay(&path)?;
             for r in st.refits() {
                 print_refit(r);
                 let gaps = r.journal_gaps();

@@ -134,10 +134,11 @@ fn journaled_calls(flags: &[&str]) -> std::collections::BTreeMap<String, usize> 
     let mut calls = std::collections::BTreeMap::<String, usize>::new();
     for e in &records {
         let v = serde_json::to_value(&e.record).unwrap();
-        if v["op"] == "worker_call" {
+        // Intents are journaled in batches, one record per action.
+        if v["op"] == "worker_calls" {
             *calls
                 .entry(v["action"]["call"].as_str().unwrap().to_string())
-                .or_default() += 1;
+                .or_default() += v["worker_ids"].as_array().unwrap().len();
         }
     }
     calls

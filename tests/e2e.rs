@@ -499,8 +499,9 @@ fn individual_commands_complete_a_refit_by_hand() {
     );
     assert_eq!(ops.iter().filter(|o| **o == "stage").count(), 1, "{j}");
     assert_eq!(ops.last(), Some(&"refit_end"), "{j}");
-    let calls = ops.iter().filter(|o| **o == "worker_call").count();
-    let done = ops.iter().filter(|o| **o == "worker_done").count();
+    // One worker: each batch of intents (results) names it alone.
+    let calls = ops.iter().filter(|o| **o == "worker_calls").count();
+    let done = ops.iter().filter(|o| **o == "worker_results").count();
     assert_eq!(
         (calls, done),
         (4, 4),

@@ -76,6 +76,7 @@ pub unsafe extern "C" fn mx_control_plane_start(
             return Err(FfiError::arg("out", "NULL output pointer"));
         }
         let (bound, handle) = runtime()?.block_on(mx_control::spawn(ControlPlaneConfig {
+            compaction: Default::default(),
             listen: addr,
             journal_path: journal.into(),
             security: mx_control::Security::insecure_loopback(),

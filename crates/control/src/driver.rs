@@ -13,6 +13,7 @@ use mx_adapters::{client_for, Answer, EngineClient};
 use mx_layout::VersionId;
 
 use crate::observe;
+use crate::record::{WorkerResult, MAX_BATCH_WORKERS};
 use crate::refit::{
     now_ms, Action, CallResult, EngineApi, EngineEndpoint, Outcome, Phase, Refit, RefitSpec,
 };
@@ -100,6 +101,47 @@ struct EngineCall {
     workers: Vec<String>,
     action: Action,
     endpoint: Option<EngineEndpoint>,
+}
+
+/// The intents of `calls` as journal records: one [`Record::WorkerCalls`] per action (in the
+/// order of its first call), each of at most [`MAX_BATCH_WORKERS`] workers.
+fn batch_intents(id: u64, calls: &[EngineCall]) -> Vec<Record> {
+    let mut by_action: Vec<(Action, Vec<String>)> = Vec::new();
+    for c in calls {
+        match by_action.iter_mut().find(|(a, _)| *a == c.action) {
+            Some((_, ws)) => ws.extend(c.workers.iter().cloned()),
+            None => by_action.push((c.action.clone(), c.workers.clone())),
+        }
+    }
+    by_action
+        .into_iter()
+        .flat_map(|(action, ws)| {
+            ws.chunks(MAX_BATCH_WORKERS)
+                .map(|chunk| Record::WorkerCalls {
+                    id,
+                    action: action.clone(),
+                    worker_ids: chunk.to_vec(),
+                })
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+/// The results in `done` as journal records: [`Record::WorkerResults`] of at most
+/// [`MAX_BATCH_WORKERS`] workers each.
+fn batch_results(id: u64, done: &[(String, CallResult)]) -> Vec<Record> {
+    done.chunks(MAX_BATCH_WORKERS)
+        .map(|chunk| Record::WorkerResults {
+            id,
+            results: chunk
+                .iter()
+                .map(|(w, result)| WorkerResult {
+                    worker_id: w.clone(),
+                    result: result.clone(),
+                })
+                .collect(),
+        })
+        .collect()
 }
 
 /// Groups `calls` (with each worker's endpoint) so that workers with the same endpoint and
@@ -305,17 +347,9 @@ impl Ctx<'_> {
             let room = if more { limit - in_flight.len() } else { 0 };
             let start: Vec<EngineCall> = queue.by_ref().take(room).collect();
             if !start.is_empty() {
-                let intents = start
-                    .iter()
-                    .flat_map(|c| {
-                        c.workers.iter().map(|w| Record::WorkerCall {
-                            id: self.id,
-                            worker_id: w.clone(),
-                            action: c.action.clone(),
-                        })
-                    })
-                    .collect();
-                self.shared.mutate_all(intents).await?;
+                self.shared
+                    .mutate_all(batch_intents(self.id, &start))
+                    .await?;
                 for call in start {
                     if let Action::Apply { .. } = call.action {
                         let sent = self.applies_sent.fetch_add(1, Ordering::SeqCst);
@@ -332,15 +366,9 @@ impl Ctx<'_> {
             while let Some(Some(r)) = in_flight.next().now_or_never() {
                 done.extend(r);
             }
-            let records = done
-                .iter()
-                .map(|(w, result)| Record::WorkerDone {
-                    id: self.id,
-                    worker_id: w.clone(),
-                    result: result.clone(),
-                })
-                .collect();
-            self.shared.mutate_all(records).await?;
+            self.shared
+                .mutate_all(batch_results(self.id, &done))
+                .await?;
             for (w, result) in &done {
                 more &= on_result(w, result);
             }

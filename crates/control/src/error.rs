@@ -140,6 +140,14 @@ pub enum Error {
         /// Why.
         reason: String,
     },
+    /// A snapshot of the state ([`crate::snapshot`]) that does not parse or verify.
+    #[error("snapshot {path}: {reason}")]
+    SnapshotCorrupt {
+        /// Snapshot file.
+        path: PathBuf,
+        /// Why, naming the field or byte at fault.
+        reason: String,
+    },
     /// Replaying a journal record was refused by the state machine.
     #[error("journal {path} line {line}: replay failed: {source}")]
     Replay {
@@ -256,6 +264,7 @@ impl Error {
             Error::Rpc { code, .. } => *code,
             Error::JournalIo { .. }
             | Error::JournalCorrupt { .. }
+            | Error::SnapshotCorrupt { .. }
             | Error::Replay { .. }
             | Error::Bind { .. }
             | Error::Config { .. }

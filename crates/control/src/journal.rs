@@ -3,7 +3,9 @@
 //!
 //! # Line format
 //! `{"seq":7,"unix_ms":1718000000000,"record":{"op":"publish",...},"crc32":"0a1b2c3d"}` and a
-//! newline. `seq` counts lines from 1 (so a line's seq is its line number); `crc32` is the CRC-32
+//! newline. `seq` counts records from 1 (without a snapshot a line's seq is its line number;
+//! after a snapshot at seq `N`, the journal starts again at `N + 1`: see [`crate::snapshot`],
+//! which also says how a compaction that a crash interrupted is finished); `crc32` is the CRC-32
 //! (IEEE 802.3, zlib's `crc32`) of the line's bytes before `,"crc32":"`, as 8 lowercase hex
 //! digits. Each line is still one JSON object (readable by `jq`).
 //!
@@ -13,7 +15,8 @@
 //! start:
 //! - a checksum that does not match the line's bytes (a flipped byte anywhere: a shape, a digest,
 //!   a resident version, a sequence number);
-//! - a line that is not a JSON record, or whose `seq` is not the previous one plus 1;
+//! - a line that is not a JSON record, or whose `seq` is not the previous one plus 1 (the first
+//!   line's: 1, or at most the snapshot's plus 1);
 //! - a line without a checksum after a line that had one (a mangled checksum field);
 //! - a `commit` or `applied` record, written by the retired Commit / ReportApplied RPCs before
 //!   refits became the only commit path (the versions it committed were never refits);
@@ -57,6 +60,7 @@ use mx_layout::{strict_json, JsonError};
 use serde::{Deserialize, Serialize};
 
 use crate::limits::{MAX_BATCH_BYTES, MAX_JOURNAL_LINE_BYTES};
+use crate::snapshot::Snapshot;
 use crate::state::{Record, State};
 use crate::Error;
 
@@ -120,7 +124,7 @@ fn io_err<'a>(path: &'a Path, what: &'static str) -> impl FnOnce(std::io::Error)
 
 /// The body (the bytes the checksum covers) and the stored checksum of a line that ends with a
 /// checksum field; `None` when it does not. `Some(Err)` when the field is there but not hex.
-fn split_checksum(line: &[u8]) -> Option<(&[u8], Result<u32, String>)> {
+pub(crate) fn split_checksum(line: &[u8]) -> Option<(&[u8], Result<u32, String>)> {
     let n = line.len();
     if n < CRC_TAIL || !line.ends_with(b"\"}") {
         return None;
@@ -168,7 +172,7 @@ fn json_reason(line: &[u8], e: &JsonError) -> String {
 /// earlier line with a checksum.
 fn decode_line(
     line: &[u8],
-    want: u64,
+    (lo, want): (u64, u64),
     first_checked: Option<usize>,
 ) -> Result<(Entry, bool), String> {
     let (entry, checked) = match split_checksum(line) {
@@ -202,10 +206,17 @@ fn decode_line(
             (e, false)
         }
     };
-    if entry.seq != want {
+    if lo == want && entry.seq != want {
         return Err(format!(
             "sequence number {} where {want} was expected",
             entry.seq
+        ));
+    }
+    if !(lo..=want).contains(&entry.seq) {
+        return Err(format!(
+            "sequence number {} where {lo}..={want} was expected (the snapshot ends at seq {})",
+            entry.seq,
+            want - 1
         ));
     }
     Ok((entry, checked))
@@ -239,20 +250,31 @@ fn not_torn(tail: &[u8], next_seq: u64) -> Option<String> {
     None
 }
 
-fn parse(path: &Path, bytes: &[u8]) -> Result<Parsed, Error> {
-    let mut entries = Vec::new();
+/// Parses journal `bytes` whose first record has a sequence number in `1..=first_max` (1 without
+/// a snapshot; the snapshot's seq + 1 with one, or lower when a crash interrupted a compaction
+/// before it truncated the journal); each next one is the previous plus 1.
+fn parse(path: &Path, bytes: &[u8], first_max: u64) -> Result<Parsed, Error> {
+    let mut entries: Vec<Entry> = Vec::new();
     let mut pos = 0usize;
     let mut line_no = 0usize;
     let mut first_checked = None;
     let mut unverified = 0usize;
     while pos < bytes.len() {
         line_no += 1;
-        let want = entries.len() as u64 + 1;
         let rest = &bytes[pos..];
         let corrupt = |reason: String| Error::JournalCorrupt {
             path: path.to_path_buf(),
             line: line_no,
             reason,
+        };
+        let (lo, want) = match entries.last().map(|e| e.seq.checked_add(1)) {
+            Some(Some(next)) => (next, next),
+            Some(None) => {
+                return Err(corrupt(
+                    "the previous sequence number is the largest".into(),
+                ))
+            }
+            None => (1, first_max.max(1)),
         };
         let Some(nl) = rest.iter().position(|&b| b == b'\n') else {
             if let Some(reason) = not_torn(rest, want) {
@@ -260,7 +282,8 @@ fn parse(path: &Path, bytes: &[u8]) -> Result<Parsed, Error> {
             }
             break;
         };
-        let (entry, checked) = decode_line(&rest[..nl], want, first_checked).map_err(corrupt)?;
+        let (entry, checked) =
+            decode_line(&rest[..nl], (lo, want), first_checked).map_err(corrupt)?;
         if checked {
             first_checked.get_or_insert(line_no);
         } else {
@@ -293,29 +316,106 @@ fn retired_op(line: &[u8]) -> Option<&'static str> {
     }
 }
 
-/// Reads and verifies every entry of the journal at `path` (for `mx journal` and for replay). A
-/// missing file reads as empty; a torn last record (see the module docs) is left out with a
-/// warning, and the file is not changed.
+/// What a journal holds on disk: its snapshot, if any, and the records after it.
+#[derive(Debug)]
+pub struct Loaded {
+    /// The snapshot ([`crate::snapshot`]): the state after its `seq`.
+    pub snapshot: Option<Snapshot>,
+    /// The journal's records after the snapshot, in order.
+    pub entries: Vec<Entry>,
+    /// Lines at the start of the journal file that the snapshot already includes (left by a
+    /// compaction that a crash interrupted before it truncated the journal), verified and
+    /// skipped.
+    pub skipped: usize,
+}
+
+impl Loaded {
+    /// The sequence number of the last record (snapshot included); 0 for an empty journal.
+    pub fn last_seq(&self) -> u64 {
+        self.entries
+            .last()
+            .map(|e| e.seq)
+            .or(self.snapshot.as_ref().map(|s| s.seq))
+            .unwrap_or(0)
+    }
+
+    /// Replays the records onto the snapshot's state (or a fresh one), as the control plane
+    /// does when it starts.
+    ///
+    /// # Errors
+    /// [`Error::Replay`] naming the 1-based line (of the journal at `path`) whose record the
+    /// state machine refuses.
+    pub fn replay(self, path: &Path) -> Result<State, Error> {
+        let state = self.snapshot.map(|s| s.state).unwrap_or_default();
+        replay_onto(path, state, self.entries, self.skipped)
+    }
+}
+
+/// Splits parsed entries into those the snapshot at `base` includes and those after it.
+fn after_snapshot(entries: Vec<Entry>, base: u64) -> (Vec<Entry>, usize) {
+    let skipped = entries.iter().take_while(|e| e.seq <= base).count();
+    (entries.into_iter().skip(skipped).collect(), skipped)
+}
+
+/// The snapshot of the journal at `path` and the largest sequence number its first line may
+/// have (the snapshot's seq + 1; 1 without a snapshot).
+fn snapshot_and_first(path: &Path) -> Result<(Option<Snapshot>, u64), Error> {
+    let snapshot = crate::snapshot::read(path)?;
+    let first_max = match &snapshot {
+        None => 1,
+        Some(s) => s.seq.checked_add(1).ok_or_else(|| Error::SnapshotCorrupt {
+            path: crate::snapshot::snapshot_path(path),
+            reason: format!("field `seq`: {} leaves no next sequence number", s.seq),
+        })?,
+    };
+    Ok((snapshot, first_max))
+}
+
+/// Reads and verifies the journal at `path` and its snapshot, without changing either (for
+/// `mx journal`, the harness and replay). A missing journal reads as empty; a torn last record
+/// (see the module docs) is left out with a warning.
 ///
 /// # Errors
-/// [`Error::JournalIo`] when the file cannot be read; [`Error::JournalCorrupt`] naming the
-/// 1-based line of the first bad line.
-pub fn read_records(path: &Path) -> Result<Vec<Entry>, Error> {
+/// [`Error::JournalIo`] when a file cannot be read; [`Error::SnapshotCorrupt`] for a bad
+/// snapshot; [`Error::JournalCorrupt`] naming the 1-based line of the first bad line.
+pub fn load(path: &Path) -> Result<Loaded, Error> {
+    let (snapshot, first_max) = snapshot_and_first(path)?;
     let bytes = match std::fs::read(path) {
         Ok(b) => b,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
         Err(e) => return Err(io_err(path, "read")(e)),
     };
-    let parsed = parse(path, &bytes)?;
+    let parsed = parse(path, &bytes, first_max)?;
     if parsed.good_len < bytes.len() as u64 {
         tracing::warn!(
             path = %path.display(),
-            seq = parsed.entries.len() + 1,
             bytes = bytes.len() as u64 - parsed.good_len,
             "the journal ends in an incomplete record (a write torn by a crash, never acknowledged): left out"
         );
     }
-    Ok(parsed.entries)
+    let (entries, skipped) = after_snapshot(parsed.entries, first_max - 1);
+    Ok(Loaded {
+        snapshot,
+        entries,
+        skipped,
+    })
+}
+
+/// The state the journal at `path` (and its snapshot) replays to, without changing either.
+///
+/// # Errors
+/// As [`load`] and [`Loaded::replay`].
+pub fn load_state(path: &Path) -> Result<State, Error> {
+    load(path)?.replay(path)
+}
+
+/// Reads and verifies the entries of the journal at `path` after its snapshot (every entry when
+/// there is none), as [`load`] does.
+///
+/// # Errors
+/// As [`load`].
+pub fn read_records(path: &Path) -> Result<Vec<Entry>, Error> {
+    load(path).map(|l| l.entries)
 }
 
 /// Parses and verifies journal `bytes` as [`read_records`] does a file's (`path` only names them
@@ -324,7 +424,22 @@ pub fn read_records(path: &Path) -> Result<Vec<Entry>, Error> {
 /// # Errors
 /// [`Error::JournalCorrupt`] naming the 1-based line of the first bad line.
 pub fn parse_records(path: &Path, bytes: &[u8]) -> Result<Vec<Entry>, Error> {
-    parse(path, bytes).map(|p| p.entries)
+    parse(path, bytes, 1).map(|p| p.entries)
+}
+
+/// [`parse_records`] for the journal that follows a snapshot at `snapshot_seq`: returns the
+/// entries after it (the first line may repeat records the snapshot includes, as a compaction
+/// interrupted before its truncation leaves them).
+///
+/// # Errors
+/// [`Error::JournalCorrupt`] naming the 1-based line of the first bad line.
+pub fn parse_records_after(
+    path: &Path,
+    bytes: &[u8],
+    snapshot_seq: u64,
+) -> Result<Vec<Entry>, Error> {
+    let first_max = snapshot_seq.saturating_add(1);
+    parse(path, bytes, first_max).map(|p| after_snapshot(p.entries, first_max - 1).0)
 }
 
 /// Replays `entries` into a fresh [`State`], as the control plane does when it starts.
@@ -333,15 +448,57 @@ pub fn parse_records(path: &Path, bytes: &[u8]) -> Result<Vec<Entry>, Error> {
 /// [`Error::Replay`] naming the 1-based line (of the journal at `path`) whose record the state
 /// machine refuses.
 pub fn replay(path: &Path, entries: impl IntoIterator<Item = Entry>) -> Result<State, Error> {
-    let mut state = State::new();
+    replay_onto(path, State::new(), entries, 0)
+}
+
+/// Replays `entries`, the journal's lines after its first `skipped`, onto `state`.
+fn replay_onto(
+    path: &Path,
+    mut state: State,
+    entries: impl IntoIterator<Item = Entry>,
+    skipped: usize,
+) -> Result<State, Error> {
     for (i, e) in entries.into_iter().enumerate() {
         state.apply(e.record).map_err(|source| Error::Replay {
             path: path.to_path_buf(),
-            line: i + 1,
+            line: skipped + i + 1,
             source: Box::new(source),
         })?;
     }
     Ok(state)
+}
+
+/// Saves a torn tail (the bytes after `parsed`'s well-formed prefix) beside the journal and cuts
+/// it off `file`; `next_seq` is the record it would have been.
+fn cut_torn(
+    path: &Path,
+    file: &mut File,
+    bytes: &[u8],
+    parsed: &Parsed,
+    next_seq: u64,
+) -> Result<Option<TornTail>, Error> {
+    let good = usize::try_from(parsed.good_len).unwrap_or(bytes.len());
+    let Some(tail) = bytes.get(good..).filter(|t| !t.is_empty()) else {
+        return Ok(None);
+    };
+    let saved_to = save_torn(path, tail)?;
+    tracing::error!(
+        path = %path.display(),
+        seq = next_seq,
+        bytes = tail.len(),
+        saved_to = %saved_to.display(),
+        "the journal ends in an incomplete record seq {next_seq} ({} bytes, no newline): a write torn by a crash, never acknowledged; cut off and kept in {}. If no crash happened, the journal was shortened (records from seq {next_seq} on are gone)",
+        tail.len(),
+        saved_to.display()
+    );
+    file.set_len(parsed.good_len)
+        .map_err(io_err(path, "truncate torn line"))?;
+    file.sync_data().map_err(io_err(path, "fsync"))?;
+    Ok(Some(TornTail {
+        seq: next_seq,
+        bytes: tail.len() as u64,
+        saved_to,
+    }))
 }
 
 /// Saves a torn tail beside the journal, as `<journal>.torn-<unix_ms>` (a numbered suffix when
@@ -411,17 +568,65 @@ pub struct Journal {
     bytes: u64,
     torn: Option<TornTail>,
     unverified: usize,
+    /// The sequence number of the snapshot the journal follows (0: none).
+    base: u64,
+}
+
+/// What [`Journal::compact`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Compacted {
+    /// The snapshot's sequence number (the journal's last record).
+    pub seq: u64,
+    /// Size of the snapshot file in bytes.
+    pub snapshot_bytes: u64,
+    /// Size of the journal before it was truncated, in bytes.
+    pub journal_bytes: u64,
+}
+
+/// Why [`Journal::compact`] failed, and what that leaves.
+#[derive(Debug)]
+pub enum CompactFailure {
+    /// Before the snapshot was renamed into place: nothing changed (the journal is whole and
+    /// goes on; the previous snapshot, if any, stands).
+    Snapshot(Error),
+    /// Truncating the journal after the snapshot was in place failed: the file may or may not
+    /// be truncated on disk, so nothing more may be appended (both states replay correctly at
+    /// the next open).
+    Truncate(Error),
+}
+
+impl std::fmt::Display for CompactFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CompactFailure::Snapshot(e) => write!(f, "snapshot not taken: {e}"),
+            CompactFailure::Truncate(e) => write!(f, "journal not truncated: {e}"),
+        }
+    }
 }
 
 impl Journal {
     /// Opens (creating if needed) the journal at `path`, verifies it and returns it with its
-    /// existing entries. A torn last record (see the module docs) is saved beside the journal
+    /// entries after its snapshot (every entry when there is none: use [`Journal::recover`] for
+    /// the snapshot too). A torn last record (see the module docs) is saved beside the journal
     /// and cut off, so the next append starts on a fresh line ([`Journal::torn`] says so).
     ///
     /// # Errors
-    /// [`Error::JournalIo`] on I/O failures or when another process holds the journal's lock;
-    /// [`Error::JournalCorrupt`] naming a bad line (nothing is cut then).
+    /// As [`Journal::recover`].
     pub fn open(path: &Path) -> Result<(Journal, Vec<Entry>), Error> {
+        Journal::recover(path).map(|(j, l)| (j, l.entries))
+    }
+
+    /// Opens (creating if needed) the journal at `path` and its snapshot, verifies both and
+    /// returns the journal with what it holds. Finishes a compaction a crash interrupted
+    /// ([`crate::snapshot`]): removes a temporary snapshot never renamed, and truncates a
+    /// journal whose records the snapshot all includes. A torn last record is cut off as
+    /// [`Journal::open`] says.
+    ///
+    /// # Errors
+    /// [`Error::JournalIo`] on I/O failures or when another process holds the journal's lock;
+    /// [`Error::SnapshotCorrupt`] for a bad snapshot; [`Error::JournalCorrupt`] naming a bad
+    /// line (nothing is cut then).
+    pub fn recover(path: &Path) -> Result<(Journal, Loaded), Error> {
         let existed = path.exists();
         let mut file = OpenOptions::new()
             .read(true)
@@ -445,41 +650,51 @@ impl Journal {
                 },
             });
         }
+        crate::snapshot::remove_temp(path)?;
+        let (snapshot, first_max) = snapshot_and_first(path)?;
+        let base = first_max - 1;
         let mut bytes = Vec::new();
         file.read_to_end(&mut bytes).map_err(io_err(path, "read"))?;
-        let parsed = parse(path, &bytes)?;
-        let good = usize::try_from(parsed.good_len).unwrap_or(bytes.len());
-        let next_seq = parsed.entries.len() as u64 + 1;
-        let mut torn = None;
-        if let Some(tail) = bytes.get(good..).filter(|t| !t.is_empty()) {
-            let saved_to = save_torn(path, tail)?;
-            tracing::error!(
+        let parsed = parse(path, &bytes, first_max)?;
+        let last = parsed.entries.last().map_or(base, |e| e.seq).max(base);
+        let next_seq = last.checked_add(1).ok_or_else(|| Error::JournalCorrupt {
+            path: path.to_path_buf(),
+            line: parsed.entries.len(),
+            reason: "the last sequence number leaves no next one".into(),
+        })?;
+        let torn = cut_torn(path, &mut file, &bytes, &parsed, next_seq)?;
+        let mut size = parsed.good_len;
+        let unverified = parsed.unverified;
+        let (entries, mut skipped) = after_snapshot(parsed.entries, base);
+        if skipped > 0 && entries.is_empty() {
+            // A compaction renamed its snapshot, then the process died before truncating.
+            tracing::warn!(
                 path = %path.display(),
-                seq = next_seq,
-                bytes = tail.len(),
-                saved_to = %saved_to.display(),
-                "the journal ends in an incomplete record seq {next_seq} ({} bytes, no newline): a write torn by a crash, never acknowledged; cut off and kept in {}. If no crash happened, the journal was shortened (records from seq {next_seq} on are gone)",
-                tail.len(),
-                saved_to.display()
+                records = skipped,
+                snapshot_seq = base,
+                "every journal record is in the snapshot (a compaction interrupted before its truncation): truncating the journal"
             );
-            file.set_len(parsed.good_len)
-                .map_err(io_err(path, "truncate torn line"))?;
-            file.sync_data().map_err(io_err(path, "fsync"))?;
-            torn = Some(TornTail {
-                seq: next_seq,
-                bytes: tail.len() as u64,
-                saved_to,
-            });
+            file.set_len(0)
+                .and_then(|()| file.sync_data())
+                .map_err(io_err(path, "truncate after snapshot"))?;
+            size = 0;
+            skipped = 0;
         }
         let journal = Journal {
             path: path.to_path_buf(),
             file: Store::File(file),
             next_seq,
-            bytes: parsed.good_len,
+            bytes: size,
             torn,
-            unverified: parsed.unverified,
+            unverified,
+            base,
         };
-        Ok((journal, parsed.entries))
+        let loaded = Loaded {
+            snapshot,
+            entries,
+            skipped,
+        };
+        Ok((journal, loaded))
     }
 
     /// Opens the journal kept in etcd under `prefix` by the leader `leadership`: reads and
@@ -500,7 +715,7 @@ impl Journal {
         let next_entry = log.last().map_or(1, |(seq, _)| seq + 1);
         let bytes: Vec<u8> = log.into_iter().flat_map(|(_, b)| b).collect();
         let path = PathBuf::from(format!("etcd:{prefix}"));
-        let parsed = parse(&path, &bytes)?;
+        let parsed = parse(&path, &bytes, 1)?;
         if parsed.good_len != bytes.len() as u64 {
             return Err(Error::JournalCorrupt {
                 path,
@@ -520,6 +735,7 @@ impl Journal {
             bytes: parsed.good_len,
             torn: None,
             unverified: parsed.unverified,
+            base: 0,
         };
         Ok((journal, parsed.entries))
     }
@@ -632,12 +848,87 @@ impl Journal {
         Ok(())
     }
 
+    /// Takes a snapshot of `state`, which must be the state after every record appended so far,
+    /// and truncates the journal ([`crate::snapshot`] says in what order and why a crash at any
+    /// point loses nothing). Sequence numbers go on from the snapshot's.
+    ///
+    /// # Errors
+    /// [`CompactFailure::Snapshot`] when the snapshot could not be written (nothing changed),
+    /// also for the journal in etcd, which is not compacted yet;
+    /// [`CompactFailure::Truncate`] when the journal could not be truncated after it.
+    pub fn compact(&mut self, state: &State) -> Result<Compacted, CompactFailure> {
+        let seq = self.len();
+        let bytes = crate::snapshot::encode(&self.path, seq, crate::refit::now_ms(), state)
+            .map_err(CompactFailure::Snapshot)?;
+        self.install_snapshot(seq, &bytes)
+    }
+
+    /// [`Journal::compact`] with the snapshot already encoded ([`crate::snapshot::encode`]) at
+    /// `seq`, which must be the journal's last sequence number ([`Journal::len`]).
+    ///
+    /// # Errors
+    /// As [`Journal::compact`]; [`CompactFailure::Snapshot`] also when `seq` is not the last.
+    pub fn install_snapshot(
+        &mut self,
+        seq: u64,
+        snapshot: &[u8],
+    ) -> Result<Compacted, CompactFailure> {
+        let Store::File(file) = &mut self.file else {
+            // TODO(issue 17): the etcd journal: the snapshot in chunks of at most
+            // ha::MAX_ENTRY_BYTES under `<prefix>/snapshot/<seq>/`, written with the leader's
+            // fenced txn, then the compacted log keys deleted.
+            return Err(CompactFailure::Snapshot(Error::Config {
+                what: "journal compaction".into(),
+                reason: "the journal kept in etcd is not compacted yet".into(),
+            }));
+        };
+        if seq != self.next_seq - 1 {
+            return Err(CompactFailure::Snapshot(Error::InvalidField {
+                field: "seq".into(),
+                reason: format!(
+                    "a snapshot at seq {seq}, but the journal's last record is {}",
+                    self.next_seq - 1
+                ),
+            }));
+        }
+        crate::snapshot::write_atomic(&self.path, snapshot).map_err(CompactFailure::Snapshot)?;
+        let journal_bytes = self.bytes;
+        file.set_len(0)
+            .and_then(|()| file.sync_data())
+            .map_err(|e| {
+                CompactFailure::Truncate(io_err(&self.path, "truncate after snapshot")(e))
+            })?;
+        self.bytes = 0;
+        self.base = seq;
+        Ok(Compacted {
+            seq,
+            snapshot_bytes: snapshot.len() as u64,
+            journal_bytes,
+        })
+    }
+
+    /// The sequence number of the snapshot the journal follows (0: none).
+    pub fn snapshot_seq(&self) -> u64 {
+        self.base
+    }
+
+    /// Records in the journal after its snapshot (every record when there is none).
+    pub fn records_since_snapshot(&self) -> u64 {
+        self.next_seq - 1 - self.base
+    }
+
+    /// True when the journal is a local file (the one store [`Journal::compact`] compacts).
+    pub fn compactable(&self) -> bool {
+        matches!(self.file, Store::File(_))
+    }
+
     /// Path of the journal file.
     pub fn path(&self) -> &Path {
         &self.path
     }
 
-    /// Number of entries in the journal.
+    /// The sequence number of the last record (the number of records ever appended, those a
+    /// snapshot compacted included).
     pub fn len(&self) -> u64 {
         self.next_seq - 1
     }
@@ -708,553 +999,5 @@ fn sync_parent(path: &Path) -> Result<(), Error> {
 
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::expect_used)] // reason: tests fail loudly on purpose
-mod tests {
-    use super::*;
-    use mx_layout::{LayoutSpec, Scheme, SourceManifest, TensorSpec};
-
-    #[test]
-    fn batches_are_cut_into_whole_lines() {
-        let lines = b"aaaa\nbb\ncccccccc\nd\n";
-        let cut = whole_lines(lines, 8);
-        assert_eq!(cut, vec![&b"aaaa\nbb\n"[..], b"cccccccc\n", b"d\n"]);
-        assert_eq!(cut.concat(), lines);
-        assert_eq!(whole_lines(lines, 100), vec![&lines[..]]);
-        assert!(whole_lines(b"", 8).is_empty());
-    }
-
-    #[test]
-    fn a_second_control_plane_cannot_open_a_journal_in_use() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("j.jsonl");
-        let (first, _) = Journal::open(&path).unwrap();
-        let err = Journal::open(&path).map(|_| ()).unwrap_err();
-        assert!(
-            matches!(err, Error::JournalIo { what, .. } if what.starts_with("lock")),
-            "{err}"
-        );
-        drop(first);
-        assert!(
-            Journal::open(&path).is_ok(),
-            "the lock is released with the journal"
-        );
-    }
-
-    fn reg(id: &str) -> Record {
-        Record::Register {
-            worker_id: id.into(),
-            instance: "i".into(),
-            ranks: vec![0],
-            layout: LayoutSpec {
-                scheme: Scheme::VllmTp,
-                world_size: 1,
-            },
-            engine: None,
-            resident_version: None,
-        }
-    }
-
-    #[test]
-    fn torn_tail_is_cut_and_corrupt_line_is_named() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("j.jsonl");
-        let (mut j, e) = Journal::open(&path).unwrap();
-        assert!(e.is_empty());
-        j.append(&reg("a")).unwrap();
-        j.append(&reg("b")).unwrap();
-        drop(j);
-        let mut f = OpenOptions::new().append(true).open(&path).unwrap();
-        f.write_all(b"{\"seq\":3,\"unix_ms\":1,\"rec").unwrap();
-        drop(f);
-        assert_eq!(read_records(&path).unwrap().len(), 2);
-        let (mut j, e) = Journal::open(&path).unwrap();
-        assert_eq!(e.len(), 2);
-        assert_eq!(e[1].record, reg("b"));
-        j.append(&reg("c")).unwrap();
-        drop(j);
-        let all = read_records(&path).unwrap();
-        assert_eq!(all.len(), 3);
-        assert_eq!(all[2].seq, 3);
-        assert_eq!(all[2].record, reg("c"));
-
-        // A garbled line in the middle is an error naming line 2.
-        let text = std::fs::read_to_string(&path).unwrap();
-        let mut lines: Vec<&str> = text.lines().collect();
-        lines[1] = "{not json";
-        std::fs::write(&path, lines.join("\n") + "\n").unwrap();
-        let err = read_records(&path).unwrap_err();
-        assert!(
-            matches!(err, Error::JournalCorrupt { line: 2, .. }),
-            "{err}"
-        );
-        assert!(Journal::open(&path).is_err());
-    }
-
-    #[test]
-    fn records_of_the_retired_commit_path_are_refused_naming_the_line() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("j.jsonl");
-        let (mut j, _) = Journal::open(&path).unwrap();
-        j.append(&reg("a")).unwrap();
-        drop(j);
-        let mut f = OpenOptions::new().append(true).open(&path).unwrap();
-        f.write_all(
-            b"{\"seq\":2,\"unix_ms\":1,\"record\":{\"op\":\"commit\",\"label\":\"v\",\"worker_ids\":[\"a\"]}}\n",
-        )
-        .unwrap();
-        drop(f);
-        let err = read_records(&path).unwrap_err();
-        let msg = err.to_string();
-        assert!(
-            matches!(err, Error::JournalCorrupt { line: 2, .. })
-                && msg.contains("`commit`")
-                && msg.contains("retired Commit RPC")
-                && msg.contains("new journal"),
-            "{msg}"
-        );
-        assert!(Journal::open(&path).is_err());
-    }
-
-    fn corrupt_line(err: &Error) -> (usize, &str) {
-        match err {
-            Error::JournalCorrupt { line, reason, .. } => (*line, reason.as_str()),
-            other => panic!("expected JournalCorrupt, got {other}"),
-        }
-    }
-
-    /// A journal of 3 records: a declaration (shape [8, 4]), a publish (a shard digest) and a
-    /// registration (a resident version).
-    fn three_records(path: &Path) -> Vec<u8> {
-        let (specs, mut m) = smollm2_manifest(4, 16);
-        m.shards.truncate(1);
-        m.pieces.clear();
-        m.shards[0].digest = mx_layout::Digest([0x11; 32]);
-        let (mut j, _) = Journal::open(path).unwrap();
-        j.append(&Record::Declare {
-            label: "v".into(),
-            trainer_layout: m.layout,
-            tensors: vec![TensorSpec {
-                shape: vec![8, 4],
-                ..specs[1].clone()
-            }],
-        })
-        .unwrap();
-        j.append(&Record::Publish {
-            label: "v".into(),
-            manifest: m,
-        })
-        .unwrap();
-        let Record::Register {
-            worker_id,
-            instance,
-            ranks,
-            layout,
-            engine,
-            ..
-        } = reg("w")
-        else {
-            unreachable!()
-        };
-        j.append(&Record::Register {
-            worker_id,
-            instance,
-            ranks,
-            layout,
-            engine,
-            resident_version: Some(format!("mx:{}", "7".repeat(64))),
-        })
-        .unwrap();
-        drop(j);
-        std::fs::read(path).unwrap()
-    }
-
-    /// `bytes` with the first `from` after `at` replaced by `to` (same length).
-    fn flipped(bytes: &[u8], at: &str, from: u8, to: u8) -> Vec<u8> {
-        let start = bytes
-            .windows(at.len())
-            .position(|w| w == at.as_bytes())
-            .unwrap_or_else(|| panic!("{at} not in the journal"));
-        let i = start + bytes[start..].iter().position(|&b| b == from).unwrap();
-        let mut out = bytes.to_vec();
-        out[i] = to;
-        out
-    }
-
-    #[test]
-    fn a_flipped_byte_inside_a_value_is_refused_naming_the_line() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("j.jsonl");
-        let good = three_records(&path);
-        assert_eq!(read_records(&path).unwrap().len(), 3);
-        // Each flip keeps the line valid JSON of a valid record: only the checksum sees it.
-        for (at, from, to, line) in [
-            ("\"shape\":[", b'8', b'9', 1),
-            ("\"digest\":\"", b'1', b'3', 2),
-            ("\"resident_version\":\"mx:", b'7', b'6', 3),
-            ("\"seq\":2,", b'2', b'4', 2),
-        ] {
-            let bad = flipped(&good, at, from, to);
-            std::fs::write(&path, &bad).unwrap();
-            let err = read_records(&path).unwrap_err();
-            let (l, reason) = corrupt_line(&err);
-            assert_eq!(l, line, "{err}");
-            assert!(
-                reason.starts_with(&format!("checksum mismatch in record seq {line}: ")),
-                "{reason}"
-            );
-            let err = Journal::open(&path).map(|_| ()).unwrap_err();
-            assert_eq!(corrupt_line(&err).0, line);
-            // Refused, not repaired: the file is as it was.
-            assert_eq!(std::fs::read(&path).unwrap(), bad);
-        }
-        // A flip inside the checksum itself, and one that renames its key.
-        let bad = flipped(&good, "\"crc32\":\"", b'"', b'\'');
-        std::fs::write(&path, &bad).unwrap();
-        let err = read_records(&path).unwrap_err();
-        assert_eq!(corrupt_line(&err).0, 1, "{err}");
-        let bad = flipped(&good, "\"crc32\":\"", b'3', b'4');
-        std::fs::write(&path, &bad).unwrap();
-        let err = read_records(&path).unwrap_err();
-        assert_eq!(corrupt_line(&err).0, 1, "{err}");
-    }
-
-    #[test]
-    fn a_torn_last_record_is_cut_and_kept_beside_the_journal() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("j.jsonl");
-        let good = three_records(&path);
-        let lines: Vec<usize> = good
-            .iter()
-            .enumerate()
-            .filter(|(_, &b)| b == b'\n')
-            .map(|(i, _)| i + 1)
-            .collect();
-        // The crash cut the last record (seq 3) 40 bytes in.
-        let cut = lines[1] + 40;
-        std::fs::write(&path, &good[..cut]).unwrap();
-        assert_eq!(read_records(&path).unwrap().len(), 2);
-        assert_eq!(std::fs::read(&path).unwrap().len(), cut, "read-only");
-        let (mut j, entries) = Journal::open(&path).unwrap();
-        assert_eq!(entries.len(), 2);
-        let torn = j.torn().unwrap().clone();
-        assert_eq!((torn.seq, torn.bytes), (3, 40));
-        let name = torn.saved_to.file_name().unwrap().to_string_lossy();
-        assert!(name.starts_with("j.jsonl.torn-"), "{name}");
-        assert_eq!(std::fs::read(&torn.saved_to).unwrap(), &good[lines[1]..cut]);
-        assert_eq!(j.size_bytes(), lines[1] as u64);
-        assert_eq!(std::fs::read(&path).unwrap(), &good[..lines[1]]);
-        // The next record takes seq 3 on a fresh line.
-        assert_eq!(j.append(&reg("x")).unwrap(), 3);
-        drop(j);
-        assert_eq!(read_records(&path).unwrap()[2].record, reg("x"));
-
-        // A torn write whose end the file system filled with NULs is a torn write too.
-        let mut tail = good[..lines[1] + 5].to_vec();
-        tail.extend([0u8; 300]);
-        std::fs::write(&path, &tail).unwrap();
-        let (j, entries) = Journal::open(&path).unwrap();
-        assert_eq!((entries.len(), j.torn().unwrap().bytes), (2, 305));
-    }
-
-    #[test]
-    fn an_incomplete_line_that_is_not_a_torn_write_is_refused() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("j.jsonl");
-        let good = three_records(&path);
-        let nl: Vec<usize> = good
-            .iter()
-            .enumerate()
-            .filter(|(_, &b)| b == b'\n')
-            .map(|(i, _)| i)
-            .collect();
-        let refused = |bytes: &[u8], line: usize, says: &str| {
-            std::fs::write(&path, bytes).unwrap();
-            let err = Journal::open(&path).map(|_| ()).unwrap_err();
-            let (l, reason) = corrupt_line(&err);
-            assert_eq!(l, line, "{err}");
-            assert!(reason.contains(says), "{reason}");
-            assert_eq!(std::fs::read(&path).unwrap(), bytes, "nothing is cut");
-        };
-        // A last line without its newline that is not record 3.
-        let mut b = good[..nl[2]].to_vec();
-        b[nl[1] + 8] = b'4';
-        refused(&b, 3, "does not start record seq 3");
-        // A line in the middle lost its newline: two lines run together, the checksum of the
-        // second covers both.
-        let mut b = good.clone();
-        b[nl[0]] = b' ';
-        refused(&b, 1, "checksum mismatch in record seq 1");
-        // A line in the middle garbled.
-        let mut b = good.clone();
-        b[nl[0] + 1..nl[0] + 8].copy_from_slice(b"garbage");
-        refused(&b, 2, "checksum mismatch in record seq 2");
-        // A line in the middle cut short (its checksum gone).
-        let mut b = good[..nl[0] + 30].to_vec();
-        b.push(b'\n');
-        b.extend_from_slice(&good[nl[1] + 1..]);
-        refused(&b, 2, "no checksum, but line 1 had one");
-        // Junk after the last good line.
-        let mut b = good.clone();
-        b.extend_from_slice(b"\x7fELF\x02\x01");
-        refused(&b, 4, "does not start record seq 4");
-    }
-
-    #[test]
-    fn a_journal_from_before_checksums_replays_and_what_follows_is_checked() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("j.jsonl");
-        let old = concat!(
-            r#"{"seq":1,"unix_ms":5,"record":{"op":"register","worker_id":"a","instance":"i","ranks":[0],"layout":{"scheme":"VllmTp","world_size":1}}}"#,
-            "\n",
-            r#"{"seq":2,"unix_ms":6,"record":{"op":"register","worker_id":"b","instance":"i","ranks":[0],"layout":{"scheme":"VllmTp","world_size":1}}}"#,
-            "\n"
-        );
-        std::fs::write(&path, old).unwrap();
-        let (mut j, entries) = Journal::open(&path).unwrap();
-        assert_eq!(entries.len(), 2);
-        assert_eq!(j.unverified_lines(), 2);
-        j.append(&reg("c")).unwrap();
-        drop(j);
-        let text = std::fs::read_to_string(&path).unwrap();
-        assert!(text.lines().nth(2).unwrap().contains(",\"crc32\":\""));
-        let (j, entries) = Journal::open(&path).unwrap();
-        assert_eq!((entries.len(), j.unverified_lines()), (3, 2));
-        drop(j);
-        // An unchecked line after a checked one is a damaged line.
-        let mut text = text;
-        text.push_str(
-            &old.lines()
-                .next()
-                .unwrap()
-                .replace("\"seq\":1", "\"seq\":4"),
-        );
-        text.push('\n');
-        std::fs::write(&path, &text).unwrap();
-        let err = read_records(&path).unwrap_err();
-        assert_eq!(
-            corrupt_line(&err),
-            (
-                4,
-                "record seq 4 has no checksum, but line 3 had one: its checksum field was damaged"
-            )
-        );
-        // A legacy line with a field it never had (a checksum key mangled) is refused too.
-        let mangled = old.replacen("\"unix_ms\":5,", "\"unix_ms\":5,\"crc33\":\"00000000\",", 1);
-        std::fs::write(&path, mangled).unwrap();
-        let err = read_records(&path).unwrap_err();
-        let (line, reason) = corrupt_line(&err);
-        assert_eq!(line, 1);
-        assert!(reason.contains("unknown field `crc33`"), "{reason}");
-    }
-
-    #[test]
-    fn a_repeated_key_in_a_record_is_refused_naming_it() {
-        let p = Path::new("j.jsonl");
-        let good = r#"{"seq":1,"unix_ms":5,"record":{"op":"register","worker_id":"a","instance":"i","ranks":[0],"layout":{"scheme":"VllmTp","world_size":1}}}"#;
-        assert_eq!(
-            parse_records(p, format!("{good}\n").as_bytes())
-                .unwrap()
-                .len(),
-            1
-        );
-        // Repeated as spelled, and repeated after unescaping (serde would keep one silently).
-        for (from, to, key, at) in [
-            (
-                "\"instance\":\"i\",",
-                "\"instance\":\"i\",\"instance\":\"j\",",
-                "instance",
-                "$.record",
-            ),
-            (
-                "\"world_size\":1",
-                "\"world_size\":1,\"world_siz\\u0065\":2",
-                "world_size",
-                "$.record.layout",
-            ),
-            (
-                "\"unix_ms\":5,",
-                "\"unix_ms\":5,\"unix_ms\":6,",
-                "unix_ms",
-                "$",
-            ),
-        ] {
-            let line = good.replacen(from, to, 1);
-            assert_ne!(line, good);
-            let err = parse_records(p, format!("{line}\n").as_bytes()).unwrap_err();
-            let (n, reason) = corrupt_line(&err);
-            assert_eq!(n, 1);
-            assert_eq!(
-                reason,
-                format!("duplicate key {key:?} in the JSON object at {at}")
-            );
-        }
-        // With a valid checksum too.
-        let mut buf = Vec::new();
-        let body = good.strip_suffix('}').unwrap().replacen(
-            "\"ranks\":[0]",
-            "\"ranks\":[0],\"ranks\":[1]",
-            1,
-        );
-        buf.extend_from_slice(body.as_bytes());
-        let crc = crc32fast::hash(&buf);
-        buf.extend_from_slice(format!(",\"crc32\":\"{crc:08x}\"}}\n").as_bytes());
-        let err = parse_records(p, &buf).unwrap_err();
-        assert_eq!(
-            corrupt_line(&err).1,
-            "duplicate key \"ranks\" in the JSON object at $.record"
-        );
-    }
-
-    #[test]
-    fn replay_names_the_refused_line() {
-        let p = Path::new("j.jsonl");
-        let text = concat!(
-            r#"{"seq":1,"unix_ms":1,"record":{"op":"stage","label":"nope","worker_ids":["w"]}}"#,
-            "\n"
-        );
-        let entries = parse_records(p, text.as_bytes()).unwrap();
-        match replay(p, entries) {
-            Err(Error::Replay { line, .. }) => assert_eq!(line, 1),
-            other => panic!("expected a replay error, got {:?}", other.map(|_| ())),
-        }
-    }
-
-    /// A SmolLM2-135M-shaped FSDP slot-0 manifest of `fsdp` slots: 272 BF16 tensors (dim-0
-    /// chunks), two TP pieces per shard, and `md` bytes of agent metadata.
-    pub(crate) fn smollm2_manifest(fsdp: u32, md: usize) -> (Vec<TensorSpec>, SourceManifest) {
-        use mx_layout::{DType, DestPiece, Digest, MemDevice, ShardEntry, TensorBox};
-        let mut specs = vec![TensorSpec {
-            name: "model.embed_tokens.weight".into(),
-            dtype: DType::BF16,
-            shape: vec![49152, 576],
-        }];
-        for l in 0..30 {
-            for (n, s) in [
-                ("self_attn.q_proj.weight", vec![576, 576]),
-                ("self_attn.k_proj.weight", vec![192, 576]),
-                ("self_attn.v_proj.weight", vec![192, 576]),
-                ("self_attn.o_proj.weight", vec![576, 576]),
-                ("mlp.gate_proj.weight", vec![1536, 576]),
-                ("mlp.up_proj.weight", vec![1536, 576]),
-                ("mlp.down_proj.weight", vec![576, 1536]),
-                ("input_layernorm.weight", vec![576]),
-                ("post_attention_layernorm.weight", vec![576]),
-            ] {
-                specs.push(TensorSpec {
-                    name: format!("model.layers.{l}.{n}"),
-                    dtype: DType::BF16,
-                    shape: s,
-                });
-            }
-        }
-        specs.push(TensorSpec {
-            name: "model.norm.weight".into(),
-            dtype: DType::BF16,
-            shape: vec![576],
-        });
-        let layout = LayoutSpec {
-            scheme: mx_layout::Scheme::Fsdp,
-            world_size: fsdp,
-        };
-        let tp2 = LayoutSpec {
-            scheme: mx_layout::Scheme::VllmTp,
-            world_size: 2,
-        };
-        let mut addr = 0x7f00_0000_0000u64;
-        let mut shards = Vec::new();
-        let mut pieces = Vec::new();
-        for t in &specs {
-            let rows = t.shape[0].div_ceil(u64::from(fsdp));
-            let mut local = t.shape.clone();
-            local[0] = rows;
-            let mut off = vec![0; t.shape.len()];
-            let b = TensorBox {
-                global_offset: off.clone(),
-                local_shape: local.clone(),
-            };
-            let len = b.numel().unwrap() * 2;
-            shards.push(ShardEntry {
-                tensor: t.name.clone(),
-                dtype: t.dtype,
-                global_shape: t.shape.clone(),
-                shard: b,
-                addr,
-                len,
-                device: MemDevice::Vram(0),
-                digest: Digest::of(&addr.to_le_bytes()),
-            });
-            for r in 0..2u64 {
-                let half = local[0] / 2;
-                off[0] = r * half;
-                let mut shape = local.clone();
-                shape[0] = half;
-                pieces.push(DestPiece {
-                    layout: tp2,
-                    dest_rank: r as u32,
-                    tensor: t.name.clone(),
-                    region: TensorBox {
-                        global_offset: off.clone(),
-                        local_shape: shape,
-                    },
-                    digest: Digest::of(&(addr + r).to_le_bytes()),
-                    packed_addr: Some(addr + (1 << 36) + r * half),
-                });
-            }
-            addr += len;
-        }
-        let m = SourceManifest {
-            slot: 0,
-            layout,
-            agent_name: "mx-publisher-host-0-1234-slot0".into(),
-            agent_metadata: (0..md)
-                .map(|i| (i as u32).wrapping_mul(2654435761) as u8)
-                .collect(),
-            shards,
-            pieces,
-            pack_seconds: 0.0123,
-        };
-        (specs, m)
-    }
-
-    #[test]
-    fn journal_bytes_per_publish_of_a_smollm2_manifest() {
-        use prost::Message;
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("j.jsonl");
-        let (specs, m) = smollm2_manifest(4, 8 << 10);
-        let proto = crate::convert::manifest_pb(&m).encoded_len();
-        let (mut j, _) = Journal::open(&path).unwrap();
-        j.append(&Record::Declare {
-            label: "v".into(),
-            trainer_layout: m.layout,
-            tensors: specs,
-        })
-        .unwrap();
-        let before = j.size_bytes();
-        j.append(&Record::Publish {
-            label: "v".into(),
-            manifest: m.clone(),
-        })
-        .unwrap();
-        let line = j.size_bytes() - before;
-        eprintln!(
-            "MEASURE shards {} pieces {} agent_metadata {} B: proto {proto} B, journal line {line} B ({:.2}x)",
-            m.shards.len(),
-            m.pieces.len(),
-            m.agent_metadata.len(),
-            line as f64 / proto as f64
-        );
-        // The agent metadata is base64: 4 bytes per 3, not an array of numbers (3.6 per byte).
-        let (_, big) = smollm2_manifest(4, 128 << 10);
-        let before = j.size_bytes();
-        j.append(&Record::Publish {
-            label: "v".into(),
-            manifest: big,
-        })
-        .unwrap();
-        let grew = j.size_bytes() - before - line;
-        assert_eq!(
-            grew,
-            (128u64 << 10).div_ceil(3) * 4 - (8u64 << 10).div_ceil(3) * 4
-        );
-    }
-}
+#[path = "journal_tests.rs"]
+mod tests;

@@ -29,16 +29,21 @@
 
 pub mod auth;
 pub mod client;
+mod commit;
 mod convert;
 mod driver;
 mod error;
 pub mod ha;
+pub mod history;
 pub mod journal;
 pub mod limits;
 pub mod observe;
+pub mod record;
 pub mod refit;
 mod server;
+pub mod snapshot;
 pub mod state;
+mod takeover;
 pub mod types;
 pub mod wire;
 

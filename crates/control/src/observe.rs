@@ -52,6 +52,8 @@ pub const RPC_ERRORS_TOTAL: &str = "mx_rpc_errors_total";
 pub const JOURNAL_BYTES_TOTAL: &str = "mx_journal_bytes_total";
 /// Journal group commits (counter; one write and one fdatasync each).
 pub const JOURNAL_SYNCS_TOTAL: &str = "mx_journal_syncs_total";
+/// Journal compactions into a snapshot (counter).
+pub const JOURNAL_COMPACTIONS_TOTAL: &str = "mx_journal_compactions_total";
 /// Journal group-commit latency, write + fdatasync (histogram, seconds).
 pub const JOURNAL_SYNC_SECONDS: &str = "mx_journal_sync_seconds";
 /// Registered workers (gauge; label `state`: the stage state, e.g. idle, staged, failed).
@@ -154,6 +156,10 @@ fn describe() {
     describe_counter!(
         JOURNAL_SYNCS_TOTAL,
         "Journal group commits (one fdatasync each)"
+    );
+    describe_counter!(
+        JOURNAL_COMPACTIONS_TOTAL,
+        "Journal compactions into a snapshot"
     );
     describe_histogram!(
         JOURNAL_SYNC_SECONDS,
@@ -314,4 +320,19 @@ pub(crate) fn code_label(code: tonic::Code) -> &'static str {
         Code::DataLoss => "data_loss",
         Code::Unauthenticated => "unauthenticated",
     }
+}
+
+/// Fleet counts for metrics ([`crate::state::State::tallies`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Tallies {
+    /// Registered workers by stage state.
+    pub workers: std::collections::BTreeMap<crate::types::WorkerState, usize>,
+    /// Registered workers with a command stream open.
+    pub connected: usize,
+    /// Connected workers admitted to rollouts.
+    pub admitted: usize,
+    /// Versions by state.
+    pub versions: std::collections::BTreeMap<crate::types::VersionState, usize>,
+    /// A refit is open.
+    pub refit_open: bool,
 }

@@ -388,6 +388,10 @@ pub struct Refit {
     pub ended_ms: Option<u64>,
     /// True when a control plane recovered this refit after a restart.
     pub recovered: bool,
+    /// Set when its per-worker detail was dropped ([`crate::history`]): `workers`, `dropped`
+    /// and `spec.worker_ids` are empty then, and these are their counts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trimmed: Option<crate::history::Trimmed>,
 }
 
 impl Refit {

@@ -10,7 +10,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::sync::{mpsc, oneshot, watch, Notify};
@@ -23,11 +23,10 @@ use crate::journal::Journal;
 use crate::observe;
 use crate::pb;
 use crate::pb::control_plane_server::{ControlPlane, ControlPlaneServer};
-use crate::state::{Check, Effects, Record, State};
+use crate::state::{Record, State};
 use crate::types::VersionState;
 use crate::Error;
 
-use crate::limits::MAX_BATCH_BYTES;
 pub(crate) use crate::limits::MAX_MESSAGE_BYTES;
 
 /// Longest `WaitVersion` long poll (one day), in milliseconds.
@@ -42,6 +41,8 @@ pub struct ControlPlaneConfig {
     pub journal_path: PathBuf,
     /// Authentication and transport security (see [`Security`] for the bind policy).
     pub security: Security,
+    /// When the journal is compacted into a snapshot, and how much refit detail is kept.
+    pub compaction: crate::snapshot::Compaction,
 }
 
 /// How the control plane authenticates callers and protects the wire.
@@ -180,14 +181,6 @@ impl Security {
     }
 }
 
-/// The state and how far it has been applied. The journal itself belongs to the journal thread
-/// ([`committer`]).
-struct Core {
-    state: State,
-    /// Sequence number of the last record applied to `state` (durable or not yet).
-    applied_seq: u64,
-}
-
 /// Per-worker wake-up for its command stream, and which process holds the id.
 #[derive(Default)]
 struct Mailbox {
@@ -230,17 +223,6 @@ impl Drop for StreamGuard {
     }
 }
 
-/// Records waiting for the group commit (one caller's, journaled in order), and where their
-/// outcome goes: the effects of the records applied (`None` when all were no-ops), or the first
-/// record's error (the records after it are not applied).
-struct Pending {
-    recs: Vec<Record>,
-    reply: oneshot::Sender<Result<Option<Effects>, Error>>,
-}
-
-/// Most callers one group commit takes (one write + one `fdatasync`).
-const MAX_GROUP: usize = 8192;
-
 /// The state, journal and wake-ups shared by the RPC handlers and refit drivers.
 pub(crate) struct Shared {
     core: Arc<Mutex<Core>>,
@@ -254,6 +236,8 @@ pub(crate) struct Shared {
     /// Set when the server shuts down, so streams and waits end.
     closing: watch::Sender<bool>,
     mail: Mutex<HashMap<String, Arc<Mailbox>>>,
+    /// Engine URL -> the ids registered with it (kept in step with each mailbox's owner).
+    engines: Mutex<crate::takeover::EngineIndex>,
     /// Each worker's model limits from its last registration (not journaled: a worker registers
     /// again after a control-plane restart).
     limits: Mutex<HashMap<String, ModelLimits>>,
@@ -263,98 +247,6 @@ pub(crate) struct Shared {
     /// The leader's epoch of a highly available control plane ([`crate::ha`]): sent on every
     /// engine call and with every command stream ([`mx_adapters::EPOCH_HEADER`]).
     epoch: Option<u64>,
-}
-
-/// The journal thread (group commit): takes every record waiting (up to [`MAX_GROUP`] callers, or
-/// until the batch holds [`MAX_BATCH_BYTES`] of journal lines); under the
-/// state lock checks each in arrival order, encodes it as the next journal line and applies it;
-/// releases the lock; writes and syncs the whole batch with one `fdatasync`; publishes the new
-/// durable sequence number; then answers every caller.
-///
-/// The lock is not held during the sync, so readers are never stalled by the disk; instead what
-/// leaves the process is held back until it is durable: callers of [`Shared::mutate`] are answered
-/// after the sync, and RPCs answer from [`Shared::read_durable`] / long polls, which wait for the
-/// durable sequence to reach what they read. Internal readers (refit drivers) may see a record
-/// before it is durable, but anything they do outside journals an intent first, which lands
-/// after it in the same file.
-///
-/// A failed write or sync leaves the state ahead of the disk: the process exits (status 74)
-/// rather than serve it, and a restart replays the journal, which holds exactly the records that
-/// were made durable (PostgreSQL treats a failed fsync the same way).
-fn committer(
-    core: &Mutex<Core>,
-    mut journal: Journal,
-    durable: &watch::Sender<u64>,
-    rx: &std::sync::mpsc::Receiver<Pending>,
-) {
-    while let Ok(first) = rx.recv() {
-        let mut next = Some(first);
-        let mut answers = Vec::new();
-        let mut lines = Vec::new();
-        let last = {
-            let mut core = lock(core);
-            while let Some(Pending { recs, reply }) = next.take() {
-                let mut effects: Option<Effects> = None;
-                let mut failure = None;
-                for rec in recs {
-                    let one = match core.state.check(&rec) {
-                        Err(e) => Err(e),
-                        Ok(Check::Noop) => Ok(None),
-                        Ok(Check::Apply) => match journal.encode(&rec, &mut lines) {
-                            Err(e) => Err(e),
-                            Ok(seq) => {
-                                core.applied_seq = seq;
-                                core.state.apply(rec).map(Some)
-                            }
-                        },
-                    };
-                    match one {
-                        Ok(Some(fx)) => effects
-                            .get_or_insert_with(Effects::default)
-                            .workers
-                            .extend(fx.workers),
-                        Ok(None) => {}
-                        Err(e) => {
-                            failure = Some(e);
-                            break;
-                        }
-                    }
-                }
-                let outcome = match failure {
-                    Some(e) => Err(e),
-                    None => Ok(effects),
-                };
-                answers.push((reply, outcome));
-                // Bounded batches bound what a crash can leave unsynced (a torn tail).
-                if answers.len() < MAX_GROUP && lines.len() < MAX_BATCH_BYTES {
-                    next = rx.try_recv().ok();
-                }
-            }
-            core.applied_seq
-        };
-        let t = std::time::Instant::now();
-        if let Err(e) = journal.write_synced(&lines) {
-            tracing::error!(
-                "journal write failed, the control plane stops (a restart replays the journal): {e}"
-            );
-            eprintln!("mx control: {e}; exiting so that a restart replays the durable journal");
-            std::process::exit(74);
-        }
-        if !lines.is_empty() {
-            metrics::counter!(observe::JOURNAL_BYTES_TOTAL).increment(lines.len() as u64);
-            metrics::counter!(observe::JOURNAL_SYNCS_TOTAL).increment(1);
-            metrics::histogram!(observe::JOURNAL_SYNC_SECONDS).record(t.elapsed().as_secs_f64());
-        }
-        durable.send_if_modified(|d| {
-            let moved = *d != last;
-            *d = last;
-            moved
-        });
-        for (reply, outcome) in answers {
-            // A caller that went away (its RPC was cancelled) needs no answer.
-            let _ = reply.send(outcome);
-        }
-    }
 }
 
 impl Drop for Shared {
@@ -368,25 +260,24 @@ impl Drop for Shared {
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // A panic while holding the lock cannot leave the state half-changed (apply checks first and
-    // mutates only infallibly), so a poisoned lock is still safe to use.
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
+use crate::commit::{committer, lock, Core, Pending};
 
 impl Shared {
-    fn open(journal_path: &std::path::Path, engine_token: Option<&str>) -> Result<Shared, Error> {
-        let (journal, entries) = Journal::open(journal_path)?;
-        Shared::from_journal(journal, entries, engine_token, None)
+    fn open(cfg: &ControlPlaneConfig) -> Result<Shared, Error> {
+        let (journal, loaded) = Journal::recover(&cfg.journal_path)?;
+        let token = cfg.security.engine_token.as_deref();
+        Shared::from_journal(journal, loaded, token, None, cfg.compaction)
     }
 
-    /// The shared state rebuilt from `entries` of `journal`, appending to it from now on;
-    /// engine calls carry `epoch` when set ([`mx_adapters::EPOCH_HEADER`]).
+    /// The shared state rebuilt from what `journal` holds (`loaded`), appending to it from now
+    /// on (compacted by `policy`); engine calls carry `epoch` when set
+    /// ([`mx_adapters::EPOCH_HEADER`]).
     fn from_journal(
-        journal: Journal,
-        entries: Vec<crate::journal::Entry>,
+        mut journal: Journal,
+        loaded: crate::journal::Loaded,
         engine_token: Option<&str>,
         epoch: Option<u64>,
+        policy: crate::snapshot::Compaction,
     ) -> Result<Shared, Error> {
         let journal_path = journal.path().to_path_buf();
         let journal_path = journal_path.as_path();
@@ -395,13 +286,7 @@ impl Shared {
                 what: "engine token".into(),
                 reason,
             })?;
-        let state = crate::journal::replay(journal_path, entries)?;
-        tracing::info!(
-            journal = %journal_path.display(),
-            entries = journal.len(),
-            bytes = journal.size_bytes(),
-            "control plane state rebuilt from journal"
-        );
+        let state = crate::commit::rebuild(&mut journal, loaded, &policy)?;
         let applied_seq = journal.len();
         let core = Arc::new(Mutex::new(Core { state, applied_seq }));
         let durable = Arc::new(watch::Sender::new(applied_seq));
@@ -411,7 +296,7 @@ impl Shared {
             let durable = Arc::clone(&durable);
             std::thread::Builder::new()
                 .name("mx-journal".into())
-                .spawn(move || committer(&core, journal, &durable, &rx))
+                .spawn(move || committer(&core, journal, &durable, &rx, policy))
                 .map_err(|source| Error::JournalIo {
                     path: journal_path.to_path_buf(),
                     what: "start the journal thread",
@@ -426,6 +311,7 @@ impl Shared {
             changes: watch::Sender::new(0),
             closing: watch::Sender::new(false),
             mail: Mutex::new(HashMap::new()),
+            engines: Mutex::default(),
             limits: Mutex::new(HashMap::new()),
             http,
             epoch,
@@ -473,14 +359,15 @@ impl Shared {
         let Some(url) = system_url else {
             return Ok(());
         };
-        let other = lock(&self.mail).iter().find_map(|(id, m)| {
+        // Only the ids registered with this engine (issue 17: not every connected worker).
+        let candidates = lock(&self.engines).others(url, worker_id);
+        let other = candidates.into_iter().find(|id| {
+            let m = self.mailbox(id);
             let o = lock(&m.owner);
             let sibling = o.instance == instance && !o.ranks.iter().any(|r| ranks.contains(r));
-            let holds = id != worker_id
-                && m.open_streams.load(Ordering::SeqCst) > 0
+            m.open_streams.load(Ordering::SeqCst) > 0
                 && o.system_url.as_deref() == Some(url)
-                && !sibling;
-            holds.then(|| id.clone())
+                && !sibling
         });
         match other {
             Some(other) => Err(Error::WorkerIdInUse {
@@ -773,6 +660,7 @@ impl ControlPlane for Service {
             &ranks,
         )?;
         self.shared.mutate(rec).await?;
+        let new_url = system_url.clone();
         let previous = std::mem::replace(
             &mut *lock(&mailbox.owner),
             Owner {
@@ -782,6 +670,7 @@ impl ControlPlane for Service {
                 ranks,
             },
         );
+        lock(&self.shared.engines).set(&id, previous.system_url.as_deref(), new_url.as_deref());
         if previous.incarnation != 0 && previous.incarnation != incarnation {
             tracing::warn!(
                 worker = %id,
@@ -1224,6 +1113,7 @@ async fn start_refit(shared: &Arc<Shared>, mut spec: RefitSpec) -> Result<u64, E
                 ended_ms: None,
                 recovered: false,
                 spec: spec.clone(),
+                trimmed: None,
             })
         })
         .await?;
@@ -1242,10 +1132,7 @@ async fn start_refit(shared: &Arc<Shared>, mut spec: RefitSpec) -> Result<u64, E
 /// refit the journal left open.
 fn build(cfg: &ControlPlaneConfig) -> Result<(ControlPlaneServer<Service>, Arc<Shared>), Error> {
     cfg.security.check(cfg.listen)?;
-    let shared = Arc::new(Shared::open(
-        &cfg.journal_path,
-        cfg.security.engine_token.as_deref(),
-    )?);
+    let shared = Arc::new(Shared::open(cfg)?);
     Ok(serve_shared(shared))
 }
 
@@ -1334,11 +1221,17 @@ pub async fn spawn_ha(
     }
     let (journal, entries) =
         Journal::open_etcd(etcd, leadership, prefix, tokio::runtime::Handle::current()).await?;
+    let loaded = crate::journal::Loaded {
+        snapshot: None,
+        entries,
+        skipped: 0,
+    };
     let shared = Arc::new(Shared::from_journal(
         journal,
-        entries,
+        loaded,
         cfg.security.engine_token.as_deref(),
         Some(epoch),
+        cfg.compaction,
     )?);
     let (svc, shared) = serve_shared(shared);
     log_listening(&cfg, bound);

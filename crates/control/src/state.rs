@@ -13,9 +13,7 @@ use mx_layout::{
 };
 use serde::{Deserialize, Serialize};
 
-use crate::refit::{
-    Action, CallResult, EngineEndpoint, Outcome, Phase, Refit, Rejoined, WorkerCall,
-};
+use crate::refit::{Action, EngineEndpoint, Outcome, Phase, Refit, Rejoined, WorkerCall};
 use crate::types::{ArtifactKind, ArtifactRecord, PeerSource, Release};
 use crate::types::{
     Command, CoverageGap, FleetStatus, StagedReport, VersionInfo, VersionState, VersionSummary,
@@ -23,155 +21,7 @@ use crate::types::{
 };
 use crate::Error;
 
-/// One mutating call, as journaled (one JSON object per journal line, tagged by `op`).
-///
-/// A version is committed only by a refit (`Refit*` and `Worker*` records). The `commit` and
-/// `applied` records of the retired Commit / ReportApplied path are not records any more: a journal
-/// holding them is refused on replay, naming the line ([`crate::journal`]).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "op", rename_all = "snake_case")]
-pub enum Record {
-    /// The orchestrator declares a version: source slots `0..trainer_layout.world_size` and the
-    /// tensor list.
-    Declare {
-        /// Version label.
-        label: String,
-        /// Layout of the sources.
-        trainer_layout: LayoutSpec,
-        /// Declared tensors.
-        tensors: Vec<TensorSpec>,
-    },
-    /// A source publishes (or republishes) its slot's manifest.
-    Publish {
-        /// Version label.
-        label: String,
-        /// The manifest (its `slot` names the slot).
-        manifest: SourceManifest,
-    },
-    /// A source says it no longer serves a version (its memory may hold other bytes now).
-    Release {
-        /// Version label.
-        label: String,
-        /// The releasing slot.
-        slot: u32,
-    },
-    /// An artifact of a READY version was written to object storage.
-    Artifact {
-        /// Version label.
-        label: String,
-        /// Where, its manifest's digest, and its base for a delta.
-        artifact: ArtifactRecord,
-    },
-    /// A worker that holds a version resident serves it from its memory.
-    Peer {
-        /// Version label.
-        label: String,
-        /// The serving worker.
-        worker_id: String,
-        /// Its manifest (its shards: regions of the version's record; its pieces).
-        manifest: SourceManifest,
-    },
-    /// A worker stops serving a version (`label`), or every version (`None`), from its memory.
-    PeerWithdraw {
-        /// The worker.
-        worker_id: String,
-        /// The version; `None`: all.
-        #[serde(default)]
-        label: Option<String>,
-    },
-    /// A worker registers (or re-registers, which resets it to IDLE).
-    Register {
-        /// Worker id.
-        worker_id: String,
-        /// Instance name.
-        instance: String,
-        /// Ranks of `layout` it holds.
-        ranks: Vec<u32>,
-        /// Its inference layout.
-        layout: LayoutSpec,
-        /// Its engine routes (absent in journals written before engines were known).
-        #[serde(default)]
-        engine: Option<EngineEndpoint>,
-        /// The version id resident in its live weights.
-        #[serde(default)]
-        resident_version: Option<String>,
-    },
-    /// The orchestrator asks workers to stage a READY version.
-    Stage {
-        /// Version label.
-        label: String,
-        /// Target workers.
-        worker_ids: Vec<String>,
-    },
-    /// A worker reports a stage result.
-    Staged {
-        /// The report.
-        report: StagedReport,
-    },
-    /// A refit begins (phase STAGE): the whole plan, every worker's previous version.
-    RefitBegin {
-        /// The refit as it starts.
-        refit: Box<Refit>,
-    },
-    /// A refit enters a phase.
-    RefitPhase {
-        /// Refit id.
-        id: u64,
-        /// The new phase.
-        phase: Phase,
-        /// Unix ms.
-        at_ms: u64,
-        /// Why (for ABORT and ROLLBACK: the failure).
-        #[serde(default)]
-        reason: String,
-        /// Entered by a control plane that recovered the refit after a restart.
-        #[serde(default)]
-        recovered: bool,
-    },
-    /// The control plane is about to call a worker's engine (written before the call).
-    WorkerCall {
-        /// Refit id.
-        id: u64,
-        /// Worker.
-        worker_id: String,
-        /// The call.
-        action: Action,
-    },
-    /// The result of the worker's last call without one.
-    WorkerDone {
-        /// Refit id.
-        id: u64,
-        /// Worker.
-        worker_id: String,
-        /// The result.
-        result: CallResult,
-    },
-    /// A refit ends.
-    RefitEnd {
-        /// Refit id.
-        id: u64,
-        /// How.
-        outcome: Outcome,
-        /// Why it did not commit.
-        #[serde(default)]
-        reason: String,
-        /// Unix ms.
-        at_ms: u64,
-        /// Ended by a control plane that recovered the refit after a restart.
-        #[serde(default)]
-        recovered: bool,
-        /// FENCED only: the workers that could not be brought back. They stay gated (not
-        /// admitted) until they register again and report what is resident.
-        #[serde(default, skip_serializing_if = "Vec::is_empty")]
-        fenced: Vec<String>,
-        /// Workers that left (their command stream closed and they did not register again
-        /// within the grace period) before they could be settled: a process that is gone serves
-        /// nothing, so they do not make the refit FENCED, but they stay gated (their engine
-        /// may still be paused) until a later refit of them commits or rolls back cleanly.
-        #[serde(default, skip_serializing_if = "Vec::is_empty")]
-        departed: Vec<String>,
-    },
-}
+pub use crate::record::Record;
 
 /// What [`State::check`] decided about a valid record.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -190,7 +40,8 @@ pub struct Effects {
     pub workers: Vec<String>,
 }
 
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 struct Version {
     order: u64,
     trainer_layout: LayoutSpec,
@@ -216,7 +67,8 @@ struct Version {
     peers: BTreeMap<String, SourceManifest>,
 }
 
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 struct Worker {
     instance: String,
     ranks: Vec<u32>,
@@ -243,37 +95,31 @@ struct Worker {
     command_seq: u64,
 }
 
-/// Fleet counts for metrics ([`State::tallies`]).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Tallies {
-    /// Registered workers by stage state.
-    pub workers: BTreeMap<WorkerState, usize>,
-    /// Registered workers with a command stream open.
-    pub connected: usize,
-    /// Connected workers admitted to rollouts.
-    pub admitted: usize,
-    /// Versions by state.
-    pub versions: BTreeMap<VersionState, usize>,
-    /// A refit is open.
-    pub refit_open: bool,
-}
+pub use crate::observe::Tallies;
 
-/// The whole control-plane state: versions by label, workers by id.
-#[derive(Debug, Clone, Default, PartialEq)]
+/// The whole control-plane state: versions by label, workers by id. Serialized whole in a
+/// snapshot ([`crate::snapshot`]).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct State {
     versions: BTreeMap<String, Version>,
     next_order: u64,
     workers: BTreeMap<String, Worker>,
-    refits: BTreeMap<u64, Refit>,
+    pub(crate) refits: BTreeMap<u64, Refit>,
     next_refit: u64,
     /// The version the fleet last committed: (label, version id).
     fleet_version: Option<(String, String)>,
     /// How many times each (version, slot) was published again with a different manifest
     /// (bounded by [`crate::limits::MAX_REPUBLISHES`]).
+    #[serde(with = "crate::snapshot::pair_map")]
     republishes: BTreeMap<(String, u32), u32>,
     /// How many times each (version, slot) was extended with pieces for more destination
     /// layouts (bounded by [`crate::limits::MAX_PIECE_EXTENSIONS`]).
+    #[serde(with = "crate::snapshot::pair_map")]
     extensions: BTreeMap<(String, u32), u32>,
+    /// How many ended refits keep their per-worker detail (configuration, not state).
+    #[serde(skip)]
+    pub(crate) detail: crate::history::RefitDetail,
 }
 
 fn invalid(field: impl Into<String>, reason: impl Into<String>) -> Error {
@@ -378,6 +224,13 @@ impl State {
                     })
                 }
             }
+            Record::WorkerCalls { .. } | Record::WorkerResults { .. } => {
+                rec.check_batch()?;
+                for one in rec.per_worker().unwrap_or_default() {
+                    self.check(&one)?;
+                }
+                Ok(Check::Apply)
+            }
             Record::WorkerCall { id, worker_id, .. } => {
                 let r = self.open_refit(*id)?;
                 let w = refit_worker(r, worker_id)?;
@@ -462,6 +315,13 @@ impl State {
             return Ok(Effects::default());
         }
         let effects = match rec {
+            // Checked whole above, and no worker twice: each per-worker record passes its own.
+            r @ (Record::WorkerCalls { .. } | Record::WorkerResults { .. }) => {
+                for one in r.per_worker().unwrap_or_default() {
+                    self.apply(one)?;
+                }
+                Effects::default()
+            }
             Record::Declare {
                 label,
                 trainer_layout,
@@ -798,6 +658,7 @@ impl State {
                 for wid in departed.iter().chain(&fenced) {
                     self.withdraw_peer(wid, None);
                 }
+                crate::history::trim(&mut self.refits, self.detail);
                 Effects::default()
             }
         };

@@ -1,5 +1,6 @@
 //! Tests of the control-plane state machine (records, refits, admission).
 use super::*;
+use crate::refit::CallResult;
 use mx_layout::{DType, MemDevice, Scheme, ShardEntry};
 
 fn bx(off: &[u64], shape: &[u64]) -> TensorBox {
@@ -273,6 +274,7 @@ fn begin_on(st: &State, label: &str, d: Digest, set: &[(&str, Option<&str>)]) ->
             started_ms: 0,
             ended_ms: None,
             recovered: false,
+            trimmed: None,
         }),
     }
 }

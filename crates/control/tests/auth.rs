@@ -51,6 +51,7 @@ async fn start(dir: &Path) -> (String, Tls, ServerHandle) {
     let tokens = dir.join("tokens");
     std::fs::write(&tokens, TOKENS).unwrap();
     let (addr, handle) = spawn(ControlPlaneConfig {
+        compaction: Default::default(),
         listen: "127.0.0.1:0".parse().unwrap(),
         journal_path: dir.join("journal.jsonl"),
         security: Security {
@@ -317,6 +318,7 @@ async fn the_bind_policy_refuses_unauthenticated_and_plaintext_token_servers() {
         ),
     ] {
         let e = spawn(ControlPlaneConfig {
+            compaction: Default::default(),
             listen: listen.parse().unwrap(),
             journal_path: journal.clone(),
             security,

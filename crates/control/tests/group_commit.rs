@@ -19,6 +19,7 @@ async fn concurrent_registrations_are_journaled_once_each_and_replayed() {
     let dir = tempfile::tempdir().unwrap();
     let journal = dir.path().join("journal.jsonl");
     let cfg = ControlPlaneConfig {
+        compaction: Default::default(),
         listen: "127.0.0.1:0".parse().unwrap(),
         journal_path: journal.clone(),
         security: mx_control::Security::insecure_loopback(),

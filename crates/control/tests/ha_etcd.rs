@@ -239,6 +239,7 @@ async fn a_new_leader_serves_the_state_the_old_one_journaled() {
     let dir = tempfile::tempdir().unwrap();
     let unused = dir.path().to_path_buf();
     let replica = move |name: &str, port: u16| mx_control::ControlPlaneConfig {
+        compaction: Default::default(),
         listen: format!("127.0.0.1:{port}").parse().unwrap(),
         journal_path: unused.join(format!("{name}-unused.jsonl")),
         security: mx_control::Security::insecure_loopback(),

@@ -20,6 +20,7 @@ const FSDP2: LayoutSpec = LayoutSpec {
 
 fn cfg(journal: &Path) -> ControlPlaneConfig {
     ControlPlaneConfig {
+        compaction: Default::default(),
         listen: "127.0.0.1:0".parse().unwrap(),
         journal_path: journal.to_path_buf(),
         security: mx_control::Security::insecure_loopback(),

@@ -33,6 +33,7 @@ const T: Duration = Duration::from_secs(10);
 
 async fn start(journal: &Path) -> (ControlClient, ServerHandle) {
     let (addr, handle) = spawn(ControlPlaneConfig {
+        compaction: Default::default(),
         listen: "127.0.0.1:0".parse().unwrap(),
         journal_path: journal.to_path_buf(),
         security: mx_control::Security::insecure_loopback(),
@@ -785,6 +786,7 @@ async fn a_journal_of_the_retired_commit_path_is_refused_naming_the_line() {
     )
     .unwrap();
     let err = spawn(ControlPlaneConfig {
+        compaction: Default::default(),
         listen: "127.0.0.1:0".parse().unwrap(),
         journal_path: path.clone(),
         security: mx_control::Security::insecure_loopback(),
@@ -872,6 +874,7 @@ async fn restart_replays_the_journal_to_the_same_state() {
     lines[4] = "{\"seq\":5,\"garbage";
     std::fs::write(&path, lines.join("\n") + "\n").unwrap();
     let err = spawn(ControlPlaneConfig {
+        compaction: Default::default(),
         listen: "127.0.0.1:0".parse().unwrap(),
         journal_path: path.clone(),
         security: mx_control::Security::insecure_loopback(),

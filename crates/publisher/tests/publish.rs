@@ -44,6 +44,7 @@ fn model_dir(test: &str) -> Option<PathBuf> {
 
 async fn control_plane(dir: &Path) -> (String, mx_control::ServerHandle) {
     let (addr, handle) = mx_control::spawn(ControlPlaneConfig {
+        compaction: Default::default(),
         listen: "127.0.0.1:0".parse().unwrap(),
         journal_path: dir.join("journal.jsonl"),
         security: mx_control::Security::insecure_loopback(),

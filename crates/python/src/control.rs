@@ -158,6 +158,7 @@ impl ControlPlane {
         }
         let rt = runtime(py, "mx-control", 2)?;
         let cfg = ControlPlaneConfig {
+            compaction: Default::default(),
             listen: addr,
             journal_path: journal.clone(),
             security,

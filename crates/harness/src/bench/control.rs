@@ -54,6 +54,10 @@ pub struct ControlArgs {
     /// of the whole set to the committed version (refit request until ROLLED_BACK).
     #[arg(long)]
     pub rollback: bool,
+    /// `mx control --refit-detail`: refits that keep every engine call (older ones keep a
+    /// summary); the control plane's default when not given.
+    #[arg(long)]
+    pub refit_detail: Option<usize>,
     /// Keep the work directory (journal, logs).
     #[arg(long)]
     pub keep: bool,
@@ -102,6 +106,8 @@ pub(crate) struct Round {
     commit_journal_bytes: u64,
     /// Journal bytes written by the stage round (declare, publish, stage, staged reports).
     stage_journal_bytes: u64,
+    /// The control plane's resident memory after the round (VmRSS, MB).
+    rss_mb: f64,
 }
 
 /// The result of `mx bench control`.
@@ -384,10 +390,14 @@ pub(crate) async fn run(a: &ControlArgs) -> anyhow::Result<ControlReport> {
     // Authentication on, as in production: every RPC is checked against the token file.
     let tokens = BenchTokens::new();
     let token_file = tokens.write(&work)?;
+    let mut control_args = vec!["--tokens".into(), token_file.display().to_string()];
+    if let Some(k) = a.refit_detail {
+        control_args.extend(["--refit-detail".into(), k.to_string()]);
+    }
     let (control, client) = crate::fleet::start_control_with(
         &mut procs,
         &work,
-        &["--tokens".into(), token_file.display().to_string()],
+        &control_args,
         &BenchTokens::auth(&tokens.orchestrator)?,
     )
     .await?;
@@ -488,8 +498,10 @@ pub(crate) async fn run(a: &ControlArgs) -> anyhow::Result<ControlReport> {
             phases_ms,
             commit_cpu_s: c2 - c1,
             stage_cpu_s: c1 - c0,
-            commit_journal_bytes: j2 - j1,
-            stage_journal_bytes: j1 - j0,
+            // A compaction between two measures truncates the journal: 0 for that round.
+            commit_journal_bytes: j2.saturating_sub(j1),
+            stage_journal_bytes: j1.saturating_sub(j0),
+            rss_mb: rss_mb(control_pid)?.0,
         });
     }
     let rollback_ms = if a.rollback {
@@ -543,14 +555,15 @@ fn print_report(r: &ControlReport) {
         r.workers, r.procs, r.auth
     );
     println!(
-        "{:<10} {:>10} {:>10} {:>34} {:>10} {:>12} {:>12}",
+        "{:<10} {:>10} {:>10} {:>34} {:>10} {:>12} {:>12} {:>8}",
         "round",
         "stage ms",
         "commit ms",
         "phases ms (prep/apply/verify/resume/commit)",
         "cpu s",
         "journal B",
-        "B/worker"
+        "B/worker",
+        "RSS MB"
     );
     for x in r.warmup.iter().chain(&r.rounds) {
         let phases: Vec<String> = x
@@ -560,14 +573,15 @@ fn print_report(r: &ControlReport) {
             .map(|p| p.1.to_string())
             .collect();
         println!(
-            "{:<10} {:>10.1} {:>10.1} {:>34} {:>10.3} {:>12} {:>12.0}",
+            "{:<10} {:>10.1} {:>10.1} {:>34} {:>10.3} {:>12} {:>12.0} {:>8.0}",
             x.label,
             x.stage_ms,
             x.commit_ms,
             phases.join("/"),
             x.commit_cpu_s,
             x.commit_journal_bytes,
-            x.commit_journal_bytes as f64 / f64::from(r.workers)
+            x.commit_journal_bytes as f64 / f64::from(r.workers),
+            x.rss_mb
         );
     }
     println!(

@@ -154,6 +154,7 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
                     verify_from_apply_answer: from_apply,
                     // The rollback of the whole set, measured once, in the full lifecycle.
                     rollback: !gated,
+                    refit_detail: None,
                     keep: false,
                     json: None,
                 }))?);
@@ -172,6 +173,7 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
                 orchestrator_gated: true,
                 verify_from_apply_answer: true,
                 rollback: false,
+                refit_detail: None,
                 keep: false,
                 json: None,
             }))?;

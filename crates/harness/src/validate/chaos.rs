@@ -24,7 +24,6 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use mx_control::state::State;
 use mx_control::{EngineApi, Refit};
 use serde::Serialize;
 use serde_json::json;
@@ -371,10 +370,7 @@ async fn check_engines(f: &Fleet) -> anyhow::Result<Vec<String>> {
 /// complete.
 async fn check_journal(f: &Fleet, refit: Option<&Refit>) -> anyhow::Result<Vec<String>> {
     let live = f.status().await?;
-    let mut st = State::new();
-    for e in mx_control::journal::read_records(&f.journal)? {
-        st.apply(e.record)?;
-    }
+    let st = mx_control::journal::load_state(&f.journal)?;
     let replayed = st.fleet_status();
     let mut out = Vec::new();
     if replayed.fleet_version != live.fleet_version {

@@ -17,7 +17,6 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use mx_control::client::ControlClient;
-use mx_control::state::{Record, State};
 use mx_control::{Action, GenerationCheck, Outcome, PauseMode, Refit, RefitSpec, VersionState};
 use serde::Serialize;
 use serde_json::json;
@@ -336,11 +335,7 @@ impl Fleet {
     /// Journal completeness, from the file on disk: replayed into a fresh state, every refit
     /// since `from` has BEGIN, END and a result for every call.
     async fn journal_gaps(&self, from: u64) -> anyhow::Result<Vec<String>> {
-        let entries = self.journal_records().await?;
-        let mut st = State::new();
-        for e in entries {
-            st.apply(e.record)?;
-        }
+        let st = self.journal_state().await?;
         Ok(st
             .refits()
             .filter(|r| r.id >= from)
@@ -348,11 +343,15 @@ impl Fleet {
             .collect())
     }
 
-    /// Every journal record, from the file on disk or, with `--ha`, from etcd.
-    async fn journal_records(&self) -> anyhow::Result<Vec<mx_control::journal::Entry>> {
+    /// The state the journal replays to: from the file on disk (and its snapshot) or, with
+    /// `--ha`, from etcd.
+    async fn journal_state(&self) -> anyhow::Result<State> {
         match &self.ha {
-            Some(ha) => ha.records().await,
-            None => Ok(mx_control::journal::read_records(&self.journal)?),
+            Some(ha) => Ok(mx_control::journal::replay(
+                Path::new("etcd:/mx/journal/"),
+                ha.records().await?,
+            )?),
+            None => Ok(mx_control::journal::load_state(&self.journal)?),
         }
     }
 
@@ -656,14 +655,7 @@ fn matrix_names() -> Vec<String> {
 }
 
 async fn next_refit_id(f: &Fleet) -> anyhow::Result<u64> {
-    let entries = f.journal_records().await?;
-    let mut last = 0;
-    for e in entries {
-        if let Record::RefitBegin { refit } = e.record {
-            last = refit.id;
-        }
-    }
-    Ok(last + 1)
+    Ok(f.journal_state().await?.next_refit_id())
 }
 
 /// Waits until `label` is READY and records its version id.

@@ -39,6 +39,7 @@ pub(crate) async fn control_plane(
     listen: &str,
 ) -> (String, mx_control::ServerHandle) {
     let (addr, handle) = mx_control::spawn(mx_control::ControlPlaneConfig {
+        compaction: Default::default(),
         listen: listen.parse().expect("listen address parses"),
         journal_path: dir.join("journal.jsonl"),
         security: mx_control::Security::insecure_loopback(),
