@@ -260,6 +260,8 @@ pub(crate) struct Shared {
     /// The client of every engine call: one pool of kept-alive connections for the life of the
     /// control plane, so a refit of a thousand workers does not open a thousand connections.
     pub(crate) http: reqwest::Client,
+    /// Merkle trees and lookups of the versions workers asked for with a want.
+    fanout: crate::fanout::Cache,
 }
 
 /// The journal thread (group commit): takes every record waiting (up to [`MAX_GROUP`] callers, or
@@ -425,6 +427,7 @@ impl Shared {
             mail: Mutex::new(HashMap::new()),
             limits: Mutex::new(HashMap::new()),
             http,
+            fanout: crate::fanout::Cache::default(),
         })
     }
 
@@ -887,12 +890,24 @@ impl ControlPlane for Service {
         req: Request<pb::GetVersionRequest>,
     ) -> Result<Response<pb::VersionInfo>, Status> {
         let who = auth::principal(&req)?;
-        let label = convert::label(&req.into_inner().label, "label")?;
+        let r = req.into_inner();
+        let label = convert::label(&r.label, "label")?;
+        let want = r
+            .want
+            .as_ref()
+            .map(|w| convert::want(w, "want"))
+            .transpose()?;
+        let fanout = &self.shared.fanout;
         let info = self
             .shared
-            .read_durable(|s| s.version_info(&label))
+            .read_durable(|s| match &want {
+                None => s.version_info(&label).map(Ok),
+                Some(w) => s
+                    .version_sources(&label)
+                    .map(|(info, src)| crate::fanout::answer(fanout, info, src, w)),
+            })
             .await
-            .ok_or(Error::UnknownVersion { label })?;
+            .ok_or(Error::UnknownVersion { label })??;
         Ok(Response::new(redact(convert::version_info_pb(&info), &who)))
     }
 
@@ -1467,6 +1482,7 @@ fn redact(mut info: pb::VersionInfo, who: &auth::Principal) -> pb::VersionInfo {
     if !who.sees_manifests() {
         info.manifests.clear();
         info.peers.clear();
+        info.proof = None;
     } else if !who.sees_sources() {
         for m in &mut info.manifests {
             m.agent_metadata.clear();
