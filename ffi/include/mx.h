@@ -752,7 +752,8 @@ mx_status mx_puller_register_rank(const mx_puller *puller, uint32_t rank, void *
  *
  * Errors: `MX_ERR_STATE` (no control plane, or the version is not READY),
  * `MX_ERR_UNKNOWN_VERSION`, `MX_ERR_LAYOUT` (the sources do not cover a parameter),
- * `MX_ERR_NIXL` (a source is unreachable or a READ failed), `MX_ERR_VERIFY`.
+ * `MX_ERR_NIXL` (a source is unreachable or a READ failed), `MX_ERR_VERIFY` (bytes that do not
+ * match, or an answer whose shards are not proven to be the version's or leave one out).
  *
  * # Safety
  * `puller` is NULL or live; `version` is NULL or NUL-terminated; `version_id` is NULL or valid

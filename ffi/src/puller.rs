@@ -421,7 +421,8 @@ pub unsafe extern "C" fn mx_puller_register_rank(
 ///
 /// Errors: `MX_ERR_STATE` (no control plane, or the version is not READY),
 /// `MX_ERR_UNKNOWN_VERSION`, `MX_ERR_LAYOUT` (the sources do not cover a parameter),
-/// `MX_ERR_NIXL` (a source is unreachable or a READ failed), `MX_ERR_VERIFY`.
+/// `MX_ERR_NIXL` (a source is unreachable or a READ failed), `MX_ERR_VERIFY` (bytes that do not
+/// match, or an answer whose shards are not proven to be the version's or leave one out).
 ///
 /// # Safety
 /// `puller` is NULL or live; `version` is NULL or NUL-terminated; `version_id` is NULL or valid
@@ -438,11 +439,11 @@ pub unsafe extern "C" fn mx_puller_stage(
         // SAFETY: the caller's contract.
         let version = unsafe { cstr(version, "version") }?;
         let mut g = lock(&h.inner, "puller")?;
-        let (label, id, manifests) = runtime()?.block_on(g.resolve(version))?;
-        g.stage(id, &manifests, &ExecOptions::default())
-            .map_err(|e| FfiError::from(e).context(format!("version {label:?}")))?;
+        let v = runtime()?.block_on(g.resolve(version))?;
+        g.stage_resolved(&v, &ExecOptions::default())
+            .map_err(|e| FfiError::from(e).context(format!("version {:?}", v.label)))?;
         // SAFETY: the caller's contract.
-        unsafe { write_opt_string(version_id, Some(&id.to_string())) }
+        unsafe { write_opt_string(version_id, Some(&v.id.to_string())) }
     })
 }
 

@@ -86,7 +86,9 @@ fn puller_status(e: &mx_puller::Error) -> Status {
         | E::SourceUnreachable { .. }
         | E::Pull { .. }
         | E::SourceRange { .. } => MX_ERR_NIXL,
-        E::Verify { .. } | E::WrongManifests { .. } => MX_ERR_VERIFY,
+        E::Verify { .. } | E::WrongManifests { .. } | E::Unproven { .. } | E::Incomplete { .. } => {
+            MX_ERR_VERIFY
+        }
         E::BadDestination { .. } | E::UnknownRank { .. } | E::BadRanks { .. } => {
             MX_ERR_INVALID_ARGUMENT
         }

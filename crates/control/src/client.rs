@@ -692,6 +692,33 @@ impl ControlClient {
         let r = rpc
             .get_version(pb::GetVersionRequest {
                 label: label.to_string(),
+                want: None,
+            })
+            .await
+            .map_err(|s| Error::rpc("GetVersion", s))?
+            .into_inner();
+        convert::version_info(&r)
+    }
+
+    /// What a worker's plan reads of a version (bounded fan-out): the record with only the
+    /// shards and pieces `want` selects, the declared tensors it names, and, once the version
+    /// has an id, [`VersionInfo::proof`]: the Merkle proof of the shards sent, to check with
+    /// [`mx_layout::merkle::VersionProof::verify`] (an older control plane answers the whole
+    /// record without one).
+    ///
+    /// # Errors
+    /// [`Error::Rpc`] with `NotFound` for an undeclared label, `InvalidArgument` for a want
+    /// over the limits ([`crate::limits::MAX_WANT_REGIONS`]).
+    pub async fn get_version_for(
+        &self,
+        label: &str,
+        want: &mx_layout::Want,
+    ) -> Result<VersionInfo, Error> {
+        let r = self
+            .rpc()
+            .get_version(pb::GetVersionRequest {
+                label: label.to_string(),
+                want: Some(convert::want_pb(want)),
             })
             .await
             .map_err(|s| self.failed(at, "GetVersion", s))?

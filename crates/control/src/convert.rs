@@ -3,9 +3,12 @@
 //! field path, e.g. `manifest.shards[2].digest`; encoding cannot fail. Counts and sizes are
 //! bounded ([`crate::limits`]) before anything is converted or sized from them.
 
+use std::collections::BTreeMap;
+
+use mx_layout::merkle::VersionProof;
 use mx_layout::{
     DType, DestPiece, Digest, LayoutSpec, MemDevice, RankDigests, Scheme, ShardEntry,
-    SourceManifest, TensorBox, TensorSpec,
+    SourceManifest, TensorBox, TensorSpec, Want,
 };
 
 use crate::limits;
@@ -439,7 +442,106 @@ pub(crate) fn version_info_pb(v: &VersionInfo) -> pb::VersionInfo {
                 manifest: Some(manifest_pb(&p.manifest)),
             })
             .collect(),
+        proof: v.proof.as_ref().map(proof_pb),
     }
+}
+
+/// Decodes what a worker wants of a version: at most [`limits::MAX_WANT_REGIONS`] boxes, each of
+/// a named tensor (name and dims bounded); ranks only with a layout, each inside it.
+pub(crate) fn want(p: &pb::VersionWant, field: &str) -> Result<Want, Error> {
+    limits::count(
+        &format!("{field}.regions"),
+        p.regions.len(),
+        limits::MAX_WANT_REGIONS,
+    )?;
+    let mut regions: BTreeMap<String, Vec<TensorBox>> = BTreeMap::new();
+    for (i, r) in p.regions.iter().enumerate() {
+        let f = format!("{field}.regions[{i}]");
+        limits::name(&format!("{f}.tensor"), &r.tensor)?;
+        let tensor = non_empty(&r.tensor, &format!("{f}.tensor"))?;
+        let b = tensor_box(&r.region, &format!("{f}.region"))?;
+        limits::dims(&format!("{f}.region"), b.ndim())?;
+        regions.entry(tensor).or_default().push(b);
+    }
+    for boxes in regions.values_mut() {
+        boxes.sort();
+        boxes.dedup();
+    }
+    let dest = match &p.layout {
+        None if p.ranks.is_empty() => None,
+        None => return Err(invalid(&format!("{field}.ranks"), "ranks without a layout")),
+        Some(l) => {
+            let l = layout(l, &format!("{field}.layout"))?;
+            let mut ranks = p.ranks.clone();
+            if let Some(r) = ranks.iter().find(|&&r| r >= l.world_size) {
+                return Err(invalid(
+                    &format!("{field}.ranks"),
+                    format!("rank {r} is outside {l}"),
+                ));
+            }
+            ranks.sort_unstable();
+            ranks.dedup();
+            Some((l, ranks))
+        }
+    };
+    Ok(Want { regions, dest })
+}
+
+/// Encodes what a worker wants of a version.
+pub(crate) fn want_pb(w: &Want) -> pb::VersionWant {
+    pb::VersionWant {
+        regions: w
+            .regions
+            .iter()
+            .flat_map(|(t, boxes)| {
+                boxes.iter().map(move |b| pb::TensorRegion {
+                    tensor: t.clone(),
+                    region: Some(tensor_box_pb(b)),
+                })
+            })
+            .collect(),
+        layout: w.dest.as_ref().map(|(l, _)| layout_pb(l)),
+        ranks: w.dest.as_ref().map(|(_, r)| r.clone()).unwrap_or_default(),
+    }
+}
+
+/// Encodes a version proof (its hashes concatenated).
+pub(crate) fn proof_pb(p: &VersionProof) -> pb::VersionProof {
+    pb::VersionProof {
+        leaf_count: p.leaf_count,
+        positions: p.positions.clone(),
+        nodes: p.nodes.concat(),
+    }
+}
+
+/// Decodes a version proof: hashes of 32 bytes, at most [`limits::MAX_PROOF_NODES`] (its shape
+/// is checked against the tree when it is verified).
+pub(crate) fn proof(p: &pb::VersionProof, field: &str) -> Result<VersionProof, Error> {
+    if !p.nodes.len().is_multiple_of(32) {
+        return Err(invalid(
+            &format!("{field}.nodes"),
+            format!("{} bytes: not a multiple of 32", p.nodes.len()),
+        ));
+    }
+    limits::count(
+        &format!("{field}.nodes"),
+        p.nodes.len() / 32,
+        limits::MAX_PROOF_NODES,
+    )?;
+    let nodes = p
+        .nodes
+        .chunks_exact(32)
+        .map(|c| {
+            let mut h = [0u8; 32];
+            h.copy_from_slice(c);
+            h
+        })
+        .collect();
+    Ok(VersionProof {
+        leaf_count: p.leaf_count,
+        positions: p.positions.clone(),
+        nodes,
+    })
 }
 
 /// Encodes an artifact record.
@@ -595,6 +697,7 @@ pub(crate) fn version_info(p: &pb::VersionInfo) -> Result<VersionInfo, Error> {
             .as_ref()
             .map(|r| release(r, "release"))
             .transpose()?,
+        proof: p.proof.as_ref().map(|x| proof(x, "proof")).transpose()?,
     })
 }
 

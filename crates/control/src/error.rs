@@ -195,6 +195,13 @@ pub enum Error {
         /// The state when the wait ended (`None` when never declared).
         current: OptionalState,
     },
+    /// A fanned-out `GetVersion` answer could not be built: the version's record is
+    /// inconsistent (its shards' Merkle root is not its id).
+    #[error("fan-out answer: {reason}")]
+    Fanout {
+        /// What is inconsistent.
+        reason: String,
+    },
     /// A server task ended abnormally (panicked or was cancelled).
     #[error("server task: {reason}")]
     Task {
@@ -268,6 +275,7 @@ impl Error {
             | Error::Replay { .. }
             | Error::Bind { .. }
             | Error::Config { .. }
+            | Error::Fanout { .. }
             | Error::Task { .. } => Code::Internal,
         }
     }

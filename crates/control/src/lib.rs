@@ -18,8 +18,9 @@
 //! Main types: [`state::State`] (pure state machine over [`state::Record`]s),
 //! [`journal::Journal`] (checksummed JSON lines, fsync before acting; corruption refuses the
 //! start), [`limits`] (bounds on every count and size from outside), [`serve`]/[`spawn`] (the tonic
-//! server), [`client::ControlClient`] (typed client), [`Error`] (mapped to `tonic::Status` in one
-//! place). Proto messages are converted into mx-layout types at the RPC edge (`convert`), so wire
+//! server), [`client::ControlClient`] (typed client; `get_version_for` answers a worker with only
+//! what its plan reads and a Merkle proof of it: bounded fan-out, the `fanout` module),
+//! [`Error`] (mapped to `tonic::Status` in one place). Proto messages are converted into mx-layout types at the RPC edge (`convert`), so wire
 //! types never reach the state or the journal.
 //!
 //! Journals written before refits were the only commit path (with `commit` / `applied` records of
@@ -33,6 +34,7 @@ mod commit;
 mod convert;
 mod driver;
 mod error;
+mod fanout;
 pub mod ha;
 pub mod history;
 pub mod journal;

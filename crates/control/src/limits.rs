@@ -131,6 +131,13 @@ pub fn label(field: &str, s: &str) -> Result<(), Error> {
     bytes(field, s.len(), MAX_LABEL_BYTES)
 }
 
+/// Most boxes one `GetVersion` want names: 4,194,304 (a worker lists each box of each tensor its
+/// ranks hold once: Kimi-K2's ~150,000 tensors on a few ranks).
+pub const MAX_WANT_REGIONS: usize = 1 << 22;
+
+/// Most hashes in one version proof: 8,388,608 (256 MiB, the message limit, of 32-byte hashes).
+pub const MAX_PROOF_NODES: usize = MAX_MESSAGE_BYTES / 32;
+
 /// Most artifacts recorded per version.
 pub const MAX_ARTIFACTS: usize = 64;
 

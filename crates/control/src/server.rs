@@ -247,6 +247,8 @@ pub(crate) struct Shared {
     /// The leader's epoch of a highly available control plane ([`crate::ha`]): sent on every
     /// engine call and with every command stream ([`mx_adapters::EPOCH_HEADER`]).
     epoch: Option<u64>,
+    /// Merkle trees and lookups of the versions workers asked for with a want.
+    fanout: crate::fanout::Cache,
 }
 
 impl Drop for Shared {
@@ -315,6 +317,7 @@ impl Shared {
             limits: Mutex::new(HashMap::new()),
             http,
             epoch,
+            fanout: crate::fanout::Cache::default(),
         })
     }
 
@@ -789,12 +792,24 @@ impl ControlPlane for Service {
         req: Request<pb::GetVersionRequest>,
     ) -> Result<Response<pb::VersionInfo>, Status> {
         let who = auth::principal(&req)?;
-        let label = convert::label(&req.into_inner().label, "label")?;
+        let r = req.into_inner();
+        let label = convert::label(&r.label, "label")?;
+        let want = r
+            .want
+            .as_ref()
+            .map(|w| convert::want(w, "want"))
+            .transpose()?;
+        let fanout = &self.shared.fanout;
         let info = self
             .shared
-            .read_durable(|s| s.version_info(&label))
+            .read_durable(|s| match &want {
+                None => s.version_info(&label).map(Ok),
+                Some(w) => s
+                    .version_sources(&label)
+                    .map(|(info, src)| crate::fanout::answer(fanout, info, src, w)),
+            })
             .await
-            .ok_or(Error::UnknownVersion { label })?;
+            .ok_or(Error::UnknownVersion { label })??;
         Ok(Response::new(redact(convert::version_info_pb(&info), &who)))
     }
 
@@ -1391,6 +1406,7 @@ fn redact(mut info: pb::VersionInfo, who: &auth::Principal) -> pb::VersionInfo {
     if !who.sees_manifests() {
         info.manifests.clear();
         info.peers.clear();
+        info.proof = None;
     } else if !who.sees_sources() {
         for m in &mut info.manifests {
             m.agent_metadata.clear();

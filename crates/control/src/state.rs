@@ -13,6 +13,7 @@ use mx_layout::{
 };
 use serde::{Deserialize, Serialize};
 
+use crate::fanout::Sources;
 use crate::refit::{Action, EngineEndpoint, Outcome, Phase, Refit, Rejoined, WorkerCall};
 use crate::types::{ArtifactKind, ArtifactRecord, PeerSource, Release};
 use crate::types::{
@@ -65,6 +66,8 @@ struct Version {
     artifacts: Vec<ArtifactRecord>,
     /// Workers serving it from their memory: worker id -> manifest.
     peers: BTreeMap<String, SourceManifest>,
+    /// Bumped by every publish into it (a cache over `slots` is stale once it moved).
+    revision: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -347,6 +350,7 @@ impl State {
                         release: None,
                         artifacts: Vec::new(),
                         peers: BTreeMap::new(),
+                        revision: 0,
                     },
                 );
                 Effects::default()
@@ -363,6 +367,7 @@ impl State {
                         *counter.entry((label.clone(), manifest.slot)).or_default() += 1;
                     }
                     v.slots.insert(manifest.slot, manifest);
+                    v.revision = v.revision.wrapping_add(1);
                     v.evaluate();
                 }
                 Effects::default()
@@ -1289,12 +1294,28 @@ impl State {
     /// most `world_size` entries, which [`State::check`] bounds by
     /// [`crate::limits::MAX_WORLD_SIZE`].
     pub fn version_info(&self, label: &str) -> Option<VersionInfo> {
+        let (mut info, sources) = self.version_sources(label)?;
+        info.manifests = sources.slots.values().cloned().collect();
+        info.peers = sources
+            .peers
+            .iter()
+            .map(|(w, m)| PeerSource {
+                worker_id: w.clone(),
+                manifest: m.clone(),
+            })
+            .collect();
+        Some(info)
+    }
+
+    /// [`State::version_info`] with its manifests and peers left empty, and those by
+    /// reference, for an answer that selects from them ([`crate::fanout`]).
+    pub(crate) fn version_sources(&self, label: &str) -> Option<(VersionInfo, Sources<'_>)> {
         let v = self.versions.get(label)?;
         let published_slots: Vec<u32> = v.slots.keys().copied().collect();
         let missing_slots = (0..v.trainer_layout.world_size)
             .filter(|s| !v.slots.contains_key(s))
             .collect();
-        Some(VersionInfo {
+        let info = VersionInfo {
             label: label.to_string(),
             state: v.state,
             trainer_layout: v.trainer_layout,
@@ -1304,19 +1325,19 @@ impl State {
             missing_slots,
             missing_tensors: v.missing_tensors.clone(),
             coverage_gaps: v.gaps.clone(),
-            manifests: v.slots.values().cloned().collect(),
+            manifests: Vec::new(),
             commit_workers: v.commit_set.clone(),
             release: v.release.clone(),
             artifacts: v.artifacts.clone(),
-            peers: v
-                .peers
-                .iter()
-                .map(|(w, m)| PeerSource {
-                    worker_id: w.clone(),
-                    manifest: m.clone(),
-                })
-                .collect(),
-        })
+            peers: Vec::new(),
+            proof: None,
+        };
+        let sources = Sources {
+            revision: v.revision,
+            slots: &v.slots,
+            peers: &v.peers,
+        };
+        Some((info, sources))
     }
 
     /// Every version (in declaration order) and every worker (by id).

@@ -252,6 +252,10 @@ pub struct VersionInfo {
     pub artifacts: Vec<ArtifactRecord>,
     /// Workers serving it from their memory, by worker id.
     pub peers: Vec<PeerSource>,
+    /// With a fanned-out answer ([`crate::client::ControlClient::get_version_for`]) of a READY
+    /// (or later) version: the Merkle proof of `manifests`' shards against `version_digest`.
+    /// `None` in a whole answer (check the root over every manifest instead).
+    pub proof: Option<mx_layout::merkle::VersionProof>,
 }
 
 /// One line of the fleet status per version.

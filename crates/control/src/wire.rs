@@ -39,11 +39,13 @@ pub enum WireMessage {
     Release,
     /// `WorkerCommand` (control plane -> worker).
     WorkerCommand,
+    /// `GetVersionRequest` (worker -> control plane): a label and what its plan reads.
+    GetVersion,
 }
 
 impl WireMessage {
     /// Every message, in a fixed order (a fuzz input's first byte picks one).
-    pub const ALL: [WireMessage; 12] = [
+    pub const ALL: [WireMessage; 13] = [
         WireMessage::DeclareVersion,
         WireMessage::Publish,
         WireMessage::RegisterWorker,
@@ -56,6 +58,7 @@ impl WireMessage {
         WireMessage::RefitInfo,
         WireMessage::Release,
         WireMessage::WorkerCommand,
+        WireMessage::GetVersion,
     ];
 }
 
@@ -173,7 +176,26 @@ pub fn canonical(kind: WireMessage, bytes: &[u8]) -> Result<Vec<u8>, Error> {
             let r: pb::WorkerCommand = decode(bytes, "WorkerCommand")?;
             convert::command_pb(&convert::command(&r)?).encode_to_vec()
         }
+        WireMessage::GetVersion => {
+            let r: pb::GetVersionRequest = decode(bytes, "GetVersionRequest")?;
+            let want = r
+                .want
+                .as_ref()
+                .map(|w| convert::want(w, "want"))
+                .transpose()?;
+            pb::GetVersionRequest {
+                label: convert::label(&r.label, "label")?,
+                want: want.as_ref().map(convert::want_pb),
+            }
+            .encode_to_vec()
+        }
     })
+}
+
+/// Encodes a version's record as the control plane answers `GetVersion` (`VersionInfo`): its
+/// size is what the answer costs on the wire.
+pub fn version_info_to_wire(info: &crate::VersionInfo) -> Vec<u8> {
+    convert::version_info_pb(info).encode_to_vec()
 }
 
 /// Encodes a source manifest as its wire message (`SourceManifest`).

@@ -12,7 +12,8 @@ use mx_control::auth::{allowed, Role, TokenTable, SERVICE};
 use mx_control::client::{ClientAuth, ControlClient};
 use mx_control::{spawn, ControlPlaneConfig, Error, Security, ServerHandle, TlsIdentity};
 use mx_layout::{
-    DType, Digest, LayoutSpec, MemDevice, Scheme, ShardEntry, SourceManifest, TensorBox, TensorSpec,
+    DType, Digest, LayoutSpec, MemDevice, Scheme, ShardEntry, SourceManifest, TensorBox,
+    TensorSpec, VersionId, Want,
 };
 use prost::Message;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
@@ -287,11 +288,32 @@ async fn nixl_metadata_and_manifests_go_only_to_the_roles_that_need_them() {
     assert_eq!(p.manifests.len(), 1);
     assert!(p.manifests[0].agent_metadata.is_empty());
     assert_eq!(p.manifests[0].shards, full.manifests[0].shards);
+    // The same per role for a fanned-out answer: metadata only to workers, the proof with the
+    // manifests it proves.
+    let mut want = Want::default();
+    want.regions.insert("w".into(), vec![TensorBox::full(&[4])]);
+    let fan = worker.get_version_for("v", &want).await.unwrap();
+    assert_eq!(fan.manifests, full.manifests);
+    let id = VersionId(full.version_digest.unwrap());
+    let proven = |v: &mx_control::VersionInfo| {
+        let proof = v.proof.as_ref().expect("proof");
+        let shards = v
+            .manifests
+            .iter()
+            .flat_map(|m| m.shards.iter().map(move |s| (m.slot, s)));
+        proof.verify(id, shards)
+    };
+    proven(&fan).unwrap();
+    let p = publisher.get_version_for("v", &want).await.unwrap();
+    assert!(p.manifests[0].agent_metadata.is_empty());
+    proven(&p).unwrap();
     for role in ["orchestrator", "reader"] {
         let c = client(&url, &tls, &token(role)).await;
         let v = c.get_version("v").await.unwrap();
         assert!(v.manifests.is_empty(), "{role}");
         assert_eq!(v.version_digest, full.version_digest, "{role}");
+        let v = c.get_version_for("v", &want).await.unwrap();
+        assert!(v.manifests.is_empty() && v.proof.is_none(), "{role}");
     }
     handle.shutdown().await.unwrap();
 }

@@ -143,4 +143,41 @@ pub enum Error {
         /// How they differ.
         reason: String,
     },
+    /// A Merkle proof of a version's shards whose shape does not fit the tree it claims (too
+    /// few or too many hashes, a position past the leaves or given twice).
+    #[error("malformed Merkle proof: {reason}")]
+    ProofMalformed {
+        /// What does not fit.
+        reason: String,
+    },
+    /// A Merkle proof whose hashes, with the shards sent, do not give the version id: a leaf or
+    /// subtree hash in it is wrong (forged, or of another version).
+    #[error(
+        "the Merkle proof does not reach version {version}: its leaf and subtree hashes give \
+         {found} (a hash in it is forged or of another version)"
+    )]
+    ProofRoot {
+        /// The version asked for.
+        version: String,
+        /// The root the proof gives.
+        found: String,
+    },
+    /// A shard sent as part of a version whose leaf (tensor, box, digest) is not the one the
+    /// version holds at its position: it was tampered with, or belongs to another version.
+    #[error(
+        "shard {tensor} {region} of source slot {slot} is not leaf {position} of version \
+         {version}: its tensor, box or digest differs from what the version holds"
+    )]
+    ShardNotInVersion {
+        /// The version asked for.
+        version: String,
+        /// Source slot the shard was sent in.
+        slot: u32,
+        /// Its tensor.
+        tensor: String,
+        /// Its box.
+        region: String,
+        /// The leaf index the answer gave it.
+        position: u64,
+    },
 }

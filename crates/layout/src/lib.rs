@@ -13,6 +13,7 @@ mod dtype;
 mod error;
 pub mod frontier;
 mod manifest;
+pub mod merkle;
 pub mod model;
 pub mod plan;
 #[cfg(test)]
@@ -20,6 +21,7 @@ mod plan_reference;
 pub mod strict_json;
 mod types;
 pub mod update;
+pub mod want;
 
 pub use dtype::DType;
 pub use error::Error;
@@ -30,3 +32,4 @@ pub use manifest::{
 pub use model::{rank_layout, rank_layouts, ModelInfo, Param, Piece, RankLayout};
 pub use strict_json::JsonError;
 pub use types::{Digest, LayoutSpec, Scheme, TensorBox, VersionId};
+pub use want::Want;

@@ -166,22 +166,10 @@ pub struct RankDigests {
 /// Leaf = blake3(name || 0 || box offsets and shape as u64 LE || shard digest); root = blake3 over
 /// the sorted leaves.
 pub fn version_digest<'a>(shards: impl IntoIterator<Item = &'a ShardEntry>) -> Digest {
-    let mut leaves: Vec<(String, TensorBox, [u8; 32])> = shards
-        .into_iter()
-        .map(|s| {
-            let mut h = blake3::Hasher::new();
-            h.update(s.tensor.as_bytes());
-            h.update(&[0]);
-            for v in s.shard.global_offset.iter().chain(&s.shard.local_shape) {
-                h.update(&v.to_le_bytes());
-            }
-            h.update(s.digest.as_bytes());
-            (s.tensor.clone(), s.shard.clone(), *h.finalize().as_bytes())
-        })
-        .collect();
-    leaves.sort();
+    let shards: Vec<&ShardEntry> = shards.into_iter().collect();
+    let (leaves, _) = crate::merkle::sorted_leaves(&shards);
     let mut root = blake3::Hasher::new();
-    for (_, _, leaf) in &leaves {
+    for leaf in &leaves {
         root.update(leaf);
     }
     root.finalize().into()

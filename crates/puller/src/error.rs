@@ -90,6 +90,27 @@ pub enum Error {
         /// The version the manifests' shards make.
         found: String,
     },
+    /// The manifests a control plane sent for a version (only those a worker's plan reads) are
+    /// not proven to be the version's: a shard's tensor, box or digest is not the version's
+    /// (named), or the proof's hashes do not reach the version id.
+    #[error("the control plane's answer for version {version} is refused: {source}")]
+    Unproven {
+        /// The version asked for.
+        version: String,
+        /// What the proof check found ([`mx_layout::Error::ShardNotInVersion`],
+        /// [`mx_layout::Error::ProofRoot`], [`mx_layout::Error::ProofMalformed`]).
+        source: Box<mx_layout::Error>,
+    },
+    /// The manifests a control plane sent for a version (only those a worker's plan reads)
+    /// leave bytes of a held rank uncovered: a shard the rank needs was left out.
+    #[error("the control plane's answer for version {version} leaves out a shard this worker needs: {source}")]
+    Incomplete {
+        /// The version asked for.
+        version: String,
+        /// What the planner found uncovered ([`mx_layout::Error::CoverageGap`] naming the
+        /// parameter, rank and bytes, or [`mx_layout::Error::MissingTensor`] naming the tensor).
+        source: Box<mx_layout::Error>,
+    },
     /// A destination parameter registered with another dtype, shape or length than the layout
     /// gives it, or twice, or one the rank does not hold.
     #[error("rank {rank} parameter {param}: {reason}")]
@@ -187,6 +208,8 @@ impl Error {
             Error::SourceRange { .. } => "source_range",
             Error::Verify { .. } => "verify",
             Error::WrongManifests { .. } => "wrong_manifests",
+            Error::Unproven { .. } => "unproven",
+            Error::Incomplete { .. } => "incomplete",
             Error::BadDestination { .. } => "bad_destination",
             Error::DestinationChanged { .. } => "destination_changed",
             Error::BadRanks { .. } => "bad_ranks",

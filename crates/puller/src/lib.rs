@@ -8,6 +8,9 @@
 //!   shards is the [`mx_layout::VersionId`]), plans the exact byte ranges its ranks need
 //!   ([`mx_layout::plan`]), pulls them with one-sided NIXL READs into staging, and verifies every
 //!   pulled region against the digest its source published, without touching the live weights;
+//! - [`Puller::stage_proven`]: the same from only the manifests its plan reads
+//!   ([`Puller::want`], as a control plane answers a worker), checked with the answer's Merkle
+//!   proof ([`mx_layout::merkle::VersionProof`]) instead of the root over every manifest;
 //! - [`Puller::apply`] (at the orchestrator's safe point): copies the staged bytes into the
 //!   registered memory **in place**; addresses never change (CUDA graphs keep pointing at them);
 //! - [`Puller::rollback`]: restores the retained copy of the version applied before;

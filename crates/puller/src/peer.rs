@@ -228,7 +228,7 @@ impl Puller {
         manifests: &[SourceManifest],
         opts: &crate::ExecOptions,
     ) -> Result<crate::StageReport, Error> {
-        let mut r = self.stage_checked(version, manifests, opts, false)?;
+        let mut r = self.stage_checked(version, manifests, opts, crate::puller::Check::Vouched)?;
         r.source = "peer".into();
         Ok(r)
     }

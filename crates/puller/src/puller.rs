@@ -5,10 +5,11 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
 
+use mx_layout::merkle::VersionProof;
 use mx_layout::plan::{plan_within, CostModel, Plan};
 use mx_layout::{
     rank_layout, DType, Digest, LayoutSpec, ModelInfo, RankDigests, RankLayout, SourceManifest,
-    TensorBox, VersionId,
+    TensorBox, VersionId, Want,
 };
 use mx_nixl::{Agent, ReadOptions};
 use rayon::prelude::*;
@@ -138,6 +139,31 @@ pub struct StagedPiece<'a> {
     pub region: &'a TensorBox,
     /// Row-major bytes of `region`.
     pub bytes: &'a [u8],
+}
+
+/// How a stage checks that its manifests are the version's.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Check<'a> {
+    /// The Merkle root of every shard is the version id (the whole record).
+    Root,
+    /// The proof shows the shards are the version's (a control plane's fanned-out answer).
+    Proof(&'a VersionProof),
+    /// Not checked here: the control plane vouched for them (peers).
+    Vouched,
+}
+
+/// A planning error of a proven stage: a coverage gap or a missing tensor means the control
+/// plane left out a shard the ranks need.
+fn incomplete(proven: bool, version: VersionId, e: mx_layout::Error) -> Error {
+    match e {
+        mx_layout::Error::CoverageGap { .. } | mx_layout::Error::MissingTensor { .. } if proven => {
+            Error::Incomplete {
+                version: version.to_string(),
+                source: Box::new(e),
+            }
+        }
+        e => Error::Layout(e),
+    }
 }
 
 /// The version in staging and the plan that pulled it.
@@ -415,27 +441,69 @@ impl Puller {
         manifests: &[SourceManifest],
         opts: &ExecOptions,
     ) -> Result<StageReport, Error> {
-        self.stage_checked(version, manifests, opts, true)
+        self.stage_checked(version, manifests, opts, Check::Root)
     }
 
-    /// [`Puller::stage`], checking the manifests' Merkle root only when `check_root` (peer
-    /// sources are vouched for by the control plane instead).
+    /// What this puller's plan reads of a version (the boxes of every tensor its ranks hold,
+    /// and the pieces cut for them), to ask a control plane for only that
+    /// (`mx_control`'s `get_version_for`).
+    pub fn want(&self) -> Want {
+        Want::for_ranks(&self.dest)
+    }
+
+    /// [`Puller::stage`] from only the manifests this puller's plan reads ([`Puller::want`]),
+    /// as a control plane answers a worker: `proof` must show that their shards are
+    /// `version`'s ([`VersionProof::verify`]), and they must cover every byte of the held
+    /// ranks.
+    ///
+    /// # Errors
+    /// [`Error::Unproven`] naming the shard whose tensor, box or digest is not the version's,
+    /// or a proof that does not reach the version id; [`Error::Incomplete`] naming the
+    /// parameter and bytes no shard sent covers (a shard left out); otherwise as
+    /// [`Puller::stage`].
+    pub fn stage_proven(
+        &mut self,
+        version: VersionId,
+        manifests: &[SourceManifest],
+        proof: &VersionProof,
+        opts: &ExecOptions,
+    ) -> Result<StageReport, Error> {
+        self.stage_checked(version, manifests, opts, Check::Proof(proof))
+    }
+
+    /// [`Puller::stage`], checking the manifests as `check` says (peer sources are vouched
+    /// for by the control plane instead).
     pub(crate) fn stage_checked(
         &mut self,
         version: VersionId,
         manifests: &[SourceManifest],
         opts: &ExecOptions,
-        check_root: bool,
+        check: Check<'_>,
     ) -> Result<StageReport, Error> {
-        let found = VersionId(mx_layout::version_digest(
-            manifests.iter().flat_map(|m| m.shards.iter()),
-        ));
-        if check_root && found != version {
-            return Err(Error::WrongManifests {
-                wanted: version.to_string(),
-                found: found.to_string(),
-            });
+        match check {
+            Check::Root => {
+                let found = VersionId(mx_layout::version_digest(
+                    manifests.iter().flat_map(|m| m.shards.iter()),
+                ));
+                if found != version {
+                    return Err(Error::WrongManifests {
+                        wanted: version.to_string(),
+                        found: found.to_string(),
+                    });
+                }
+            }
+            Check::Proof(proof) => {
+                let shards = manifests
+                    .iter()
+                    .flat_map(|m| m.shards.iter().map(move |s| (m.slot, s)));
+                proof.verify(version, shards).map_err(|e| Error::Unproven {
+                    version: version.to_string(),
+                    source: Box::new(e),
+                })?;
+            }
+            Check::Vouched => {}
         }
+        let proven = matches!(check, Check::Proof(_));
         self.retain_from_staging()?;
         self.staged = None;
         let Some(exec) = self.exec.as_mut() else {
@@ -460,7 +528,9 @@ impl Puller {
             None => {
                 self.plan_cache = None;
                 let bound = self.dest.iter().map(|d| d.total_bytes).sum();
-                let p = Arc::new(plan_within(&self.dest, manifests, &cost, bound)?);
+                let p = plan_within(&self.dest, manifests, &cost, bound)
+                    .map_err(|e| incomplete(proven, version, e))?;
+                let p = Arc::new(p);
                 if p.staging_bytes > bound {
                     tracing::warn!(
                         staging = p.staging_bytes,

@@ -55,7 +55,9 @@ fn puller_code(e: &mx_puller::Error) -> Option<&'static str> {
         E::BadDestination { .. } | E::UnknownRank { .. } | E::BadRanks { .. } | E::Layout(_) => {
             Some("InvalidArgument")
         }
-        E::Verify { .. } | E::WrongManifests { .. } => Some("DataLoss"),
+        E::Verify { .. } | E::WrongManifests { .. } | E::Unproven { .. } | E::Incomplete { .. } => {
+            Some("DataLoss")
+        }
         E::SourceUnreachable { .. } | E::Pull { .. } => Some("Unavailable"),
         _ => None,
     }
@@ -299,9 +301,9 @@ impl Puller {
         self.call(
             py,
             Box::new(move |p, rt| {
-                let (label, id, manifests) = rt.block_on(p.resolve(&version))?;
-                let r = p.stage(id, &manifests, &ExecOptions::default())?;
-                Ok(stage_json(Some(&label), id, &r))
+                let v = rt.block_on(p.resolve(&version))?;
+                let r = p.stage_resolved(&v, &ExecOptions::default())?;
+                Ok(stage_json(Some(&v.label), v.id, &r))
             }),
         )
     }

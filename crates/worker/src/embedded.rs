@@ -21,6 +21,21 @@ use crate::{Error, Instance, Worker, WorkerConfig};
 
 static AGENTS: AtomicU64 = AtomicU64::new(0);
 
+/// A version as the control plane answered [`EmbeddedPuller::resolve`]: its label and id, the
+/// manifests this puller's plan reads, and their proof (`None` from a control plane that
+/// answers whole records: the manifests' root is checked instead).
+#[derive(Debug, Clone)]
+pub struct Resolved {
+    /// The version's label.
+    pub label: String,
+    /// Its id.
+    pub id: VersionId,
+    /// The trainer manifests, only the shards and pieces the plan reads.
+    pub manifests: Vec<SourceManifest>,
+    /// The Merkle proof of their shards against `id`.
+    pub proof: Option<mx_layout::merkle::VersionProof>,
+}
+
 /// How long [`EmbeddedPuller::serve`] waits for the command stream to connect.
 pub const CONNECT_WAIT: std::time::Duration = std::time::Duration::from_secs(15);
 
@@ -157,15 +172,14 @@ impl EmbeddedPuller {
     }
 
     /// The version `version` names (a label, or an id `mx:<hex>` of a READY version) with its
-    /// label and manifests, from the control plane.
+    /// label and the manifests this puller's plan reads ([`mx_puller::Puller::want`]) with
+    /// their proof, from the control plane.
     ///
     /// # Errors
     /// [`Error::NoControlPlane`], [`Error::UnknownVersionId`] (no READY version has that id),
     /// [`Error::VersionNotReady`], [`Error::Control`] (e.g. an unknown label).
-    pub async fn resolve(
-        &self,
-        version: &str,
-    ) -> Result<(String, VersionId, Vec<SourceManifest>), Error> {
+    pub async fn resolve(&mut self, version: &str) -> Result<Resolved, Error> {
+        let want = self.with(|p| p.want())?;
         let client = self.client()?;
         let label = match version.parse::<VersionId>() {
             Ok(id) => client
@@ -178,14 +192,19 @@ impl EmbeddedPuller {
                 .ok_or_else(|| Error::UnknownVersionId { id: id.to_string() })?,
             Err(_) => version.to_string(),
         };
-        let info = client.get_version(&label).await?;
+        let info = client.get_version_for(&label, &want).await?;
         let Some(d) = info.version_digest else {
             return Err(Error::VersionNotReady {
                 label,
                 state: info.state.to_string(),
             });
         };
-        Ok((label, VersionId(d), info.manifests))
+        Ok(Resolved {
+            label,
+            id: VersionId(d),
+            manifests: info.manifests,
+            proof: info.proof,
+        })
     }
 
     /// Stages version `id` from `manifests` (which must be that version's): plans the exact
@@ -203,6 +222,25 @@ impl EmbeddedPuller {
     ) -> Result<StageReport, Error> {
         self.not_served("stage")?;
         Ok(self.with(|p| p.stage(id, manifests, opts))??)
+    }
+
+    /// Stages what [`EmbeddedPuller::resolve`] answered: checked by its proof when it has one
+    /// ([`mx_puller::Puller::stage_proven`]), by the root of its manifests otherwise.
+    ///
+    /// # Errors
+    /// As [`EmbeddedPuller::stage`]; [`mx_puller::Error::Unproven`] and
+    /// [`mx_puller::Error::Incomplete`] for an answer that is not the version's or leaves a
+    /// shard out.
+    pub fn stage_resolved(
+        &mut self,
+        r: &Resolved,
+        opts: &ExecOptions,
+    ) -> Result<StageReport, Error> {
+        self.not_served("stage")?;
+        Ok(self.with(|p| match &r.proof {
+            Some(proof) => p.stage_proven(r.id, &r.manifests, proof, opts),
+            None => p.stage(r.id, &r.manifests, opts),
+        })??)
     }
 
     /// Once served, staging, applying and rolling back are the control plane's (a refit):

@@ -11,9 +11,10 @@ use std::time::Instant;
 
 use mx_checkpoint::Checkpoint;
 use mx_engine::LlamaEngine;
+use mx_layout::merkle::VersionProof;
 use mx_layout::model::Family;
 use mx_layout::{
-    DType, Digest, LayoutSpec, ModelInfo, RankDigests, RankLayout, SourceManifest, VersionId,
+    DType, Digest, LayoutSpec, ModelInfo, RankDigests, RankLayout, SourceManifest, VersionId, Want,
 };
 use mx_nixl::Agent;
 use mx_puller::{ApplyKind as PullKind, ExecOptions, Puller, PullerConfig, StageReport};
@@ -614,6 +615,36 @@ impl Instance {
             p.stage(VersionId(digest), &manifests, opts)
         })
         .await
+    }
+
+    /// Like [`Instance::stage`] from only the manifests the plan reads, as the control plane
+    /// answers [`Instance::want`], proven to be the version's by `proof`
+    /// ([`mx_puller::Puller::stage_proven`]).
+    ///
+    /// # Errors
+    /// As [`Instance::stage`]; [`mx_puller::Error::Unproven`] (a shard or a proof hash that is
+    /// not the version's) and [`mx_puller::Error::Incomplete`] (a shard left out).
+    pub async fn stage_proven(
+        &self,
+        label: &str,
+        digest: Digest,
+        manifests: Vec<SourceManifest>,
+        proof: VersionProof,
+    ) -> Result<StageReport, Error> {
+        self.stage_with(label, move |p, opts| {
+            p.stage_proven(VersionId(digest), &manifests, &proof, opts)
+        })
+        .await
+    }
+
+    /// What the puller's plan reads of a version ([`mx_puller::Puller::want`]), to ask the
+    /// control plane for only that.
+    ///
+    /// # Errors
+    /// [`Error::Task`] when the blocking task fails.
+    pub async fn want(&self) -> Result<Want, Error> {
+        let sh = Arc::clone(&self.shared);
+        blocking(move || Ok(lock(&sh.state).puller.want())).await
     }
 
     /// Runs one stage on the puller (under the state lock, off the async threads) with the

@@ -121,7 +121,8 @@ pub(crate) async fn stage_from_any(
     })
 }
 
-/// Stages from the trainer ranks' manifests, if any; a failure is recorded in `tried`.
+/// Stages from the trainer ranks' manifests, if any (checked by the answer's proof when it has
+/// one, by their root otherwise); a failure is recorded in `tried`.
 ///
 /// # Errors
 /// Only a puller without a data plane.
@@ -135,7 +136,16 @@ async fn stage_trainer(
     if info.manifests.is_empty() {
         return Ok(None);
     }
-    match inst.stage(label, digest, info.manifests.clone()).await {
+    // A fanned-out answer (only what the plan reads) comes with its proof; a whole record (an
+    // older control plane) is checked by its root.
+    let staged = match &info.proof {
+        Some(proof) => {
+            inst.stage_proven(label, digest, info.manifests.clone(), proof.clone())
+                .await
+        }
+        None => inst.stage(label, digest, info.manifests.clone()).await,
+    };
+    match staged {
         Ok(r) => Ok(Some(r)),
         Err(Error::Puller(mx_puller::Error::NoDataPlane)) => {
             Err(Error::Puller(mx_puller::Error::NoDataPlane))

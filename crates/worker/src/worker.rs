@@ -400,7 +400,10 @@ impl Worker {
             .find(|x| x.version_digest == Some(v.digest()))
             .map(|x| x.label.clone())
             .ok_or_else(|| Error::UnknownVersionId { id: v.to_string() })?;
-        let info = c.get_version(&label).await?;
+        // The record's shards and pieces (of every layout) over this worker's boxes: all a
+        // description of its own memory reads.
+        let want = self.inst.want().await?.any_dest();
+        let info = c.get_version_for(&label, &want).await?;
         let model = self.inst.model().clone();
         let layouts: Vec<Vec<mx_layout::RankLayout>> = layouts
             .iter()
@@ -617,11 +620,15 @@ impl Worker {
             });
         }
         let t = Instant::now();
-        let info = self.client().get_version(label).await?;
+        // Only what this worker's plan reads, with the proof that it is the version's.
+        let want = self.inst.want().await?;
+        let info = self.client().get_version_for(label, &want).await?;
         tracing::info!(
             label,
             fetch_s = t.elapsed().as_secs_f64(),
-            "fetched manifests"
+            manifests = info.manifests.len(),
+            shards = info.manifests.iter().map(|m| m.shards.len()).sum::<usize>(),
+            "fetched the manifests this worker's plan reads"
         );
         // A join: the fleet committed this version before (workers hold it and serve it as
         // peers; its record says so, no fleet-wide status needed).
