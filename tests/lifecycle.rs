@@ -139,19 +139,24 @@ fn engine_faults_roll_back_and_commits_are_idempotent() {
     assert!(d.contains("no answer within"), "{d}");
 }
 
+/// The control plane's crash points in a refit (`MX_CONTROL_CRASH_AT`), the outcome the next
+/// control plane settles the refit with, and the version both workers serve afterwards: before
+/// any engine applied, the refit aborts; once one may have, it rolls back; at commit, it commits.
+const CRASH_POINTS: [(&str, &str, &str); 9] = [
+    ("stage", "ABORTED", "step-1"),
+    ("prepare", "ABORTED", "step-1"),
+    ("apply", "ABORTED", "step-1"),
+    ("apply-sent:0", "ROLLED_BACK", "step-1"),
+    ("apply:1", "ROLLED_BACK", "step-1"),
+    ("verify", "ROLLED_BACK", "step-1"),
+    ("resume", "ROLLED_BACK", "step-1"),
+    ("check", "ROLLED_BACK", "step-1"),
+    ("commit", "COMMITTED", "step-2"),
+];
+
 #[test]
 fn control_plane_killed_at_every_transition_recovers() {
-    let points = [
-        ("stage", "ABORTED", "step-1"),
-        ("prepare", "ABORTED", "step-1"),
-        ("apply", "ABORTED", "step-1"),
-        ("apply-sent:0", "ROLLED_BACK", "step-1"),
-        ("apply:1", "ROLLED_BACK", "step-1"),
-        ("verify", "ROLLED_BACK", "step-1"),
-        ("resume", "ROLLED_BACK", "step-1"),
-        ("check", "ROLLED_BACK", "step-1"),
-        ("commit", "COMMITTED", "step-2"),
-    ];
+    let points = CRASH_POINTS;
     let names: Vec<String> = points
         .iter()
         .map(|(p, _, _)| format!("control_plane_killed_at_{p}"))
@@ -179,17 +184,7 @@ fn ha_leader_killed_at_every_transition_the_other_replica_settles() {
         eprintln!("skipping: etcd not installed (apt-get install etcd-server)");
         return;
     }
-    let points = [
-        ("stage", "ABORTED", "step-1"),
-        ("prepare", "ABORTED", "step-1"),
-        ("apply", "ABORTED", "step-1"),
-        ("apply-sent:0", "ROLLED_BACK", "step-1"),
-        ("apply:1", "ROLLED_BACK", "step-1"),
-        ("verify", "ROLLED_BACK", "step-1"),
-        ("resume", "ROLLED_BACK", "step-1"),
-        ("check", "ROLLED_BACK", "step-1"),
-        ("commit", "COMMITTED", "step-2"),
-    ];
+    let points = CRASH_POINTS;
     let mut names = vec!["happy_path".to_string()];
     names.extend(
         points

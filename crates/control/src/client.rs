@@ -695,7 +695,7 @@ impl ControlClient {
                 want: None,
             })
             .await
-            .map_err(|s| Error::rpc("GetVersion", s))?
+            .map_err(|s| self.failed(at, "GetVersion", s))?
             .into_inner();
         convert::version_info(&r)
     }
@@ -714,8 +714,8 @@ impl ControlClient {
         label: &str,
         want: &mx_layout::Want,
     ) -> Result<VersionInfo, Error> {
-        let r = self
-            .rpc()
+        let (at, mut rpc) = self.rpc();
+        let r = rpc
             .get_version(pb::GetVersionRequest {
                 label: label.to_string(),
                 want: Some(convert::want_pb(want)),

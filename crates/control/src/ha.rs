@@ -148,17 +148,32 @@ impl Leadership {
     /// [`Error::Fenced`] when this replica is no longer the leader of its epoch (nothing was
     /// written); [`Error::Config`] when etcd cannot be reached.
     pub async fn fenced_put(&self, puts: Vec<(Vec<u8>, Vec<u8>)>) -> Result<(), Error> {
-        let ops: Vec<TxnOp> = puts
-            .into_iter()
-            .map(|(k, v)| TxnOp::put(k, v, None))
-            .collect();
-        let txn = Txn::new()
-            .when([Compare::create_revision(
-                self.key.key().to_vec(),
-                CompareOp::Equal,
-                self.key.rev(),
-            )])
-            .and_then(ops);
+        let ops = puts.into_iter().map(|(k, v)| TxnOp::put(k, v, None));
+        self.fenced_txn(Vec::new(), ops.collect(), || {
+            "this replica's election key is gone: another replica leads".into()
+        })
+        .await
+    }
+
+    /// Runs `ops` in one etcd transaction guarded by this epoch's election key (it must still
+    /// exist with this epoch's create revision) and by `also`.
+    ///
+    /// # Errors
+    /// [`Error::Fenced`] with `refused()` as the reason when a guard fails (nothing was
+    /// written); [`Error::Config`] when etcd cannot be reached.
+    async fn fenced_txn(
+        &self,
+        also: Vec<Compare>,
+        ops: Vec<TxnOp>,
+        refused: impl FnOnce() -> String,
+    ) -> Result<(), Error> {
+        let mut guards = vec![Compare::create_revision(
+            self.key.key().to_vec(),
+            CompareOp::Equal,
+            self.key.rev(),
+        )];
+        guards.extend(also);
+        let txn = Txn::new().when(guards).and_then(ops);
         let resp = self
             .client
             .kv_client()
@@ -170,7 +185,7 @@ impl Leadership {
         } else {
             Err(Error::Fenced {
                 epoch: self.key.rev(),
-                reason: "this replica's election key is gone: another replica leads".into(),
+                reason: refused(),
             })
         }
     }
@@ -194,28 +209,11 @@ impl Leadership {
             });
         }
         let key = log_key(prefix, seq);
-        let txn = Txn::new()
-            .when([
-                Compare::create_revision(self.key.key().to_vec(), CompareOp::Equal, self.key.rev()),
-                Compare::version(key.clone(), CompareOp::Equal, 0),
-            ])
-            .and_then([TxnOp::put(key, bytes, None)]);
-        let resp = self
-            .client
-            .kv_client()
-            .txn(txn)
-            .await
-            .map_err(etcd_err("txn"))?;
-        if resp.succeeded() {
-            Ok(())
-        } else {
-            Err(Error::Fenced {
-                epoch: self.key.rev(),
-                reason: format!(
-                    "log entry {seq} not written: another replica leads, or the entry exists"
-                ),
-            })
-        }
+        let absent = Compare::version(key.clone(), CompareOp::Equal, 0);
+        self.fenced_txn(vec![absent], vec![TxnOp::put(key, bytes, None)], || {
+            format!("log entry {seq} not written: another replica leads, or the entry exists")
+        })
+        .await
     }
 
     /// Gives up leadership now (revokes the lease: the election key goes with it).

@@ -11,7 +11,6 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use mx_control::ha::EtcdConfig;
 use mx_control::journal::Entry;
-use mx_control::Outcome;
 
 use super::{s, wait_connected, Fleet, CRASH_POINTS, WORKERS};
 use crate::refits::{print_refit, wait_end};
@@ -230,11 +229,7 @@ pub(super) async fn leader_killed_at(
     f: &mut Fleet,
     point: &str,
 ) -> anyhow::Result<(String, String, bool, String)> {
-    let expect = CRASH_POINTS
-        .iter()
-        .find(|(p, _)| *p == point)
-        .map(|(_, o)| *o)
-        .context("crash point")?;
+    let (expect, label) = super::crash_expectation(point)?;
     f.ensure("step-1").await?;
     let ha = f.ha.as_ref().context("an HA scenario without --ha")?;
     let leader = ha
@@ -268,11 +263,6 @@ pub(super) async fn leader_killed_at(
     let r = wait_end(&f.client, id, Duration::from_secs(300)).await?;
     print_refit(&r);
     f.procs.spawn(REPLICAS[armed], &work, &armed_args)?;
-    let label = if expect == Outcome::Committed {
-        "step-2"
-    } else {
-        "step-1"
-    };
     let took_over = f.ha.as_ref().context("--ha")?.leader().await? == Some(leader);
     let ok = r.outcome == Some(expect) && super::on(&r, label, f) && r.recovered && took_over;
     for w in WORKERS {

@@ -91,6 +91,25 @@ const CRASH_POINTS: [(&str, Outcome); 9] = [
     ("commit", Outcome::Committed),
 ];
 
+/// The outcome a refit interrupted at crash `point` must end with, and the version every worker
+/// serves then (step-2 once committed, else step-1 again).
+///
+/// # Errors
+/// When `point` is not one of [`CRASH_POINTS`].
+fn crash_expectation(point: &str) -> anyhow::Result<(Outcome, &'static str)> {
+    let expect = CRASH_POINTS
+        .iter()
+        .find(|(p, _)| *p == point)
+        .map(|(_, o)| *o)
+        .with_context(|| format!("unknown crash point {point}"))?;
+    let label = if expect == Outcome::Committed {
+        "step-2"
+    } else {
+        "step-1"
+    };
+    Ok((expect, label))
+}
+
 struct Fleet {
     work: PathBuf,
     model: PathBuf,
@@ -345,7 +364,7 @@ impl Fleet {
 
     /// The state the journal replays to: from the file on disk (and its snapshot) or, with
     /// `--ha`, from etcd.
-    async fn journal_state(&self) -> anyhow::Result<State> {
+    async fn journal_state(&self) -> anyhow::Result<mx_control::state::State> {
         match &self.ha {
             Some(ha) => Ok(mx_control::journal::replay(
                 Path::new("etcd:/mx/journal/"),
@@ -850,11 +869,7 @@ async fn scenario(f: &mut Fleet, name: &str) -> anyhow::Result<(String, String, 
         }
         n if n.starts_with("control_plane_killed_at_") => {
             let point = n.trim_start_matches("control_plane_killed_at_");
-            let expect = CRASH_POINTS
-                .iter()
-                .find(|(p, _)| *p == point)
-                .map(|(_, o)| *o)
-                .context("crash point")?;
+            let (expect, label) = crash_expectation(point)?;
             f.ensure("step-1").await?;
             // Restart the control plane with the failpoint armed.
             f.procs.kill("control")?;
@@ -873,11 +888,6 @@ async fn scenario(f: &mut Fleet, name: &str) -> anyhow::Result<(String, String, 
             f.client = connect(&f.control, Duration::from_secs(30)).await?;
             let r = wait_end(&f.client, id, Duration::from_secs(300)).await?;
             print_refit(&r);
-            let label = if expect == Outcome::Committed {
-                "step-2"
-            } else {
-                "step-1"
-            };
             let ok = r.outcome == Some(expect) && on(&r, label, f) && r.recovered;
             for w in WORKERS {
                 wait_connected(f, w).await?;
