@@ -63,9 +63,9 @@ impl Replicas {
             return;
         }
         let named = status
-            .message()
-            .split_once("the leader is ")
-            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .metadata()
+            .get(LEADER_HEADER)
+            .and_then(|v| v.to_str().ok())
             .and_then(|url| self.all.iter().position(|(u, _)| same_url(u, url)));
         let next = named.unwrap_or((at + 1) % self.all.len());
         // Only the first failure seen at `at` moves the pointer: a late answer from a replica
@@ -88,47 +88,53 @@ fn same_url(a: &str, b: &str) -> bool {
     bare(a) == bare(b)
 }
 
+/// Response metadata of a follower's `UNAVAILABLE` answer: the URL the leader advertises
+/// (`mx control --advertise`), absent while no leader is elected or etcd is unreachable.
+/// Clients given several replicas send their next calls there.
+pub const LEADER_HEADER: &str = "x-mx-leader";
+
 /// How often an idle connection to the control plane is pinged (both ends), and how long a ping
 /// may go unanswered before the connection counts as broken.
 pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
 
 /// Capped exponential backoff with jitter, for retrying a control plane that is away: the
-/// `n`-th wait is drawn uniformly from `[d/2, d]` where `d = first * 2^n`, capped at `max`.
+/// `n`-th wait is drawn uniformly from `[d/2, d)` where `d = first * 2^n`, capped at `max`.
 /// Jitter keeps a fleet of workers that lost the same control plane from reconnecting in
-/// lockstep.
-#[derive(Debug, Clone)]
+/// lockstep. The one retry policy of mx's clients (workers, publishers); the sequence is
+/// `backon`'s exponential backoff (delays of `d/2` plus a uniform jitter of up to `d/2`).
+#[derive(Debug)]
 pub struct Backoff {
-    next: Duration,
+    waits: backon::ExponentialBackoff,
     max: Duration,
-    rng: u64,
 }
 
 impl Backoff {
-    /// Starts at `first`, doubling up to `max`.
+    /// Starts at `first`, doubling up to `max` (a `max` below `first` is `first`).
     pub fn new(first: Duration, max: Duration) -> Backoff {
+        use backon::BackoffBuilder as _;
+        let max = max.max(first);
         Backoff {
-            next: first,
-            max: max.max(first),
-            rng: random_u64() | 1,
+            waits: backon::ExponentialBuilder::default()
+                .with_min_delay(first / 2)
+                .with_max_delay(max / 2)
+                .with_factor(2.0)
+                .with_jitter()
+                .without_max_times()
+                .build(),
+            max,
         }
     }
 
     /// The next wait (and doubles the one after, up to the cap).
     pub fn next_wait(&mut self) -> Duration {
-        let d = self.next;
-        self.next = (self.next * 2).min(self.max);
-        // xorshift64: plenty for jitter.
-        self.rng ^= self.rng << 13;
-        self.rng ^= self.rng >> 7;
-        self.rng ^= self.rng << 17;
-        let frac = (self.rng >> 11) as f64 / (1u64 << 53) as f64;
-        d.mul_f64(0.5 + 0.5 * frac)
+        // Without a limit on attempts the sequence does not end; `max` is a safe answer if it did.
+        self.waits.next().unwrap_or(self.max)
     }
 }
 
 /// A random, non-zero `u64` from the operating system's randomness (through std's hash map
-/// keys, which are seeded from it), mixed with the time and process id; for incarnations and
-/// jitter, not for secrets.
+/// keys, which are seeded from it), mixed with the time and process id; for incarnations, not
+/// for secrets.
 pub fn random_u64() -> u64 {
     use std::hash::{BuildHasher, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
@@ -921,6 +927,31 @@ impl ControlClient {
 mod tests {
     use super::*;
 
+    #[test]
+    fn backoff_doubles_within_jittered_bounds_up_to_the_cap() {
+        let ms = Duration::from_millis;
+        let mut b = Backoff::new(ms(100), ms(800));
+        let mut seen = Vec::new();
+        for n in 0..8u32 {
+            let d = ms(100 * 2u64.pow(n)).min(ms(800));
+            let w = b.next_wait();
+            assert!(
+                w >= d / 2 && w < d,
+                "wait {n}: {w:?} not in [{:?}, {d:?})",
+                d / 2
+            );
+            seen.push(w);
+        }
+        // Jitter: eight draws are not all the bare lower bounds.
+        assert!(seen
+            .iter()
+            .zip(0u32..)
+            .any(|(w, n)| *w != ms(50 * 2u64.pow(n.min(3)))));
+        // A cap below the start is the start.
+        let w = Backoff::new(ms(100), ms(10)).next_wait();
+        assert!(w >= ms(50) && w < ms(100), "{w:?}");
+    }
+
     #[tokio::test]
     async fn calls_move_to_the_named_leader_else_to_the_next_replica() {
         let c = ControlClient::replicas(
@@ -936,10 +967,20 @@ mod tests {
         );
         assert_eq!(c.rpc().0, 0);
         // A follower names the leader: calls go there (URL spelled differently).
-        let follower = tonic::Status::unavailable(
+        let mut follower = tonic::Status::unavailable(
             "this control-plane replica (http://127.0.0.1:1) is a follower: the leader is \
              http://127.0.0.1:3 (epoch 42)",
         );
+        // The message alone moves nothing: the leader is named in the metadata.
+        r.note(0, &follower);
+        assert_eq!(c.rpc().0, 1);
+        r.note(1, &tonic::Status::unavailable("connection refused"));
+        assert_eq!(c.rpc().0, 2);
+        r.note(2, &tonic::Status::unavailable("connection refused"));
+        assert_eq!(c.rpc().0, 0);
+        follower
+            .metadata_mut()
+            .insert(LEADER_HEADER, "http://127.0.0.1:3".parse().unwrap());
         r.note(0, &follower);
         assert_eq!(c.rpc().0, 2);
         // A late failure from the replica already left behind does not move it on.

@@ -7,7 +7,6 @@ use crate::refit::{now_ms, version_id, ModelLimits, Phase, Refit, RefitSpec, Ref
 use crate::WorkerState;
 use std::future::Future;
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -29,157 +28,14 @@ use crate::Error;
 
 pub(crate) use crate::limits::MAX_MESSAGE_BYTES;
 
+mod config;
+mod replica;
+
+pub use config::{ControlPlaneConfig, Security, TlsIdentity};
+pub use replica::spawn_ha;
+
 /// Longest `WaitVersion` long poll (one day), in milliseconds.
 const MAX_WAIT_MS: u64 = 24 * 3600 * 1000;
-
-/// Where the control plane listens and keeps its journal, and how it authenticates callers.
-#[derive(Debug, Clone)]
-pub struct ControlPlaneConfig {
-    /// Listen address; port 0 picks a free port (see [`spawn`]).
-    pub listen: SocketAddr,
-    /// The journal file (created if missing, replayed if present).
-    pub journal_path: PathBuf,
-    /// Authentication and transport security (see [`Security`] for the bind policy).
-    pub security: Security,
-    /// When the journal is compacted into a snapshot, and how much refit detail is kept.
-    pub compaction: crate::snapshot::Compaction,
-}
-
-/// How the control plane authenticates callers and protects the wire.
-///
-/// The bind policy ([`Security::check`]): without tokens the control plane serves only a
-/// loopback address and only with `insecure_loopback` set (a warning is logged at start);
-/// bearer tokens on a non-loopback address need TLS (a token sent in plaintext over a network
-/// is a token given away).
-#[derive(Debug, Clone, Default)]
-pub struct Security {
-    /// Bearer tokens and their roles ([`crate::auth`]); `None`: no authentication.
-    pub tokens: Option<Arc<crate::auth::TokenTable>>,
-    /// The server's TLS certificate chain and key (PEM); `None`: plaintext HTTP/2.
-    pub tls: Option<TlsIdentity>,
-    /// Serve without tokens (loopback addresses only).
-    pub insecure_loopback: bool,
-    /// Bearer token sent on every engine call (the workers' engine routes require it).
-    pub engine_token: Option<String>,
-}
-
-/// A TLS server identity: certificate chain and private key, PEM.
-#[derive(Clone)]
-pub struct TlsIdentity {
-    cert_pem: Vec<u8>,
-    key_pem: Vec<u8>,
-}
-
-impl std::fmt::Debug for TlsIdentity {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        // Never the key.
-        write!(
-            f,
-            "TlsIdentity({} B certificate chain)",
-            self.cert_pem.len()
-        )
-    }
-}
-
-impl TlsIdentity {
-    /// Reads a PEM certificate chain and its PEM private key.
-    ///
-    /// # Errors
-    /// [`Error::Config`] naming the file that cannot be read or holds no PEM block.
-    pub fn load(cert: &std::path::Path, key: &std::path::Path) -> Result<TlsIdentity, Error> {
-        let read = |p: &std::path::Path, what: &str| {
-            let b = std::fs::read(p).map_err(|e| Error::Config {
-                what: format!("TLS {what} {}", p.display()),
-                reason: e.to_string(),
-            })?;
-            if !String::from_utf8_lossy(&b).contains("-----BEGIN ") {
-                return Err(Error::Config {
-                    what: format!("TLS {what} {}", p.display()),
-                    reason: "no PEM block".into(),
-                });
-            }
-            Ok(b)
-        };
-        Ok(TlsIdentity {
-            cert_pem: read(cert, "certificate")?,
-            key_pem: read(key, "key")?,
-        })
-    }
-}
-
-impl Security {
-    /// The security of `mx control`'s flags: a token file (`--tokens`), a TLS certificate
-    /// chain and key (`--tls-cert`, `--tls-key`, both or neither), `--insecure-loopback` and
-    /// the engine token file (`--engine-token-file`). The bind policy is checked when the
-    /// server starts ([`Security::check`]).
-    ///
-    /// # Errors
-    /// [`Error::Config`] naming the file that cannot be read or parsed, or a certificate given
-    /// without its key (or the other way round).
-    pub fn from_files(
-        tokens: Option<&std::path::Path>,
-        tls_cert: Option<&std::path::Path>,
-        tls_key: Option<&std::path::Path>,
-        insecure_loopback: bool,
-        engine_token_file: Option<&std::path::Path>,
-    ) -> Result<Security, Error> {
-        let tls = match (tls_cert, tls_key) {
-            (Some(c), Some(k)) => Some(TlsIdentity::load(c, k)?),
-            (None, None) => None,
-            _ => {
-                return Err(Error::Config {
-                    what: "TLS".into(),
-                    reason: "a certificate chain and its key go together (tls_cert, tls_key)"
-                        .into(),
-                })
-            }
-        };
-        Ok(Security {
-            tokens: tokens
-                .map(|f| crate::auth::TokenTable::load(f).map(Arc::new))
-                .transpose()?,
-            tls,
-            insecure_loopback,
-            engine_token: engine_token_file
-                .map(crate::auth::read_token_file)
-                .transpose()?,
-        })
-    }
-
-    /// No authentication, plaintext: loopback only, by explicit choice (tests, one machine).
-    pub fn insecure_loopback() -> Security {
-        Security {
-            insecure_loopback: true,
-            ..Security::default()
-        }
-    }
-
-    /// Checks the bind policy for `listen` (see [`Security`]).
-    ///
-    /// # Errors
-    /// [`Error::Config`] saying what is missing.
-    pub fn check(&self, listen: SocketAddr) -> Result<(), Error> {
-        let loopback = listen.ip().is_loopback();
-        let refuse = |reason: &str| {
-            Err(Error::Config {
-                what: format!("control plane on {listen}"),
-                reason: reason.into(),
-            })
-        };
-        match (&self.tokens, loopback) {
-            (None, false) => refuse(
-                "authentication is required on a non-loopback address: give a token file                  (--tokens FILE) and a TLS certificate (--tls-cert, --tls-key)",
-            ),
-            (None, true) if !self.insecure_loopback => refuse(
-                "no token file given: serving without authentication needs the explicit                  --insecure-loopback (every local process could then refit the fleet)",
-            ),
-            (Some(_), false) if self.tls.is_none() => refuse(
-                "bearer tokens over plaintext on a non-loopback address: give --tls-cert and                  --tls-key",
-            ),
-            _ => Ok(()),
-        }
-    }
-}
 
 /// Per-worker wake-up for its command stream, and which process holds the id.
 #[derive(Default)]
@@ -1164,137 +1020,6 @@ fn serve_shared(shared: Arc<Shared>) -> (ControlPlaneServer<Service>, Arc<Shared
     (svc, shared)
 }
 
-/// One replica of a highly available control plane (work in progress): campaigns on
-/// `etcd.election` with `advertise` (the URL clients should use) and, once elected, rebuilds
-/// the state from the journal kept in etcd under `prefix`, serves on `cfg.listen` and sends its
-/// epoch on every engine call. `cfg.journal_path` is not used. A deposed leader's journal
-/// writes fail ([`Error::Fenced`]) and the process stops (status 74), so a supervisor restarts
-/// it as a follower.
-///
-/// # Errors
-/// As [`spawn`]; [`Error::Config`] when etcd cannot be reached.
-pub async fn spawn_ha(
-    cfg: ControlPlaneConfig,
-    etcd: &crate::ha::EtcdConfig,
-    advertise: &str,
-    prefix: &str,
-) -> Result<(SocketAddr, ServerHandle), Error> {
-    cfg.security.check(cfg.listen)?;
-    let (listener, bound) = bind(cfg.listen).await?;
-    // One accept loop hands connections to the server of the moment: the follower's until this
-    // replica is elected, the leader's after (the follower's connections are closed then, and
-    // their clients reconnect to the leader's).
-    let (to_follower, follower_conns) = mpsc::channel(64);
-    let route = Arc::new(Mutex::new(to_follower));
-    {
-        let route = Arc::clone(&route);
-        tokio::spawn(async move {
-            loop {
-                let conn = listener.accept().await.map(|(s, _)| {
-                    let _ = s.set_nodelay(true);
-                    s
-                });
-                let to = lock(&route).clone();
-                if to.send(conn).await.is_err() {
-                    tracing::debug!("connection dropped: its server is gone");
-                }
-            }
-        });
-    }
-    let (stop_follower, follower_stopped) = oneshot::channel::<()>();
-    let follower = tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_routes(follower_routes(etcd.clone(), advertise.to_string()))
-            .serve_with_incoming_shutdown(ReceiverStream::new(follower_conns), async move {
-                let _ = follower_stopped.await;
-            }),
-    );
-    let leadership = Arc::new(crate::ha::Leadership::campaign(etcd, advertise).await?);
-    let (to_leader, leader_conns) = mpsc::channel(64);
-    *lock(&route) = to_leader;
-    let _ = stop_follower.send(());
-    let _ = follower.await;
-    let epoch = u64::try_from(leadership.epoch().0).unwrap_or(0);
-    tracing::info!(%bound, epoch, advertise, "elected control-plane leader");
-    {
-        // A leader that cannot renew its lease is deposed: another replica may be elected once
-        // the lease expires, and this one's journal writes are fenced from then on. It stops at
-        // once rather than act on a state another leader now owns; a supervisor restarts it as
-        // a follower.
-        let deposed = leadership.deposed();
-        tokio::spawn(async move {
-            if !deposed.await {
-                return;
-            }
-            tracing::error!(
-                epoch,
-                "lost the control-plane leadership (lease not renewed): exiting"
-            );
-            eprintln!("mx control: lost the leadership of epoch {epoch}; exiting (status 74)");
-            std::process::exit(74);
-        });
-    }
-    let (journal, entries) =
-        Journal::open_etcd(etcd, leadership, prefix, tokio::runtime::Handle::current()).await?;
-    let loaded = crate::journal::Loaded {
-        snapshot: None,
-        entries,
-        skipped: 0,
-    };
-    let shared = Arc::new(Shared::from_journal(
-        journal,
-        loaded,
-        cfg.security.engine_token.as_deref(),
-        Some(epoch),
-        cfg.compaction,
-    )?);
-    let (svc, shared) = serve_shared(shared);
-    log_listening(&cfg, bound);
-    let (stop, stopped) = oneshot::channel::<()>();
-    let shutdown = async move {
-        let _ = stopped.await;
-    };
-    let weak = Arc::downgrade(&shared);
-    let task = tokio::spawn(run_on(
-        svc,
-        shared,
-        cfg.security,
-        ReceiverStream::new(leader_conns),
-        bound,
-        shutdown,
-    ));
-    Ok((
-        bound,
-        ServerHandle {
-            addr: bound,
-            stop: Some(stop),
-            task,
-            shared: weak,
-        },
-    ))
-}
-
-/// A follower's answer to every RPC: `UNAVAILABLE`, naming the leader (looked up in etcd at
-/// each call) so a client can go there.
-fn follower_routes(etcd: crate::ha::EtcdConfig, me: String) -> tonic::service::Routes {
-    let router = axum::Router::new().fallback(move || {
-        let (etcd, me) = (etcd.clone(), me.clone());
-        async move {
-            let leader = match crate::ha::leader(&etcd).await {
-                Ok(Some((url, epoch))) => format!("the leader is {url} ({epoch})"),
-                Ok(None) => "no leader is elected yet".to_string(),
-                Err(e) => format!("the leader is unknown: {e}"),
-            };
-            let status = Status::unavailable(format!(
-                "this control-plane replica ({me}) is a follower: {leader}"
-            ));
-            let (parts, body) = status.into_http::<tonic::body::Body>().into_parts();
-            axum::http::Response::from_parts(parts, axum::body::Body::new(body))
-        }
-    });
-    tonic::service::Routes::from(router)
-}
-
 async fn run(
     svc: ControlPlaneServer<Service>,
     shared: Arc<Shared>,
@@ -1430,6 +1155,28 @@ pub struct ServerHandle {
 }
 
 impl ServerHandle {
+    /// Runs the server `serve` returns in a background task: `serve` is given the future that
+    /// resolves when the handle is shut down or dropped (a dropped handle stops the server too).
+    fn start<Fut>(
+        bound: SocketAddr,
+        shared: std::sync::Weak<Shared>,
+        serve: impl FnOnce(Pin<Box<dyn Future<Output = ()> + Send>>) -> Fut,
+    ) -> ServerHandle
+    where
+        Fut: Future<Output = Result<(), Error>> + Send + 'static,
+    {
+        let (stop, stopped) = oneshot::channel::<()>();
+        let shutdown = Box::pin(async move {
+            let _ = stopped.await;
+        });
+        ServerHandle {
+            addr: bound,
+            stop: Some(stop),
+            task: tokio::spawn(serve(shutdown)),
+            shared,
+        }
+    }
+
     /// The bound address.
     pub fn addr(&self) -> SocketAddr {
         self.addr
@@ -1469,22 +1216,10 @@ pub async fn spawn(cfg: ControlPlaneConfig) -> Result<(SocketAddr, ServerHandle)
     let (svc, shared) = build(&cfg)?;
     let (listener, bound) = bind(cfg.listen).await?;
     log_listening(&cfg, bound);
-    let (stop, stopped) = oneshot::channel::<()>();
-    let shutdown = async move {
-        // A dropped handle stops the server too.
-        let _ = stopped.await;
-    };
-    let weak = Arc::downgrade(&shared);
-    let task = tokio::spawn(run(svc, shared, cfg.security, listener, bound, shutdown));
-    Ok((
-        bound,
-        ServerHandle {
-            addr: bound,
-            stop: Some(stop),
-            task,
-            shared: weak,
-        },
-    ))
+    let handle = ServerHandle::start(bound, Arc::downgrade(&shared), |shutdown| {
+        run(svc, shared, cfg.security, listener, bound, shutdown)
+    });
+    Ok((bound, handle))
 }
 
 /// [`ServerHandle::probe`].

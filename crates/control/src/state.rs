@@ -24,6 +24,13 @@ use crate::Error;
 
 pub use crate::record::Record;
 
+mod coverage;
+mod sources;
+mod transitions;
+
+#[cfg(test)]
+use coverage::first_gap;
+
 /// What [`State::check`] decided about a valid record.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Check {
@@ -329,49 +336,8 @@ impl State {
                 label,
                 trainer_layout,
                 tensors,
-            } => {
-                let order = self.next_order;
-                self.next_order += 1;
-                self.versions.insert(
-                    label,
-                    Version {
-                        order,
-                        trainer_layout,
-                        tensors,
-                        slots: BTreeMap::new(),
-                        state: VersionState::Declared,
-                        digest: None,
-                        missing_tensors: Vec::new(),
-                        gaps: Vec::new(),
-                        commit_set: Vec::new(),
-                        before_refit: None,
-                        retired: BTreeMap::new(),
-                        stage_set: Vec::new(),
-                        release: None,
-                        artifacts: Vec::new(),
-                        peers: BTreeMap::new(),
-                        revision: 0,
-                    },
-                );
-                Effects::default()
-            }
-            Record::Publish { label, manifest } => {
-                self.retire_overwritten(&label, &manifest);
-                if let Some(v) = self.versions.get_mut(&label) {
-                    if let Some(held) = v.slots.get(&manifest.slot) {
-                        let counter = if is_extension(held, &manifest) {
-                            &mut self.extensions
-                        } else {
-                            &mut self.republishes
-                        };
-                        *counter.entry((label.clone(), manifest.slot)).or_default() += 1;
-                    }
-                    v.slots.insert(manifest.slot, manifest);
-                    v.revision = v.revision.wrapping_add(1);
-                    v.evaluate();
-                }
-                Effects::default()
-            }
+            } => self.apply_declare(label, trainer_layout, tensors),
+            Record::Publish { label, manifest } => self.apply_publish(label, manifest),
             Record::Release { label, slot } => {
                 if let Some(v) = self.versions.get_mut(&label) {
                     v.release.get_or_insert(Release::Source { slot });
@@ -407,49 +373,7 @@ impl State {
                 layout,
                 engine,
                 resident_version,
-            } => {
-                // A new process (or a restarted one) serves nothing it has not offered again.
-                self.withdraw_peer(&worker_id, None);
-                let command_seq = self.workers.get(&worker_id).map_or(0, |w| w.command_seq);
-                let departed_from = self.workers.get(&worker_id).and_then(|w| w.departed_from);
-                // A new registration reports what is resident: a fence ends here, and the open
-                // refit holding the worker learns that it re-registered (its staged copy and
-                // its pinned previous version may be gone).
-                if let Some(r) = self
-                    .refits
-                    .values_mut()
-                    .find(|r| r.outcome.is_none() && r.workers.contains_key(&worker_id))
-                {
-                    if let Some(rw) = r.workers.get_mut(&worker_id) {
-                        rw.reregistered = Some(Rejoined {
-                            resident: resident_version.clone(),
-                        });
-                    }
-                }
-                self.workers.insert(
-                    worker_id.clone(),
-                    Worker {
-                        instance,
-                        ranks,
-                        layout,
-                        state: WorkerState::Idle,
-                        label: None,
-                        digest: None,
-                        last_error: None,
-                        last_staged: None,
-                        engine,
-                        resident_id: resident_version,
-                        fenced_by: None,
-                        // A departed worker's engine may still be paused (it left before it was
-                        // resumed): registering again does not lift this; a settled refit does.
-                        departed_from,
-                        command_seq,
-                    },
-                );
-                Effects {
-                    workers: vec![worker_id],
-                }
-            }
+            } => self.apply_register(worker_id, instance, ranks, layout, engine, resident_version),
             Record::Stage { label, worker_ids } => {
                 let digest = self.versions.get(&label).and_then(|v| v.digest);
                 if let Some(v) = self.versions.get_mut(&label) {
@@ -470,45 +394,7 @@ impl State {
                     workers: worker_ids,
                 }
             }
-            Record::Staged { report } => {
-                let label_of_report = report.label.clone();
-                let retired = self.retired_by(&report.label);
-                if let Some(w) = self.workers.get_mut(&report.worker_id) {
-                    if report.ok {
-                        w.state = WorkerState::Staged;
-                        w.last_error = None;
-                    } else {
-                        w.state = WorkerState::Failed;
-                        let mut err = if report.error.is_empty() {
-                            "stage failed (no error given)".to_string()
-                        } else {
-                            report.error.clone()
-                        };
-                        // A digest mismatch against overwritten sources is not corruption.
-                        if let Some((slot, by)) = retired.as_ref() {
-                            err.push_str(&format!(
-                                " (note: version {} can no longer be pulled: source slot {slot} now holds version {by} in the same memory, as a publisher that trains in place serves only its newest version; only workers that still hold {} can stage it)",
-                                report.label, report.label
-                            ));
-                        }
-                        w.last_error = Some(err);
-                    }
-                    // The open refit staging this worker records the transfer too.
-                    if let Some(r) = self.refits.values_mut().find(|r| {
-                        r.outcome.is_none()
-                            && r.phase == Phase::Stage
-                            && r.spec.label == report.label
-                    }) {
-                        if let Some(rw) = r.workers.get_mut(&report.worker_id) {
-                            rw.stage_seconds = report.seconds;
-                            rw.stage_bytes = report.bytes;
-                        }
-                    }
-                    w.last_staged = Some(report);
-                }
-                self.note_staged(&label_of_report);
-                Effects::default()
-            }
+            Record::Staged { report } => self.apply_staged(report),
             Record::RefitBegin { refit } => {
                 let refit = *refit;
                 self.next_refit = refit.id + 1;
@@ -526,32 +412,7 @@ impl State {
                 at_ms,
                 reason,
                 recovered,
-            } => {
-                let mut staged_by = None;
-                if let Some(r) = self.refits.get_mut(&id) {
-                    if r.phase == Phase::Stage && phase != Phase::Abort {
-                        let mut set = r.spec.worker_ids.clone();
-                        set.sort();
-                        staged_by = Some((r.spec.label.clone(), set));
-                    }
-                    r.phase = phase;
-                    r.phases.push((phase, at_ms));
-                    if !reason.is_empty() {
-                        r.reason = reason;
-                    }
-                    r.recovered |= recovered;
-                }
-                // Leaving STAGE for anything but ABORT: every worker of the set holds it.
-                if let Some((label, workers)) = staged_by {
-                    if let Some(v) = self.versions.get_mut(&label) {
-                        v.release.get_or_insert(Release::Staged {
-                            refit: Some(id),
-                            workers,
-                        });
-                    }
-                }
-                Effects::default()
-            }
+            } => self.apply_refit_phase(id, phase, at_ms, reason, recovered),
             Record::WorkerCall {
                 id,
                 worker_id,
@@ -577,36 +438,7 @@ impl State {
                 id,
                 worker_id,
                 result,
-            } => {
-                let mut learned = None;
-                if let Some(w) = self
-                    .refits
-                    .get_mut(&id)
-                    .and_then(|r| r.workers.get_mut(&worker_id))
-                {
-                    if let Some(c) = w.calls.last_mut() {
-                        if result.ok {
-                            learned = match &c.action {
-                                // SGLang answers no version: an update that succeeded installed
-                                // what was asked.
-                                Action::Apply { version } => {
-                                    Some(result.version.clone().unwrap_or_else(|| version.clone()))
-                                }
-                                Action::ReadVersion => result.version.clone(),
-                                _ => None,
-                            };
-                        }
-                        c.result = Some(result);
-                    }
-                    if let Some(v) = &learned {
-                        w.resident = Some(v.clone());
-                    }
-                }
-                if let (Some(v), Some(w)) = (learned, self.workers.get_mut(&worker_id)) {
-                    w.resident_id = Some(v);
-                }
-                Effects::default()
-            }
+            } => self.apply_worker_done(id, worker_id, result),
             Record::RefitEnd {
                 id,
                 outcome,
@@ -640,29 +472,8 @@ impl State {
                         before
                     };
                 }
-                // Committed and rolled back read every worker's resident version back; a fenced
-                // worker's is unknown until it registers again. (Admission of every worker, in
-                // the set or not, follows from the new fleet version: it is computed on read.)
                 let settled = matches!(outcome, Outcome::Committed | Outcome::RolledBack);
-                for wid in set {
-                    let Some(w) = self.workers.get_mut(&wid) else {
-                        continue;
-                    };
-                    if fenced.contains(&wid) {
-                        w.fenced_by = Some(id);
-                    } else if settled {
-                        w.fenced_by = None;
-                    }
-                    if departed.contains(&wid) {
-                        w.departed_from = Some(id);
-                    } else if settled {
-                        w.departed_from = None;
-                    }
-                }
-                // A worker that left serves nothing; a fenced one's memory is unknown.
-                for wid in departed.iter().chain(&fenced) {
-                    self.withdraw_peer(wid, None);
-                }
+                self.settle_workers(id, &set, settled, &fenced, &departed);
                 crate::history::trim(&mut self.refits, self.detail);
                 Effects::default()
             }
@@ -903,47 +714,6 @@ impl State {
         t
     }
 
-    /// Marks, in every other version, the slot `m.slot` retired when it was published by the
-    /// same NIXL agent with a shard byte range overlapping one of `m`'s: a publisher that
-    /// applies a training step in place serves only its newest version. Versions already
-    /// retired for that slot are skipped, so each publish checks about one older version.
-    fn retire_overwritten(&mut self, label: &str, m: &SourceManifest) {
-        let mut new: Vec<(u64, u64)> = m
-            .shards
-            .iter()
-            .map(|s| (s.addr, s.addr.saturating_add(s.len)))
-            .collect();
-        new.sort_unstable();
-        // reach[k]: the largest end among the first k + 1 ranges (by start).
-        let reach: Vec<u64> = new
-            .iter()
-            .scan(0u64, |m, r| {
-                *m = (*m).max(r.1);
-                Some(*m)
-            })
-            .collect();
-        let overlaps = |old: &SourceManifest| {
-            old.shards.iter().any(|s| {
-                let (a, e) = (s.addr, s.addr.saturating_add(s.len));
-                // Some new range starting before `e` ends after `a`.
-                let k = new.partition_point(|r| r.0 < e);
-                e > a && k > 0 && reach[k - 1] > a
-            })
-        };
-        for (l, v) in self.versions.iter_mut() {
-            if l == label || v.retired.contains_key(&m.slot) {
-                continue;
-            }
-            let hit = v
-                .slots
-                .get(&m.slot)
-                .is_some_and(|old| old.agent_name == m.agent_name && overlaps(old));
-            if hit {
-                v.retired.insert(m.slot, label.to_string());
-            }
-        }
-    }
-
     /// A worker's engine endpoint and resident version id.
     pub fn worker_engine(
         &self,
@@ -1006,202 +776,6 @@ impl State {
                 },
             }),
         }
-    }
-
-    fn check_publish(&self, label: &str, m: &SourceManifest) -> Result<Check, Error> {
-        crate::limits::label("label", label)?;
-        crate::limits::manifest("manifest", m)?;
-        let v = self.version(label)?;
-        let slot = m.slot;
-        if let Some(check) = self.check_republish(label, v, m)? {
-            return Ok(check);
-        }
-        let bad = |tensor: &str, reason: String| Error::BadManifest {
-            label: label.to_string(),
-            slot,
-            tensor: tensor.to_string(),
-            reason,
-        };
-        if slot >= v.trainer_layout.world_size {
-            return Err(bad(
-                "",
-                format!(
-                    "slot {slot} is out of range 0..{} of trainer layout {}",
-                    v.trainer_layout.world_size, v.trainer_layout
-                ),
-            ));
-        }
-        if m.layout != v.trainer_layout {
-            return Err(bad(
-                "",
-                format!(
-                    "manifest layout {} is not the declared trainer layout {}",
-                    m.layout, v.trainer_layout
-                ),
-            ));
-        }
-        let declared: BTreeMap<&str, &TensorSpec> =
-            v.tensors.iter().map(|t| (t.name.as_str(), t)).collect();
-        let spec_of = |tensor: &str| {
-            declared
-                .get(tensor)
-                .copied()
-                .ok_or_else(|| Error::UndeclaredTensor {
-                    label: label.to_string(),
-                    slot,
-                    tensor: tensor.to_string(),
-                })
-        };
-        for s in &m.shards {
-            let spec = spec_of(&s.tensor)?;
-            if s.dtype != spec.dtype {
-                return Err(Error::Mismatch {
-                    label: label.to_string(),
-                    slot,
-                    tensor: s.tensor.clone(),
-                    what: "dtype",
-                    published: s.dtype.to_string(),
-                    declared: spec.dtype.to_string(),
-                });
-            }
-            if s.global_shape != spec.shape {
-                return Err(Error::Mismatch {
-                    label: label.to_string(),
-                    slot,
-                    tensor: s.tensor.clone(),
-                    what: "shape",
-                    published: shape_str(&s.global_shape),
-                    declared: shape_str(&spec.shape),
-                });
-            }
-            if s.shard.global_offset.len() != s.shard.local_shape.len() {
-                return Err(bad(&s.tensor, "box offset and shape differ in rank".into()));
-            }
-            if !s.shard.fits_in(&spec.shape) {
-                return Err(bad(
-                    &s.tensor,
-                    format!(
-                        "box {} does not fit global shape {}",
-                        s.shard,
-                        shape_str(&spec.shape)
-                    ),
-                ));
-            }
-            let want = s
-                .shard
-                .numel()
-                .and_then(|n| n.checked_mul(spec.dtype.size_bytes()))
-                .ok_or_else(|| bad(&s.tensor, "byte length overflows u64".into()))?;
-            if s.len != want {
-                return Err(bad(
-                    &s.tensor,
-                    format!(
-                        "len {} bytes, but box {} of {} needs {want}",
-                        s.len, s.shard, spec.dtype
-                    ),
-                ));
-            }
-            if s.addr.checked_add(s.len).is_none() {
-                return Err(bad(&s.tensor, "addr + len overflows u64".into()));
-            }
-        }
-        for p in &m.pieces {
-            let spec = spec_of(&p.tensor)?;
-            if p.region.global_offset.len() != p.region.local_shape.len()
-                || !p.region.fits_in(&spec.shape)
-            {
-                return Err(bad(
-                    &p.tensor,
-                    format!(
-                        "piece for {} rank {}: region {} does not fit global shape {}",
-                        p.layout,
-                        p.dest_rank,
-                        p.region,
-                        shape_str(&spec.shape)
-                    ),
-                ));
-            }
-            if p.dest_rank >= p.layout.world_size {
-                return Err(bad(
-                    &p.tensor,
-                    format!(
-                        "piece dest_rank {} out of range for {}",
-                        p.dest_rank, p.layout
-                    ),
-                ));
-            }
-        }
-        if let Some(fixed) = v.digest {
-            let next = version_digest(
-                v.slots
-                    .iter()
-                    .filter(|(s, _)| **s != slot)
-                    .flat_map(|(_, m)| &m.shards)
-                    .chain(&m.shards),
-            );
-            if next != fixed {
-                return Err(Error::VersionState {
-                    label: label.to_string(),
-                    state: v.state,
-                    reason: format!(
-                        "republishing slot {slot} would change the version digest {fixed} to {next}"
-                    ),
-                });
-            }
-        }
-        Ok(Check::Apply)
-    }
-
-    /// A publish of a slot already published: `Noop` when the manifest is the one held (and the
-    /// slot not retired, so applying it again would change nothing), an error once the slot was
-    /// republished [`crate::limits::MAX_REPUBLISHES`] times; `None` to check it as a new publish.
-    fn check_republish(
-        &self,
-        label: &str,
-        v: &Version,
-        m: &SourceManifest,
-    ) -> Result<Option<Check>, Error> {
-        let Some(held) = v.slots.get(&m.slot) else {
-            return Ok(None);
-        };
-        if held == m && !v.retired.contains_key(&m.slot) {
-            return Ok(Some(Check::Noop));
-        }
-        if is_extension(held, m) {
-            let n = self
-                .extensions
-                .get(&(label.to_string(), m.slot))
-                .copied()
-                .unwrap_or(0);
-            if n >= crate::limits::MAX_PIECE_EXTENSIONS {
-                return Err(Error::VersionState {
-                    label: label.to_string(),
-                    state: v.state,
-                    reason: format!(
-                        "slot {} was already extended {n} times with pieces for more layouts, the limit",
-                        m.slot
-                    ),
-                });
-            }
-            // Checked as a new publish (its pieces), without counting as a republish.
-            return Ok(None);
-        }
-        let n = self
-            .republishes
-            .get(&(label.to_string(), m.slot))
-            .copied()
-            .unwrap_or(0);
-        if n >= crate::limits::MAX_REPUBLISHES {
-            return Err(Error::VersionState {
-                label: label.to_string(),
-                state: v.state,
-                reason: format!(
-                    "slot {} was already published again {n} times with a different manifest, the limit (a publisher restarting that often is broken; declare a new version)",
-                    m.slot
-                ),
-            });
-        }
-        Ok(None)
     }
 
     fn check_stage(&self, label: &str, worker_ids: &[String]) -> Result<Check, Error> {
@@ -1409,201 +983,6 @@ impl State {
     }
 }
 
-/// Whether `m` only extends `held`: the same source (slot, layout, agent name and metadata),
-/// identical shards (so the same version digest) and pack time, and `held`'s pieces followed by
-/// at least one more (pieces for a destination layout that registered after the publish).
-fn is_extension(held: &SourceManifest, m: &SourceManifest) -> bool {
-    m.pieces.len() > held.pieces.len()
-        && m.slot == held.slot
-        && m.layout == held.layout
-        && m.agent_name == held.agent_name
-        && m.agent_metadata == held.agent_metadata
-        && m.pack_seconds.to_bits() == held.pack_seconds.to_bits()
-        && m.shards == held.shards
-        && m.pieces[..held.pieces.len()] == held.pieces[..]
-}
-
-impl State {
-    /// Whether `worker_id` serves `label` (any version when `None`) as a peer.
-    fn serving(&self, worker_id: &str, label: Option<&str>) -> bool {
-        self.versions
-            .iter()
-            .any(|(l, v)| label.is_none_or(|x| x == l) && v.peers.contains_key(worker_id))
-    }
-
-    /// Stops `worker_id` serving `label` (every version when `None`).
-    fn withdraw_peer(&mut self, worker_id: &str, label: Option<&str>) {
-        for (l, v) in &mut self.versions {
-            if label.is_none_or(|x| x == l) {
-                v.peers.remove(worker_id);
-            }
-        }
-    }
-
-    /// A worker may serve a version as a peer when it is registered, the version is READY and
-    /// resident on it (as the control plane last learned), its manifest is well formed, every
-    /// shard is a region the version's record holds for the worker's layout with the same
-    /// digest (the trainers' pieces it verified when it staged), and every piece it cut for a
-    /// (layout, rank, region) the record already holds has the recorded digest.
-    fn check_peer(&self, label: &str, worker_id: &str, m: &SourceManifest) -> Result<Check, Error> {
-        let v = self.version(label)?;
-        let Some(digest) = v.digest else {
-            return Err(invalid(
-                "label",
-                format!(
-                    "version {label} is {}: only a READY version is served",
-                    v.state
-                ),
-            ));
-        };
-        let w = self
-            .workers
-            .get(worker_id)
-            .ok_or_else(|| Error::UnknownWorker {
-                worker_id: worker_id.to_string(),
-            })?;
-        let id = crate::refit::version_id(&digest);
-        if w.resident_id.as_deref() != Some(id.as_str()) {
-            return Err(invalid(
-                "worker_id",
-                format!(
-                    "worker {worker_id} holds {}, not {label} ({id}): it can serve only what is resident",
-                    w.resident_id.as_deref().unwrap_or("nothing")
-                ),
-            ));
-        }
-        crate::limits::manifest("manifest", m)?;
-        mx_layout::plan::validate_manifest(m).map_err(|e| invalid("manifest", e.to_string()))?;
-        // The record: every piece the trainers published, by (layout, rank, tensor, region).
-        let mut record: std::collections::HashMap<(LayoutSpec, u32, &str, &TensorBox), Digest> =
-            std::collections::HashMap::new();
-        for s in v.slots.values() {
-            for p in &s.pieces {
-                record.insert(
-                    (p.layout, p.dest_rank, p.tensor.as_str(), &p.region),
-                    p.digest,
-                );
-            }
-        }
-        let held: std::collections::HashSet<(&str, &TensorBox, Digest)> = v
-            .slots
-            .values()
-            .flat_map(|s| s.pieces.iter())
-            .filter(|p| p.layout == w.layout)
-            .map(|p| (p.tensor.as_str(), &p.region, p.digest))
-            .collect();
-        for (i, s) in m.shards.iter().enumerate() {
-            if !held.contains(&(s.tensor.as_str(), &s.shard, s.digest)) {
-                return Err(invalid(
-                    format!("manifest.shards[{i}]"),
-                    format!(
-                        "tensor {} region {} with digest {} is not a region of {label}'s record for layout {}",
-                        s.tensor, s.shard, s.digest, w.layout
-                    ),
-                ));
-            }
-        }
-        for (i, p) in m.pieces.iter().enumerate() {
-            if let Some(d) = record.get(&(p.layout, p.dest_rank, p.tensor.as_str(), &p.region)) {
-                if *d != p.digest {
-                    return Err(invalid(
-                        format!("manifest.pieces[{i}]"),
-                        format!(
-                            "tensor {} region {} for {} rank {}: digest {}, the record has {d}",
-                            p.tensor, p.region, p.layout, p.dest_rank, p.digest
-                        ),
-                    ));
-                }
-            }
-        }
-        if v.peers.get(worker_id) == Some(m) {
-            return Ok(Check::Noop);
-        }
-        if !v.peers.contains_key(worker_id) && v.peers.len() >= crate::limits::MAX_PEERS {
-            return Err(invalid(
-                "worker_id",
-                format!(
-                    "{label} has {} peers already (at most {})",
-                    v.peers.len(),
-                    crate::limits::MAX_PEERS
-                ),
-            ));
-        }
-        Ok(Check::Apply)
-    }
-
-    /// An artifact may be recorded for a READY (or later) version: its URL parses, a delta names
-    /// a known version other than this one as its base, a canonical artifact none. The same URL
-    /// again with the same record changes nothing; with another is refused (an artifact is
-    /// written once: export a new version to a new prefix).
-    fn check_artifact(&self, label: &str, a: &ArtifactRecord) -> Result<Check, Error> {
-        let v = self.version(label)?;
-        let Some(digest) = v.digest else {
-            return Err(invalid(
-                "label",
-                format!(
-                    "version {label} is {}: only a READY version has artifacts",
-                    v.state
-                ),
-            ));
-        };
-        crate::limits::artifact_url("artifact.url", &a.url)?;
-        match (a.kind, a.base) {
-            (ArtifactKind::Canonical, Some(_)) => {
-                return Err(invalid(
-                    "artifact.base_version_digest",
-                    "a canonical artifact has no base",
-                ))
-            }
-            (ArtifactKind::Delta, None) => {
-                return Err(invalid(
-                    "artifact.base_version_digest",
-                    "a delta names its base version",
-                ))
-            }
-            (ArtifactKind::Delta, Some(b)) => {
-                if b == digest {
-                    return Err(invalid(
-                        "artifact.base_version_digest",
-                        "a delta's base is another version",
-                    ));
-                }
-                if !self.versions.values().any(|o| o.digest == Some(b)) {
-                    return Err(invalid(
-                        "artifact.base_version_digest",
-                        format!("no READY version has id mx:{b} (the base must be recorded first)"),
-                    ));
-                }
-            }
-            (ArtifactKind::Canonical, None) => {}
-        }
-        if let Some(old) = v.artifacts.iter().find(|o| o.url == a.url) {
-            return if old == a {
-                Ok(Check::Noop)
-            } else {
-                Err(invalid(
-                    "artifact.url",
-                    format!(
-                        "{} is recorded for {label} already, with another manifest or kind",
-                        a.url
-                    ),
-                ))
-            };
-        }
-        if v.artifacts.len() >= crate::limits::MAX_ARTIFACTS {
-            return Err(invalid(
-                "artifact",
-                format!(
-                    "{label} has {} artifacts already (at most {})",
-                    v.artifacts.len(),
-                    crate::limits::MAX_ARTIFACTS
-                ),
-            ));
-        }
-        Ok(Check::Apply)
-    }
-}
-
 fn check_register(worker_id: &str, ranks: &[u32], layout: &LayoutSpec) -> Result<Check, Error> {
     if worker_id.is_empty() {
         return Err(invalid("worker_id", "empty worker id"));
@@ -1663,117 +1042,6 @@ impl Worker {
             reason: reason.to_string(),
         }
     }
-}
-
-impl Version {
-    /// Recomputes coverage, state and digest after a publish.
-    fn evaluate(&mut self) {
-        // Slots are checked to be < world_size: all are in when there are world_size of them.
-        let all_in = self.slots.len() == self.trainer_layout.world_size as usize;
-        if !all_in {
-            self.missing_tensors.clear();
-            self.gaps.clear();
-            if self.state == VersionState::Declared {
-                self.state = VersionState::Publishing;
-            }
-            return;
-        }
-        let mut boxes: BTreeMap<&str, Vec<&TensorBox>> = BTreeMap::new();
-        for s in self.slots.values().flat_map(|m| &m.shards) {
-            boxes.entry(s.tensor.as_str()).or_default().push(&s.shard);
-        }
-        let mut missing = Vec::new();
-        let mut gaps = Vec::new();
-        for t in &self.tensors {
-            match boxes.get(t.name.as_str()) {
-                None => missing.push(t.name.clone()),
-                Some(bs) => {
-                    if let Some(region) = first_gap(&t.shape, bs) {
-                        gaps.push(CoverageGap {
-                            tensor: t.name.clone(),
-                            region,
-                        });
-                    }
-                }
-            }
-        }
-        self.missing_tensors = missing;
-        self.gaps = gaps;
-        match self.state {
-            VersionState::Declared | VersionState::Publishing => {
-                if self.missing_tensors.is_empty() && self.gaps.is_empty() {
-                    self.state = VersionState::Ready;
-                    self.digest = Some(version_digest(self.slots.values().flat_map(|m| &m.shards)));
-                } else {
-                    self.state = VersionState::Publishing;
-                }
-            }
-            // A republish after READY was checked to keep the digest (and so the boxes).
-            _ => {}
-        }
-    }
-}
-
-/// The first box of `shape` that no box in `boxes` covers, `None` when the union covers it all.
-/// Boxes must have the same rank as `shape`; overlaps (replicated sources) are fine.
-fn first_gap(shape: &[u64], boxes: &[&TensorBox]) -> Option<TensorBox> {
-    let region = TensorBox::full(shape);
-    if region.is_empty() {
-        return None;
-    }
-    let live: Vec<&TensorBox> = boxes
-        .iter()
-        .copied()
-        .filter(|b| b.ndim() == shape.len() && !b.is_empty())
-        .collect::<BTreeSet<_>>()
-        .into_iter()
-        .collect();
-    gap_in(region, live, 0)
-}
-
-/// Sweeps dim `dim` of `region`: splits it at every box edge, and for each slab recurses into
-/// the next dim with the boxes spanning the whole slab.
-fn gap_in(region: TensorBox, mut boxes: Vec<&TensorBox>, dim: usize) -> Option<TensorBox> {
-    if dim == region.ndim() {
-        return if boxes.is_empty() { Some(region) } else { None };
-    }
-    let lo = region.global_offset[dim];
-    let hi = lo + region.local_shape[dim];
-    let start = |b: &TensorBox| b.global_offset[dim].clamp(lo, hi);
-    let end = |b: &TensorBox| {
-        b.global_offset[dim]
-            .saturating_add(b.local_shape[dim])
-            .clamp(lo, hi)
-    };
-    boxes.retain(|b| start(b) < end(b));
-    boxes.sort_by_key(|b| start(b));
-    let mut cuts: Vec<u64> = vec![lo, hi];
-    for b in &boxes {
-        cuts.push(start(b));
-        cuts.push(end(b));
-    }
-    cuts.sort_unstable();
-    cuts.dedup();
-    let mut next = 0;
-    let mut active: Vec<&TensorBox> = Vec::new();
-    for w in cuts.windows(2) {
-        let (a, b) = (w[0], w[1]);
-        while next < boxes.len() && start(boxes[next]) <= a {
-            active.push(boxes[next]);
-            next += 1;
-        }
-        active.retain(|x| end(x) > a);
-        let mut slab = region.clone();
-        slab.global_offset[dim] = a;
-        slab.local_shape[dim] = b - a;
-        if active.is_empty() {
-            return Some(slab);
-        }
-        if let Some(g) = gap_in(slab, active.clone(), dim + 1) {
-            return Some(g);
-        }
-    }
-    None
 }
 
 #[cfg(test)]

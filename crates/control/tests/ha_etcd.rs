@@ -303,6 +303,22 @@ async fn a_new_leader_serves_the_state_the_old_one_journaled() {
             if message.contains("is a follower: the leader is http://replica-a")),
         "{e}"
     );
+    // The leader's URL is in the answer's metadata too, for clients to follow.
+    let mut raw =
+        mx_control::pb::control_plane_client::ControlPlaneClient::connect(follower.clone())
+            .await
+            .unwrap();
+    let st = raw
+        .list_layouts(mx_control::pb::ListLayoutsRequest {})
+        .await
+        .unwrap_err();
+    assert_eq!(st.code(), tonic::Code::Unavailable);
+    assert_eq!(
+        st.metadata()
+            .get(mx_control::client::LEADER_HEADER)
+            .and_then(|v| v.to_str().ok()),
+        Some("http://replica-a")
+    );
     // A client given both replicas finds the leader.
     let both = format!("{follower},http://{addr_a}");
     let c = mx_control::client::ControlClient::connect(&both)
