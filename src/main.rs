@@ -84,10 +84,12 @@ enum Cmd {
         /// long after.
         #[arg(long, default_value_t = 5)]
         lease_ttl_s: i64,
-        /// Compact the journal into a snapshot (`<journal>.snapshot`) once it holds more than
-        /// this many bytes (0: never by size).
-        #[arg(long, default_value_t = mx_control::snapshot::DEFAULT_MAX_JOURNAL_BYTES)]
-        compact_journal_bytes: u64,
+        /// Compact the journal into a snapshot (`<journal>.snapshot`; with --etcd, chunks
+        /// under the journal's prefix) once it holds more than this many bytes (0: never by
+        /// size) [default: 268435456, 256 MiB; with --etcd 67108864, 64 MiB: etcd's storage
+        /// quota is 2 GiB by default and keeps deleted keys until it compacts its history]
+        #[arg(long)]
+        compact_journal_bytes: Option<u64>,
         /// ... or more than this many records after the last snapshot (0: never by count).
         #[arg(long, default_value_t = mx_control::snapshot::DEFAULT_MAX_JOURNAL_RECORDS)]
         compact_journal_records: u64,
@@ -277,6 +279,12 @@ enum Cmd {
     },
 }
 
+/// mimalloc instead of glibc's malloc: the control plane allocates per engine call, per
+/// journal record and per gRPC message, and at 10,000 workers glibc's malloc (arena locks,
+/// consolidation) took ~40% of its CPU (`mx bench control`, perf).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() {
     use std::io::IsTerminal;
     mx_harness::report::set_build(provenance::BUILD);
@@ -421,7 +429,11 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             }
             let cfg = mx_control::ControlPlaneConfig {
                 compaction: mx_control::snapshot::Compaction {
-                    max_journal_bytes: compact_journal_bytes,
+                    max_journal_bytes: compact_journal_bytes.unwrap_or(if etcd.is_empty() {
+                        mx_control::snapshot::DEFAULT_MAX_JOURNAL_BYTES
+                    } else {
+                        mx_control::snapshot::DEFAULT_MAX_ETCD_JOURNAL_BYTES
+                    }),
                     max_journal_records: compact_journal_records,
                     refit_detail,
                 },

@@ -493,21 +493,18 @@ impl Ctx<'_> {
         worker_id: &str,
         seen: Option<crate::refit::Rejoined>,
     ) -> String {
-        let mut changes = self.shared.subscribe();
-        loop {
-            changes.borrow_and_update();
-            if let Some(now) = self.rejoined(worker_id) {
-                if Some(&now) != seen.as_ref() {
-                    return format!(
-                        "the worker registered again during the call (resident now {}): the process called is gone",
-                        now.resident.as_deref().unwrap_or("none")
-                    );
-                }
-            }
-            if changes.changed().await.is_err() {
-                std::future::pending::<()>().await;
-            }
-        }
+        self.shared
+            .until_worker(worker_id, || {
+                self.rejoined(worker_id)
+                    .filter(|now| Some(now) != seen.as_ref())
+                    .map(|now| {
+                        format!(
+                            "the worker registered again during the call (resident now {}): the process called is gone",
+                            now.resident.as_deref().unwrap_or("none")
+                        )
+                    })
+            })
+            .await
     }
 
     /// Records the duration of the phase entered last and remembers `next` as the current one.

@@ -167,6 +167,15 @@ impl Leadership {
         ops: Vec<TxnOp>,
         refused: impl FnOnce() -> String,
     ) -> Result<(), Error> {
+        if ops.len() > MAX_TXN_OPS {
+            return Err(Error::InvalidField {
+                field: "etcd transaction".into(),
+                reason: format!(
+                    "{} operations, at most {MAX_TXN_OPS} (etcd's --max-txn-ops default)",
+                    ops.len()
+                ),
+            });
+        }
         let mut guards = vec![Compare::create_revision(
             self.key.key().to_vec(),
             CompareOp::Equal,
@@ -216,6 +225,76 @@ impl Leadership {
         .await
     }
 
+    /// Installs `snapshot` (the encoded state after journal record `seq`,
+    /// [`crate::snapshot::encode`]) as the log's snapshot and deletes the log entries it
+    /// includes: every entry before `first_entry`, the entry the next append writes.
+    ///
+    /// The snapshot goes in chunks of at most [`MAX_ENTRY_BYTES`] under
+    /// `<prefix>snapshot/<seq>/`, each in its own fenced transaction; then one fenced
+    /// transaction writes `<prefix>snapshot/head` ([`SnapshotHead`]), deletes the compacted
+    /// entries and the chunks of older snapshots. Until that transaction the log is whole and
+    /// the chunks unread; after it, the head names complete chunks: a crash or a deposition at
+    /// any point loses nothing (chunks left by an attempt that did not finish are deleted by
+    /// the next one that does).
+    ///
+    /// etcd keeps the history of deleted keys until the cluster compacts its own history: run
+    /// etcd with `--auto-compaction-retention` (as etcd recommends), or its quota fills.
+    ///
+    /// # Errors
+    /// [`Error::Fenced`] when this replica no longer leads (the head is not written);
+    /// [`Error::Config`] when etcd cannot be reached; [`Error::InvalidField`] for a snapshot of
+    /// more than [`MAX_SNAPSHOT_CHUNKS`] chunks.
+    pub async fn install_snapshot(
+        &self,
+        prefix: &str,
+        seq: u64,
+        first_entry: u64,
+        snapshot: &[u8],
+    ) -> Result<(), Error> {
+        let chunks: Vec<&[u8]> = snapshot.chunks(MAX_ENTRY_BYTES).collect();
+        if chunks.len() > MAX_SNAPSHOT_CHUNKS {
+            return Err(Error::InvalidField {
+                field: format!("snapshot at seq {seq}"),
+                reason: format!(
+                    "{} bytes in {} chunks, at most {MAX_SNAPSHOT_CHUNKS} chunks of {MAX_ENTRY_BYTES} bytes",
+                    snapshot.len(),
+                    chunks.len()
+                ),
+            });
+        }
+        for (i, chunk) in chunks.iter().enumerate() {
+            let key = chunk_key(prefix, seq, i);
+            self.fenced_txn(
+                Vec::new(),
+                vec![TxnOp::put(key, chunk.to_vec(), None)],
+                || format!("snapshot chunk {i} of seq {seq} not written: another replica leads"),
+            )
+            .await?;
+        }
+        let head = SnapshotHead {
+            seq,
+            chunks: chunks.len(),
+            bytes: snapshot.len() as u64,
+            first_entry,
+        };
+        let head = serde_json::to_vec(&head).map_err(|e| Error::InvalidField {
+            field: "snapshot head".into(),
+            reason: e.to_string(),
+        })?;
+        let range = |from: Vec<u8>, to: Vec<u8>| {
+            TxnOp::delete(from, Some(etcd_client::DeleteOptions::new().with_range(to)))
+        };
+        let ops = vec![
+            TxnOp::put(head_key(prefix), head, None),
+            range(log_key(prefix, 0), log_key(prefix, first_entry)),
+            range(chunk_dir(prefix, 0), chunk_dir(prefix, seq)),
+        ];
+        self.fenced_txn(Vec::new(), ops, || {
+            format!("snapshot at seq {seq} not installed: another replica leads")
+        })
+        .await
+    }
+
     /// Gives up leadership now (revokes the lease: the election key goes with it).
     ///
     /// # Errors
@@ -240,52 +319,156 @@ impl Drop for Leadership {
 /// The most bytes one log entry may hold: etcd refuses requests over 1.5 MiB by default.
 pub const MAX_ENTRY_BYTES: usize = 1 << 20;
 
+/// Most operations in one etcd transaction (etcd's `--max-txn-ops` default).
+const MAX_TXN_OPS: usize = 128;
+
+/// Most chunks of one snapshot kept in etcd (64 GiB of [`MAX_ENTRY_BYTES`] chunks: far past
+/// etcd's own 8 GiB storage limit, so only a corrupt head names more).
+pub const MAX_SNAPSHOT_CHUNKS: usize = 1 << 16;
+
 fn log_key(prefix: &str, seq: u64) -> Vec<u8> {
     format!("{prefix}{seq:020}").into_bytes()
 }
 
-/// Every entry of the log under `prefix`, in order: `(seq, bytes)`.
+/// The end of the log's keys: `<prefix>` and 20 digits sort below `<prefix>:`, and the
+/// snapshot's keys (`<prefix>snapshot/...`) above it.
+fn log_end(prefix: &str) -> Vec<u8> {
+    format!("{prefix}:").into_bytes()
+}
+
+fn head_key(prefix: &str) -> Vec<u8> {
+    format!("{prefix}snapshot/head").into_bytes()
+}
+
+/// The keys of the chunks of the snapshot at `seq` start with this (and the head's key,
+/// `snapshot/head`, sorts above every one of them).
+fn chunk_dir(prefix: &str, seq: u64) -> Vec<u8> {
+    format!("{prefix}snapshot/{seq:020}/").into_bytes()
+}
+
+fn chunk_key(prefix: &str, seq: u64, i: usize) -> Vec<u8> {
+    let mut k = chunk_dir(prefix, seq);
+    k.extend_from_slice(format!("{i:06}").as_bytes());
+    k
+}
+
+/// What `<prefix>snapshot/head` says: the snapshot of the log under `prefix`
+/// ([`Leadership::install_snapshot`]).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SnapshotHead {
+    /// The last journal record the snapshot includes.
+    pub seq: u64,
+    /// Chunks under `<prefix>snapshot/<seq>/`, numbered from 0.
+    pub chunks: usize,
+    /// The snapshot's length in bytes, its chunks together.
+    pub bytes: u64,
+    /// The first log entry after the snapshot (earlier ones were deleted with it).
+    pub first_entry: u64,
+}
+
+/// A journal kept in etcd as read back: its snapshot (head and bytes), if it has one, and the
+/// log entries after it, `(entry, bytes)` in order.
+#[derive(Debug, Clone, Default)]
+pub struct EtcdLog {
+    /// The snapshot and its bytes.
+    pub snapshot: Option<(SnapshotHead, Vec<u8>)>,
+    /// The log entries after the snapshot.
+    pub entries: Vec<(u64, Vec<u8>)>,
+}
+
+/// The journal kept in etcd under `prefix`: its snapshot and its log. Read while no leader
+/// writes it (a new leader reads it once elected; the deposed one's writes are fenced).
 ///
 /// # Errors
-/// [`Error::Config`] when etcd cannot be reached; [`Error::InvalidField`] for a key under
-/// `prefix` that is not a 20-digit sequence number, or a gap in the sequence.
-pub async fn read_log(cfg: &EtcdConfig, prefix: &str) -> Result<Vec<(u64, Vec<u8>)>, Error> {
+/// [`Error::Config`] when etcd cannot be reached; [`Error::InvalidField`] naming the key at
+/// fault: a head that does not parse (strictly: unknown or repeated fields are refused),
+/// chunks missing or of the wrong total length, a log that does not start where the head (or,
+/// without one, entry 1) says, or a gap in it.
+pub async fn read_journal(cfg: &EtcdConfig, prefix: &str) -> Result<EtcdLog, Error> {
     let mut client = Client::connect(&cfg.endpoints, None)
         .await
         .map_err(etcd_err("connect"))?;
-    // A range answer must stay under the client's 4 MiB message limit: at most
-    // `PAGE_ENTRIES` entries of at most `MAX_ENTRY_BYTES` each per request.
-    let end = etcd_client::GetOptions::new()
-        .with_sort(etcd_client::SortTarget::Key, etcd_client::SortOrder::Ascend)
-        .with_limit(PAGE_ENTRIES);
-    let mut out: Vec<(u64, Vec<u8>)> = Vec::new();
-    let mut from = prefix.as_bytes().to_vec();
-    loop {
-        let opts = end.clone().with_range(prefix_end(prefix.as_bytes()));
-        let resp = client
-            .get(from.clone(), Some(opts))
-            .await
-            .map_err(etcd_err("range"))?;
-        for kv in resp.kvs() {
-            let key = String::from_utf8_lossy(kv.key());
-            let seq = key
-                .strip_prefix(prefix)
-                .filter(|s| s.len() == 20)
-                .and_then(|s| s.parse::<u64>().ok())
-                .ok_or_else(|| Error::InvalidField {
-                    field: format!("etcd key {key}"),
-                    reason: format!("not {prefix}<20-digit sequence number>"),
-                })?;
-            if let Some((prev, _)) = out.last() {
-                if Some(seq) != prev.checked_add(1) {
+    let head = client
+        .get(head_key(prefix), None)
+        .await
+        .map_err(etcd_err("get"))?;
+    let head_name = || String::from_utf8_lossy(&head_key(prefix)).into_owned();
+    let snapshot = match head.kvs().first() {
+        None => None,
+        Some(kv) => {
+            let h: SnapshotHead = mx_layout::strict_json::from_slice(kv.value()).map_err(|e| {
+                Error::InvalidField {
+                    field: format!("etcd key {}", head_name()),
+                    reason: e.to_string(),
+                }
+            })?;
+            let dir = chunk_dir(prefix, h.seq);
+            let chunks = read_range(&mut client, dir.clone(), prefix_end(&dir)).await?;
+            let mut bytes = Vec::new();
+            for (i, (key, chunk)) in chunks.iter().enumerate().take(h.chunks) {
+                if *key != chunk_key(prefix, h.seq, i) {
                     return Err(Error::InvalidField {
-                        field: format!("etcd key {key}"),
-                        reason: format!("log entry {seq} follows {prev}: a gap"),
+                        field: format!("etcd key {}", head_name()),
+                        reason: format!(
+                            "snapshot chunk {i} of seq {} is missing ({} found instead)",
+                            h.seq,
+                            String::from_utf8_lossy(key)
+                        ),
                     });
                 }
+                bytes.extend_from_slice(chunk);
             }
-            out.push((seq, kv.value().to_vec()));
+            if bytes.len() as u64 != h.bytes || chunks.len() < h.chunks {
+                return Err(Error::InvalidField {
+                    field: format!("etcd key {}", head_name()),
+                    reason: format!(
+                        "the snapshot of seq {} should be {} bytes in {} chunks; {} chunks hold {} bytes",
+                        h.seq,
+                        h.bytes,
+                        h.chunks,
+                        chunks.len().min(h.chunks),
+                        bytes.len()
+                    ),
+                });
+            }
+            Some((h, bytes))
         }
+    };
+    let entries = log_entries(&mut client, prefix).await?;
+    let first = snapshot.as_ref().map_or(1, |(h, _)| h.first_entry);
+    if let Some((seq, _)) = entries.first() {
+        if *seq != first {
+            return Err(Error::InvalidField {
+                field: String::from_utf8_lossy(&log_key(prefix, *seq)).into_owned(),
+                reason: format!("the log starts at entry {seq}; entry {first} expected"),
+            });
+        }
+    }
+    Ok(EtcdLog { snapshot, entries })
+}
+
+/// Every key and value in `[from, to)`, in key order, read in pages that stay under the
+/// client's 4 MiB message limit (values are at most [`MAX_ENTRY_BYTES`]).
+async fn read_range(
+    client: &mut Client,
+    mut from: Vec<u8>,
+    to: Vec<u8>,
+) -> Result<Vec<(Vec<u8>, Vec<u8>)>, Error> {
+    let page = etcd_client::GetOptions::new()
+        .with_sort(etcd_client::SortTarget::Key, etcd_client::SortOrder::Ascend)
+        .with_limit(PAGE_ENTRIES);
+    let mut out = Vec::new();
+    loop {
+        let resp = client
+            .get(from.clone(), Some(page.clone().with_range(to.clone())))
+            .await
+            .map_err(etcd_err("range"))?;
+        out.extend(
+            resp.kvs()
+                .iter()
+                .map(|kv| (kv.key().to_vec(), kv.value().to_vec())),
+        );
         match resp.kvs().last() {
             Some(last) if resp.more() => {
                 // The next page starts right after the last key read.
@@ -297,7 +480,47 @@ pub async fn read_log(cfg: &EtcdConfig, prefix: &str) -> Result<Vec<(u64, Vec<u8
     }
 }
 
-/// Entries per range request of [`read_log`].
+/// Every entry of the log under `prefix` (those after its snapshot, if it has one), in order:
+/// `(entry, bytes)`.
+///
+/// # Errors
+/// [`Error::Config`] when etcd cannot be reached; [`Error::InvalidField`] for a key under
+/// `prefix` that is not a 20-digit sequence number, or a gap in the sequence.
+pub async fn read_log(cfg: &EtcdConfig, prefix: &str) -> Result<Vec<(u64, Vec<u8>)>, Error> {
+    let mut client = Client::connect(&cfg.endpoints, None)
+        .await
+        .map_err(etcd_err("connect"))?;
+    log_entries(&mut client, prefix).await
+}
+
+/// [`read_log`] on a connected client.
+async fn log_entries(client: &mut Client, prefix: &str) -> Result<Vec<(u64, Vec<u8>)>, Error> {
+    let kvs = read_range(client, prefix.as_bytes().to_vec(), log_end(prefix)).await?;
+    let mut out: Vec<(u64, Vec<u8>)> = Vec::with_capacity(kvs.len());
+    for (key, value) in kvs {
+        let key = String::from_utf8_lossy(&key);
+        let seq = key
+            .strip_prefix(prefix)
+            .filter(|s| s.len() == 20)
+            .and_then(|s| s.parse::<u64>().ok())
+            .ok_or_else(|| Error::InvalidField {
+                field: format!("etcd key {key}"),
+                reason: format!("not {prefix}<20-digit sequence number>"),
+            })?;
+        if let Some((prev, _)) = out.last() {
+            if Some(seq) != prev.checked_add(1) {
+                return Err(Error::InvalidField {
+                    field: format!("etcd key {key}"),
+                    reason: format!("log entry {seq} follows {prev}: a gap"),
+                });
+            }
+        }
+        out.push((seq, value));
+    }
+    Ok(out)
+}
+
+/// Keys per range request of [`read_range`].
 const PAGE_ENTRIES: i64 = 3;
 
 /// The end of the range of keys starting with `prefix` (etcd's convention: the prefix with its

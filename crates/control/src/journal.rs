@@ -698,24 +698,48 @@ impl Journal {
     }
 
     /// Opens the journal kept in etcd under `prefix` by the leader `leadership`: reads and
-    /// verifies every entry (as [`Journal::open`] does a file; there is no torn tail, an entry
-    /// is written whole or not at all) and returns it with its records. `rt` runs the etcd
-    /// calls of [`Journal::write_synced`].
+    /// verifies its snapshot, if it has one, and every log entry after it (as
+    /// [`Journal::recover`] does a file; there is no torn tail, an entry is written whole or
+    /// not at all) and returns it with what it holds. `rt` runs the etcd calls of
+    /// [`Journal::write_synced`] and [`Journal::install_snapshot`].
     ///
     /// # Errors
-    /// [`Error::Config`] when etcd cannot be reached; [`Error::JournalCorrupt`] naming a bad
-    /// line; [`Error::InvalidField`] for a gap in the log.
+    /// [`Error::Config`] when etcd cannot be reached; [`Error::SnapshotCorrupt`] for a bad
+    /// snapshot; [`Error::JournalCorrupt`] naming a bad line; [`Error::InvalidField`] for a
+    /// gap in the log or a log that does not start where its snapshot says.
     pub async fn open_etcd(
         cfg: &crate::ha::EtcdConfig,
         leadership: std::sync::Arc<crate::ha::Leadership>,
         prefix: &str,
         rt: tokio::runtime::Handle,
-    ) -> Result<(Journal, Vec<Entry>), Error> {
-        let log = crate::ha::read_log(cfg, prefix).await?;
-        let next_entry = log.last().map_or(1, |(seq, _)| seq + 1);
-        let bytes: Vec<u8> = log.into_iter().flat_map(|(_, b)| b).collect();
+    ) -> Result<(Journal, Loaded), Error> {
+        let log = crate::ha::read_journal(cfg, prefix).await?;
         let path = PathBuf::from(format!("etcd:{prefix}"));
-        let parsed = parse(&path, &bytes, 1)?;
+        let snapshot = match &log.snapshot {
+            None => None,
+            Some((head, bytes)) => {
+                let s = crate::snapshot::decode(&path, bytes)?;
+                if s.seq != head.seq {
+                    return Err(Error::SnapshotCorrupt {
+                        path,
+                        reason: format!(
+                            "the head names seq {}, the snapshot holds seq {}",
+                            head.seq, s.seq
+                        ),
+                    });
+                }
+                Some(s)
+            }
+        };
+        let base = snapshot.as_ref().map_or(0, |s| s.seq);
+        let next_entry = log
+            .entries
+            .last()
+            .map(|(entry, _)| entry + 1)
+            .or(log.snapshot.as_ref().map(|(h, _)| h.first_entry))
+            .unwrap_or(1);
+        let bytes: Vec<u8> = log.entries.into_iter().flat_map(|(_, b)| b).collect();
+        let parsed = parse(&path, &bytes, base + 1)?;
         if parsed.good_len != bytes.len() as u64 {
             return Err(Error::JournalCorrupt {
                 path,
@@ -723,6 +747,9 @@ impl Journal {
                 reason: "an entry ends inside a line (entries hold whole lines)".into(),
             });
         }
+        let next_seq = parsed.entries.last().map_or(base, |e| e.seq).max(base) + 1;
+        let unverified = parsed.unverified;
+        let (entries, skipped) = after_snapshot(parsed.entries, base);
         let journal = Journal {
             path,
             file: Store::Etcd {
@@ -731,13 +758,18 @@ impl Journal {
                 rt,
                 next_entry,
             },
-            next_seq: parsed.entries.len() as u64 + 1,
+            next_seq,
             bytes: parsed.good_len,
             torn: None,
-            unverified: parsed.unverified,
-            base: 0,
+            unverified,
+            base,
         };
-        Ok((journal, parsed.entries))
+        let loaded = Loaded {
+            snapshot,
+            entries,
+            skipped,
+        };
+        Ok((journal, loaded))
     }
 
     /// Appends `record` as one line and syncs it to disk before returning.
@@ -853,8 +885,8 @@ impl Journal {
     /// point loses nothing). Sequence numbers go on from the snapshot's.
     ///
     /// # Errors
-    /// [`CompactFailure::Snapshot`] when the snapshot could not be written (nothing changed),
-    /// also for the journal in etcd, which is not compacted yet;
+    /// [`CompactFailure::Snapshot`] when the snapshot could not be written (nothing changed;
+    /// in etcd, the journal goes on whole or from the snapshot, as its head says);
     /// [`CompactFailure::Truncate`] when the journal could not be truncated after it.
     pub fn compact(&mut self, state: &State) -> Result<Compacted, CompactFailure> {
         let seq = self.len();
@@ -873,15 +905,6 @@ impl Journal {
         seq: u64,
         snapshot: &[u8],
     ) -> Result<Compacted, CompactFailure> {
-        let Store::File(file) = &mut self.file else {
-            // TODO(issue 17): the etcd journal: the snapshot in chunks of at most
-            // ha::MAX_ENTRY_BYTES under `<prefix>/snapshot/<seq>/`, written with the leader's
-            // fenced txn, then the compacted log keys deleted.
-            return Err(CompactFailure::Snapshot(Error::Config {
-                what: "journal compaction".into(),
-                reason: "the journal kept in etcd is not compacted yet".into(),
-            }));
-        };
         if seq != self.next_seq - 1 {
             return Err(CompactFailure::Snapshot(Error::InvalidField {
                 field: "seq".into(),
@@ -891,6 +914,28 @@ impl Journal {
                 ),
             }));
         }
+        let file = match &mut self.file {
+            Store::File(file) => file,
+            Store::Etcd {
+                leadership,
+                prefix,
+                rt,
+                next_entry,
+            } => {
+                // One fenced transaction switches to the snapshot and deletes what it holds;
+                // whether or not a failed one applied, the log goes on from `next_entry`.
+                rt.block_on(leadership.install_snapshot(prefix, seq, *next_entry, snapshot))
+                    .map_err(CompactFailure::Snapshot)?;
+                let journal_bytes = self.bytes;
+                self.bytes = 0;
+                self.base = seq;
+                return Ok(Compacted {
+                    seq,
+                    snapshot_bytes: snapshot.len() as u64,
+                    journal_bytes,
+                });
+            }
+        };
         crate::snapshot::write_atomic(&self.path, snapshot).map_err(CompactFailure::Snapshot)?;
         let journal_bytes = self.bytes;
         file.set_len(0)
@@ -917,9 +962,9 @@ impl Journal {
         self.next_seq - 1 - self.base
     }
 
-    /// True when the journal is a local file (the one store [`Journal::compact`] compacts).
+    /// True when [`Journal::compact`] can compact this journal (a file, or a log in etcd).
     pub fn compactable(&self) -> bool {
-        matches!(self.file, Store::File(_))
+        matches!(self.file, Store::File(_) | Store::Etcd { .. })
     }
 
     /// Path of the journal file.

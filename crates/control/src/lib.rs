@@ -39,6 +39,7 @@ pub mod ha;
 pub mod history;
 pub mod journal;
 pub mod limits;
+pub mod local_etcd;
 pub mod observe;
 pub mod record;
 pub mod refit;

@@ -177,6 +177,28 @@ impl Shared {
         })
     }
 
+    /// Evaluates `check` now and after every change that concerns `worker_id` (its
+    /// registration, a command for it) until it answers `Some`. Only this worker's waiters
+    /// wake, where [`Shared::subscribe`] wakes every waiter on every change (thousands of
+    /// engine calls in flight would each re-read the state after each batch of results).
+    pub(crate) async fn until_worker<T>(
+        &self,
+        worker_id: &str,
+        mut check: impl FnMut() -> Option<T>,
+    ) -> T {
+        let mailbox = self.mailbox(worker_id);
+        loop {
+            // Registered before the check, so a change between the check and the wait wakes it.
+            let changed = mailbox.notify.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            if let Some(v) = check() {
+                return v;
+            }
+            changed.await;
+        }
+    }
+
     fn mailbox(&self, worker_id: &str) -> Arc<Mailbox> {
         lock(&self.mail)
             .entry(worker_id.to_string())
@@ -692,12 +714,27 @@ impl ControlPlane for Service {
     ) -> Result<Response<pb::WaitWorkersResponse>, Status> {
         let r = req.into_inner();
         let want = convert::worker_state_pb(convert::worker_state(r.state, "state")?);
-        let failed = convert::worker_state_pb(WorkerState::Failed);
-        let (reached, workers) = self
-            .shared
+        // The probe runs after every state change (thousands while a fleet stages): it only
+        // looks, without copies; the answer is built once, at the end.
+        let want_state = convert::worker_state(r.state, "state")?;
+        self.shared
             .long_poll(r.timeout_ms, |s| {
-                let briefs: Vec<pb::WorkerBrief> = r
-                    .worker_ids
+                let mut reached = true;
+                for id in &r.worker_ids {
+                    match s.worker_stage(id) {
+                        None | Some((WorkerState::Failed, _)) => return (true, ()),
+                        Some((state, label)) => {
+                            reached &= state == want_state && label == Some(r.label.as_str());
+                        }
+                    }
+                }
+                (reached, ())
+            })
+            .await?;
+        let workers: Vec<pb::WorkerBrief> = self
+            .shared
+            .read_durable(|s| {
+                r.worker_ids
                     .iter()
                     .map(|id| {
                         let (state, label, error) = s.worker_brief(id).unwrap_or((
@@ -712,12 +749,12 @@ impl ControlPlane for Service {
                             error: error.unwrap_or_default(),
                         }
                     })
-                    .collect();
-                let reached = briefs.iter().all(|b| b.state == want && b.label == r.label);
-                let any_failed = briefs.iter().any(|b| b.state == failed);
-                (reached || any_failed, (reached, briefs))
+                    .collect()
             })
-            .await?;
+            .await;
+        let reached = workers
+            .iter()
+            .all(|b| b.state == want && b.label == r.label);
         Ok(Response::new(pb::WaitWorkersResponse { reached, workers }))
     }
 
@@ -1050,18 +1087,7 @@ async fn run_on(
         tracing::info!("control plane shutting down");
         shared.closing.send_replace(true);
     };
-    let mut server = tonic::transport::Server::builder();
-    if let Some(id) = &security.tls {
-        auth::install_crypto_provider();
-        server = server
-            .tls_config(tonic::transport::ServerTlsConfig::new().identity(
-                tonic::transport::Identity::from_pem(&id.cert_pem, &id.key_pem),
-            ))
-            .map_err(|source| Error::Transport {
-                addr: addr.to_string(),
-                source,
-            })?;
-    }
+    let server = transport(&security, addr)?;
     server
         .tcp_nodelay(true)
         // A worker whose host vanished without closing its connection must not hold its id
@@ -1078,6 +1104,31 @@ async fn run_on(
             addr: addr.to_string(),
             source,
         })
+}
+
+/// The gRPC server builder for `addr`: TLS with `security.tls` when set (the leader and a
+/// follower of an HA control plane speak the same protocol on the same port, so a client's
+/// TLS settings work with either).
+///
+/// # Errors
+/// [`Error::Transport`] when the certificate or key is refused.
+pub(crate) fn transport(
+    security: &Security,
+    addr: SocketAddr,
+) -> Result<tonic::transport::Server, Error> {
+    let mut server = tonic::transport::Server::builder();
+    if let Some(id) = &security.tls {
+        auth::install_crypto_provider();
+        server = server
+            .tls_config(tonic::transport::ServerTlsConfig::new().identity(
+                tonic::transport::Identity::from_pem(&id.cert_pem, &id.key_pem),
+            ))
+            .map_err(|source| Error::Transport {
+                addr: addr.to_string(),
+                source,
+            })?;
+    }
+    Ok(server)
 }
 
 /// Binds `addr` (port 0 picks one): the listener and the address bound.

@@ -25,8 +25,9 @@
 //! Replay is the snapshot's state plus the journal's records after `N`.
 //!
 //! # etcd
-//! The journal kept in etcd ([`crate::journal::Journal::open_etcd`]) is not compacted yet: see
-//! [`crate::journal::Journal::compact`].
+//! The journal kept in etcd ([`crate::journal::Journal::open_etcd`]) is compacted the same way
+//! by the leader: the same snapshot bytes, in chunks, switched to in one fenced transaction that
+//! also deletes the log entries it includes ([`crate::ha::Leadership::install_snapshot`]).
 
 use std::collections::BTreeMap;
 use std::fs::{File, OpenOptions};
@@ -61,6 +62,9 @@ pub struct Compaction {
 
 /// Default [`Compaction::max_journal_bytes`]: 256 MiB.
 pub const DEFAULT_MAX_JOURNAL_BYTES: u64 = 256 << 20;
+/// Default [`Compaction::max_journal_bytes`] of a journal kept in etcd: 64 MiB (etcd's storage
+/// quota is 2 GiB by default, and it keeps deleted keys until it compacts its own history).
+pub const DEFAULT_MAX_ETCD_JOURNAL_BYTES: u64 = 64 << 20;
 /// Default [`Compaction::max_journal_records`]: one million.
 pub const DEFAULT_MAX_JOURNAL_RECORDS: u64 = 1_000_000;
 /// Default [`Compaction::refit_detail`].

@@ -48,6 +48,18 @@ pub struct Effects {
     pub workers: Vec<String>,
 }
 
+/// A position to resume a scan at: a cache beside the state, so any two are equal (a state
+/// rebuilt from the journal equals the live one whatever scans each ran) and it is never
+/// serialized.
+#[derive(Debug, Clone, Copy, Default)]
+struct ScanHint(usize);
+
+impl PartialEq for ScanHint {
+    fn eq(&self, _: &ScanHint) -> bool {
+        true
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct Version {
@@ -67,6 +79,9 @@ struct Version {
     retired: BTreeMap<u32, String>,
     /// The worker set of the last Stage of it, sorted (a refit's STAGE journals one too).
     stage_set: Vec<String>,
+    /// Where [`State::note_staged`] resumes its scan of `stage_set` (a cache, not state).
+    #[serde(skip)]
+    stage_probe: ScanHint,
     /// Whether its sources may stop serving it (the first reason reached sticks).
     release: Option<Release>,
     /// Its artifacts in object storage, in registration order.
@@ -380,6 +395,7 @@ impl State {
                     let mut set = worker_ids.clone();
                     set.sort();
                     v.stage_set = set;
+                    v.stage_probe = ScanHint::default();
                 }
                 for id in &worker_ids {
                     if let Some(w) = self.workers.get_mut(id) {
@@ -490,12 +506,20 @@ impl State {
         if v.release.is_some() || v.stage_set.is_empty() {
             return;
         }
-        let all = v.stage_set.iter().all(|w| {
-            self.workers.get(w).is_some_and(|w| {
+        // Every member is checked before the version is called staged, starting where the
+        // last scan found one that was not: as reports arrive that member is usually still
+        // pulling, so a report costs O(1) and the whole stage O(set) instead of O(set^2).
+        let n = v.stage_set.len();
+        let start = v.stage_probe.0 % n;
+        let pending = (start..n).chain(0..start).find(|&i| {
+            !self.workers.get(&v.stage_set[i]).is_some_and(|w| {
                 w.state == WorkerState::Staged && w.label.as_deref() == Some(label)
             })
         });
-        if !all {
+        if let Some(i) = pending {
+            if let Some(v) = self.versions.get_mut(label) {
+                v.stage_probe = ScanHint(i);
+            }
             return;
         }
         let refit = self
@@ -914,7 +938,14 @@ impl State {
         Some((info, sources))
     }
 
-    /// Every version (in declaration order) and every worker (by id).
+    /// (state, label) of a worker, `None` when not registered: [`State::worker_brief`] without
+    /// copies, for probes that run after every change.
+    pub fn worker_stage(&self, worker_id: &str) -> Option<(WorkerState, Option<&str>)> {
+        self.workers
+            .get(worker_id)
+            .map(|w| (w.state, w.label.as_deref()))
+    }
+
     /// (state, label, last error) of a worker, `None` when not registered.
     pub fn worker_brief(
         &self,

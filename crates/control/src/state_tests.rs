@@ -837,6 +837,42 @@ fn a_version_is_released_once_staged_everywhere_or_never_to_be_staged() {
 }
 
 #[test]
+fn a_member_that_moved_on_keeps_the_version_unreleased() {
+    // The scan for "every member STAGED" resumes where it last stopped; a member checked
+    // before (a) that moved on to another version must still hold the release back.
+    let (mut st, _) = ready_state();
+    second_version(&mut st, "v2");
+    let stage = |label: &str, ws: &[&str]| Record::Stage {
+        label: label.into(),
+        worker_ids: ws.iter().map(|w| w.to_string()).collect(),
+    };
+    st.apply(stage("v1", &["a", "b"])).unwrap();
+    staged_ok(&mut st, "a", "v1");
+    st.apply(stage("v2", &["a"])).unwrap();
+    staged_ok(&mut st, "b", "v1");
+    assert_eq!(st.release_of("v1"), None);
+    staged_ok(&mut st, "a", "v2");
+    assert_eq!(
+        st.release_of("v2"),
+        Some(Release::Staged {
+            refit: None,
+            workers: vec!["a".into()],
+        })
+    );
+    // A new Stage of v1 starts its scan afresh.
+    st.apply(stage("v1", &["a"])).unwrap();
+    assert_eq!(st.release_of("v1"), None);
+    staged_ok(&mut st, "a", "v1");
+    assert_eq!(
+        st.release_of("v1"),
+        Some(Release::Staged {
+            refit: None,
+            workers: vec!["a".into()],
+        })
+    );
+}
+
+#[test]
 fn a_republish_that_only_adds_pieces_is_accepted_without_counting() {
     let (mut st, d) = ready_state();
     let held = st.version_info("v1").unwrap().manifests[0].clone();

@@ -1,25 +1,16 @@
 //! Leadership and fencing on a real 3-member etcd cluster on loopback (Debian's etcd-server).
 #![allow(clippy::unwrap_used, clippy::expect_used)] // reason: tests fail loudly on purpose
 
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use mx_control::ha::{leader, read_log, EtcdConfig, Leadership};
+use mx_control::local_etcd::LocalEtcd;
 
-/// A 3-member etcd cluster, killed on drop.
+/// A 3-member etcd cluster ([`LocalEtcd`]) and its directory, killed on drop.
 struct Etcd {
-    kids: Vec<Child>,
+    _cluster: LocalEtcd,
     endpoints: Vec<String>,
     _dir: tempfile::TempDir,
-}
-
-impl Drop for Etcd {
-    fn drop(&mut self) {
-        for c in &mut self.kids {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
 }
 
 fn free_port() -> u16 {
@@ -32,7 +23,7 @@ fn free_port() -> u16 {
 
 /// Starts 3 members, or `None` (with a message) when etcd is not installed and not required.
 fn etcd_cluster() -> Option<Etcd> {
-    if Command::new("etcd").arg("--version").output().is_err() {
+    if !mx_control::local_etcd::installed() {
         assert!(
             std::env::var("MX_REQUIRE_ETCD").as_deref() != Ok("1"),
             "etcd missing and MX_REQUIRE_ETCD=1: apt-get install etcd-server"
@@ -41,49 +32,10 @@ fn etcd_cluster() -> Option<Etcd> {
         return None;
     }
     let dir = tempfile::tempdir().unwrap();
-    let ports: Vec<(u16, u16)> = (0..3).map(|_| (free_port(), free_port())).collect();
-    let cluster: Vec<String> = ports
-        .iter()
-        .enumerate()
-        .map(|(i, (_, peer))| format!("e{i}=http://127.0.0.1:{peer}"))
-        .collect();
-    let mut kids = Vec::new();
-    for (i, (client, peer)) in ports.iter().enumerate() {
-        let log = std::fs::File::create(dir.path().join(format!("e{i}.log"))).unwrap();
-        kids.push(
-            Command::new("etcd")
-                .args([
-                    "--name",
-                    &format!("e{i}"),
-                    "--data-dir",
-                    dir.path().join(format!("d{i}")).to_str().unwrap(),
-                    "--listen-client-urls",
-                    &format!("http://127.0.0.1:{client}"),
-                    "--advertise-client-urls",
-                    &format!("http://127.0.0.1:{client}"),
-                    "--listen-peer-urls",
-                    &format!("http://127.0.0.1:{peer}"),
-                    "--initial-advertise-peer-urls",
-                    &format!("http://127.0.0.1:{peer}"),
-                    "--initial-cluster",
-                    &cluster.join(","),
-                    "--initial-cluster-state",
-                    "new",
-                    "--initial-cluster-token",
-                    "mx-test",
-                ])
-                .stdout(Stdio::null())
-                .stderr(log)
-                .spawn()
-                .unwrap(),
-        );
-    }
+    let cluster = LocalEtcd::start(dir.path(), 3).unwrap();
     Some(Etcd {
-        kids,
-        endpoints: ports
-            .iter()
-            .map(|(c, _)| format!("http://127.0.0.1:{c}"))
-            .collect(),
+        endpoints: cluster.endpoints().to_vec(),
+        _cluster: cluster,
         _dir: dir,
     })
 }
@@ -192,11 +144,11 @@ async fn one_leader_and_a_deposed_leader_cannot_write() {
     // replayed as from a file.
     let b = std::sync::Arc::new(b);
     let rt = tokio::runtime::Handle::current();
-    let (journal, entries) =
+    let (journal, loaded) =
         mx_control::journal::Journal::open_etcd(&cfg, b.clone(), "/mx/journal/", rt.clone())
             .await
             .unwrap();
-    assert!(entries.is_empty());
+    assert!(loaded.entries.is_empty() && loaded.snapshot.is_none());
     let declare = |label: &str| mx_control::state::Record::Declare {
         label: label.into(),
         trainer_layout: "fsdp:2".parse().unwrap(),
@@ -216,10 +168,10 @@ async fn one_leader_and_a_deposed_leader_cannot_write() {
     })
     .await
     .unwrap();
-    let (_, entries) = mx_control::journal::Journal::open_etcd(&cfg, b.clone(), "/mx/journal/", rt)
+    let (_, loaded) = mx_control::journal::Journal::open_etcd(&cfg, b.clone(), "/mx/journal/", rt)
         .await
         .unwrap();
-    let got: Vec<_> = entries.into_iter().map(|e| e.record).collect();
+    let got: Vec<_> = loaded.entries.into_iter().map(|e| e.record).collect();
     assert_eq!(got, recs);
     drop(etcd);
 }
@@ -352,5 +304,245 @@ async fn a_new_leader_serves_the_state_the_old_one_journaled() {
     b.shutdown().await.unwrap();
     let log = read_log(&cfg, "/mx/journal/").await.unwrap();
     assert_eq!(log.len(), 3, "one entry per group commit");
+    drop(etcd);
+}
+
+/// A follower speaks TLS when the leader does: a client configured with the fleet's CA reaches
+/// it and is told (in the message and in `x-mx-leader`) where the leader is; a plaintext client
+/// gets no answer from it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follower_speaks_tls_as_the_leader_does() {
+    let Some(etcd) = etcd_cluster() else {
+        return;
+    };
+    let cfg = EtcdConfig {
+        endpoints: etcd.endpoints.clone(),
+        election: "mx/control/tls-leader".into(),
+        lease_ttl_s: 2,
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let ck = rcgen::generate_simple_self_signed(vec!["localhost".to_string()]).unwrap();
+    let (cert, key) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
+    std::fs::write(&cert, ck.cert.pem()).unwrap();
+    std::fs::write(&key, ck.signing_key.serialize_pem()).unwrap();
+    let replica = |name: &str, port: u16| mx_control::ControlPlaneConfig {
+        compaction: Default::default(),
+        listen: format!("127.0.0.1:{port}").parse().unwrap(),
+        journal_path: dir.path().join(format!("{name}-unused.jsonl")),
+        security: mx_control::Security {
+            tls: Some(mx_control::TlsIdentity::load(&cert, &key).unwrap()),
+            ..mx_control::Security::insecure_loopback()
+        },
+    };
+    let t = Instant::now();
+    let (_, a) = loop {
+        match tokio::time::timeout(
+            Duration::from_secs(5),
+            mx_control::spawn_ha(replica("a", 0), &cfg, "https://replica-a", "/mx/tls/"),
+        )
+        .await
+        {
+            Ok(Ok(x)) => break x,
+            _ if t.elapsed() < Duration::from_secs(30) => {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            other => panic!("replica a not elected within 30 s: {other:?}"),
+        }
+    };
+    let port_b = free_port();
+    let (cfg_b, replica_b) = (cfg.clone(), replica("b", port_b));
+    let b_task = tokio::spawn(async move {
+        mx_control::spawn_ha(replica_b, &cfg_b, "https://replica-b", "/mx/tls/").await
+    });
+    let auth = mx_control::client::ClientAuth::default().with_ca_pem(ck.cert.pem().into_bytes());
+    let follower = format!("https://localhost:{port_b}");
+    let t = Instant::now();
+    let e = loop {
+        match mx_control::client::ControlClient::connect_with(&follower, &auth).await {
+            Ok(c) => break c.get_status().await.unwrap_err(),
+            Err(_) if t.elapsed() < Duration::from_secs(10) => {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(e) => panic!("follower not answering over TLS: {e}"),
+        }
+    };
+    assert!(
+        matches!(&e, mx_control::Error::Rpc { code: tonic::Code::Unavailable, message, .. }
+            if message.contains("is a follower: the leader is https://replica-a")),
+        "{e}"
+    );
+    // Plaintext to the follower gets no gRPC answer at all.
+    let plain =
+        mx_control::client::ControlClient::connect(&format!("http://127.0.0.1:{port_b}")).await;
+    let refused = match plain {
+        Err(e) => e,
+        Ok(c) => c.get_status().await.unwrap_err(),
+    };
+    assert!(
+        !refused.to_string().contains("is a follower"),
+        "a plaintext client was answered: {refused}"
+    );
+    a.shutdown().await.unwrap();
+    let (_, b) = tokio::time::timeout(Duration::from_secs(15), b_task)
+        .await
+        .expect("replica b elected once a's lease ran out")
+        .unwrap()
+        .unwrap();
+    let c = mx_control::client::ControlClient::connect_with(&follower, &auth)
+        .await
+        .unwrap();
+    c.get_status().await.unwrap();
+    b.shutdown().await.unwrap();
+    drop(etcd);
+}
+
+/// The journal kept in etcd is compacted as a file is: a snapshot larger than one etcd entry
+/// goes in chunks, the log entries it includes are deleted, and a reopen replays the snapshot
+/// and the entries after it. A head that does not parse strictly or names missing chunks is
+/// refused, naming its key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_compacted_etcd_journal_replays_its_snapshot_and_the_log_after_it() {
+    use mx_control::journal::Journal;
+    use mx_control::state::{Record, State};
+    let Some(etcd) = etcd_cluster() else {
+        return;
+    };
+    let cfg = EtcdConfig {
+        endpoints: etcd.endpoints.clone(),
+        election: "mx/control/compact".into(),
+        lease_ttl_s: 2,
+    };
+    let t = Instant::now();
+    let leader_a = loop {
+        match tokio::time::timeout(Duration::from_secs(5), Leadership::campaign(&cfg, "a")).await {
+            Ok(Ok(l)) => break std::sync::Arc::new(l),
+            _ if t.elapsed() < Duration::from_secs(30) => {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            other => panic!("no leadership within 30 s: {other:?}"),
+        }
+    };
+    let prefix = "/mx/compact/";
+    let rt = tokio::runtime::Handle::current();
+    let (journal, _) = Journal::open_etcd(&cfg, leader_a.clone(), prefix, rt.clone())
+        .await
+        .unwrap();
+    // Four declarations of 6,000 tensors each: each one journal line under 1 MiB, the state
+    // that holds them all over 1 MiB (a snapshot of two chunks or more).
+    let declare = |label: &str, tensors: usize| Record::Declare {
+        label: label.into(),
+        trainer_layout: "fsdp:2".parse().unwrap(),
+        tensors: (0..tensors)
+            .map(|i| mx_layout::TensorSpec {
+                name: format!("model.layers.{i}.mlp.down_proj.weight"),
+                dtype: mx_layout::DType::BF16,
+                shape: vec![64, 128],
+            })
+            .collect(),
+    };
+    let big: Vec<Record> = (0..4).map(|i| declare(&format!("v{i}"), 6000)).collect();
+    let (journal, state, compacted) = tokio::task::spawn_blocking(move || {
+        let mut journal = journal;
+        let mut state = State::default();
+        for r in big {
+            journal.append(&r).unwrap();
+            state.apply(r).unwrap();
+        }
+        let c = journal.compact(&state).unwrap();
+        let tail = declare("v4", 1);
+        journal.append(&tail).unwrap();
+        state.apply(tail).unwrap();
+        (journal, state, c)
+    })
+    .await
+    .unwrap();
+    assert_eq!(compacted.seq, 4);
+    assert!(
+        compacted.snapshot_bytes > mx_control::ha::MAX_ENTRY_BYTES as u64,
+        "{compacted:?}"
+    );
+    assert_eq!(journal.snapshot_seq(), 4);
+    drop(journal);
+    // Only the entry written after the snapshot is left in the log.
+    let log = read_log(&cfg, prefix).await.unwrap();
+    assert_eq!(
+        log.len(),
+        1,
+        "{:?}",
+        log.iter().map(|(e, _)| e).collect::<Vec<_>>()
+    );
+    let (reopened, loaded) = Journal::open_etcd(&cfg, leader_a.clone(), prefix, rt.clone())
+        .await
+        .unwrap();
+    let snap = loaded.snapshot.expect("the snapshot is read back");
+    assert_eq!(snap.seq, 4);
+    let mut replayed = snap.state;
+    let tail: Vec<Record> = loaded.entries.into_iter().map(|e| e.record).collect();
+    assert_eq!(tail, vec![declare("v4", 1)]);
+    for r in tail {
+        replayed.apply(r).unwrap();
+    }
+    assert_eq!(replayed, state);
+    assert_eq!(reopened.len(), 5);
+    // A second compaction replaces the first: the old chunks go with the entries.
+    let (reopened, c2) = tokio::task::spawn_blocking(move || {
+        let mut j = reopened;
+        let c = j.compact(&state).unwrap();
+        (j, c)
+    })
+    .await
+    .unwrap();
+    assert_eq!(c2.seq, 5);
+    drop(reopened);
+    assert!(read_log(&cfg, prefix).await.unwrap().is_empty());
+    let raw = etcd_client::Client::connect(&cfg.endpoints, None)
+        .await
+        .unwrap();
+    let chunks = raw
+        .kv_client()
+        .get(
+            format!("{prefix}snapshot/"),
+            Some(
+                etcd_client::GetOptions::new()
+                    .with_prefix()
+                    .with_keys_only(),
+            ),
+        )
+        .await
+        .unwrap();
+    let keys: Vec<String> = chunks
+        .kvs()
+        .iter()
+        .map(|kv| String::from_utf8_lossy(kv.key()).into_owned())
+        .collect();
+    assert!(
+        keys.iter()
+            .all(|k| k.ends_with("/head") || k.contains("/00000000000000000005/")),
+        "{keys:?}"
+    );
+    // A head with a field this build does not know, or naming chunks that are not there.
+    for (head, says) in [
+        (
+            r#"{"seq":5,"chunks":2,"bytes":10,"first_entry":1,"extra":1}"#,
+            "unknown field",
+        ),
+        (
+            r#"{"seq":9,"chunks":1,"bytes":10,"first_entry":1}"#,
+            "snapshot of seq 9 should be 10 bytes in 1 chunks",
+        ),
+    ] {
+        raw.kv_client()
+            .put(format!("{prefix}snapshot/head"), head, None)
+            .await
+            .unwrap();
+        let e = Journal::open_etcd(&cfg, leader_a.clone(), prefix, rt.clone())
+            .await
+            .unwrap_err();
+        let msg = e.to_string();
+        assert!(
+            msg.contains("/mx/compact/snapshot/head") && msg.contains(says),
+            "{msg}"
+        );
+    }
     drop(etcd);
 }

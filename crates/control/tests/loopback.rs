@@ -692,6 +692,59 @@ async fn a_refit_is_the_only_commit_and_a_stage_waits_for_it_to_end() {
     h.shutdown().await.unwrap();
 }
 
+/// An engine call in flight fails at once when its worker registers again (the process called
+/// is not the one registered now): the refit does not wait for the call's timeout.
+#[tokio::test]
+async fn a_call_in_flight_fails_at_once_when_its_worker_registers_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let (c, h) = start(&dir.path().join("journal.jsonl")).await;
+    declare_and_publish_step7(&c).await;
+    let (fake, url) = fake_engine("disk:/ckpt").await;
+    fake.lock().unwrap().hold_pause = true;
+    register_dynamo(&c, "w", &url).await;
+    let mut s = c.watch_commands("w").await.unwrap();
+    let spec = RefitSpec {
+        label: "step-7".into(),
+        worker_ids: vec!["w".into()],
+        pause_mode: PauseMode::Wait,
+        allow_partial: false,
+        check: None,
+        framework_step: 7,
+        stage_timeout_ms: 10_000,
+        call_timeout_ms: 60_000,
+        apply_parallelism: 0,
+        orchestrator_gated: false,
+        verify_from_apply_answer: false,
+    };
+    let id = c.refit(&spec).await.unwrap();
+    next_cmd(&mut s).await;
+    c.report_staged(&staged("w", "step-7", 0)).await.unwrap();
+    let t = std::time::Instant::now();
+    while fake.lock().unwrap().calls.is_empty() {
+        assert!(t.elapsed() < T, "the refit never paused the engine");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // The pause is held by the engine; the worker's process restarts meanwhile (its stream
+    // closes, the new process registers).
+    drop(s);
+    wait_connected(&c, "w", false).await;
+    register_dynamo(&c, "w", &url).await;
+    let _s = c.watch_commands("w").await.unwrap();
+    let (ended, r) = c.wait_refit(id, T).await.unwrap();
+    let r = r.unwrap();
+    assert!(ended, "the refit waited for the held call: {r:?}");
+    assert_ne!(r.outcome, Some(Outcome::Committed));
+    let pause = &r.workers["w"].calls[0];
+    assert_eq!(pause.action, Action::Pause);
+    let result = pause.result.as_ref().unwrap();
+    assert!(
+        !result.ok && result.error.contains("registered again during the call"),
+        "{result:?}"
+    );
+    fake.lock().unwrap().hold_pause = false;
+    h.shutdown().await.unwrap();
+}
+
 #[tokio::test]
 async fn verify_takes_the_version_from_apply_answers_and_reads_back_the_rest() {
     let dir = tempfile::tempdir().unwrap();

@@ -41,8 +41,10 @@ pub async fn spawn_ha(
         });
     }
     let (stop_follower, follower_stopped) = oneshot::channel::<()>();
+    // The follower speaks TLS when the leader does: a client configured for the fleet reaches
+    // either and reads the leader's name from the answer.
     let follower = tokio::spawn(
-        tonic::transport::Server::builder()
+        transport(&cfg.security, bound)?
             .add_routes(follower_routes(etcd.clone(), advertise.to_string()))
             .serve_with_incoming_shutdown(ReceiverStream::new(follower_conns), async move {
                 let _ = follower_stopped.await;
@@ -73,13 +75,8 @@ pub async fn spawn_ha(
             std::process::exit(74);
         });
     }
-    let (journal, entries) =
+    let (journal, loaded) =
         Journal::open_etcd(etcd, leadership, prefix, tokio::runtime::Handle::current()).await?;
-    let loaded = crate::journal::Loaded {
-        snapshot: None,
-        entries,
-        skipped: 0,
-    };
     let shared = Arc::new(Shared::from_journal(
         journal,
         loaded,

@@ -30,6 +30,7 @@ impl State {
                 before_refit: None,
                 retired: BTreeMap::new(),
                 stage_set: Vec::new(),
+                stage_probe: ScanHint::default(),
                 release: None,
                 artifacts: Vec::new(),
                 peers: BTreeMap::new(),

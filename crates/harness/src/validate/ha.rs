@@ -5,12 +5,12 @@
 //! plane does from its file.
 
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use mx_control::ha::EtcdConfig;
 use mx_control::journal::Entry;
+use mx_control::local_etcd::LocalEtcd;
 
 use super::{s, wait_connected, Fleet, CRASH_POINTS, WORKERS};
 use crate::refits::{print_refit, wait_end};
@@ -23,99 +23,20 @@ const LEASE_TTL_S: i64 = 2;
 /// The replicas' process names.
 pub(super) const REPLICAS: [&str; 2] = ["control-a", "control-b"];
 
-/// A 3-member etcd cluster on loopback, killed on drop.
-pub(super) struct Etcd {
-    kids: Vec<Child>,
-    /// The members' client URLs.
-    pub(super) endpoints: Vec<String>,
-}
-
-impl Drop for Etcd {
-    fn drop(&mut self) {
-        for c in &mut self.kids {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
 fn free_port() -> anyhow::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
         .port())
 }
 
-impl Etcd {
-    /// Starts 3 members with their data and logs under `work`.
-    ///
-    /// # Errors
-    /// When `etcd` is not installed (naming the package) or a member cannot start.
-    pub(super) fn start(work: &Path) -> anyhow::Result<Etcd> {
-        if Command::new("etcd").arg("--version").output().is_err() {
-            bail!("--ha needs etcd on PATH: apt-get install etcd-server (scripts/setup.sh does)");
-        }
-        let mut ports = Vec::new();
-        for _ in 0..3 {
-            ports.push((free_port()?, free_port()?));
-        }
-        let cluster: Vec<String> = ports
-            .iter()
-            .enumerate()
-            .map(|(i, (_, peer))| format!("e{i}=http://127.0.0.1:{peer}"))
-            .collect();
-        let mut etcd = Etcd {
-            kids: Vec::new(),
-            endpoints: ports
-                .iter()
-                .map(|(c, _)| format!("http://127.0.0.1:{c}"))
-                .collect(),
-        };
-        for (i, (client, peer)) in ports.iter().enumerate() {
-            let log = std::fs::File::create(work.join(format!("etcd-{i}.log")))?;
-            let data = work.join(format!("etcd-{i}.data"));
-            let child = Command::new("etcd")
-                .args(["--name", &format!("e{i}")])
-                .arg("--data-dir")
-                .arg(&data)
-                .args([
-                    "--listen-client-urls",
-                    &format!("http://127.0.0.1:{client}"),
-                    "--advertise-client-urls",
-                    &format!("http://127.0.0.1:{client}"),
-                    "--listen-peer-urls",
-                    &format!("http://127.0.0.1:{peer}"),
-                    "--initial-advertise-peer-urls",
-                    &format!("http://127.0.0.1:{peer}"),
-                    "--initial-cluster",
-                    &cluster.join(","),
-                    "--initial-cluster-state",
-                    "new",
-                    "--initial-cluster-token",
-                    "mx-validate",
-                ])
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(log)
-                .spawn()
-                .with_context(|| format!("starting etcd member e{i}"))?;
-            etcd.kids.push(child);
-        }
-        Ok(etcd)
-    }
-
-    /// How the replicas meet on this cluster.
-    pub(super) fn config(&self) -> EtcdConfig {
-        EtcdConfig {
-            endpoints: self.endpoints.clone(),
-            election: ELECTION.into(),
-            lease_ttl_s: LEASE_TTL_S,
-        }
-    }
+/// How the replicas meet on `etcd`.
+fn config(etcd: &LocalEtcd) -> EtcdConfig {
+    etcd.config(ELECTION, LEASE_TTL_S)
 }
 
 /// The HA side of a fleet: the cluster and the replicas' listen addresses.
 pub(super) struct Ha {
-    pub(super) etcd: Etcd,
+    pub(super) etcd: LocalEtcd,
     /// `host:port` of each of [`REPLICAS`].
     pub(super) listen: [String; 2],
 }
@@ -124,7 +45,7 @@ impl Ha {
     /// Starts the cluster and picks the replicas' ports.
     pub(super) fn start(work: &Path) -> anyhow::Result<Ha> {
         Ok(Ha {
-            etcd: Etcd::start(work)?,
+            etcd: LocalEtcd::start(work, 3)?,
             listen: [
                 format!("127.0.0.1:{}", free_port()?),
                 format!("127.0.0.1:{}", free_port()?),
@@ -134,17 +55,8 @@ impl Ha {
 
     /// Waits until the etcd cluster answers (its members elect a raft leader first), at most
     /// 60 s.
-    pub(super) async fn wait_etcd(&self) -> anyhow::Result<()> {
-        let t = Instant::now();
-        loop {
-            match mx_control::ha::leader(&self.etcd.config()).await {
-                Ok(_) => return Ok(()),
-                Err(e) if t.elapsed() > Duration::from_secs(60) => {
-                    bail!("the etcd cluster did not answer within 60 s: {e}")
-                }
-                Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
-            }
-        }
+    pub(super) async fn wait_etcd(&mut self) -> anyhow::Result<()> {
+        Ok(self.etcd.wait_ready(Duration::from_secs(60)).await?)
     }
 
     /// The comma-separated URLs every client is given.
@@ -167,7 +79,7 @@ impl Ha {
             s("--journal"),
             journal.display().to_string(),
             s("--etcd"),
-            self.etcd.endpoints.join(","),
+            self.etcd.endpoints().join(","),
             s("--advertise"),
             format!("http://{listen}"),
             s("--lease-ttl-s"),
@@ -177,7 +89,7 @@ impl Ha {
 
     /// The index among [`REPLICAS`] of the one etcd names as the leader, if any.
     pub(super) async fn leader(&self) -> anyhow::Result<Option<usize>> {
-        let Some((url, _)) = mx_control::ha::leader(&self.etcd.config()).await? else {
+        let Some((url, _)) = mx_control::ha::leader(&config(&self.etcd)).await? else {
             return Ok(None);
         };
         Ok(self
@@ -204,7 +116,7 @@ impl Ha {
 
     /// Every journal record in etcd, in order.
     pub(super) async fn records(&self) -> anyhow::Result<Vec<Entry>> {
-        let log = mx_control::ha::read_log(&self.etcd.config(), JOURNAL_PREFIX).await?;
+        let log = mx_control::ha::read_log(&config(&self.etcd), JOURNAL_PREFIX).await?;
         let bytes: Vec<u8> = log.into_iter().flat_map(|(_, b)| b).collect();
         Ok(mx_control::journal::parse_records(
             Path::new("etcd:/mx/journal/"),

@@ -459,12 +459,12 @@ async fn start_fleet(
     let control = format!("http://{listen}");
     let journal = work.join("journal.jsonl");
     let mut procs = Procs(Vec::new());
-    let ha = if with_ha {
+    let mut ha = if with_ha {
         Some(ha::Ha::start(&work)?)
     } else {
         None
     };
-    let control = match &ha {
+    let control = match &mut ha {
         Some(h) => {
             h.wait_etcd().await?;
             for (i, name) in ha::REPLICAS.iter().enumerate() {
