@@ -80,6 +80,11 @@ enum Cmd {
         /// The URL clients reach this replica at (what followers name as the leader).
         #[arg(long, env = "MX_CONTROL_ADVERTISE")]
         advertise: Option<String>,
+        /// With --etcd: keep manifests and snapshots in this bucket (`s3://bucket/prefix`; the
+        /// client from the AWS_* variables) instead of etcd, whose entries hold at most 1 MiB:
+        /// the journal then holds each manifest's BLAKE3 digest, verified when read back.
+        #[arg(long, env = "MX_MANIFEST_STORE", requires = "etcd")]
+        manifest_store: Option<String>,
         /// The leader lease with --etcd, seconds: a leader that stops renewing is deposed this
         /// long after.
         #[arg(long, default_value_t = 5)]
@@ -411,6 +416,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             metrics,
             etcd,
             advertise,
+            manifest_store,
             lease_ttl_s,
             compact_journal_bytes,
             compact_journal_records,
@@ -448,6 +454,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                         endpoints: etcd.clone(),
                         election: "mx/control/leader".into(),
                         lease_ttl_s,
+                        blobs: manifest_store
+                            .as_deref()
+                            .map(mx_control::blobs::BlobStore::from_env)
+                            .transpose()?,
                     };
                     eprintln!("mx control campaigning for leadership on etcd {:?}", etcd.endpoints);
                     mx_control::spawn_ha(cfg, &etcd, url, "/mx/journal/").await?

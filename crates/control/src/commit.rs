@@ -25,7 +25,9 @@ pub(crate) struct Core {
 /// outcome goes: the effects of the records applied (`None` when all were no-ops), or the first
 /// record's error (the records after it are not applied).
 pub(crate) struct Pending {
-    pub(crate) recs: Vec<Record>,
+    /// Each record, with the form it is journaled in when that differs (a manifest stored in
+    /// the blob store beforehand, [`crate::blobs`]).
+    pub(crate) recs: Vec<(Record, Option<Record>)>,
     pub(crate) reply: oneshot::Sender<Result<Option<Effects>, Error>>,
 }
 
@@ -65,17 +67,19 @@ pub(crate) fn committer(
             while let Some(Pending { recs, reply }) = next.take() {
                 let mut effects: Option<Effects> = None;
                 let mut failure = None;
-                for rec in recs {
+                for (rec, journaled) in recs {
                     let one = match core.state.check(&rec) {
                         Err(e) => Err(e),
                         Ok(Check::Noop) => Ok(None),
-                        Ok(Check::Apply) => match journal.encode(&rec, &mut lines) {
-                            Err(e) => Err(e),
-                            Ok(seq) => {
-                                core.applied_seq = seq;
-                                core.state.apply(rec).map(Some)
+                        Ok(Check::Apply) => {
+                            match journal.encode(journaled.as_ref().unwrap_or(&rec), &mut lines) {
+                                Err(e) => Err(e),
+                                Ok(seq) => {
+                                    core.applied_seq = seq;
+                                    core.state.apply(rec).map(Some)
+                                }
                             }
-                        },
+                        }
                     };
                     match one {
                         Ok(Some(fx)) => effects
@@ -158,7 +162,12 @@ pub(crate) fn rebuild(
         bytes = journal.size_bytes(),
         "control plane state rebuilt from journal"
     );
-    if journal.compactable() && policy.due(journal.size_bytes(), journal.records_since_snapshot()) {
+    // A journal in etcd is compacted by the journal thread (its etcd calls block on the
+    // runtime, which this async caller runs on).
+    if journal.compactable()
+        && !journal.in_etcd()
+        && policy.due(journal.size_bytes(), journal.records_since_snapshot())
+    {
         match journal.compact(&state) {
             Ok(c) => log_compacted(journal, &c, std::time::Duration::ZERO),
             Err(CompactFailure::Snapshot(e)) => {

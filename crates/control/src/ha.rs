@@ -37,6 +37,9 @@ pub struct EtcdConfig {
     pub election: String,
     /// Leader lease, seconds: a leader that stops renewing is deposed this long after.
     pub lease_ttl_s: i64,
+    /// Where manifests and snapshots go instead of etcd ([`crate::blobs`]); `None` journals
+    /// manifests whole (each record then fits one etcd entry, at most [`MAX_ENTRY_BYTES`]).
+    pub blobs: Option<crate::blobs::BlobStore>,
 }
 
 fn etcd_err(what: &str) -> impl FnOnce(etcd_client::Error) -> Error + '_ {
@@ -249,8 +252,12 @@ impl Leadership {
         prefix: &str,
         seq: u64,
         first_entry: u64,
-        snapshot: &[u8],
+        body: SnapshotBody<'_>,
     ) -> Result<(), Error> {
+        let (snapshot, blob) = match body {
+            SnapshotBody::Bytes(b) => (b, None),
+            SnapshotBody::Blob(r) => (&[][..], Some(r.clone())),
+        };
         let chunks: Vec<&[u8]> = snapshot.chunks(MAX_ENTRY_BYTES).collect();
         if chunks.len() > MAX_SNAPSHOT_CHUNKS {
             return Err(Error::InvalidField {
@@ -274,8 +281,9 @@ impl Leadership {
         let head = SnapshotHead {
             seq,
             chunks: chunks.len(),
-            bytes: snapshot.len() as u64,
+            bytes: blob.as_ref().map_or(snapshot.len() as u64, |r| r.bytes),
             first_entry,
+            blob,
         };
         let head = serde_json::to_vec(&head).map_err(|e| Error::InvalidField {
             field: "snapshot head".into(),
@@ -365,10 +373,23 @@ pub struct SnapshotHead {
     pub bytes: u64,
     /// The first log entry after the snapshot (earlier ones were deleted with it).
     pub first_entry: u64,
+    /// Where the snapshot is when it is in the blob store ([`crate::blobs`]; no chunks then).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub blob: Option<crate::blobs::BlobRef>,
 }
 
-/// A journal kept in etcd as read back: its snapshot (head and bytes), if it has one, and the
-/// log entries after it, `(entry, bytes)` in order.
+/// A snapshot for [`Leadership::install_snapshot`]: its bytes (stored in chunks in etcd), or
+/// its reference in the blob store.
+#[derive(Debug, Clone, Copy)]
+pub enum SnapshotBody<'a> {
+    /// The encoded snapshot.
+    Bytes(&'a [u8]),
+    /// The encoded snapshot, already in the blob store.
+    Blob(&'a crate::blobs::BlobRef),
+}
+
+/// A journal kept in etcd as read back: its snapshot (head and bytes; no bytes when the head
+/// names a blob), if it has one, and the log entries after it, `(entry, bytes)` in order.
 #[derive(Debug, Clone, Default)]
 pub struct EtcdLog {
     /// The snapshot and its bytes.
@@ -419,7 +440,7 @@ pub async fn read_journal(cfg: &EtcdConfig, prefix: &str) -> Result<EtcdLog, Err
                 }
                 bytes.extend_from_slice(chunk);
             }
-            if bytes.len() as u64 != h.bytes || chunks.len() < h.chunks {
+            if h.blob.is_none() && (bytes.len() as u64 != h.bytes || chunks.len() < h.chunks) {
                 return Err(Error::InvalidField {
                     field: format!("etcd key {}", head_name()),
                     reason: format!(

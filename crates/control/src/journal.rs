@@ -538,6 +538,8 @@ enum Store {
     Etcd {
         leadership: std::sync::Arc<crate::ha::Leadership>,
         prefix: String,
+        /// Where manifests and snapshots go instead of etcd ([`crate::blobs`]).
+        blobs: Option<crate::blobs::BlobStore>,
         /// The runtime the etcd calls run on (the journal thread is not one of its threads).
         rt: tokio::runtime::Handle,
         /// The next log entry's sequence number (an entry holds one or more whole lines).
@@ -698,78 +700,34 @@ impl Journal {
     }
 
     /// Opens the journal kept in etcd under `prefix` by the leader `leadership`: reads and
-    /// verifies its snapshot, if it has one, and every log entry after it (as
-    /// [`Journal::recover`] does a file; there is no torn tail, an entry is written whole or
-    /// not at all) and returns it with what it holds. `rt` runs the etcd calls of
-    /// [`Journal::write_synced`] and [`Journal::install_snapshot`].
+    /// verifies it as [`load_etcd`] does and returns it with what it holds. `rt` runs the etcd
+    /// calls of [`Journal::write_synced`] and [`Journal::install_snapshot`].
     ///
     /// # Errors
-    /// [`Error::Config`] when etcd cannot be reached; [`Error::SnapshotCorrupt`] for a bad
-    /// snapshot; [`Error::JournalCorrupt`] naming a bad line; [`Error::InvalidField`] for a
-    /// gap in the log or a log that does not start where its snapshot says.
+    /// As [`load_etcd`].
     pub async fn open_etcd(
         cfg: &crate::ha::EtcdConfig,
         leadership: std::sync::Arc<crate::ha::Leadership>,
         prefix: &str,
         rt: tokio::runtime::Handle,
     ) -> Result<(Journal, Loaded), Error> {
-        let log = crate::ha::read_journal(cfg, prefix).await?;
-        let path = PathBuf::from(format!("etcd:{prefix}"));
-        let snapshot = match &log.snapshot {
-            None => None,
-            Some((head, bytes)) => {
-                let s = crate::snapshot::decode(&path, bytes)?;
-                if s.seq != head.seq {
-                    return Err(Error::SnapshotCorrupt {
-                        path,
-                        reason: format!(
-                            "the head names seq {}, the snapshot holds seq {}",
-                            head.seq, s.seq
-                        ),
-                    });
-                }
-                Some(s)
-            }
-        };
-        let base = snapshot.as_ref().map_or(0, |s| s.seq);
-        let next_entry = log
-            .entries
-            .last()
-            .map(|(entry, _)| entry + 1)
-            .or(log.snapshot.as_ref().map(|(h, _)| h.first_entry))
-            .unwrap_or(1);
-        let bytes: Vec<u8> = log.entries.into_iter().flat_map(|(_, b)| b).collect();
-        let parsed = parse(&path, &bytes, base + 1)?;
-        if parsed.good_len != bytes.len() as u64 {
-            return Err(Error::JournalCorrupt {
-                path,
-                line: parsed.entries.len() + 1,
-                reason: "an entry ends inside a line (entries hold whole lines)".into(),
-            });
-        }
-        let next_seq = parsed.entries.last().map_or(base, |e| e.seq).max(base) + 1;
-        let unverified = parsed.unverified;
-        let (entries, skipped) = after_snapshot(parsed.entries, base);
+        let r = read_etcd(cfg, prefix).await?;
         let journal = Journal {
-            path,
+            path: r.path,
             file: Store::Etcd {
                 leadership,
                 prefix: prefix.to_string(),
+                blobs: cfg.blobs.clone(),
                 rt,
-                next_entry,
+                next_entry: r.next_entry,
             },
-            next_seq,
-            bytes: parsed.good_len,
+            next_seq: r.next_seq,
+            bytes: r.bytes,
             torn: None,
-            unverified,
-            base,
+            unverified: r.unverified,
+            base: r.base,
         };
-        let loaded = Loaded {
-            snapshot,
-            entries,
-            skipped,
-        };
-        Ok((journal, loaded))
+        Ok((journal, r.loaded))
     }
 
     /// Appends `record` as one line and syncs it to disk before returning.
@@ -777,8 +735,14 @@ impl Journal {
     /// # Errors
     /// As [`Journal::encode`] and [`Journal::write_synced`] (the state must then not change).
     pub fn append(&mut self, record: &Record) -> Result<u64, Error> {
+        let offloaded = match &self.file {
+            Store::Etcd {
+                blobs: Some(b), rt, ..
+            } => rt.block_on(b.offload(record))?,
+            _ => None,
+        };
         let mut buf = Vec::new();
-        let seq = self.encode(record, &mut buf)?;
+        let seq = self.encode(offloaded.as_ref().unwrap_or(record), &mut buf)?;
         self.write_synced(&buf)?;
         Ok(seq)
     }
@@ -790,10 +754,25 @@ impl Journal {
     ///
     /// # Errors
     /// [`Error::JournalIo`] (`encode`) when the record cannot be serialized;
-    /// [`Error::InvalidField`] (`record`) when its line would exceed
+    /// [`Error::Config`] naming the object when a manifest cannot be stored in the blob store
+    /// of a journal in etcd; [`Error::InvalidField`] (`record`) when its line would exceed
     /// [`MAX_JOURNAL_LINE_BYTES`]. The sequence number is not consumed and `buf` is unchanged
     /// then.
     pub fn encode(&mut self, record: &Record, buf: &mut Vec<u8>) -> Result<u64, Error> {
+        // A journal in etcd with a blob store holds manifests by reference: the caller stores
+        // them first ([`crate::blobs::BlobStore::offload`]), never under the state lock.
+        if let (
+            Store::Etcd { blobs: Some(_), .. },
+            Record::Publish { label, .. } | Record::Peer { label, .. },
+        ) = (&self.file, record)
+        {
+            return Err(Error::InvalidField {
+                field: "record".into(),
+                reason: format!(
+                    "a manifest of {label} journaled whole into a journal whose manifests go to a blob store"
+                ),
+            });
+        }
         let unix_ms = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
@@ -868,6 +847,7 @@ impl Journal {
                 prefix,
                 rt,
                 next_entry,
+                ..
             } => {
                 // Whole lines per entry, each entry at most one etcd request.
                 for chunk in whole_lines(lines, crate::ha::MAX_ENTRY_BYTES) {
@@ -919,13 +899,30 @@ impl Journal {
             Store::Etcd {
                 leadership,
                 prefix,
+                blobs,
                 rt,
                 next_entry,
             } => {
                 // One fenced transaction switches to the snapshot and deletes what it holds;
                 // whether or not a failed one applied, the log goes on from `next_entry`.
-                rt.block_on(leadership.install_snapshot(prefix, seq, *next_entry, snapshot))
-                    .map_err(CompactFailure::Snapshot)?;
+                rt.block_on(async {
+                    match blobs {
+                        Some(b) => {
+                            let r = b.put("snapshots", snapshot.to_vec()).await?;
+                            let body = crate::ha::SnapshotBody::Blob(&r);
+                            leadership
+                                .install_snapshot(prefix, seq, *next_entry, body)
+                                .await
+                        }
+                        None => {
+                            let body = crate::ha::SnapshotBody::Bytes(snapshot);
+                            leadership
+                                .install_snapshot(prefix, seq, *next_entry, body)
+                                .await
+                        }
+                    }
+                })
+                .map_err(CompactFailure::Snapshot)?;
                 let journal_bytes = self.bytes;
                 self.bytes = 0;
                 self.base = seq;
@@ -960,6 +957,19 @@ impl Journal {
     /// Records in the journal after its snapshot (every record when there is none).
     pub fn records_since_snapshot(&self) -> u64 {
         self.next_seq - 1 - self.base
+    }
+
+    /// The blob store manifests go to, for a journal in etcd that has one.
+    pub fn blobs(&self) -> Option<&crate::blobs::BlobStore> {
+        match &self.file {
+            Store::Etcd { blobs, .. } => blobs.as_ref(),
+            Store::File(_) => None,
+        }
+    }
+
+    /// True for a journal kept in etcd.
+    pub fn in_etcd(&self) -> bool {
+        matches!(self.file, Store::Etcd { .. })
     }
 
     /// True when [`Journal::compact`] can compact this journal (a file, or a log in etcd).
@@ -1000,7 +1010,119 @@ impl Journal {
     }
 }
 
-/// Makes a newly created journal file's directory entry durable.
+/// A journal in etcd as read: what it holds, and where its writer goes on.
+struct EtcdRead {
+    path: PathBuf,
+    loaded: Loaded,
+    next_entry: u64,
+    next_seq: u64,
+    bytes: u64,
+    unverified: usize,
+    base: u64,
+}
+
+/// Reads and verifies the journal kept in etcd under `prefix` without writing anything (for
+/// `mx validate --ha` and tools): its snapshot, if it has one, and every log entry after it (as
+/// [`Journal::recover`] does a file; there is no torn tail, an entry is written whole or not at
+/// all), manifests journaled by reference read back from `cfg.blobs` and verified.
+///
+/// # Errors
+/// [`Error::Config`] when etcd or the blob store cannot be reached, or the journal holds
+/// references and `cfg.blobs` is `None`; [`Error::SnapshotCorrupt`] for a bad snapshot;
+/// [`Error::JournalCorrupt`] naming a bad line (or a manifest that cannot be read back);
+/// [`Error::InvalidField`] for a gap in the log or a log that does not start where its
+/// snapshot says.
+pub async fn load_etcd(cfg: &crate::ha::EtcdConfig, prefix: &str) -> Result<Loaded, Error> {
+    read_etcd(cfg, prefix).await.map(|r| r.loaded)
+}
+
+async fn read_etcd(cfg: &crate::ha::EtcdConfig, prefix: &str) -> Result<EtcdRead, Error> {
+    let log = crate::ha::read_journal(cfg, prefix).await?;
+    let path = PathBuf::from(format!("etcd:{prefix}"));
+    let blobs = cfg.blobs.clone();
+    let no_store = |what: &str| {
+        Error::Config {
+        what: format!("journal {}", path.display()),
+        reason: format!(
+            "it holds {what} in a blob store, and this replica has none (mx control --manifest-store)"
+        ),
+    }
+    };
+    let snapshot = match &log.snapshot {
+        None => None,
+        Some((head, bytes)) => {
+            let fetched;
+            let bytes = match (&head.blob, &blobs) {
+                (None, _) => bytes,
+                (Some(r), Some(b)) => {
+                    fetched = b.get("snapshots", r).await?;
+                    &fetched
+                }
+                (Some(_), None) => return Err(no_store("its snapshot")),
+            };
+            let s = crate::snapshot::decode(&path, bytes)?;
+            if s.seq != head.seq {
+                return Err(Error::SnapshotCorrupt {
+                    path,
+                    reason: format!(
+                        "the head names seq {}, the snapshot holds seq {}",
+                        head.seq, s.seq
+                    ),
+                });
+            }
+            Some(s)
+        }
+    };
+    let base = snapshot.as_ref().map_or(0, |s| s.seq);
+    let next_entry = log
+        .entries
+        .last()
+        .map(|(entry, _)| entry + 1)
+        .or(log.snapshot.as_ref().map(|(h, _)| h.first_entry))
+        .unwrap_or(1);
+    let bytes: Vec<u8> = log.entries.into_iter().flat_map(|(_, b)| b).collect();
+    let parsed = parse(&path, &bytes, base + 1)?;
+    if parsed.good_len != bytes.len() as u64 {
+        return Err(Error::JournalCorrupt {
+            path,
+            line: parsed.entries.len() + 1,
+            reason: "an entry ends inside a line (entries hold whole lines)".into(),
+        });
+    }
+    let next_seq = parsed.entries.last().map_or(base, |e| e.seq).max(base) + 1;
+    let unverified = parsed.unverified;
+    let (read, skipped) = after_snapshot(parsed.entries, base);
+    // Manifests journaled by reference are read back (and verified) before replay.
+    let mut entries = Vec::with_capacity(read.len());
+    for (i, mut e) in read.into_iter().enumerate() {
+        if matches!(e.record, Record::PublishRef { .. } | Record::PeerRef { .. }) {
+            let b = blobs.as_ref().ok_or_else(|| no_store("manifests"))?;
+            e.record = b
+                .resolve(e.record)
+                .await
+                .map_err(|err| Error::JournalCorrupt {
+                    path: path.clone(),
+                    line: skipped + i + 1,
+                    reason: err.to_string(),
+                })?;
+        }
+        entries.push(e);
+    }
+    Ok(EtcdRead {
+        path,
+        loaded: Loaded {
+            snapshot,
+            entries,
+            skipped,
+        },
+        next_entry,
+        next_seq,
+        bytes: parsed.good_len,
+        unverified,
+        base,
+    })
+}
+
 /// `lines` cut after a newline into pieces of at most `max` bytes where the lines allow (a
 /// single longer line is one piece of its own).
 fn whole_lines(lines: &[u8], max: usize) -> Vec<&[u8]> {
@@ -1023,6 +1145,7 @@ fn whole_lines(lines: &[u8], max: usize) -> Vec<&[u8]> {
     out
 }
 
+/// Makes a newly created journal file's directory entry durable.
 fn sync_parent(path: &Path) -> Result<(), Error> {
     let dir = match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d,

@@ -29,6 +29,7 @@
 #![forbid(unsafe_code)]
 
 pub mod auth;
+pub mod blobs;
 pub mod client;
 mod commit;
 mod convert;

@@ -131,6 +131,7 @@ impl LocalEtcd {
             endpoints: self.endpoints.clone(),
             election: election.to_string(),
             lease_ttl_s,
+            blobs: None,
         }
     }
 

@@ -32,6 +32,27 @@ pub enum Record {
         /// The manifest (its `slot` names the slot).
         manifest: SourceManifest,
     },
+    /// [`Record::Publish`] as a journal in etcd with a blob store holds it
+    /// ([`crate::blobs`]): the manifest is in the blob store. Resolved into the publish it
+    /// stands for when the journal is read; the state refuses it unresolved.
+    PublishRef {
+        /// Version label.
+        label: String,
+        /// The slot published.
+        slot: u32,
+        /// Where the manifest is.
+        manifest: crate::blobs::BlobRef,
+    },
+    /// [`Record::Peer`] as a journal in etcd with a blob store holds it (see
+    /// [`Record::PublishRef`]).
+    PeerRef {
+        /// Version label.
+        label: String,
+        /// The serving worker.
+        worker_id: String,
+        /// Where its manifest is.
+        manifest: crate::blobs::BlobRef,
+    },
     /// A source says it no longer serves a version (its memory may hold other bytes now).
     Release {
         /// Version label.

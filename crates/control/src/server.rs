@@ -82,6 +82,8 @@ impl Drop for StreamGuard {
 /// The state, journal and wake-ups shared by the RPC handlers and refit drivers.
 pub(crate) struct Shared {
     core: Arc<Mutex<Core>>,
+    /// Where manifests go before their records are journaled by reference ([`crate::blobs`]).
+    blobs: Option<crate::blobs::BlobStore>,
     /// Sequence number of the last record known to be on disk (fsync'd).
     durable: Arc<watch::Sender<u64>>,
     /// Records to commit, in arrival order (see [`committer`]).
@@ -145,6 +147,7 @@ impl Shared {
                 reason,
             })?;
         let state = crate::commit::rebuild(&mut journal, loaded, &policy)?;
+        let blobs = journal.blobs().cloned();
         let applied_seq = journal.len();
         let core = Arc::new(Mutex::new(Core { state, applied_seq }));
         let durable = Arc::new(watch::Sender::new(applied_seq));
@@ -164,6 +167,7 @@ impl Shared {
         Ok(Shared {
             core,
             durable,
+            blobs,
             commits: Some(tx),
             committer: Some(committer),
             changes: watch::Sender::new(0),
@@ -298,6 +302,16 @@ impl Shared {
         if recs.is_empty() {
             return Ok(());
         }
+        // Manifests bound for the blob store go there first, here (not under the state lock,
+        // which the journal thread holds while it encodes).
+        let mut journaled = Vec::with_capacity(recs.len());
+        for r in &recs {
+            journaled.push(match &self.blobs {
+                Some(b) => b.offload(r).await?,
+                None => None,
+            });
+        }
+        let recs = recs.into_iter().zip(journaled).collect();
         let (reply, answer) = oneshot::channel();
         let gone = || Error::Task {
             reason: "the journal thread has stopped".into(),

@@ -193,6 +193,14 @@ impl State {
     /// [`Error::WorkerState`], each naming what is at fault.
     pub fn check(&self, rec: &Record) -> Result<Check, Error> {
         match rec {
+            Record::PublishRef { label, .. } | Record::PeerRef { label, .. } => {
+                Err(Error::InvalidField {
+                    field: "record".into(),
+                    reason: format!(
+                        "a manifest reference of {label}: the journal resolves it against its blob store before the state sees it"
+                    ),
+                })
+            }
             Record::Declare {
                 label,
                 trainer_layout,
@@ -340,6 +348,8 @@ impl State {
             return Ok(Effects::default());
         }
         let effects = match rec {
+            // Refused by the check above.
+            Record::PublishRef { .. } | Record::PeerRef { .. } => Effects::default(),
             // Checked whole above, and no worker twice: each per-worker record passes its own.
             r @ (Record::WorkerCalls { .. } | Record::WorkerResults { .. }) => {
                 for one in r.per_worker().unwrap_or_default() {

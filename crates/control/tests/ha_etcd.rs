@@ -49,6 +49,7 @@ async fn one_leader_and_a_deposed_leader_cannot_write() {
         endpoints: etcd.endpoints.clone(),
         election: "mx/control/leader".into(),
         lease_ttl_s: 2,
+        blobs: None,
     };
     // The cluster takes a moment to elect its own raft leader.
     let t = Instant::now();
@@ -187,6 +188,7 @@ async fn a_new_leader_serves_the_state_the_old_one_journaled() {
         endpoints: etcd.endpoints.clone(),
         election: "mx/control/leader".into(),
         lease_ttl_s: 2,
+        blobs: None,
     };
     let dir = tempfile::tempdir().unwrap();
     let unused = dir.path().to_path_buf();
@@ -319,6 +321,7 @@ async fn a_follower_speaks_tls_as_the_leader_does() {
         endpoints: etcd.endpoints.clone(),
         election: "mx/control/tls-leader".into(),
         lease_ttl_s: 2,
+        blobs: None,
     };
     let dir = tempfile::tempdir().unwrap();
     let ck = rcgen::generate_simple_self_signed(vec!["localhost".to_string()]).unwrap();
@@ -411,6 +414,7 @@ async fn a_compacted_etcd_journal_replays_its_snapshot_and_the_log_after_it() {
         endpoints: etcd.endpoints.clone(),
         election: "mx/control/compact".into(),
         lease_ttl_s: 2,
+        blobs: None,
     };
     let t = Instant::now();
     let leader_a = loop {

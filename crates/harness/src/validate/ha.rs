@@ -9,7 +9,6 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use mx_control::ha::EtcdConfig;
-use mx_control::journal::Entry;
 use mx_control::local_etcd::LocalEtcd;
 
 use super::{s, wait_connected, Fleet, CRASH_POINTS, WORKERS};
@@ -29,28 +28,62 @@ fn free_port() -> anyhow::Result<u16> {
         .port())
 }
 
-/// How the replicas meet on `etcd`.
-fn config(etcd: &LocalEtcd) -> EtcdConfig {
-    etcd.config(ELECTION, LEASE_TTL_S)
-}
+/// The bucket and prefix of the replicas' manifest store (`--manifest-store`).
+const MANIFEST_STORE: &str = "s3://mx-ha/control";
 
-/// The HA side of a fleet: the cluster and the replicas' listen addresses.
+/// The HA side of a fleet: the cluster, the S3 server holding the replicas' manifests and the
+/// replicas' listen addresses.
 pub(super) struct Ha {
     pub(super) etcd: LocalEtcd,
+    /// The replicas' `--manifest-store` (moto), so the journal in etcd holds manifest digests.
+    s3: crate::s3::LoopbackS3,
     /// `host:port` of each of [`REPLICAS`].
     pub(super) listen: [String; 2],
 }
 
 impl Ha {
-    /// Starts the cluster and picks the replicas' ports.
+    /// Starts the cluster and the S3 server, and picks the replicas' ports.
     pub(super) fn start(work: &Path) -> anyhow::Result<Ha> {
+        let s3 = crate::s3::LoopbackS3::start()?;
+        s3.bucket("mx-ha")?;
         Ok(Ha {
             etcd: LocalEtcd::start(work, 3)?,
+            s3,
             listen: [
                 format!("127.0.0.1:{}", free_port()?),
                 format!("127.0.0.1:{}", free_port()?),
             ],
         })
+    }
+
+    /// How the replicas meet on etcd, with their manifest store.
+    fn config(&self) -> anyhow::Result<EtcdConfig> {
+        let url: mx_artifact::ArtifactUrl = MANIFEST_STORE.parse()?;
+        let store = mx_artifact::Store::from_vars(
+            &url,
+            mx_artifact::StoreOptions::default(),
+            self.s3.vars(),
+        )?;
+        Ok(EtcdConfig {
+            blobs: Some(mx_control::blobs::BlobStore::new(store, url)),
+            ..self.etcd.config(ELECTION, LEASE_TTL_S)
+        })
+    }
+
+    /// Starts (or restarts) replica `i` with `env` beside the S3 client's variables.
+    pub(super) fn spawn_replica(
+        &self,
+        procs: &mut crate::fleet::Procs,
+        i: usize,
+        work: &Path,
+        journal: &Path,
+        env: &[(&str, &str)],
+    ) -> anyhow::Result<()> {
+        let vars = self.s3.vars();
+        let mut all: Vec<(&str, &str)> =
+            vars.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        all.extend_from_slice(env);
+        procs.spawn_env(REPLICAS[i], work, &self.replica_args(i, journal), &all)
     }
 
     /// Waits until the etcd cluster answers (its members elect a raft leader first), at most
@@ -84,12 +117,14 @@ impl Ha {
             format!("http://{listen}"),
             s("--lease-ttl-s"),
             LEASE_TTL_S.to_string(),
+            s("--manifest-store"),
+            s(MANIFEST_STORE),
         ]
     }
 
     /// The index among [`REPLICAS`] of the one etcd names as the leader, if any.
     pub(super) async fn leader(&self) -> anyhow::Result<Option<usize>> {
-        let Some((url, _)) = mx_control::ha::leader(&config(&self.etcd)).await? else {
+        let Some((url, _)) = mx_control::ha::leader(&self.config()?).await? else {
             return Ok(None);
         };
         Ok(self
@@ -114,14 +149,24 @@ impl Ha {
         }
     }
 
-    /// Every journal record in etcd, in order.
-    pub(super) async fn records(&self) -> anyhow::Result<Vec<Entry>> {
-        let log = mx_control::ha::read_log(&config(&self.etcd), JOURNAL_PREFIX).await?;
+    /// How the log in etcd (after its snapshot) holds manifests: `(whole, by reference)` counts
+    /// of publish and peer records.
+    async fn manifests_in_log(&self) -> anyhow::Result<(usize, usize)> {
+        use mx_control::state::Record;
+        let log = mx_control::ha::read_log(&self.config()?, JOURNAL_PREFIX).await?;
         let bytes: Vec<u8> = log.into_iter().flat_map(|(_, b)| b).collect();
-        Ok(mx_control::journal::parse_records(
-            Path::new("etcd:/mx/journal/"),
-            &bytes,
-        )?)
+        let entries = mx_control::journal::parse_records(Path::new("etcd:/mx/journal/"), &bytes)?;
+        let count = |f: fn(&Record) -> bool| entries.iter().filter(|e| f(&e.record)).count();
+        Ok((
+            count(|r| matches!(r, Record::Publish { .. } | Record::Peer { .. })),
+            count(|r| matches!(r, Record::PublishRef { .. } | Record::PeerRef { .. })),
+        ))
+    }
+
+    /// The journal in etcd: its snapshot, if any, and its records after it, manifests read
+    /// back from the manifest store.
+    pub(super) async fn journal(&self) -> anyhow::Result<mx_control::journal::Loaded> {
+        Ok(mx_control::journal::load_etcd(&self.config()?, JOURNAL_PREFIX).await?)
     }
 }
 
@@ -149,22 +194,19 @@ pub(super) async fn leader_killed_at(
         .await?
         .context("no control-plane replica leads")?;
     let armed = 1 - leader;
-    let (armed_args, leader_args) = (
-        ha.replica_args(armed, &f.journal),
-        ha.replica_args(leader, &f.journal),
-    );
     let work = f.work.clone();
+    let journal = f.journal.clone();
     f.procs.kill(REPLICAS[armed])?;
-    f.procs.spawn_env(
-        REPLICAS[armed],
+    ha.spawn_replica(
+        &mut f.procs,
+        armed,
         &work,
-        &armed_args,
+        &journal,
         &[("MX_CONTROL_CRASH_AT", point)],
     )?;
     f.procs.kill(REPLICAS[leader])?;
-    let ha = f.ha.as_ref().context("--ha")?;
     ha.wait_leader(armed).await?;
-    f.procs.spawn(REPLICAS[leader], &work, &leader_args)?;
+    ha.spawn_replica(&mut f.procs, leader, &work, &journal, &[])?;
     for w in WORKERS {
         wait_connected(f, w).await?;
     }
@@ -174,9 +216,16 @@ pub(super) async fn leader_killed_at(
     // The replica that was SIGKILLed before leads again once the armed one's lease ran out.
     let r = wait_end(&f.client, id, Duration::from_secs(300)).await?;
     print_refit(&r);
-    f.procs.spawn(REPLICAS[armed], &work, &armed_args)?;
-    let took_over = f.ha.as_ref().context("--ha")?.leader().await? == Some(leader);
-    let ok = r.outcome == Some(expect) && super::on(&r, label, f) && r.recovered && took_over;
+    let ha = f.ha.as_ref().context("--ha")?;
+    ha.spawn_replica(&mut f.procs, armed, &work, &journal, &[])?;
+    let took_over = ha.leader().await? == Some(leader);
+    let (whole, by_ref) = ha.manifests_in_log().await?;
+    let ok = r.outcome == Some(expect)
+        && super::on(&r, label, f)
+        && r.recovered
+        && took_over
+        && whole == 0
+        && by_ref > 0;
     for w in WORKERS {
         wait_connected(f, w).await?;
     }
@@ -185,7 +234,7 @@ pub(super) async fn leader_killed_at(
         super::outcome_str(&r),
         ok,
         format!(
-            "{}; {} took over",
+            "{}; {} took over; the log in etcd holds {by_ref} manifests by digest, {whole} whole",
             r.reason,
             if took_over {
                 REPLICAS[leader]

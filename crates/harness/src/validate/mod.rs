@@ -366,10 +366,7 @@ impl Fleet {
     /// `--ha`, from etcd.
     async fn journal_state(&self) -> anyhow::Result<mx_control::state::State> {
         match &self.ha {
-            Some(ha) => Ok(mx_control::journal::replay(
-                Path::new("etcd:/mx/journal/"),
-                ha.records().await?,
-            )?),
+            Some(ha) => Ok(ha.journal().await?.replay(Path::new("etcd:/mx/journal/"))?),
             None => Ok(mx_control::journal::load_state(&self.journal)?),
         }
     }
@@ -467,8 +464,8 @@ async fn start_fleet(
     let control = match &mut ha {
         Some(h) => {
             h.wait_etcd().await?;
-            for (i, name) in ha::REPLICAS.iter().enumerate() {
-                procs.spawn(name, &work, &h.replica_args(i, &journal))?;
+            for i in 0..ha::REPLICAS.len() {
+                h.spawn_replica(&mut procs, i, &work, &journal, &[])?;
             }
             h.control_urls()
         }
