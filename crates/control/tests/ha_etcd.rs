@@ -40,6 +40,25 @@ fn etcd_cluster() -> Option<Etcd> {
     })
 }
 
+/// `attempt()` again every 200 ms (each try at most 5 s) until it succeeds: the etcd cluster
+/// elects its own raft leader first. Panics naming `what` after 30 s.
+async fn until_elected<T, E: std::fmt::Debug, F: std::future::Future<Output = Result<T, E>>>(
+    what: &str,
+    mut attempt: impl FnMut() -> F,
+) -> T {
+    let t = Instant::now();
+    loop {
+        match tokio::time::timeout(Duration::from_secs(5), attempt()).await {
+            Ok(Ok(x)) => return x,
+            _ if t.elapsed() < Duration::from_secs(30) => {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Ok(Err(e)) => panic!("{what} not elected within 30 s: {e:?}"),
+            Err(_) => panic!("{what} not elected within 30 s: the last try timed out"),
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_leader_and_a_deposed_leader_cannot_write() {
     let Some(etcd) = etcd_cluster() else {
@@ -51,22 +70,10 @@ async fn one_leader_and_a_deposed_leader_cannot_write() {
         lease_ttl_s: 2,
         blobs: None,
     };
-    // The cluster takes a moment to elect its own raft leader.
-    let t = Instant::now();
-    let a = loop {
-        match tokio::time::timeout(
-            Duration::from_secs(5),
-            Leadership::campaign(&cfg, "http://replica-a:7700"),
-        )
-        .await
-        {
-            Ok(Ok(l)) => break l,
-            _ if t.elapsed() < Duration::from_secs(30) => {
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-            other => panic!("no leadership within 30 s: {other:?}"),
-        }
-    };
+    let a = until_elected("replica a", || {
+        Leadership::campaign(&cfg, "http://replica-a:7700")
+    })
+    .await;
     let ea = a.epoch();
     assert!(ea.0 > 0);
     assert_eq!(
@@ -198,22 +205,10 @@ async fn a_new_leader_serves_the_state_the_old_one_journaled() {
         journal_path: unused.join(format!("{name}-unused.jsonl")),
         security: mx_control::Security::insecure_loopback(),
     };
-    // The etcd cluster elects its own raft leader first.
-    let t = Instant::now();
-    let (addr_a, a) = loop {
-        match tokio::time::timeout(
-            Duration::from_secs(5),
-            mx_control::spawn_ha(replica("a", 0), &cfg, "http://replica-a", "/mx/journal/"),
-        )
-        .await
-        {
-            Ok(Ok(x)) => break x,
-            _ if t.elapsed() < Duration::from_secs(30) => {
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-            other => panic!("replica a not elected within 30 s: {other:?}"),
-        }
-    };
+    let (addr_a, a) = until_elected("replica a", || {
+        mx_control::spawn_ha(replica("a", 0), &cfg, "http://replica-a", "/mx/journal/")
+    })
+    .await;
     let tensors = vec![mx_layout::TensorSpec {
         name: "w".into(),
         dtype: mx_layout::DType::BF16,
@@ -337,21 +332,10 @@ async fn a_follower_speaks_tls_as_the_leader_does() {
             ..mx_control::Security::insecure_loopback()
         },
     };
-    let t = Instant::now();
-    let (_, a) = loop {
-        match tokio::time::timeout(
-            Duration::from_secs(5),
-            mx_control::spawn_ha(replica("a", 0), &cfg, "https://replica-a", "/mx/tls/"),
-        )
-        .await
-        {
-            Ok(Ok(x)) => break x,
-            _ if t.elapsed() < Duration::from_secs(30) => {
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-            other => panic!("replica a not elected within 30 s: {other:?}"),
-        }
-    };
+    let (_, a) = until_elected("replica a", || {
+        mx_control::spawn_ha(replica("a", 0), &cfg, "https://replica-a", "/mx/tls/")
+    })
+    .await;
     let port_b = free_port();
     let (cfg_b, replica_b) = (cfg.clone(), replica("b", port_b));
     let b_task = tokio::spawn(async move {
@@ -416,16 +400,8 @@ async fn a_compacted_etcd_journal_replays_its_snapshot_and_the_log_after_it() {
         lease_ttl_s: 2,
         blobs: None,
     };
-    let t = Instant::now();
-    let leader_a = loop {
-        match tokio::time::timeout(Duration::from_secs(5), Leadership::campaign(&cfg, "a")).await {
-            Ok(Ok(l)) => break std::sync::Arc::new(l),
-            _ if t.elapsed() < Duration::from_secs(30) => {
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-            other => panic!("no leadership within 30 s: {other:?}"),
-        }
-    };
+    let leader_a =
+        std::sync::Arc::new(until_elected("a", || Leadership::campaign(&cfg, "a")).await);
     let prefix = "/mx/compact/";
     let rt = tokio::runtime::Handle::current();
     let (journal, _) = Journal::open_etcd(&cfg, leader_a.clone(), prefix, rt.clone())

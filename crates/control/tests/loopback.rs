@@ -569,6 +569,23 @@ async fn declare_and_publish_step7(c: &ControlClient) -> (Digest, String) {
     (digest, mx_control::version_id(&digest))
 }
 
+/// A full-lifecycle refit of worker `w` to `step-7`, each engine call given `call_timeout_ms`.
+fn step7_on_w(call_timeout_ms: u64) -> RefitSpec {
+    RefitSpec {
+        label: "step-7".into(),
+        worker_ids: vec!["w".into()],
+        pause_mode: PauseMode::Wait,
+        allow_partial: false,
+        check: None,
+        framework_step: 7,
+        stage_timeout_ms: 10_000,
+        call_timeout_ms,
+        apply_parallelism: 0,
+        orchestrator_gated: false,
+        verify_from_apply_answer: false,
+    }
+}
+
 #[tokio::test]
 async fn a_refit_is_the_only_commit_and_a_stage_waits_for_it_to_end() {
     let dir = tempfile::tempdir().unwrap();
@@ -580,19 +597,7 @@ async fn a_refit_is_the_only_commit_and_a_stage_waits_for_it_to_end() {
     register_dynamo(&c, "w", &url).await;
     let mut s = c.watch_commands("w").await.unwrap();
 
-    let spec = RefitSpec {
-        label: "step-7".into(),
-        worker_ids: vec!["w".into()],
-        pause_mode: PauseMode::Wait,
-        allow_partial: false,
-        check: None,
-        framework_step: 7,
-        stage_timeout_ms: 10_000,
-        call_timeout_ms: 10_000,
-        apply_parallelism: 0,
-        orchestrator_gated: false,
-        verify_from_apply_answer: false,
-    };
+    let spec = step7_on_w(10_000);
     let id = c.refit(&spec).await.unwrap();
     // STAGE goes over the command stream, like any stage.
     assert_eq!(
@@ -703,19 +708,7 @@ async fn a_call_in_flight_fails_at_once_when_its_worker_registers_again() {
     fake.lock().unwrap().hold_pause = true;
     register_dynamo(&c, "w", &url).await;
     let mut s = c.watch_commands("w").await.unwrap();
-    let spec = RefitSpec {
-        label: "step-7".into(),
-        worker_ids: vec!["w".into()],
-        pause_mode: PauseMode::Wait,
-        allow_partial: false,
-        check: None,
-        framework_step: 7,
-        stage_timeout_ms: 10_000,
-        call_timeout_ms: 60_000,
-        apply_parallelism: 0,
-        orchestrator_gated: false,
-        verify_from_apply_answer: false,
-    };
+    let spec = step7_on_w(60_000);
     let id = c.refit(&spec).await.unwrap();
     next_cmd(&mut s).await;
     c.report_staged(&staged("w", "step-7", 0)).await.unwrap();
