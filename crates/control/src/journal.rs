@@ -906,21 +906,17 @@ impl Journal {
                 // One fenced transaction switches to the snapshot and deletes what it holds;
                 // whether or not a failed one applied, the log goes on from `next_entry`.
                 rt.block_on(async {
-                    match blobs {
-                        Some(b) => {
-                            let r = b.put("snapshots", snapshot.to_vec()).await?;
-                            let body = crate::ha::SnapshotBody::Blob(&r);
-                            leadership
-                                .install_snapshot(prefix, seq, *next_entry, body)
-                                .await
-                        }
-                        None => {
-                            let body = crate::ha::SnapshotBody::Bytes(snapshot);
-                            leadership
-                                .install_snapshot(prefix, seq, *next_entry, body)
-                                .await
-                        }
-                    }
+                    let stored = match blobs {
+                        Some(b) => Some(b.put("snapshots", snapshot.to_vec()).await?),
+                        None => None,
+                    };
+                    let body = match &stored {
+                        Some(r) => crate::ha::SnapshotBody::Blob(r),
+                        None => crate::ha::SnapshotBody::Bytes(snapshot),
+                    };
+                    leadership
+                        .install_snapshot(prefix, seq, *next_entry, body)
+                        .await
                 })
                 .map_err(CompactFailure::Snapshot)?;
                 let journal_bytes = self.bytes;

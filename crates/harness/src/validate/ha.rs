@@ -37,6 +37,8 @@ pub(super) struct Ha {
     pub(super) etcd: LocalEtcd,
     /// The replicas' `--manifest-store` (moto), so the journal in etcd holds manifest digests.
     s3: crate::s3::LoopbackS3,
+    /// How the replicas meet on etcd, with their manifest store (one S3 client for every read).
+    config: EtcdConfig,
     /// `host:port` of each of [`REPLICAS`].
     pub(super) listen: [String; 2],
 }
@@ -46,27 +48,22 @@ impl Ha {
     pub(super) fn start(work: &Path) -> anyhow::Result<Ha> {
         let s3 = crate::s3::LoopbackS3::start()?;
         s3.bucket("mx-ha")?;
+        let etcd = LocalEtcd::start(work, 3)?;
+        let url: mx_artifact::ArtifactUrl = MANIFEST_STORE.parse()?;
+        let store =
+            mx_artifact::Store::from_vars(&url, mx_artifact::StoreOptions::default(), s3.vars())?;
+        let config = EtcdConfig {
+            blobs: Some(mx_control::blobs::BlobStore::new(store, url)),
+            ..etcd.config(ELECTION, LEASE_TTL_S)
+        };
         Ok(Ha {
-            etcd: LocalEtcd::start(work, 3)?,
+            etcd,
             s3,
+            config,
             listen: [
                 format!("127.0.0.1:{}", free_port()?),
                 format!("127.0.0.1:{}", free_port()?),
             ],
-        })
-    }
-
-    /// How the replicas meet on etcd, with their manifest store.
-    fn config(&self) -> anyhow::Result<EtcdConfig> {
-        let url: mx_artifact::ArtifactUrl = MANIFEST_STORE.parse()?;
-        let store = mx_artifact::Store::from_vars(
-            &url,
-            mx_artifact::StoreOptions::default(),
-            self.s3.vars(),
-        )?;
-        Ok(EtcdConfig {
-            blobs: Some(mx_control::blobs::BlobStore::new(store, url)),
-            ..self.etcd.config(ELECTION, LEASE_TTL_S)
         })
     }
 
@@ -124,7 +121,7 @@ impl Ha {
 
     /// The index among [`REPLICAS`] of the one etcd names as the leader, if any.
     pub(super) async fn leader(&self) -> anyhow::Result<Option<usize>> {
-        let Some((url, _)) = mx_control::ha::leader(&self.config()?).await? else {
+        let Some((url, _)) = mx_control::ha::leader(&self.config).await? else {
             return Ok(None);
         };
         Ok(self
@@ -153,7 +150,7 @@ impl Ha {
     /// of publish and peer records.
     async fn manifests_in_log(&self) -> anyhow::Result<(usize, usize)> {
         use mx_control::state::Record;
-        let log = mx_control::ha::read_log(&self.config()?, JOURNAL_PREFIX).await?;
+        let log = mx_control::ha::read_log(&self.config, JOURNAL_PREFIX).await?;
         let bytes: Vec<u8> = log.into_iter().flat_map(|(_, b)| b).collect();
         let entries = mx_control::journal::parse_records(Path::new("etcd:/mx/journal/"), &bytes)?;
         let count = |f: fn(&Record) -> bool| entries.iter().filter(|e| f(&e.record)).count();
@@ -166,7 +163,7 @@ impl Ha {
     /// The journal in etcd: its snapshot, if any, and its records after it, manifests read
     /// back from the manifest store.
     pub(super) async fn journal(&self) -> anyhow::Result<mx_control::journal::Loaded> {
-        Ok(mx_control::journal::load_etcd(&self.config()?, JOURNAL_PREFIX).await?)
+        Ok(mx_control::journal::load_etcd(&self.config, JOURNAL_PREFIX).await?)
     }
 }
 
