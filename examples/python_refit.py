@@ -483,6 +483,15 @@ def main() -> int:
         else:
             shutil.rmtree(tmpdir, ignore_errors=True)
 
+    checks = [
+        "all_verified",
+        "addresses_unchanged",
+        "loss_fell",
+        "rollback_verified",
+        "staging_within_rank_bytes",
+    ]
+    failed = [k for k in checks if not report[k]]
+    report["all_checks_hold"] = not failed and not report["failed_checks"]
     os.makedirs(os.path.dirname(os.path.abspath(args.report)), exist_ok=True)
     with open(args.report, "w") as f:
         json.dump(report, f, indent=2)
@@ -495,18 +504,10 @@ def main() -> int:
             f"{v['label']:6} {v['train_loss']:10.3e} {v['stage_s'] or 0:8.3f} "
             f"{v['apply_s'] or 0:8.3f} {v['refit_s'] or 0:8.3f}  {v['outcome']}"
         )
-    checks = [
-        "all_verified",
-        "addresses_unchanged",
-        "loss_fell",
-        "rollback_verified",
-        "staging_within_rank_bytes",
-    ]
     for k in checks:
         print(f"{k}: {report[k]}")
     print(f"seconds: {report['seconds']:.1f}")
-    failed = [k for k in checks if not report[k]]
-    if failed:
+    if not report["all_checks_hold"]:
         print(f"python_refit: FAILED: {', '.join(failed)}", file=sys.stderr)
         for line in report["failed_checks"]:
             print(f"  {line}", file=sys.stderr)

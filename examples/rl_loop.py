@@ -6,6 +6,10 @@ Run it (from the repository root)::
     .mx/venv/bin/python examples/rl_loop.py --report /tmp/rl.json
 
 Options: ``--model DIR`` (default ``.mx/models/smollm2-135m``), ``--steps N`` (default 3),
+``--instances N`` (vLLM servers, default 2), ``--paths mx,disk,broadcast`` (the refit paths to
+run side by side, default all three; mx always runs), ``--ci`` (what CI must prove, at CI's
+size: ``--steps 2 --instances 1 --paths mx``; the full side-by-side run is
+``scripts/bench.sh --rl-loop``),
 ``--tp3`` (also try one vLLM instance at tensor parallel 3 once; off by default: it needs ~5 GiB
 more and a few minutes), ``--timeout S`` (every wait, default 600), ``--keep`` (keep the work
 directory: dumps, server logs, journal). Exit status 0 only when every check holds.
@@ -78,7 +82,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.dirname(os.path.abspath(__file__))
 TRAINER_LAYOUT = "fsdp:2"
 TRAINER_MODE = "fsdp2-gloo"
-INSTANCES = ["vllm-a", "vllm-b"]
+INSTANCE_NAMES = ["vllm-a", "vllm-b", "vllm-c", "vllm-d"]
+PATHS = ("mx", "disk", "broadcast")
 LR = 1e-3
 BATCH = (1, 17)
 MAX_NEW = 8
@@ -331,8 +336,9 @@ def _refit(control: Any, label: str, workers: list[str], expected: list[int], ti
     )
 
 
-def mx_path(control: Any, label: str, expected: list[int], servers, publish_s: float, timeout):
-    workers = [f"{i}-tp0" for i in INSTANCES]
+def mx_path(
+    control: Any, label: str, expected: list[int], servers, workers, publish_s: float, timeout
+):
     with Load(servers) as load:
         r = _refit(control, label, workers, expected, timeout)
         during = load.done
@@ -342,6 +348,7 @@ def mx_path(control: Any, label: str, expected: list[int], servers, publish_s: f
     stall = sum(ph.get(p, 0.0) for p in ("PREPARE", "APPLY", "VERIFY", "RESUME"))
     staged = [w.last_staged or {} for w in control.status().workers if w.worker_id in workers]
     return {
+        "outcome": str(r.outcome),
         "stall_s": stall,
         "end_to_end_s": publish_s + ph.get("STAGE", 0.0) + stall,
         "stage_s": ph.get("STAGE", 0.0),
@@ -390,11 +397,14 @@ class Loop:
         self.specs = [(t.name, DTYPE_NAMES[t.dtype], list(t.shape)) for t in self.tensors]
         self.trainers: list[Child] = []
         self.servers: list[VllmServer] = []
+        self.instances = INSTANCE_NAMES[: args.instances]
         self.report: dict[str, Any] = {
             "trainer_mode": TRAINER_MODE,
             "steps": [],
             "peak_rss_bytes": {},
-            "paths": {"mx": [], "disk": [], "broadcast": []},
+            "paths": {p: [] for p in args.paths},
+            "config": {"steps": args.steps, "instances": args.instances, "paths": args.paths},
+            "versions": [],
         }
 
     def start(self) -> None:
@@ -409,7 +419,7 @@ class Loop:
             t.recv("ready", self.args.timeout)
         env = {"PYTHONPATH": EXAMPLES + os.pathsep + os.environ.get("PYTHONPATH", "")}
         ext = ["--worker-extension-cls", "gloo_broadcast.GlooBroadcastExtension"]
-        for name in INSTANCES:
+        for name in self.instances:
             s = VllmServer(
                 os.path.join(self.work, name),
                 model=self.model_dir,
@@ -419,6 +429,8 @@ class Loop:
             )
             self.servers.append(s)
             s.init_mx(self.cp.url, name)
+        if "broadcast" not in self.args.paths:
+            return
         # The broadcast group: trainer rank 0 (rank 0, the store) + one rank per server.
         port, world = free_port(), 1 + len(self.servers)
         for t in self.trainers:
@@ -459,23 +471,35 @@ class Loop:
         def matches() -> dict[str, bool]:
             return {s.url: s.generate(PROMPT, MAX_NEW) == expected for s in self.servers}
 
-        d = disk_path(self.servers, dumps[0], dump_dir)
-        checks = {"disk": matches()}
-        buckets = gloo_broadcast.plan_buckets(self.specs)
-        meta = json.dumps({"specs": self.specs, "buckets": buckets})
-        b = broadcast_path(self.servers, self.trainers, meta, buckets, args.timeout)
-        checks["broadcast"] = matches()
+        rows: dict[str, dict[str, Any]] = {}
+        checks = {}
+        if "disk" in args.paths:
+            rows["disk"] = disk_path(self.servers, dumps[0], dump_dir)
+            checks["disk"] = matches()
+        if "broadcast" in args.paths:
+            buckets = gloo_broadcast.plan_buckets(self.specs)
+            meta = json.dumps({"specs": self.specs, "buckets": buckets})
+            rows["broadcast"] = broadcast_path(
+                self.servers, self.trainers, meta, buckets, args.timeout
+            )
+            checks["broadcast"] = matches()
         publish_s = max(p["publish_s"] for p in pubs)
-        m = mx_path(self.control, label, expected, self.servers, publish_s, args.timeout)
-        for name, row in (("disk", d), ("broadcast", b), ("mx", m)):
+        workers = [f"{i}-tp0" for i in self.instances]
+        rows["mx"] = mx_path(
+            self.control, label, expected, self.servers, workers, publish_s, args.timeout
+        )
+        for name, row in rows.items():
             paths[name].append({"step": step, **row})
         instances = []
-        for name, s in zip(INSTANCES, self.servers, strict=True):
+        for name, s in zip(self.instances, self.servers, strict=True):
             tokens = s.generate(PROMPT, MAX_NEW)
             info = _ok("weight_info", s.call("GET", "/weight_info"))
             instances.append(
                 {
                     "id": name,
+                    "kind": "vllm",
+                    "engine_layout": "tp:1",
+                    "source": "mx",
                     "tokens": tokens,
                     "cold_tokens": expected,
                     "tokens_match_cold_start": tokens == expected,
@@ -484,6 +508,9 @@ class Loop:
                 }
             )
             previous[s.url] = tokens
+        self.report["versions"].append(
+            {"label": label, "version_id": vid, "outcome": rows["mx"]["outcome"]}
+        )
         self.report["steps"].append(
             {
                 "step": step,
@@ -496,16 +523,16 @@ class Loop:
                 "instances": instances,
             }
         )
+        stalls = " / ".join(f"{n} {r['stall_s']:.2f} s" for n, r in rows.items())
         print(
             f"step {step}: loss {pubs[0]['loss']:.3f}  tokens {instances[0]['tokens']}  "
-            f"stall mx {m['stall_s']:.2f} s / disk {d['stall_s']:.2f} s / broadcast "
-            f"{b['stall_s']:.2f} s",
+            f"stall {stalls}",
             flush=True,
         )
 
     def stop(self) -> None:
         rss = self.report["peak_rss_bytes"]
-        for name, s in zip(INSTANCES, self.servers, strict=False):
+        for name, s in zip(self.instances, self.servers, strict=False):
             if s.proc.poll() is None:
                 rss[name] = s.peak_rss_bytes()
             s.stop()
@@ -565,14 +592,30 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=".mx/models/smollm2-135m")
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--instances", type=int, default=None)
+    ap.add_argument("--paths", default=None, help="comma-separated: mx,disk,broadcast")
+    ap.add_argument("--ci", action="store_true", help="--steps 2 --instances 1 --paths mx")
     ap.add_argument("--tp3", action="store_true")
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--report", required=True)
     ap.add_argument("--keep", action="store_true")
     args = ap.parse_args()
+    ci = {"steps": 2, "instances": 1, "paths": "mx"}
+    full = {"steps": 3, "instances": 2, "paths": ",".join(PATHS)}
+    for k, v in (ci if args.ci else full).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    args.paths = [p for p in args.paths.split(",") if p]
     if args.steps < 1:
         ap.error("--steps must be at least 1")
+    if not 1 <= args.instances <= len(INSTANCE_NAMES):
+        ap.error(f"--instances must be 1..{len(INSTANCE_NAMES)}")
+    unknown = sorted(set(args.paths) - set(PATHS))
+    if unknown:
+        ap.error(f"--paths: unknown {unknown} (known: {', '.join(PATHS)})")
+    if "mx" not in args.paths:
+        args.paths.append("mx")
     work = tempfile.mkdtemp(prefix="mx-rl-loop-", dir=os.path.join(REPO, ".mx"))
     ok = False
     try:

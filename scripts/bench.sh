@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs mx's benchmarks (see BENCHMARKS.md): installs what they need (scripts/setup.sh), builds the
-# release `mx` binary and runs `mx bench all`, which measures side by side in one run
+# release `mx-lab` binary (the harness) and runs `mx-lab bench all`, which measures side by side
+# in one run
 #   - NIXL pull of SmolLM2 (FSDP-4 -> TP-3, and the identity layout) vs memcpy of the same bytes,
 #   - refit vs the disk path (write a checkpoint, update_weights_from_disk), end to end,
 #   - the planner at Kimi-K2 / DeepSeek-V3 scale and a Kimi-K2 projection onto real hardware,
@@ -12,6 +13,10 @@
 #   scripts/bench.sh --report bench.json          quick mode (about 5 minutes on 2 cores)
 #   scripts/bench.sh --report bench.json --full   more repetitions, every variant, DeepSeek-V3
 #   scripts/bench.sh --criterion                  also the planner's criterion benches
+#   scripts/bench.sh --rl-loop                    also examples/rl_loop.py at full size (an FSDP2
+#                                                 trainer, two real vLLM servers, 3 steps, mx side
+#                                                 by side with the disk and broadcast paths; about
+#                                                 10 minutes): its report goes under "rl_loop"
 set -euo pipefail
 
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -26,24 +31,26 @@ fi
 report="bench.json"
 args=()
 criterion=0
+rl_loop=0
 while (($#)); do
     case "$1" in
         --report) report="$2"; shift 2 ;;
         --report=*) report="${1#--report=}"; shift ;;
         --criterion) criterion=1; shift ;;
+        --rl-loop) rl_loop=1; shift ;;
         *) args+=("$1"); shift ;;
     esac
 done
 
 bash "$SCRIPT_DIR/setup.sh"
 
-printf 'bench: %s\n' "cargo build --release --bin mx" >&2
-cargo build --release --bin mx --manifest-path "$REPO/Cargo.toml"
+printf 'bench: %s\n' "cargo build --release --bin mx-lab" >&2
+cargo build --release --bin mx-lab --manifest-path "$REPO/Cargo.toml"
 
 export UCX_MODULES="${UCX_MODULES:-^efa}"
 # Where cargo put the binary: CARGO_TARGET_DIR when set (relative to this directory, as for cargo).
-MX_BIN="${CARGO_TARGET_DIR:-$REPO/target}/release/mx"
-"$MX_BIN" bench all --report "$report" "${args[@]}"
+MX_LAB="${CARGO_TARGET_DIR:-$REPO/target}/release/mx-lab"
+"$MX_LAB" bench all --report "$report" "${args[@]}"
 
 # Real AdamW steps of SmolLM2 (fp32 master weights served as bf16) exported as XOR deltas through
 # mx's Python API into a loopback S3 server: the delta's size against the full checkpoint.
@@ -63,6 +70,27 @@ with open(report_path, "w") as f:
     json.dump(report, f, indent=2)
 PY
 rm -f "$delta_json"
+
+if ((rl_loop)); then
+    rl_json="$(mktemp)"
+    printf 'bench: %s\n' "examples/rl_loop.py (full size)" >&2
+    (cd "$REPO" && .mx/venv/bin/python examples/rl_loop.py --report "$rl_json")
+    "$REPO/.mx/venv/bin/python" "$REPO/examples/check_report.py" rl_loop "$rl_json"
+    "$REPO/.mx/venv/bin/python" - "$report" "$rl_json" <<'PY'
+import json
+import sys
+
+report_path, rl_path = sys.argv[1:3]
+with open(report_path) as f:
+    report = json.load(f)
+with open(rl_path) as f:
+    rl = json.load(f)
+report["rl_loop"] = {"summary": rl["summary"], "paths": rl["paths"], "config": rl["config"]}
+with open(report_path, "w") as f:
+    json.dump(report, f, indent=2)
+PY
+    rm -f "$rl_json"
+fi
 
 if ((criterion)); then
     printf 'bench: %s\n' "cargo bench --bench planner" >&2

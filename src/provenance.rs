@@ -1,8 +1,8 @@
-//! The build's provenance, stamped by the root `build.rs`: printed by `mx --version` and
-//! handed to the harness at start ([`mx_harness::report::set_build`]), which writes it into
-//! every JSON report as `"build"`.
+//! The build's provenance, stamped by the root `build.rs`: printed by `mx --version` (and
+//! `mx-lab --version`) and recorded at start ([`mx_cli::report::set_build`]), so that every JSON
+//! report carries it as `"build"`.
 
-use mx_harness::report::Build;
+use mx_cli::report::Build;
 
 /// This binary's build.
 pub(crate) const BUILD: Build = Build {
@@ -38,8 +38,8 @@ mod tests {
     fn reports_carry_the_build_and_keep_their_fields() {
         let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
         let p = dir.path().join("r.json");
-        mx_harness::report::set_build(BUILD);
-        mx_harness::report::write_report(&p, &serde_json::json!({"ratio": 0.83}))
+        mx_cli::report::set_build(BUILD);
+        mx_cli::report::write_report(&p, &serde_json::json!({"ratio": 0.83}))
             .unwrap_or_else(|e| panic!("{e:#}"));
         let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&p).unwrap_or_default())
             .unwrap_or_else(|e| panic!("{e}"));

@@ -41,7 +41,7 @@ fn mx_code(dir: &Path, token: &str, args: &[&str]) -> (i32, String) {
 }
 
 fn cmd(dir: &Path, token: &str, args: &[&str]) -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_mx"));
+    let mut c = Command::new(common::exe(args));
     c.args(args)
         .env("MX_CONTROL_TOKEN", token)
         .env("MX_CONTROL_CA", dir.join("cert.pem"))

@@ -1,4 +1,4 @@
-//! `mx bench` parts at small scale: each runs real processes and checks what it reports (the
+//! `mx-lab bench` parts at small scale: each runs real processes and checks what it reports (the
 //! disk part also proves that the disk path and mx leave identical live bytes).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -8,11 +8,11 @@ use std::process::Command;
 
 use serde_json::Value;
 
-/// Runs `mx bench <args> --json <tmp>` and returns the JSON it wrote.
+/// Runs `mx-lab bench <args> --json <tmp>` and returns the JSON it wrote.
 fn bench(args: &[&str]) -> Value {
     let dir = tempfile::tempdir().unwrap();
     let json = dir.path().join("out.json");
-    let out = Command::new(env!("CARGO_BIN_EXE_mx"))
+    let out = Command::new(env!("CARGO_BIN_EXE_mx-lab"))
         .arg("bench")
         .args(args)
         .arg("--json")
@@ -112,7 +112,7 @@ fn pull_bench_reports_layout_and_identity_against_memcpy() {
     assert_eq!(r["pull_vs_memcpy"], rows[0]["ratio"]);
 }
 
-/// Runs `mx bench control` on 30 workers for two rounds with `flags`; the engine calls its
+/// Runs `mx-lab bench control` on 30 workers for two rounds with `flags`; the engine calls its
 /// journal holds, by action.
 fn journaled_calls(flags: &[&str]) -> std::collections::BTreeMap<String, usize> {
     let mut args = vec![

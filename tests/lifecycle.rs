@@ -1,4 +1,4 @@
-//! The refit fault matrix, each scenario a test: `mx validate --only ...` starts a real fleet
+//! The refit fault matrix, each scenario a test: `mx-lab validate --only ...` starts a real fleet
 //! (control plane, two FSDP publishers, a Dynamo-contract tp:3 worker and an SGLang-contract tp:1
 //! worker, all separate processes), injects the fault through the real mechanism and checks the
 //! outcome, the versions the engines report afterwards and the journal on disk. Here the JSON
@@ -13,7 +13,7 @@ use std::sync::Mutex;
 /// One fleet at a time: four fleets at once would fight over two cores and miss deadlines.
 static FLEET: Mutex<()> = Mutex::new(());
 
-/// Runs `mx validate <args> --model <smollm2> --report <tmp>`, one fleet at a time, and requires
+/// Runs `mx-lab validate <args> --model <smollm2> --report <tmp>`, one fleet at a time, and requires
 /// it to succeed: (stdout + stderr, the JSON report). `None` when the model is not installed.
 fn run_validate(args: &[&str]) -> Option<(String, serde_json::Value)> {
     let model = common::model("smollm2-135m")?;
@@ -21,7 +21,7 @@ fn run_validate(args: &[&str]) -> Option<(String, serde_json::Value)> {
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
     let report = tempfile::NamedTempFile::new().unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_mx"))
+    let out = Command::new(env!("CARGO_BIN_EXE_mx-lab"))
         .arg("validate")
         .args(args)
         .arg("--model")
@@ -41,13 +41,13 @@ fn run_validate(args: &[&str]) -> Option<(String, serde_json::Value)> {
     Some((text, json))
 }
 
-/// Runs `mx validate --only <scenarios>` and checks every requested scenario ran, passed, left
+/// Runs `mx-lab validate --only <scenarios>` and checks every requested scenario ran, passed, left
 /// the fleet consistent and the journal complete; returns the report.
 fn validate(scenarios: &[&str]) -> Option<serde_json::Value> {
     validate_with(&[], scenarios)
 }
 
-/// [`validate`] with more arguments of `mx validate` (`--ha`).
+/// [`validate`] with more arguments of `mx-lab validate` (`--ha`).
 fn validate_with(args: &[&str], scenarios: &[&str]) -> Option<serde_json::Value> {
     let only = scenarios.join(",");
     let mut all = args.to_vec();
@@ -169,7 +169,7 @@ fn control_plane_killed_at_every_transition_recovers() {
     }
 }
 
-/// The control plane as two replicas on a real 3-member etcd cluster (`mx validate --ha`): the
+/// The control plane as two replicas on a real 3-member etcd cluster (`mx-lab validate --ha`): the
 /// leader SIGKILLed at each refit transition, the other replica elected once its lease ran out,
 /// and the refit ended from the journal in etcd exactly as a restarted single control plane
 /// ends it, with every worker reconnected to the new leader.
@@ -295,7 +295,7 @@ fn regression_restarts_and_changes_behind_the_control_plane() {
     }
 }
 
-/// `mx validate --chaos 10`: ten refits in a row, each with a SIGKILL of a random process at a
+/// `mx-lab validate --chaos 10`: ten refits in a row, each with a SIGKILL of a random process at a
 /// random moment (control plane, worker, publisher), restarted like a supervisor would. The
 /// invariants are read from the engines: zero violations, every refit ended, and the report
 /// counts each outcome.

@@ -1,4 +1,4 @@
-//! Sources besides the trainer, process by process: `mx control`, `mx publish` trainer ranks,
+//! Sources besides the trainer, process by process: `mx control`, `mx-lab publish` trainer ranks,
 //! `mx worker`s of two layouts and `mx export` to a real S3-compatible server (moto on
 //! loopback). Once every publisher is SIGKILLed, refits still commit from the artifacts: with the
 //! delta corrupted a worker falls back to the canonical artifact; with no source left a refit
@@ -25,7 +25,7 @@ use object_store::ObjectStoreExt as _;
 
 /// `mx ARGS` with the S3 variables; (success, stdout + stderr).
 fn mx(s3: &LoopbackS3, args: &[&str]) -> (bool, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_mx"))
+    let out = Command::new(common::exe(args))
         .args(args)
         .envs(s3.vars())
         .output()
@@ -41,7 +41,7 @@ fn mx(s3: &LoopbackS3, args: &[&str]) -> (bool, String) {
 }
 
 fn spawn(s3: &LoopbackS3, args: &[&str], log: &Path) -> Child {
-    Command::new(env!("CARGO_BIN_EXE_mx"))
+    Command::new(common::exe(args))
         .args(args)
         .envs(s3.vars())
         .stdout(Stdio::null())

@@ -1,21 +1,7 @@
-//! Every message a peer sends the control plane or a client: the first byte picks the message,
-//! the rest is its protobuf bytes -> prost decode -> the receiver's conversion -> encode. What is
-//! accepted is canonical: converting it again gives the same bytes.
+//! The fuzz target of `fuzz/checks/wire.rs` (what it checks is documented there).
 #![no_main]
 
-use libfuzzer_sys::fuzz_target;
-use mx_control::wire::{canonical, WireMessage};
+#[path = "../checks/wire.rs"]
+mod checks;
 
-fuzz_target!(|data: &[u8]| {
-    let Some((&k, bytes)) = data.split_first() else {
-        return;
-    };
-    let kind = WireMessage::ALL[usize::from(k) % WireMessage::ALL.len()];
-    let Ok(c) = canonical(kind, bytes) else {
-        return;
-    };
-    match canonical(kind, &c) {
-        Ok(again) => assert_eq!(again, c, "{kind:?}: not a fixed point"),
-        Err(e) => panic!("{kind:?}: the canonical encoding is refused: {e}"),
-    }
-});
+libfuzzer_sys::fuzz_target!(|data: &[u8]| checks::check(data));

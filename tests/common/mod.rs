@@ -112,3 +112,17 @@ pub(crate) fn free_port() -> u16 {
         .unwrap()
         .port()
 }
+
+/// The binary that runs `mx ARGS`: the product's `mx`, or `mx-lab` for the harness's commands
+/// (the demo trainer `publish`, `demo`, `validate`, `bench`) and for anything `--failpoints`.
+pub(crate) fn exe(args: &[&str]) -> &'static str {
+    let lab = matches!(
+        args.first().copied(),
+        Some("publish" | "demo" | "validate" | "bench")
+    ) || args.contains(&"--failpoints");
+    if lab {
+        env!("CARGO_BIN_EXE_mx-lab")
+    } else {
+        env!("CARGO_BIN_EXE_mx")
+    }
+}

@@ -39,27 +39,6 @@ const SETTLE_RETRY_MAX: Duration = Duration::from_secs(4);
 /// deadline: a process that is gone serves nothing, and it is gated until it registers again.
 const DEPARTURE_GRACE: Duration = Duration::from_secs(10);
 
-/// Crash failpoint for tests of recovery: `MX_CONTROL_CRASH_AT=<point>` SIGKILLs this process
-/// (a real `kill -9`) when the driver reaches `<point>`: a phase name right after the phase is
-/// journaled (`stage`, `prepare`, `apply`, `verify`, `resume`, `check`, `commit`), or
-/// `apply:<n>` after `n` apply calls finished (so `apply:1` is between the APPLY of the first
-/// and the second worker), or `apply-sent:<n>` right after the intent of apply call `n` is
-/// journaled but before it is sent.
-fn failpoint(point: &str) {
-    if !cfg!(feature = "failpoints") {
-        return;
-    }
-    if std::env::var("MX_CONTROL_CRASH_AT").is_ok_and(|p| p == point) {
-        tracing::warn!(point, "failpoint: control plane SIGKILLs itself");
-        let pid = std::process::id().to_string();
-        // A real SIGKILL, delivered by the kernel like any other: no destructor or flush runs.
-        let _ = std::process::Command::new("kill")
-            .args(["-9", &pid])
-            .status();
-        std::thread::sleep(Duration::from_secs(3600));
-    }
-}
-
 fn failed(e: impl std::fmt::Display) -> CallResult {
     CallResult {
         ok: false,
@@ -306,7 +285,7 @@ impl Ctx<'_> {
                 recovered,
             })
             .await?;
-        failpoint(&phase.to_string().to_lowercase());
+        crate::crash::at(&phase.to_string().to_lowercase());
         Ok(())
     }
 
@@ -353,7 +332,7 @@ impl Ctx<'_> {
                 for call in start {
                     if let Action::Apply { .. } = call.action {
                         let sent = self.applies_sent.fetch_add(1, Ordering::SeqCst);
-                        failpoint(&format!("apply-sent:{sent}"));
+                        crate::crash::at(&format!("apply-sent:{sent}"));
                     }
                     in_flight.push(self.perform_call(call, timeout));
                 }
@@ -616,7 +595,7 @@ async fn drive_inner(shared: &Arc<Shared>, id: u64, recovering: bool) -> Result<
     let ids: Vec<String> = refit.spec.worker_ids.clone();
 
     // STAGE (the BEGIN record put the refit in STAGE).
-    failpoint("stage");
+    crate::crash::at("stage");
     if let Some(reason) = stage(&ctx, &refit).await? {
         return abort(&ctx, reason, false).await;
     }
@@ -736,7 +715,7 @@ async fn drive_inner(shared: &Arc<Shared>, id: u64, recovering: bool) -> Result<
         }
     }
     ctx.phase(Phase::Commit, String::new(), false).await?;
-    failpoint("end");
+    crate::crash::at("end");
     ctx.end(Outcome::Committed, String::new()).await
 }
 
@@ -753,10 +732,10 @@ async fn apply_all(ctx: &Ctx<'_>, ids: &[String], target: &str) -> Result<Option
         .collect();
     let mut failure = None;
     let mut finished = 0usize;
-    failpoint("apply:0");
+    crate::crash::at("apply:0");
     ctx.call_many(calls, ctx.spec.apply_parallelism, |_, r| {
         finished += 1;
-        failpoint(&format!("apply:{finished}"));
+        crate::crash::at(&format!("apply:{finished}"));
         if !r.ok && failure.is_none() {
             failure = Some(r.error.clone());
         }

@@ -1018,7 +1018,7 @@ struct EtcdRead {
 }
 
 /// Reads and verifies the journal kept in etcd under `prefix` without writing anything (for
-/// `mx validate --ha` and tools): its snapshot, if it has one, and every log entry after it (as
+/// `mx-lab validate --ha` and tools): its snapshot, if it has one, and every log entry after it (as
 /// [`Journal::recover`] does a file; there is no torn tail, an entry is written whole or not at
 /// all), manifests journaled by reference read back from `cfg.blobs` and verified.
 ///

@@ -33,6 +33,7 @@ pub mod blobs;
 pub mod client;
 mod commit;
 mod convert;
+pub mod crash;
 mod driver;
 mod error;
 mod fanout;

@@ -1,4 +1,4 @@
-//! A throwaway etcd cluster on loopback (Debian's `etcd-server`): what `mx validate --ha`, the
+//! A throwaway etcd cluster on loopback (Debian's `etcd-server`): what `mx-lab validate --ha`, the
 //! HA tests and a one-machine trial of `mx control --etcd` run against. Not for production:
 //! every member shares one machine.
 

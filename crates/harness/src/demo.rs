@@ -1,4 +1,4 @@
-//! `mx demo`: control plane, trainer publishers and inference workers as separate OS processes on
+//! `mx-lab demo`: control plane, trainer publishers and inference workers as separate OS processes on
 //! loopback. For each version step-1..step-N it measures the pull (`--runs` stages), commits the
 //! version with a refit (the control plane's one commit path: STAGE, PREPARE, APPLY, VERIFY,
 //! RESUME, CHECK against golden tokens where the workers can generate, COMMIT), and checks every
@@ -21,7 +21,7 @@ use serde::Serialize;
 use crate::fleet::{default_model, median, wait_until, Procs, WorkDir};
 use crate::slice::Reference;
 
-/// Flags of `mx demo`.
+/// Flags of `mx-lab demo`.
 #[derive(clap::Args, Debug)]
 pub struct DemoArgs {
     /// HF checkpoint directory (default: the SmolLM2-135M checkpoint made by scripts/setup.sh).
@@ -164,7 +164,7 @@ async fn check_for(
     let dir = model_dir.to_path_buf();
     let prompt = mx_engine::golden::CHECK_PROMPT.to_vec();
     let expected =
-        tokio::task::spawn_blocking(move || crate::refits::golden(&dir, k, &prompt, CHECK_TOKENS))
+        tokio::task::spawn_blocking(move || mx_cli::refits::golden(&dir, k, &prompt, CHECK_TOKENS))
             .await??;
     Ok(Some(GenerationCheck {
         prompt_tokens: mx_engine::golden::CHECK_PROMPT.to_vec(),
@@ -173,7 +173,7 @@ async fn check_for(
     }))
 }
 
-/// Runs `mx demo`: starts the fleet, refits it through the versions, checks every worker's
+/// Runs `mx-lab demo`: starts the fleet, refits it through the versions, checks every worker's
 /// bytes and post-update tokens, prints the tables and writes the report.
 ///
 /// # Errors
@@ -405,7 +405,7 @@ async fn run_async(args: DemoArgs) -> anyhow::Result<()> {
                 verify_from_apply_answer: false,
             })
             .await?;
-        let refit = crate::refits::wait_end(&client, refit_id, Duration::from_secs(900)).await?;
+        let refit = mx_cli::refits::wait_end(&client, refit_id, Duration::from_secs(900)).await?;
         if refit.outcome != Some(Outcome::Committed) {
             procs.check(&work)?;
             bail!(
@@ -533,7 +533,7 @@ async fn run_async(args: DemoArgs) -> anyhow::Result<()> {
         versions,
     };
     if let Some(p) = &args.report {
-        crate::report::write_report(p, &report)?;
+        mx_cli::report::write_report(p, &report)?;
         println!("report written to {}", p.display());
     }
     if args.keep {
@@ -583,7 +583,7 @@ fn print_tables(
     memcpy: f64,
 ) {
     println!(
-        "mx demo: {} -> {} x {} instances, model {}",
+        "mx-lab demo: {} -> {} x {} instances, model {}",
         args.trainer_layout,
         args.inference_layout,
         args.workers,

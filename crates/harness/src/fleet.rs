@@ -1,5 +1,5 @@
-//! Child processes of a local fleet (control plane, publishers, workers) for `mx demo` and
-//! `mx validate`: spawned from this binary with their logs in a work directory, killed when
+//! Child processes of a local fleet (control plane, publishers, workers) for `mx-lab demo` and
+//! `mx-lab validate`: spawned from this binary with their logs in a work directory, killed when
 //! dropped.
 
 use std::path::{Path, PathBuf};
@@ -262,7 +262,7 @@ pub(crate) async fn start_control_with(
     Ok((addr, client))
 }
 
-/// The `mx publish` arguments of trainer rank `rank` of `layout`, publishing `steps` versions of
+/// The `mx-lab publish` arguments of trainer rank `rank` of `layout`, publishing `steps` versions of
 /// the checkpoint in `model` to the control plane at `control`.
 pub(crate) fn publish_args(
     control: &str,

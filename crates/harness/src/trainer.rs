@@ -1,4 +1,4 @@
-//! The demo trainer behind `mx publish`: a user of mx-publisher like any trainer. It loads this
+//! The demo trainer behind `mx-lab publish`: a user of mx-publisher like any trainer. It loads this
 //! rank's shards (per the trainer layout) from an HF checkpoint into memory it owns (one
 //! huge-page [`HostBuffer`]), registers that memory with its publisher, and publishes versions
 //! in place, applying [`mx_layout::update::training_step`] between them as an optimizer step

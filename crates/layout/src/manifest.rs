@@ -212,7 +212,7 @@ pub fn digest_segments<'a>(segments: impl IntoIterator<Item = &'a [u8]>) -> Dige
 /// destination layout and rank, tensor name, region and packed address. Not covered: the shard
 /// and piece digests, `pack_seconds` and the agent metadata blob (reloaded at every pull).
 /// Every field is written with its length, so different lists cannot run together into equal
-/// bytes. Cost: one pass over the manifests (`mx bench plan` times it for Kimi-K2).
+/// bytes. Cost: one pass over the manifests (`mx-lab bench plan` times it for Kimi-K2).
 pub fn geometry_digest(sources: &[SourceManifest]) -> Digest {
     const BUF: usize = 64 * 1024;
     struct Sink {

@@ -72,7 +72,7 @@ pub trait Transport: Sync {
 }
 
 /// NIXL READs on one agent per lane: a NIXL agent's transfers progress on one UCX worker, so
-/// one agent pulls on one core however many threads call it (`mx bench pull` measured ~1.5x
+/// one agent pulls on one core however many threads call it (`mx-lab bench pull` measured ~1.5x
 /// with two lanes on two cores). The first lane is the puller's own agent; more are created
 /// on first use and kept, with their staging arenas.
 #[derive(Debug)]

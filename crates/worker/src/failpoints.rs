@@ -1,5 +1,9 @@
 //! Fault injection for fleet tests: named failpoints set over HTTP (`POST /mx/failpoints`, only
-//! when the worker runs with `--failpoints`) and read where the fault happens.
+//! when the worker runs with `mx-lab worker --failpoints`) and read where the fault happens.
+//!
+//! Only a fault-injection harness turns them on: it calls [`arm`] before starting workers, and
+//! the command line then serves the route ([`armed`]). The `mx` binary, the Python package and
+//! the C library never arm them.
 //!
 //! | name | value | effect |
 //! |---|---|---|
@@ -9,12 +13,26 @@
 //! | `generate.fail` | `true` | `/generate` answers HTTP 500 |
 //! | `stage.sleep_between_sources_ms` | milliseconds | stage pulls one source at a time and sleeps this long after each source's bytes |
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
 use serde_json::{Map, Value};
 
 use crate::Error;
+
+static ARMED: AtomicBool = AtomicBool::new(false);
+
+/// Workers this process starts from its command line serve `/mx/failpoints` from now on
+/// (`mx-lab worker --failpoints`).
+pub fn arm() {
+    ARMED.store(true, Ordering::SeqCst);
+}
+
+/// Whether [`arm`] was called in this process.
+pub fn armed() -> bool {
+    ARMED.load(Ordering::SeqCst)
+}
 
 /// The failpoints that are set. All off by default.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

@@ -8,7 +8,7 @@
 //! the live bytes at the time of the request: `{"version": "<resident version id>", "ranks":
 //! [{"rank": r, "tensors": {"<parameter>": "<blake3 hex of its live bytes>"}}]}` in the order of
 //! the ranks held, or 503 `{"status": "error", "message": ...}` while no weights are live.
-//! Orchestrators check live bytes with it (`mx demo` compares them with slices of the
+//! Orchestrators check live bytes with it (`mx-lab demo` compares them with slices of the
 //! checkpoint); it changes nothing, and holds the version store while it hashes (an apply waits).
 //!
 //! Once the instance is retired (its worker was displaced: another process holds its worker id,

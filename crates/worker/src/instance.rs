@@ -38,8 +38,8 @@ pub struct InstanceConfig {
     pub layout: LayoutSpec,
     /// Ranks of `layout` this instance holds (generation needs all of them).
     pub ranks: Vec<u32>,
-    /// Serve `/mx/failpoints` (fault injection for tests); otherwise that route is 404. Needs a
-    /// build with the `failpoints` feature (the `mx` binary has it); refused otherwise.
+    /// Serve `/mx/failpoints` (fault injection for tests); otherwise that route is 404. Only a
+    /// fault-injection harness sets it (`mx-lab worker --failpoints`).
     pub failpoints: bool,
     /// Worker id, for discovery (`instance_id` is derived from it) and logs.
     pub worker_id: String,
@@ -297,7 +297,6 @@ impl Instance {
     /// [`Error::Layout`] when the layout cannot
     /// place the model or a rank is outside it.
     pub fn open(cfg: InstanceConfig, agent: Option<Agent>) -> Result<Instance, Error> {
-        check_failpoints(cfg.failpoints)?;
         let ckpt = Checkpoint::open(&cfg.model_dir)?;
         // Without config.json: replicated and FSDP layouts only, and no generation.
         let model = ckpt.model_info(&[cfg.layout])?;
@@ -369,7 +368,6 @@ impl Instance {
         worker_id: String,
         failpoints: bool,
     ) -> Result<Instance, Error> {
-        check_failpoints(failpoints)?;
         puller.check_registered()?;
         let dest = puller.rank_layouts().to_vec();
         let layout = dest.first().map(|d| d.layout).unwrap_or(LayoutSpec {
@@ -956,18 +954,6 @@ fn decode(
 
 /// HF-named tensors as the engine takes them: (dtype, shape, row-major bytes).
 type EngineTensors = BTreeMap<String, (DType, Vec<u64>, Vec<u8>)>;
-
-/// Failpoints exist only in builds with the `failpoints` feature (the `mx` binary's): asking
-/// for them elsewhere is refused rather than ignored.
-fn check_failpoints(requested: bool) -> Result<(), Error> {
-    if requested && !cfg!(feature = "failpoints") {
-        return Err(Error::BadRequest {
-            field: "failpoints".into(),
-            reason: "this build has no failpoints (cargo feature `failpoints` of mx-worker)".into(),
-        });
-    }
-    Ok(())
-}
 
 /// HF tensors for the engine, reassembled from rank buffers.
 fn engine_tensors(

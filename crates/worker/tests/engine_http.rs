@@ -166,7 +166,6 @@ async fn disk_load_generates_paris_on_tp3_and_every_apply_clears_the_caches() {
     http.shutdown().await;
 }
 
-#[cfg(feature = "failpoints")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failpoints_lie_about_the_cache_fail_generation_and_hang_apply() {
     let Some(dir) = model_dir("failpoints") else {

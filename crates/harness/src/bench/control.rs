@@ -1,4 +1,4 @@
-//! `mx bench control`: the control plane at fleet scale. A real `mx control` process (journal
+//! `mx-lab bench control`: the control plane at fleet scale. A real `mx control` process (journal
 //! fsync'd on the real disk) and `--workers` simulated workers spread over `--procs` processes:
 //! each simulated worker registers over loopback gRPC, holds its own command stream, answers
 //! Stage commands with a staged report, and serves the Dynamo engine routes (pause, update
@@ -27,7 +27,7 @@ use serde::Serialize;
 
 use crate::fleet::{median, Procs, WorkDir};
 
-/// `mx bench control` arguments.
+/// `mx-lab bench control` arguments.
 #[derive(clap::Args, Debug, Clone)]
 pub struct ControlArgs {
     /// Simulated workers.
@@ -66,7 +66,7 @@ pub struct ControlArgs {
     pub json: Option<PathBuf>,
 }
 
-/// `mx bench sim-workers`: one process of simulated workers (started by `mx bench control`).
+/// `mx-lab bench sim-workers`: one process of simulated workers (started by `mx-lab bench control`).
 #[derive(clap::Args, Debug, Clone)]
 pub struct SimArgs {
     /// Control plane address.
@@ -110,7 +110,7 @@ pub(crate) struct Round {
     rss_mb: f64,
 }
 
-/// The result of `mx bench control`.
+/// The result of `mx-lab bench control`.
 #[derive(Debug, Clone, Serialize)]
 pub(crate) struct ControlReport {
     workers: u32,
@@ -345,7 +345,7 @@ async fn rollback_round(
     let id = client
         .refit(&refit_spec(a, label, ids, u64::from(a.rounds) + 1))
         .await?;
-    let refit = crate::refits::wait_end(client, id, Duration::from_secs(600)).await?;
+    let refit = mx_cli::refits::wait_end(client, id, Duration::from_secs(600)).await?;
     let ms = t.elapsed().as_secs_f64() * 1e3;
     std::fs::remove_file(fail_file)?;
     if refit.outcome != Some(Outcome::RolledBack) {
@@ -378,7 +378,7 @@ async fn rollback_round(
     Ok(ms)
 }
 
-/// Runs `mx bench control`: prints a table and returns the report.
+/// Runs `mx-lab bench control`: prints a table and returns the report.
 pub(crate) async fn run(a: &ControlArgs) -> anyhow::Result<ControlReport> {
     if a.workers == 0 || a.procs == 0 || a.rounds == 0 {
         bail!("--workers, --procs and --rounds must be at least 1");
@@ -469,7 +469,7 @@ pub(crate) async fn run(a: &ControlArgs) -> anyhow::Result<ControlReport> {
         let spec = refit_spec(a, &label, &ids, u64::from(r) + 1);
         let t1 = Instant::now();
         let id = client.refit(&spec).await?;
-        let refit = crate::refits::wait_end(&client, id, Duration::from_secs(600)).await?;
+        let refit = mx_cli::refits::wait_end(&client, id, Duration::from_secs(600)).await?;
         let commit_ms = t1.elapsed().as_secs_f64() * 1e3;
         let c2 = cpu_seconds(control_pid)?;
         let j2 = std::fs::metadata(&journal)?.len();

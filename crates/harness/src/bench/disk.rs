@@ -1,4 +1,4 @@
-//! `mx bench disk`: mx against the disk path frameworks use today (`update_weights_from_disk`),
+//! `mx-lab bench disk`: mx against the disk path frameworks use today (`update_weights_from_disk`),
 //! end to end, same model, same machine, same run, alternating.
 //!
 //! The inference instance is `tp:3` served by three `mx worker` processes, one per rank (as
@@ -9,7 +9,7 @@
 //!   checkpoint (one file plus `config.json`, no fsync: the page cache as the write leaves it),
 //!   then every rank's `update_weights_from_disk` reads the file and slices its shard (all ranks
 //!   at once, as a framework calls them). The clock stops when every rank answered.
-//! - mx: four `mx publish` processes (FSDP-4 trainer ranks) hold version k in memory; the clock
+//! - mx: four `mx-lab publish` processes (FSDP-4 trainer ranks) hold version k in memory; the clock
 //!   starts; the orchestrator declares k, every rank digests and publishes its manifest, every
 //!   worker pulls and verifies exactly its bytes (blake3 per region), and a refit applies them
 //!   (pause, apply, read back, resume, COMMIT journaled). The clock stops at COMMITTED.
@@ -28,7 +28,7 @@ use serde::Serialize;
 use crate::demo::live_digests;
 use crate::fleet::{default_model, median, wait_until, Procs, WorkDir};
 
-/// `mx bench disk` arguments.
+/// `mx-lab bench disk` arguments.
 #[derive(clap::Args, Debug, Clone)]
 pub struct DiskArgs {
     /// HF checkpoint directory (default: the SmolLM2 checkpoint scripts/setup.sh prepares).
@@ -67,7 +67,7 @@ pub(crate) struct DiskPair {
     same_bytes: bool,
 }
 
-/// The result of `mx bench disk`.
+/// The result of `mx-lab bench disk`.
 #[derive(Debug, Clone, Serialize)]
 pub(crate) struct DiskReport {
     model: String,
@@ -89,7 +89,7 @@ pub(crate) struct DiskReport {
 
 const WORKERS: [&str; 3] = ["disk-bench-r0", "disk-bench-r1", "disk-bench-r2"];
 
-/// Runs `mx bench disk`.
+/// Runs `mx-lab bench disk`.
 pub(crate) async fn run(a: &DiskArgs) -> anyhow::Result<DiskReport> {
     mx_nixl::nixl_available()?;
     if a.reps == 0 {
@@ -288,7 +288,7 @@ async fn mx_refit(
             verify_from_apply_answer: false,
         })
         .await?;
-    let refit = crate::refits::wait_end(client, id, Duration::from_secs(600)).await?;
+    let refit = mx_cli::refits::wait_end(client, id, Duration::from_secs(600)).await?;
     if refit.outcome != Some(Outcome::Committed) {
         bail!(
             "refit to {label} ended {:?}: {}",
@@ -311,7 +311,7 @@ fn print_report(r: &DiskReport) {
         "disk write",
         "disk load",
         "disk s",
-        "mx publish",
+        "mx-lab publish",
         "mx stage",
         "mx commit",
         "mx s",

@@ -1,5 +1,5 @@
-//! `mx bench`: the numbers behind mx's claims, measured side by side in one run (see
-//! BENCHMARKS.md). Each part prints a table; `mx bench all --report PATH` runs them all and
+//! `mx-lab bench`: the numbers behind mx's claims, measured side by side in one run (see
+//! BENCHMARKS.md). Each part prints a table; `mx-lab bench all --report PATH` runs them all and
 //! writes one JSON report.
 
 pub mod control;
@@ -14,7 +14,7 @@ use std::time::Instant;
 use clap::Subcommand;
 use serde::Serialize;
 
-/// `mx bench` parts.
+/// `mx-lab bench` parts.
 #[derive(Subcommand, Debug)]
 pub enum BenchCmd {
     /// Every part below, then one JSON report (quick by default: about 35 s of measuring here).
@@ -31,12 +31,12 @@ pub enum BenchCmd {
     Sources(sources::SourcesArgs),
     /// Control plane at fleet scale: simulated workers doing stage/commit rounds over loopback.
     Control(control::ControlArgs),
-    /// One process of simulated workers (started by `mx bench control`).
+    /// One process of simulated workers (started by `mx-lab bench control`).
     #[command(hide = true)]
     SimWorkers(control::SimArgs),
 }
 
-/// `mx bench all` arguments.
+/// `mx-lab bench all` arguments.
 #[derive(clap::Args, Debug)]
 pub struct AllArgs {
     /// Write the combined JSON report here.
@@ -85,7 +85,7 @@ fn machine() -> Machine {
     }
 }
 
-/// The combined report of `mx bench all`.
+/// The combined report of `mx-lab bench all`.
 #[derive(Debug, Serialize)]
 struct AllReport {
     /// Pull of the inference layout against memcpy of the same bytes (same run).
@@ -123,13 +123,13 @@ struct AllReport {
 
 fn write_json(path: &Option<PathBuf>, value: &impl serde::Serialize) -> anyhow::Result<()> {
     if let Some(p) = path {
-        crate::report::write_report(p, value)?;
+        mx_cli::report::write_report(p, value)?;
         eprintln!("report written to {}", p.display());
     }
     Ok(())
 }
 
-/// Runs one `mx bench` part.
+/// Runs one `mx-lab bench` part.
 pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -1,4 +1,4 @@
-//! `mx bench plan`: the planner at frontier scale (DeepSeek-V3, Kimi-K2; 256 trainer ranks with
+//! `mx-lab bench plan`: the planner at frontier scale (DeepSeek-V3, Kimi-K2; 256 trainer ranks with
 //! EP=64 and FSDP over the rest, 16 inference instances of TP=8 with EP=8), and the projection of
 //! a Kimi-K2 refit onto real hardware from the planner's per-NIC bytes.
 
@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use mx_layout::frontier::{fleet_plan_report, FleetPlanReport, FrontierModel};
 use serde::Serialize;
 
-/// `mx bench plan` arguments.
+/// `mx-lab bench plan` arguments.
 #[derive(clap::Args, Debug, Clone)]
 pub struct PlanArgs {
     /// Trainer ranks.
@@ -37,8 +37,8 @@ pub struct PlanArgs {
     /// Fixed cost per READ descriptor on an RDMA NIC (seconds), for the projection.
     #[arg(long, default_value_t = 1e-6)]
     pub rdma_per_descriptor_s: f64,
-    /// Commit round of the fleet (ms), for the projection (default: measured by `mx bench
-    /// control` at 1,000 simulated workers on the reference machine; `mx bench all` passes its
+    /// Commit round of the fleet (ms), for the projection (default: measured by `mx-lab bench
+    /// control` at 1,000 simulated workers on the reference machine; `mx-lab bench all` passes its
     /// own measurement).
     #[arg(long, default_value_t = 300.0)]
     pub commit_ms: f64,
@@ -64,7 +64,7 @@ pub(crate) struct Projection {
     mx_projected_s: f64,
 }
 
-/// The result of `mx bench plan`.
+/// The result of `mx-lab bench plan`.
 #[derive(Debug, Clone, Serialize)]
 pub(crate) struct PlanReport {
     models: Vec<FleetPlanReport>,
@@ -90,7 +90,7 @@ fn peak_rss_bytes() -> u64 {
         .map_or(0, |kb| kb * 1024)
 }
 
-/// Runs `mx bench plan` on the calling thread.
+/// Runs `mx-lab bench plan` on the calling thread.
 pub(crate) fn run(a: &PlanArgs) -> anyhow::Result<PlanReport> {
     let mut models = vec![FrontierModel::kimi_k2()];
     if !a.quick {
@@ -157,7 +157,7 @@ pub(crate) fn run(a: &PlanArgs) -> anyhow::Result<PlanReport> {
             kimi.max_reads
         ),
         format!(
-            "the commit round of the fleet: {:.0} ms (measured by mx bench control at 1,000 simulated workers on the 2-core reference machine)",
+            "the commit round of the fleet: {:.0} ms (measured by mx-lab bench control at 1,000 simulated workers on the 2-core reference machine)",
             a.commit_ms
         ),
         "plans are made before the safe point (the planner is not on the critical path; its time is reported above)".into(),

@@ -1,6 +1,6 @@
-//! `mx bench pull`: NIXL pull bandwidth against the memory ceiling, side by side in one run.
+//! `mx-lab bench pull`: NIXL pull bandwidth against the memory ceiling, side by side in one run.
 //!
-//! Four `mx publish` processes hold the real SmolLM2 checkpoint as FSDP-4 shards. This process
+//! Four `mx-lab publish` processes hold the real SmolLM2 checkpoint as FSDP-4 shards. This process
 //! plays the inference side: it plans the pull for a layout's ranks (all ranks of one instance in
 //! one process, like `mx worker`), READs with NIXL from the publishers' registered memory (UCX
 //! over CMA: separate processes, one-sided) into a registered staging arena, and times only the
@@ -23,7 +23,7 @@ use serde::Serialize;
 
 use crate::fleet::{default_model, median, wait_until, Procs, WorkDir};
 
-/// `mx bench pull` arguments.
+/// `mx-lab bench pull` arguments.
 #[derive(clap::Args, Debug, Clone)]
 pub struct PullArgs {
     /// HF checkpoint directory (default: the SmolLM2 checkpoint scripts/setup.sh prepares).
@@ -74,7 +74,7 @@ pub(crate) struct PullRow {
     ratio: f64,
 }
 
-/// The result of `mx bench pull`.
+/// The result of `mx-lab bench pull`.
 #[derive(Debug, Clone, Serialize)]
 pub(crate) struct PullReport {
     model: String,
@@ -123,7 +123,7 @@ impl Knobs {
 /// executor ([`mx_puller::exec::Executor`] over NIXL lanes: the sources spread over
 /// `knobs.threads` lanes, each with its own NIXL agent unless `shared_agent`, one registered
 /// staging arena per source, as a worker stages). Verification is off here: only the READs are
-/// timed (`mx bench disk`, `mx demo` and the tests check the bytes a real stage verifies).
+/// timed (`mx-lab bench disk`, `mx-lab demo` and the tests check the bytes a real stage verifies).
 /// Returns (descriptors, median seconds).
 fn measure(
     manifests: &[SourceManifest],
@@ -177,7 +177,7 @@ fn measure(
     Ok((descriptors, median(&times)))
 }
 
-/// Runs `mx bench pull`.
+/// Runs `mx-lab bench pull`.
 pub(crate) async fn run(a: &PullArgs) -> anyhow::Result<PullReport> {
     mx_nixl::nixl_available()?;
     let model_dir = a.model.clone().unwrap_or_else(default_model);

@@ -1,11 +1,11 @@
-//! `mx bench sources`: one rank staging the same version from each source, side by side in one
+//! `mx-lab bench sources`: one rank staging the same version from each source, side by side in one
 //! run: the trainer ranks that published it, a peer worker serving it from its memory, its
 //! canonical artifact and its XOR delta in object storage (moto on loopback).
 //!
 //! Two versions of the real SmolLM2 checkpoint: `v1-1` (the checkpoint) and `v2-1`, a small RL
 //! step written here as a second checkpoint directory: about one bf16 element in [`CHANGE_EVERY`],
 //! scattered by a hash, moves one ulp (0.5% of the elements, the fraction a 1e-6 learning rate
-//! changed in `examples/delta_vs_full.py`). Each is published by its own two `mx publish` ranks
+//! changed in `examples/delta_vs_full.py`). Each is published by its own two `mx-lab publish` ranks
 //! (FSDP-2, separate processes); an `mx worker` of tp:3 is refitted to `v2-1` and serves it as
 //! a peer; `mx export` writes `v2-1` canonical and as a delta against `v1-1`. This process is
 //! the measured worker: rank 0 of tp:3 holding `v1-1`, it stages `v2-1` from each source in
@@ -34,7 +34,7 @@ use crate::s3::LoopbackS3;
 /// One bf16 element in this many is changed between the two versions.
 pub const CHANGE_EVERY: usize = 200;
 
-/// `mx bench sources` arguments.
+/// `mx-lab bench sources` arguments.
 #[derive(clap::Args, Debug, Clone)]
 pub struct SourcesArgs {
     /// HF checkpoint directory (default: the SmolLM2 checkpoint scripts/setup.sh prepares).
@@ -64,7 +64,7 @@ pub(crate) struct SourceRow {
     pub(crate) useful_bytes: u64,
 }
 
-/// The result of `mx bench sources`.
+/// The result of `mx-lab bench sources`.
 #[derive(Debug, Clone, Serialize)]
 pub(crate) struct SourcesReport {
     model: String,
@@ -270,7 +270,7 @@ async fn prepare(
             verify_from_apply_answer: false,
         })
         .await?;
-    let r = crate::refits::wait_end(&client, id, Duration::from_secs(300)).await?;
+    let r = mx_cli::refits::wait_end(&client, id, Duration::from_secs(300)).await?;
     if r.outcome != Some(Outcome::Committed) {
         bail!(
             "the peer's refit to v2-1 ended {:?}: {}",
@@ -363,7 +363,7 @@ async fn prepare(
     })
 }
 
-/// Runs `mx bench sources`.
+/// Runs `mx-lab bench sources`.
 pub(crate) async fn run(a: &SourcesArgs) -> anyhow::Result<SourcesReport> {
     mx_nixl::nixl_available()?;
     let model_dir = a.model.clone().unwrap_or_else(default_model);

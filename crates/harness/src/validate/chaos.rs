@@ -1,4 +1,4 @@
-//! `mx validate --chaos N --seed S`: N refits in a row against the embedded fleet, each with a
+//! `mx-lab validate --chaos N --seed S`: N refits in a row against the embedded fleet, each with a
 //! SIGKILL of one randomly chosen process (the control plane, a worker, a publisher) at a random
 //! moment, restarted at once as a supervisor would. After every refit the lifecycle's promises
 //! are checked from the engines themselves, never from the control plane's word alone:
@@ -30,7 +30,7 @@ use serde_json::json;
 
 use super::{connect, next_refit_id, s, Fleet, WORKERS};
 use crate::fleet::WorkDir;
-use crate::refits::{print_refit, wait_end};
+use mx_cli::refits::{print_refit, wait_end};
 
 /// Longest a fleet may take, from the kill, to have an admitted worker again.
 const RECOVERY_BOUND: Duration = Duration::from_secs(90);
@@ -172,7 +172,7 @@ pub(super) async fn run(
             },
             "versions": f.versions.iter().map(|(l, (id, g))| json!({"label": l, "version": id, "golden_tokens": g})).collect::<Vec<_>>(),
         });
-        crate::report::write_report(p, &doc)?;
+        mx_cli::report::write_report(p, &doc)?;
     }
     if let Some(v) = violations.first() {
         bail!(

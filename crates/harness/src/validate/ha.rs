@@ -1,4 +1,4 @@
-//! `mx validate --ha`: the fleet's control plane as two replicas on a real 3-member etcd
+//! `mx-lab validate --ha`: the fleet's control plane as two replicas on a real 3-member etcd
 //! cluster on loopback (Debian's etcd-server), and the leader SIGKILLed at each refit
 //! transition: the other replica is elected once the dead one's lease runs out, rebuilds the
 //! state from the journal in etcd and finishes or rolls back the refit, as a restarted control
@@ -12,7 +12,7 @@ use mx_control::ha::EtcdConfig;
 use mx_control::local_etcd::LocalEtcd;
 
 use super::{s, wait_connected, Fleet, CRASH_POINTS, WORKERS};
-use crate::refits::{print_refit, wait_end};
+use mx_cli::refits::{print_refit, wait_end};
 
 /// The election name and journal prefix `mx control --etcd` uses.
 const ELECTION: &str = "mx/control/leader";

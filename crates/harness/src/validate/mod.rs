@@ -1,4 +1,4 @@
-//! `mx validate`: runs the refit fault matrix against a real local fleet and reports, per
+//! `mx-lab validate`: runs the refit fault matrix against a real local fleet and reports, per
 //! scenario, the expected and observed outcome, every worker's version afterwards (read back
 //! from the engines themselves, not from the control plane), whether the fleet is consistent and
 //! whether the journal on disk is complete.
@@ -22,13 +22,13 @@ use serde::Serialize;
 use serde_json::json;
 
 use crate::fleet::{connect, default_model, Procs, WorkDir};
-use crate::refits::{golden, print_refit, wait_end};
+use mx_cli::refits::{golden, print_refit, wait_end};
 
 mod chaos;
 mod ha;
 mod restarts;
 
-/// Flags of `mx validate`.
+/// Flags of `mx-lab validate`.
 #[derive(clap::Args, Debug, Clone)]
 pub struct ValidateArgs {
     /// HF checkpoint directory (llama family).
@@ -148,7 +148,7 @@ impl Fleet {
         control_args(&self.listen, &self.journal)
     }
 
-    /// `mx publish` of FSDP rank `rank` publishing versions `first..=last` (step-k is the
+    /// `mx-lab publish` of FSDP rank `rank` publishing versions `first..=last` (step-k is the
     /// checkpoint after k-1 known training steps).
     fn publisher_args(&self, rank: u32, first: u32, last: u32) -> Vec<String> {
         vec![
@@ -408,7 +408,7 @@ fn flip_byte(pid: u32, addr: u64) -> anyhow::Result<u8> {
     Ok(b[0])
 }
 
-/// Runs `mx validate`: every scenario of the fault matrix (or `--chaos N` random kills)
+/// Runs `mx-lab validate`: every scenario of the fault matrix (or `--chaos N` random kills)
 /// against a real local fleet; prints the table and writes the report.
 ///
 /// # Errors
@@ -609,7 +609,7 @@ async fn run_async(args: ValidateArgs) -> anyhow::Result<()> {
     print_table(&f, &reports);
     if let Some(p) = &args.report {
         let all = reports.iter().all(|r| r.passed);
-        crate::report::write_report(
+        mx_cli::report::write_report(
             p,
             &json!({
                 "passed": all,

@@ -1,4 +1,4 @@
-//! Scenarios of `mx validate` in which a worker's engine changes under the control plane: a
+//! Scenarios of `mx-lab validate` in which a worker's engine changes under the control plane: a
 //! process restarted (empty) during APPLY or PREPARE, and weights loaded from disk behind its
 //! back. Each returns (expected, observed, passed, detail) like the rows of the matrix.
 
@@ -10,7 +10,7 @@ use mx_control::{Action, Outcome, Refit};
 use serde_json::json;
 
 use super::{outcome_str, s, Fleet};
-use crate::refits::{print_refit, wait_end};
+use mx_cli::refits::{print_refit, wait_end};
 
 /// Polls refit `id` until `ready` holds for it (or it ended, or a minute passed).
 pub(super) async fn wait_refit_until(

@@ -11,7 +11,7 @@ use serde::Serialize;
 
 /// Flags of `mx plan`.
 #[derive(clap::Args, Debug)]
-pub(crate) struct PlanArgs {
+pub struct PlanArgs {
     /// HF checkpoint directory (only config.json and the safetensors headers are read).
     #[arg(long)]
     model: PathBuf,

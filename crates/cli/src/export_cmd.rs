@@ -1,7 +1,7 @@
 //! `mx export`: writes a READY version to object storage (S3) as canonical Hugging Face
 //! safetensors, or as an exact-base XOR delta against another READY version, and records the
 //! artifact (and its lineage) at the control plane. The bytes come from a checkpoint directory
-//! (optionally advanced by the demo trainer's deterministic steps, as `mx publish --steps`
+//! (optionally advanced by the demo trainer's deterministic steps, as `mx-lab publish --steps`
 //! does) and are proven to be the version before anything is written.
 
 use std::path::PathBuf;
@@ -13,35 +13,35 @@ use mx_publisher::{export_version, ExportBase, ExportSpec};
 
 /// Flags of `mx export`.
 #[derive(clap::Args, Debug, Clone)]
-pub(crate) struct ExportArgs {
+pub struct ExportArgs {
     /// Control plane address.
     #[arg(long, default_value = "http://127.0.0.1:7700")]
-    pub(crate) control: String,
+    pub control: String,
     /// The version to export (READY at the control plane).
     #[arg(long)]
-    pub(crate) label: String,
+    pub label: String,
     /// HF checkpoint directory the version's bytes come from.
     #[arg(long)]
-    pub(crate) checkpoint: PathBuf,
+    pub checkpoint: PathBuf,
     /// The demo trainer's deterministic training steps 2..=STEP applied to the checkpoint first
-    /// (1: the checkpoint as is), as `mx publish` does for version `step-STEP`.
+    /// (1: the checkpoint as is), as `mx-lab publish` does for version `step-STEP`.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
-    pub(crate) step: u32,
+    pub step: u32,
     /// Where: `s3://bucket/prefix` (a fresh prefix per version). Endpoint, region and
     /// credentials come from AWS_ENDPOINT_URL, AWS_REGION, AWS_ACCESS_KEY_ID,
     /// AWS_SECRET_ACCESS_KEY (and AWS_ALLOW_HTTP=true for an http:// endpoint).
     #[arg(long)]
-    pub(crate) to: String,
+    pub to: String,
     /// Write an XOR delta against this READY version instead of a canonical checkpoint; its
     /// bytes are read back (and checked) from its newest recorded artifact.
     #[arg(long)]
-    pub(crate) base: Option<String>,
+    pub base: Option<String>,
     /// Delta: bytes of a tensor per independently fetchable range.
     #[arg(long, default_value_t = 4 << 20)]
-    pub(crate) chunk_bytes: u64,
+    pub chunk_bytes: u64,
     /// Print the result as JSON.
     #[arg(long)]
-    pub(crate) json: bool,
+    pub json: bool,
 }
 
 /// Runs `mx export`.

@@ -6,81 +6,81 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use crate::refits::{golden, print_refit, wait_end_reporting, Progress};
 use anyhow::{bail, Context};
 use mx_control::client::ControlClient;
 use mx_control::{GenerationCheck, Outcome, PauseMode, RefitSpec};
-use mx_harness::refits::{golden, print_refit, wait_end_reporting, Progress};
 
 /// Flags of `mx refit`.
 #[derive(clap::Args, Debug, Clone)]
-pub(crate) struct RefitArgs {
+pub struct RefitArgs {
     /// Control plane address.
     #[arg(long, default_value = "http://127.0.0.1:7700")]
-    pub(crate) control: String,
+    pub control: String,
     /// Version label to move to (READY, or committed before).
     #[arg(long)]
-    pub(crate) label: String,
+    pub label: String,
     /// Target workers (comma-separated ids); default: every registered worker with engine
     /// routes.
     #[arg(long, value_delimiter = ',')]
-    pub(crate) workers: Vec<String>,
+    pub workers: Vec<String>,
     /// Dynamo discovery URL (`GET {url}/v1/rl/workers`): the target set is every discovered
     /// worker, matched to registered workers by system_url.
     #[arg(long, conflicts_with = "workers")]
-    pub(crate) discovery: Option<String>,
+    pub discovery: Option<String>,
     /// A file holding the bearer token the discovery route requires (the workers'
     /// --http-token-file).
     #[arg(long, env = "MX_ENGINE_TOKEN_FILE")]
-    pub(crate) engine_token_file: Option<PathBuf>,
+    pub engine_token_file: Option<PathBuf>,
     /// Elastic join: only the connected workers (of --workers, or every registered one) whose
     /// resident version is not --label, e.g. workers that registered into a running fleet. The
     /// fleet's other workers keep serving untouched; a worker stages a version committed before
     /// from peers and artifacts first. Nothing to join is success.
     #[arg(long)]
-    pub(crate) join: bool,
+    pub join: bool,
     /// In-flight requests at PREPARE: keep, wait or abort.
     #[arg(long, default_value = "wait")]
-    pub(crate) pause_mode: PauseMode,
+    pub pause_mode: PauseMode,
     /// Proceed without workers that are not connected (default: a missing worker aborts).
     #[arg(long)]
-    pub(crate) allow_partial: bool,
+    pub allow_partial: bool,
     /// Post-update generation prompt (token ids, comma-separated); default: the SmolLM2 check
     /// prompt "The capital of France is".
     #[arg(long, value_delimiter = ',')]
-    pub(crate) prompt_tokens: Vec<u32>,
+    pub prompt_tokens: Vec<u32>,
     /// Tokens the post-update generation decodes (0 = no post-update generation).
     #[arg(long, default_value_t = 4)]
-    pub(crate) check_tokens: u32,
+    pub check_tokens: u32,
     /// Compute the golden tokens from this checkpoint (plus `--golden-version - 1` known
     /// training steps), outside the workers' path.
     #[arg(long)]
-    pub(crate) golden_model: Option<PathBuf>,
+    pub golden_model: Option<PathBuf>,
     /// Which demo version the golden tokens are for (1 = the checkpoint itself).
     #[arg(long)]
-    pub(crate) golden_version: Option<u32>,
+    pub golden_version: Option<u32>,
     /// Trainer step journaled with the refit.
     #[arg(long, default_value_t = 0)]
-    pub(crate) framework_step: u64,
+    pub framework_step: u64,
     /// STAGE deadline, seconds.
     #[arg(long, default_value_t = 300.0)]
-    pub(crate) stage_timeout_s: f64,
+    pub stage_timeout_s: f64,
     /// Deadline of each engine call, seconds (a hung worker fails after it).
     #[arg(long, default_value_t = 60.0)]
-    pub(crate) call_timeout_s: f64,
+    pub call_timeout_s: f64,
     /// Workers applying at once (0 = all of them, 1 = one after the other).
     #[arg(long, default_value_t = 0)]
-    pub(crate) apply_parallelism: u32,
+    pub apply_parallelism: u32,
     /// The orchestrator holds the safe point (no generation in flight on these workers): no
     /// pause/resume engine calls.
     #[arg(long)]
-    pub(crate) orchestrator_gated: bool,
+    pub orchestrator_gated: bool,
     /// VERIFY takes each worker's resident version from its APPLY answer where the engine
     /// reported one (Dynamo), instead of a second get_weight_version call.
     #[arg(long)]
-    pub(crate) verify_from_apply_answer: bool,
+    pub verify_from_apply_answer: bool,
     /// Write the refit record as JSON here.
     #[arg(long)]
-    pub(crate) json: Option<PathBuf>,
+    pub json: Option<PathBuf>,
 }
 
 fn ms(s: f64, flag: &str) -> anyhow::Result<u64> {
@@ -198,7 +198,7 @@ pub(crate) async fn run(a: RefitArgs) -> anyhow::Result<()> {
     let refit = wait_with_progress(&client, id, Duration::from_secs(3600)).await?;
     print_refit(&refit);
     if let Some(p) = &a.json {
-        mx_harness::report::write_report(p, &refit)
+        crate::report::write_report(p, &refit)
             .with_context(|| format!("writing {}", p.display()))?;
     }
     NotCommitted::check(&refit)
@@ -229,10 +229,10 @@ pub(crate) const UNREACHABLE_AFTER: Duration = Duration::from_secs(60);
 /// outcome picks the exit status, see `exit_code` in main.rs).
 #[derive(Debug)]
 pub(crate) struct NotCommitted {
-    pub(crate) id: u64,
-    pub(crate) label: String,
-    pub(crate) outcome: Option<Outcome>,
-    pub(crate) reason: String,
+    pub id: u64,
+    pub label: String,
+    pub outcome: Option<Outcome>,
+    pub reason: String,
 }
 
 impl NotCommitted {
