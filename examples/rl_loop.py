@@ -75,8 +75,8 @@ from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
+from engines import PROMPT, VllmServer, vllm_cold_tokens
 from procs import Child, ChildFailed, commands, free_port
-from vllm_server import PROMPT, VllmServer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.dirname(os.path.abspath(__file__))
@@ -266,17 +266,13 @@ def _resume(servers: list[VllmServer], t0: float) -> float:
     return time.perf_counter() - t0
 
 
-def cold_tokens(work: str, dump: str, timeout: float) -> tuple[list[int], int]:
-    """Greedy tokens of PROMPT from a fresh vLLM started on ``dump``, and its peak RSS."""
-    s = VllmServer(
-        os.path.join(work, "cold"),
-        model=dump,
-        startup_timeout=timeout,  # type: ignore[arg-type]
+def cold_tokens(work: str, dump: str, version_id: str, timeout: float) -> tuple[list[int], int]:
+    """Greedy tokens of PROMPT from a fresh vLLM started on ``dump`` (the weights of
+    ``version_id``), and its peak RSS; cached per version (examples/engines.py)."""
+    tokens, _cached, rss = vllm_cold_tokens(
+        os.path.join(work, "cold"), dump, version_id, PROMPT, MAX_NEW, timeout=timeout
     )
-    try:
-        return s.generate(PROMPT, MAX_NEW), s.peak_rss_bytes()
-    finally:
-        s.stop()
+    return tokens, rss
 
 
 def disk_path(servers: list[VllmServer], dump: dict[str, Any], dump_dir: str):
@@ -463,7 +459,7 @@ class Loop:
         for t in self.trainers:
             t.send("dump", dump_dir)
         dumps = [t.recv("dumped", args.timeout) for t in self.trainers]
-        expected, cold_rss = cold_tokens(self.work, dump_dir, args.timeout)
+        expected, cold_rss = cold_tokens(self.work, dump_dir, vid, args.timeout)
         rss = self.report["peak_rss_bytes"]
         rss["vllm-cold-start"] = max(cold_rss, rss.get("vllm-cold-start", 0))
         paths = self.report["paths"]

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-# The examples' helpers (examples/vllm_server.py: a real vLLM server with mx's backend) are
-# shared with the tests.
+# The examples' helpers (examples/engines.py: real engines, such as a vLLM server with mx's
+# backend) are shared with the tests.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 _skipped: list[str] = []

@@ -14,8 +14,8 @@ import importlib.metadata
 
 import pytest
 import torch
+from engines import COLD_TOKENS, MODEL, PROMPT, VllmServer
 from safetensors.torch import load_file
-from vllm_server import COLD_TOKENS, MODEL, PROMPT, VllmServer
 
 import mx
 from mx._puller import ParamInfo, Piece

@@ -11,8 +11,8 @@ import time
 
 import pytest
 import torch
+from engines import COLD_TOKENS, MODEL, PROMPT, VllmServer
 from safetensors.torch import load_file
-from vllm_server import COLD_TOKENS, MODEL, PROMPT, VllmServer
 
 import mx
 

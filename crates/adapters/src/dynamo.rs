@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use crate::engine::{mx_model_path, Answer, ApplyAnswer, EngineClient};
+use crate::engine::{mx_model_path, Answer, ApplyAnswer, EngineClient, PauseMode};
 use crate::generate::Generation;
 use crate::{de, send, snippet, Error};
 use wire::{
@@ -59,57 +59,6 @@ pub struct Discovery {
     pub namespace: String,
     /// Workers, each checked to expose [`REQUIRED_ROUTES`] and a `system_url`.
     pub workers: Vec<DynamoWorker>,
-}
-
-/// `pause_generation` modes: what happens to in-flight requests (Dynamo's spelling; the one
-/// type mx uses for it, in the control plane, the journal and the reference worker).
-///
-/// Written as Dynamo spells it; read through [`FromStr`](std::str::FromStr), so SGLang's
-/// spellings are accepted too.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum PauseMode {
-    /// Keep them paused in place and resume them after.
-    Keep,
-    /// Wait for them to finish.
-    #[default]
-    Wait,
-    /// Abort them.
-    Abort,
-}
-
-impl std::str::FromStr for PauseMode {
-    type Err = String;
-
-    /// Dynamo's `keep`, `wait`, `abort`, and SGLang's `in_place` / `retract` (both hold the
-    /// request: `keep`).
-    fn from_str(s: &str) -> Result<PauseMode, String> {
-        match s {
-            "keep" | "in_place" | "retract" => Ok(PauseMode::Keep),
-            "wait" => Ok(PauseMode::Wait),
-            "abort" => Ok(PauseMode::Abort),
-            other => Err(format!("{other:?} is not one of keep, wait, abort")),
-        }
-    }
-}
-
-impl<'de> Deserialize<'de> for PauseMode {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<PauseMode, D::Error> {
-        String::deserialize(d)?
-            .parse()
-            .map_err(serde::de::Error::custom)
-    }
-}
-
-impl PauseMode {
-    /// The contract's spelling.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            PauseMode::Keep => "keep",
-            PauseMode::Wait => "wait",
-            PauseMode::Abort => "abort",
-        }
-    }
 }
 
 /// A successful `{status: "ok", message, version}` answer.

@@ -1,20 +1,18 @@
 //! One client over every engine contract: [`EngineClient`], the calls a refit makes on one
-//! engine (pause, apply, read the version back, resume, generate), implemented by
-//! [`DynamoWorkerClient`], [`SglangClient`] and [`VllmClient`]; [`client_for`] picks the one an
-//! [`EngineApi`] names. What each contract lacks is answered, not failed: SGLang has no version
+//! engine (pause, apply, read the version back, resume, generate), and the types every contract
+//! shares ([`PauseMode`], [`Answer`]); each engine kind's module implements it
+//! (`crate::dynamo::DynamoWorkerClient`, `crate::sglang::SglangClient`,
+//! `crate::vllm::VllmClient`) and `crate::client_for` picks the one an [`EngineApi`] names.
+//! This module imports no engine kind, and no kind imports another. What each contract lacks is answered, not failed: SGLang has no version
 //! read-back and may not allowlist pause/continue (the framework then gates generation itself),
 //! and its answers say so. Judging the answers (the version after apply, golden tokens) is the
 //! caller's.
 
 use std::fmt;
-use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::dynamo::{DynamoWorkerClient, PauseMode};
 use crate::generate::Generation;
-use crate::sglang::SglangClient;
-use crate::vllm::VllmClient;
 use crate::Error;
 
 /// Which engine contract a worker speaks.
@@ -119,22 +117,6 @@ pub trait EngineClient: Send + Sync {
     async fn generate(&self, prompt: &[u32], max_new_tokens: u32) -> Result<Generation, Error>;
 }
 
-/// The client for the engine at `url` (its system server or base URL) speaking `api`, over
-/// `http` (shared: connections are kept alive across calls and engines), every call with
-/// `timeout` as its deadline.
-pub fn client_for(
-    api: EngineApi,
-    http: &reqwest::Client,
-    url: &str,
-    timeout: Duration,
-) -> Box<dyn EngineClient> {
-    match api {
-        EngineApi::Dynamo => Box::new(DynamoWorkerClient::with_client(http.clone(), url, timeout)),
-        EngineApi::Sglang => Box::new(SglangClient::with_client(http.clone(), url, timeout)),
-        EngineApi::Vllm => Box::new(VllmClient::with_client(http.clone(), url, timeout)),
-    }
-}
-
 /// The `mx://<64 hex>` model path of an `mx:<64 hex>` version id, for the contracts that load
 /// from a path.
 ///
@@ -147,4 +129,55 @@ pub(crate) fn mx_model_path(version: &str) -> Result<String, Error> {
             version: version.to_string(),
             reason: "not an mx version id (mx:<64 hex>)",
         })
+}
+
+/// `pause_generation` modes: what happens to in-flight requests (Dynamo's spelling; the one
+/// type mx uses for it, in the control plane, the journal and the reference worker).
+///
+/// Written as Dynamo spells it; read through [`FromStr`](std::str::FromStr), so SGLang's
+/// spellings are accepted too.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PauseMode {
+    /// Keep them paused in place and resume them after.
+    Keep,
+    /// Wait for them to finish.
+    #[default]
+    Wait,
+    /// Abort them.
+    Abort,
+}
+
+impl std::str::FromStr for PauseMode {
+    type Err = String;
+
+    /// Dynamo's `keep`, `wait`, `abort`, and SGLang's `in_place` / `retract` (both hold the
+    /// request: `keep`).
+    fn from_str(s: &str) -> Result<PauseMode, String> {
+        match s {
+            "keep" | "in_place" | "retract" => Ok(PauseMode::Keep),
+            "wait" => Ok(PauseMode::Wait),
+            "abort" => Ok(PauseMode::Abort),
+            other => Err(format!("{other:?} is not one of keep, wait, abort")),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for PauseMode {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<PauseMode, D::Error> {
+        String::deserialize(d)?
+            .parse()
+            .map_err(serde::de::Error::custom)
+    }
+}
+
+impl PauseMode {
+    /// The contract's spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PauseMode::Keep => "keep",
+            PauseMode::Wait => "wait",
+            PauseMode::Abort => "abort",
+        }
+    }
 }

@@ -41,7 +41,27 @@ pub mod generate;
 pub mod sglang;
 pub mod vllm;
 
-pub use engine::{client_for, Answer, ApplyAnswer, EngineApi, EngineClient};
+pub use engine::{Answer, ApplyAnswer, EngineApi, EngineClient, PauseMode};
+
+use dynamo::DynamoWorkerClient;
+use sglang::SglangClient;
+use vllm::VllmClient;
+
+/// The client for the engine at `url` (its system server or base URL) speaking `api`, over
+/// `http` (shared: connections are kept alive across calls and engines), every call with
+/// `timeout` as its deadline.
+pub fn client_for(
+    api: EngineApi,
+    http: &reqwest::Client,
+    url: &str,
+    timeout: Duration,
+) -> Box<dyn EngineClient> {
+    match api {
+        EngineApi::Dynamo => Box::new(DynamoWorkerClient::with_client(http.clone(), url, timeout)),
+        EngineApi::Sglang => Box::new(SglangClient::with_client(http.clone(), url, timeout)),
+        EngineApi::Vllm => Box::new(VllmClient::with_client(http.clone(), url, timeout)),
+    }
+}
 
 /// An HTTP client for engine routes that sends `authorization: Bearer <token>` with every
 /// request when `token` is set (the engine's API key: vLLM's `--api-key`, SGLang's

@@ -5,8 +5,7 @@ pub mod wire;
 
 use std::time::Duration;
 
-use crate::dynamo::PauseMode;
-use crate::engine::{mx_model_path, Answer, ApplyAnswer, EngineClient};
+use crate::engine::{mx_model_path, Answer, ApplyAnswer, EngineClient, PauseMode};
 use crate::generate::Generation;
 use crate::{send, snippet, Error};
 use wire::{

@@ -43,8 +43,7 @@ pub mod wire;
 
 use std::time::Duration;
 
-use crate::dynamo::PauseMode;
-use crate::engine::{Answer, ApplyAnswer, EngineClient};
+use crate::engine::{Answer, ApplyAnswer, EngineClient, PauseMode};
 use crate::generate::Generation;
 use crate::{post_typed, send_typed, Error};
 use wire::{

@@ -15,10 +15,11 @@ use axum::{Json, Router};
 use mx_adapters::dynamo::wire::{
     DiscoveryError, EngineResponse, InstanceId, UpdateWeightsRequest, WorkerInfo, WorkersResponse,
 };
-use mx_adapters::dynamo::{DynamoClient, DynamoWorkerClient, PauseMode};
+use mx_adapters::dynamo::{DynamoClient, DynamoWorkerClient};
 use mx_adapters::sglang::wire::{ControlResponse, UpdateWeightsResponse};
 use mx_adapters::sglang::SglangClient;
 use mx_adapters::Error;
+use mx_adapters::PauseMode;
 use serde_json::{json, Value};
 
 #[derive(Default)]

@@ -12,9 +12,9 @@ use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{header, Method, StatusCode, Uri};
 use axum::Router;
-use mx_adapters::dynamo::PauseMode;
 use mx_adapters::vllm::{VllmClient, RESET_PREFIX_CACHE_TRIES};
 use mx_adapters::Error;
+use mx_adapters::PauseMode;
 use serde_json::{json, Value};
 
 /// One request as the server saw it.

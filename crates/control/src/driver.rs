@@ -17,7 +17,7 @@ use crate::record::{WorkerResult, MAX_BATCH_WORKERS};
 use crate::refit::{
     now_ms, Action, CallResult, EngineApi, EngineEndpoint, Outcome, Phase, Refit, RefitSpec,
 };
-use crate::server::Shared;
+use crate::shared::Shared;
 use crate::state::Record;
 use crate::types::WorkerState;
 use crate::Error;

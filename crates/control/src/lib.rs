@@ -23,6 +23,18 @@
 //! [`Error`] (mapped to `tonic::Status` in one place). Proto messages are converted into mx-layout types at the RPC edge (`convert`), so wire
 //! types never reach the state or the journal.
 //!
+//! Map (arrows point one way: server -> shared <- driver, both -> state -> record):
+//! - the state: [`state`] (the pure machine, split along its seams), [`record`] (what is
+//!   journaled), [`refit`] (the lifecycle's types), [`history`], [`types`];
+//! - durability: [`journal`] (file or etcd log), `commit` (the group-commit thread),
+//!   [`snapshot`] (compaction), [`blobs`] (manifests in object storage), [`ha`] and
+//!   [`local_etcd`] (leadership on etcd);
+//! - serving: `server` (the tonic service and its HA replica), `shared` (the state, journal
+//!   and wake-ups the service and the driver share), `driver` (a refit's engine calls),
+//!   `fanout` (bounded answers with Merkle proofs), `takeover` (engine URL index),
+//!   `convert` and [`wire`] (the RPC edge), [`auth`], [`limits`], [`observe`] (metrics);
+//! - clients: [`client`]; tests of recovery: [`crash`] (crash points a harness arms).
+//!
 //! Journals written before refits were the only commit path (with `commit` / `applied` records of
 //! the retired `Commit` / `ReportApplied` RPCs) are refused on replay, naming the line: start such
 //! a control plane on a new journal.
@@ -46,6 +58,7 @@ pub mod observe;
 pub mod record;
 pub mod refit;
 mod server;
+mod shared;
 pub mod snapshot;
 pub mod state;
 mod takeover;

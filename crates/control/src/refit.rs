@@ -124,7 +124,7 @@ pub fn model_path(d: &Digest) -> String {
     VersionId(*d).model_path()
 }
 
-pub use mx_adapters::dynamo::PauseMode;
+pub use mx_adapters::PauseMode;
 
 /// The post-update generation: greedy decoding of `prompt_tokens` on every worker after apply.
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]

@@ -6,6 +6,13 @@
 //! publishes) and [`plan::Plan`] (for one destination rank set, the coalesced NIXL reads, the
 //! staging layout and the apply copies, with a proof that every destination byte is written once).
 //!
+//! Map: [`model`] (model layouts from HF configs: which boxes of which tensors each rank holds),
+//! `manifest` (what a source publishes, the version digest), [`plan`] (the cost-model planner
+//! and its coverage proof), [`want`] (the regions a worker's plan reads), [`merkle`] (proofs of
+//! a version's shards), [`update`] (the deterministic training step of the demo and tests),
+//! [`frontier`] (DeepSeek-V3 / Kimi-K2 layouts for benchmarks), [`strict_json`] (duplicate keys
+//! are errors), `types` and `dtype` (the typed values every seam uses).
+//!
 //! Left out: moving bytes (mx-nixl), reading files (mx-checkpoint), talking to peers (mx-control).
 #![forbid(unsafe_code)]
 

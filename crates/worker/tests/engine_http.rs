@@ -13,8 +13,9 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{generate, get, ids, model_dir, post, serve, PARIS, PROMPT};
-use mx_adapters::dynamo::{DynamoClient, DynamoWorkerClient, PauseMode as DynPause};
+use mx_adapters::dynamo::{DynamoClient, DynamoWorkerClient};
 use mx_adapters::sglang::SglangClient;
+use mx_adapters::PauseMode as DynPause;
 use serde_json::json;
 
 const T: Duration = Duration::from_secs(120);

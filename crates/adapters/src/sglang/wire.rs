@@ -16,7 +16,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::de;
-use crate::dynamo::PauseMode;
+use crate::engine::PauseMode;
 
 /// Body of `update_weights_from_disk`: `{model_path, weight_version, flush_cache, keep_pause,
 /// abort_all_requests}`.

