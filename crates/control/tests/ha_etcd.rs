@@ -22,7 +22,7 @@ fn free_port() -> u16 {
 }
 
 /// Starts 3 members, or `None` (with a message) when etcd is not installed and not required.
-fn etcd_cluster() -> Option<Etcd> {
+async fn etcd_cluster() -> Option<Etcd> {
     if !mx_control::local_etcd::installed() {
         assert!(
             std::env::var("MX_REQUIRE_ETCD").as_deref() != Ok("1"),
@@ -32,7 +32,8 @@ fn etcd_cluster() -> Option<Etcd> {
         return None;
     }
     let dir = tempfile::tempdir().unwrap();
-    let cluster = LocalEtcd::start(dir.path(), 3).unwrap();
+    let mut cluster = LocalEtcd::start(dir.path(), 3).unwrap();
+    cluster.wait_ready(Duration::from_secs(60)).await.unwrap();
     Some(Etcd {
         endpoints: cluster.endpoints().to_vec(),
         _cluster: cluster,
@@ -61,7 +62,7 @@ async fn until_elected<T, E: std::fmt::Debug, F: std::future::Future<Output = Re
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_leader_and_a_deposed_leader_cannot_write() {
-    let Some(etcd) = etcd_cluster() else {
+    let Some(etcd) = etcd_cluster().await else {
         return;
     };
     let cfg = EtcdConfig {
@@ -188,7 +189,7 @@ async fn one_leader_and_a_deposed_leader_cannot_write() {
 /// etcd; once it stops, the second is elected and serves the same state.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_new_leader_serves_the_state_the_old_one_journaled() {
-    let Some(etcd) = etcd_cluster() else {
+    let Some(etcd) = etcd_cluster().await else {
         return;
     };
     let cfg = EtcdConfig {
@@ -309,7 +310,7 @@ async fn a_new_leader_serves_the_state_the_old_one_journaled() {
 /// gets no answer from it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_follower_speaks_tls_as_the_leader_does() {
-    let Some(etcd) = etcd_cluster() else {
+    let Some(etcd) = etcd_cluster().await else {
         return;
     };
     let cfg = EtcdConfig {
@@ -391,7 +392,7 @@ async fn a_follower_speaks_tls_as_the_leader_does() {
 async fn a_compacted_etcd_journal_replays_its_snapshot_and_the_log_after_it() {
     use mx_control::journal::Journal;
     use mx_control::state::{Record, State};
-    let Some(etcd) = etcd_cluster() else {
+    let Some(etcd) = etcd_cluster().await else {
         return;
     };
     let cfg = EtcdConfig {

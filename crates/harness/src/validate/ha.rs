@@ -84,9 +84,15 @@ impl Ha {
     }
 
     /// Waits until the etcd cluster answers (its members elect a raft leader first), at most
-    /// 60 s.
+    /// 60 s. The cluster may have moved to fresh ports (a port lost to another process), so the
+    /// replicas' config is taken again.
     pub(super) async fn wait_etcd(&mut self) -> anyhow::Result<()> {
-        Ok(self.etcd.wait_ready(Duration::from_secs(60)).await?)
+        self.etcd.wait_ready(Duration::from_secs(60)).await?;
+        self.config = EtcdConfig {
+            blobs: self.config.blobs.take(),
+            ..self.etcd.config(ELECTION, LEASE_TTL_S)
+        };
+        Ok(())
     }
 
     /// The comma-separated URLs every client is given.
