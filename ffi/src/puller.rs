@@ -4,9 +4,9 @@
 use std::ffi::{c_char, c_void, CString};
 use std::sync::Mutex;
 
+use mx_follower::embedded::{EmbeddedConfig, EmbeddedPuller};
 use mx_layout::{DType, SourceManifest, VersionId};
 use mx_puller::{DestTensor, ExecOptions, HostRegion};
-use mx_worker::embedded::{EmbeddedConfig, EmbeddedPuller};
 
 use crate::model::{free_handle, write_handle, Model};
 use crate::util::{
@@ -202,7 +202,7 @@ pub unsafe extern "C" fn mx_puller_create(
                 agent_prefix: "mx-ffi-puller".into(),
             }))
             .map_err(|e| match e {
-                mx_worker::Error::Puller(e @ mx_puller::Error::BadRanks { .. }) => {
+                mx_follower::Error::Puller(e @ mx_puller::Error::BadRanks { .. }) => {
                     FfiError::new(MX_ERR_INVALID_ARGUMENT, format!("ranks: {e}"))
                 }
                 e => e.into(),

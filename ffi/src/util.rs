@@ -148,21 +148,21 @@ impl From<mx_checkpoint::Error> for FfiError {
     }
 }
 
-impl From<mx_worker::Error> for FfiError {
-    fn from(e: mx_worker::Error) -> FfiError {
+impl From<mx_follower::Error> for FfiError {
+    fn from(e: mx_follower::Error) -> FfiError {
         let status = match &e {
-            mx_worker::Error::Puller(p) => puller_status(p),
-            mx_worker::Error::Control(c) => control_status(c),
-            mx_worker::Error::Nixl(_) => MX_ERR_NIXL,
-            mx_worker::Error::Layout(_) => MX_ERR_LAYOUT,
-            mx_worker::Error::UnknownVersionId { .. } => MX_ERR_UNKNOWN_VERSION,
-            mx_worker::Error::NoControlPlane
-            | mx_worker::Error::VersionNotReady { .. }
-            | mx_worker::Error::NothingStaged
-            | mx_worker::Error::AlreadyServed
-            | mx_worker::Error::ServedPuller { .. } => MX_ERR_STATE,
-            mx_worker::Error::Bind { .. } => MX_ERR_INVALID_ARGUMENT,
-            mx_worker::Error::Task(_) => MX_ERR_PANIC,
+            mx_follower::Error::Puller(p) => puller_status(p),
+            mx_follower::Error::Control(c) => control_status(c),
+            mx_follower::Error::Nixl(_) => MX_ERR_NIXL,
+            mx_follower::Error::Layout(_) => MX_ERR_LAYOUT,
+            mx_follower::Error::UnknownVersionId { .. } => MX_ERR_UNKNOWN_VERSION,
+            mx_follower::Error::NoControlPlane
+            | mx_follower::Error::VersionNotReady { .. }
+            | mx_follower::Error::NothingStaged
+            | mx_follower::Error::AlreadyServed
+            | mx_follower::Error::ServedPuller { .. } => MX_ERR_STATE,
+            mx_follower::Error::Bind { .. } => MX_ERR_INVALID_ARGUMENT,
+            mx_follower::Error::Task(_) => MX_ERR_PANIC,
             _ => MX_ERR_CONTROL,
         };
         FfiError::new(status, chain(&e))

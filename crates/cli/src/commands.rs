@@ -341,6 +341,7 @@ pub(crate) async fn worker(args: WorkerArgs) -> anyhow::Result<()> {
         load,
         load_version,
         serve_peers: !no_peer,
+        engine: Some(mx_worker::reference_engine()),
     })
     .await?;
     eprintln!(

@@ -17,12 +17,12 @@ use std::time::{Duration, Instant};
 
 use mx_control::client::ControlClient;
 use mx_control::{ControlPlaneConfig, Release};
+use mx_follower::{ApplySource, Instance, InstanceConfig};
 use mx_layout::{DType, Digest, LayoutSpec, RankDigests, TensorBox};
 use mx_nixl::{Agent, ForeignMemory, HostBuffer};
 use mx_publisher::{
     Error, MemoryId, Patience, PublishOptions, Publisher, PublisherConfig, ShardProblem, ShardSpec,
 };
-use mx_worker::{ApplySource, Instance, InstanceConfig};
 use trainer::TestTrainer;
 
 /// Whether a refusal is the expected kind.
@@ -68,6 +68,7 @@ fn instance(dir: &Path, l: &str, ranks: Vec<u32>, agent: Option<Agent>) -> Insta
             worker_id: format!("test-{l}"),
         },
         agent,
+        None,
     )
     .unwrap()
 }

@@ -20,7 +20,7 @@
 //!   lengths; `python/mx/_publisher.py` takes them from torch tensors, numpy arrays and buffers
 //!   and keeps those alive).
 //! - [`puller::Puller`]: an engine's puller over its parameter memory
-//!   (`mx_worker::embedded::EmbeddedPuller`), optionally served to the control plane.
+//!   (`mx_follower::embedded::EmbeddedPuller`), optionally served to the control plane.
 //!
 //! What it leaves out (for now): CUDA memory (the Rust libraries take it behind the `cuda`
 //! feature; the Python layer refuses device tensors with a message saying so).

@@ -1,20 +1,20 @@
 //! `mx._mx.Puller`: an inference rank staging versions into memory the engine owns (torch
 //! tensors; `mx.Puller` in `python/mx/_puller.py` turns them into addresses, checks them
 //! against the layout and keeps them alive), applying in place, and optionally served to the
-//! control plane as a worker (`mx_worker::embedded`).
+//! control plane as a worker (`mx_follower::embedded`).
 #![allow(
     clippy::result_large_err,
-    reason = "mx_worker::Error crosses once per call, into a Python exception"
+    reason = "mx_follower::Error crosses once per call, into a Python exception"
 )]
 
 use std::net::SocketAddr;
 
 use mx_control::{EngineApi, EngineEndpoint, ModelLimits};
+use mx_follower::embedded::{EmbeddedConfig, EmbeddedPuller};
 use mx_layout::{DType, LayoutSpec, SourceManifest, VersionId};
 use mx_puller::{
     ApplyKind, ApplyReport, DestMemory, DestTensor, ExecOptions, HostRegion, StageReport,
 };
-use mx_worker::embedded::{EmbeddedConfig, EmbeddedPuller};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use serde_json::{json, Value};
@@ -26,8 +26,8 @@ use crate::model::Model;
 use crate::owned::Owned;
 
 /// The `MxError` for an error of the embedded puller, with a gRPC-style code.
-fn worker_error(py: Python<'_>, e: &mx_worker::Error) -> PyErr {
-    use mx_worker::Error as E;
+fn worker_error(py: Python<'_>, e: &mx_follower::Error) -> PyErr {
+    use mx_follower::Error as E;
     let code = match e {
         E::Control(c) => return control_error(py, c),
         E::Puller(p) => puller_code(p),
@@ -142,7 +142,7 @@ pub(crate) struct Puller {
 }
 
 type One<'a> =
-    Box<dyn FnOnce(&mut EmbeddedPuller, &Runtime) -> Result<Value, mx_worker::Error> + Send + 'a>;
+    Box<dyn FnOnce(&mut EmbeddedPuller, &Runtime) -> Result<Value, mx_follower::Error> + Send + 'a>;
 
 impl Puller {
     /// Runs `f` on the puller with the GIL released; its JSON answer as text.
@@ -154,7 +154,7 @@ impl Puller {
     fn with<T: Send>(
         &self,
         py: Python<'_>,
-        f: impl FnOnce(&mut EmbeddedPuller, &Runtime) -> Result<T, mx_worker::Error> + Send,
+        f: impl FnOnce(&mut EmbeddedPuller, &Runtime) -> Result<T, mx_follower::Error> + Send,
     ) -> PyResult<T> {
         self.owned.with(py, f)?.map_err(|e| worker_error(py, &e))
     }
@@ -280,7 +280,7 @@ impl Puller {
                     },
                 )
             })?
-            .map_err(mx_worker::Error::from)
+            .map_err(mx_follower::Error::from)
         })
     }
 
@@ -292,7 +292,7 @@ impl Puller {
             .map_err(|e| PyValueError::new_err(format!("rank {rank}: {e}")))?;
         self.with(py, move |p, _| {
             p.with(|p| p.register_rank(rank, Box::new(memory)))?
-                .map_err(mx_worker::Error::from)
+                .map_err(mx_follower::Error::from)
         })
     }
 
@@ -341,7 +341,7 @@ impl Puller {
     fn set_resident(&self, py: Python<'_>, version: Option<String>) -> PyResult<()> {
         self.with(py, move |p, _| {
             if p.served() {
-                return Err(mx_worker::Error::ServedPuller {
+                return Err(mx_follower::Error::ServedPuller {
                     what: "set_resident",
                 });
             }
@@ -387,7 +387,7 @@ impl Puller {
             py,
             Box::new(|p, _| {
                 let d = p.with(|p| p.live_digests())??;
-                serde_json::to_value(d).map_err(|e| mx_worker::Error::Task(e.to_string()))
+                serde_json::to_value(d).map_err(|e| mx_follower::Error::Task(e.to_string()))
             }),
         )
     }

@@ -383,6 +383,7 @@ async fn an_engine_with_no_model_is_refitted_and_its_generation_skipped() {
                 load: None,
                 load_version: None,
                 serve_peers: false,
+                engine: Some(mx_worker::reference_engine()),
             },
             inst.clone(),
         )

@@ -43,6 +43,7 @@ fn worker_config(control: &str, dir: &Path, id: &str) -> WorkerConfig {
         load: None,
         load_version: None,
         serve_peers: false,
+        engine: Some(mx_worker::reference_engine()),
     }
 }
 

@@ -61,6 +61,7 @@ pub(crate) async fn disk_reference(dir: &std::path::Path) -> Vec<RankDigests> {
             worker_id: "reference".into(),
         },
         None,
+        Some(mx_worker::reference_engine()),
     )
     .expect("reference instance opens");
     reference
@@ -93,6 +94,7 @@ pub(crate) async fn serve(
             worker_id: "test-worker".into(),
         },
         None,
+        Some(mx_worker::reference_engine()),
     )
     .expect("instance opens");
     let http = mx_worker::http::serve(inst.clone(), "127.0.0.1:0".parse().expect("addr"), None)

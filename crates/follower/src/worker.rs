@@ -61,6 +61,10 @@ pub struct WorkerConfig {
     /// Serve the resident mx version to other workers from the live memory (a peer source,
     /// [`mx_puller::Puller::peer_manifest`]), re-offered whenever the resident version changes.
     pub serve_peers: bool,
+    /// Builds the generation engine once weights are live ([`Worker::start`]); `None`: the
+    /// worker generates nothing (refits need no post-update generation of it only when it
+    /// declares no model).
+    pub engine: Option<std::sync::Arc<dyn crate::EngineBuilder>>,
 }
 
 /// How often a worker serving peers looks whether its resident version changed.
@@ -141,6 +145,7 @@ impl Worker {
                 worker_id: cfg.worker_id.clone(),
             },
             Some(agent),
+            cfg.engine.clone(),
         )?;
         if let Some(dir) = &cfg.load {
             let version = cfg

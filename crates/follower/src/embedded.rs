@@ -384,6 +384,7 @@ impl EmbeddedPuller {
             load: None,
             load_version: None,
             serve_peers: false,
+            engine: None,
         };
         let w = match external {
             None => Worker::serve(cfg, inst.clone()).await?,

@@ -290,7 +290,7 @@ pub fn status_of(e: &Error) -> StatusCode {
         Error::BadRequest { .. } | Error::DiskMismatch { .. } | Error::Checkpoint(_) => {
             StatusCode::BAD_REQUEST
         }
-        Error::Engine(mx_engine::Error::BadRequest { .. }) => StatusCode::BAD_REQUEST,
+        Error::Engine(crate::EngineError::BadRequest(_)) => StatusCode::BAD_REQUEST,
         Error::Puller(mx_puller::Error::UnknownVersion { .. }) => StatusCode::NOT_FOUND,
         Error::GenerationUnavailable { .. } => StatusCode::CONFLICT,
         Error::Displaced { .. } => StatusCode::GONE,

@@ -3,22 +3,20 @@
 //! one), the engine built from the live weights, generation behind the pause gate, and the
 //! failpoints.
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 use mx_checkpoint::Checkpoint;
-use mx_engine::LlamaEngine;
 use mx_layout::merkle::VersionProof;
-use mx_layout::model::Family;
 use mx_layout::{
-    DType, Digest, LayoutSpec, ModelInfo, RankDigests, RankLayout, SourceManifest, VersionId, Want,
+    Digest, LayoutSpec, ModelInfo, RankDigests, RankLayout, SourceManifest, VersionId, Want,
 };
 use mx_nixl::Agent;
 use mx_puller::{ApplyKind as PullKind, ExecOptions, Puller, PullerConfig, StageReport};
 
+use crate::engine::{Engine, EngineBuilder};
 use crate::failpoints::{FailpointValues, Failpoints};
 use crate::gate::{Gate, PauseMode, PauseOutcome, Step};
 use crate::store::load_disk;
@@ -205,14 +203,23 @@ impl State {
 }
 
 /// The engine and what it last did.
-#[derive(Debug, Default)]
+#[derive(Default)]
 struct EngineSlot {
-    engine: Option<LlamaEngine>,
+    engine: Option<Box<dyn Engine>>,
     /// The version whose weights the engine holds.
     version: String,
     /// The prompt the engine's prefix cache holds (mirrors the engine's one-entry prefix
     /// cache, to report `cached_tokens`); empty when cleared.
     prefix: Vec<u32>,
+}
+
+impl std::fmt::Debug for EngineSlot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineSlot")
+            .field("built", &self.engine.is_some())
+            .field("version", &self.version)
+            .finish_non_exhaustive()
+    }
 }
 
 impl EngineSlot {
@@ -235,6 +242,8 @@ pub(crate) struct Shared {
     pub(crate) dest: Vec<RankLayout>,
     /// Why generation is impossible here, or `Ok` when this instance can run the engine.
     generation: Result<(), String>,
+    /// What builds the engine once weights are live (`None`: this instance runs none).
+    builder: Option<std::sync::Arc<dyn EngineBuilder>>,
     max_positions: Option<u64>,
     state: Mutex<State>,
     engine: Mutex<EngineSlot>,
@@ -290,13 +299,19 @@ impl Instance {
     /// Reads the model's config.json and headers and computes the layout of the held ranks.
     /// No weights are resident until an apply (or [`Instance::apply`] of a disk checkpoint).
     /// `agent` is the NIXL agent staging pulls through; without one, staging fails with
-    /// [`mx_puller::Error::NoDataPlane`] (disk loads and generation still work).
+    /// [`mx_puller::Error::NoDataPlane`] (disk loads and generation still work). `engine` builds
+    /// the generation engine once weights are live; without one (or when it does not support
+    /// the model, or this instance lacks a rank) generation is refused, saying why.
     ///
     /// # Errors
     /// [`Error::Checkpoint`] (also for a missing config.json under a tensor-parallel layout),
     /// [`Error::Layout`] when the layout cannot
     /// place the model or a rank is outside it.
-    pub fn open(cfg: InstanceConfig, agent: Option<Agent>) -> Result<Instance, Error> {
+    pub fn open(
+        cfg: InstanceConfig,
+        agent: Option<Agent>,
+        engine: Option<Arc<dyn EngineBuilder>>,
+    ) -> Result<Instance, Error> {
         let ckpt = Checkpoint::open(&cfg.model_dir)?;
         // Without config.json: replicated and FSDP layouts only, and no generation.
         let model = ckpt.model_info(&[cfg.layout])?;
@@ -318,18 +333,13 @@ impl Instance {
         let mut sorted = cfg.ranks.clone();
         sorted.sort_unstable();
         let all: Vec<u32> = (0..cfg.layout.world_size).collect();
-        let generation = if sorted != all {
-            Err(format!(
+        let generation = match &engine {
+            None => Err("this worker runs no generation engine".to_string()),
+            Some(_) if sorted != all => Err(format!(
                 "this worker holds ranks {:?} of layout {}; generation needs every rank 0..{}",
                 cfg.ranks, cfg.layout, cfg.layout.world_size
-            ))
-        } else if model.family != Family::Llama {
-            Err(format!(
-                "model family {:?} cannot generate: the reference engine runs the llama family",
-                model.family
-            ))
-        } else {
-            Ok(())
+            )),
+            Some(b) => b.supports(&model),
         };
         Ok(Instance {
             shared: Arc::new(Shared {
@@ -341,6 +351,7 @@ impl Instance {
                 model,
                 dest,
                 generation,
+                builder: engine,
                 state: Mutex::new(State { puller }),
                 engine: Mutex::new(EngineSlot::default()),
                 versions: Mutex::new(Versions::default()),
@@ -386,6 +397,7 @@ impl Instance {
                     "this engine declared no model: it holds weights only, and mx runs no generation on it"
                         .into(),
                 ),
+                builder: None,
                 cfg: InstanceConfig {
                     model_dir: PathBuf::new(),
                     layout,
@@ -483,7 +495,7 @@ impl Instance {
         lock(&self.shared.engine)
             .engine
             .as_ref()
-            .map(LlamaEngine::cached_positions)
+            .map(|e| e.cached_positions())
     }
 
     /// The failpoints set now.
@@ -952,26 +964,6 @@ fn decode(
     }
 }
 
-/// HF-named tensors as the engine takes them: (dtype, shape, row-major bytes).
-type EngineTensors = BTreeMap<String, (DType, Vec<u64>, Vec<u8>)>;
-
-/// HF tensors for the engine, reassembled from rank buffers.
-fn engine_tensors(
-    model: &ModelInfo,
-    dest: &[RankLayout],
-    live: &[&[u8]],
-) -> Result<EngineTensors, Error> {
-    let full = mx_engine::reassemble(model, dest, live)?;
-    full.into_iter()
-        .map(|(name, bytes)| {
-            let spec = model.tensor(&name).ok_or_else(|| {
-                Error::Task(format!("reassembly returned tensor {name} the model lacks"))
-            })?;
-            Ok((name, (spec.dtype, spec.shape.clone(), bytes)))
-        })
-        .collect()
-}
-
 /// Puts `source` into the live weights through the puller: a staged or retained version is
 /// copied in place, a disk checkpoint is sliced and written in.
 fn install(sh: &Shared, st: &mut State, source: &ApplySource) -> Result<ApplyKind, Error> {
@@ -1028,13 +1020,13 @@ fn rebuild_engine(
 ) -> Result<Vec<String>, Error> {
     let fp = sh.failpoints.get();
     let mut slot = lock(&sh.engine);
-    if rebuild && sh.generation.is_ok() {
+    if let (true, Ok(()), Some(builder)) = (rebuild, &sh.generation, &sh.builder) {
         let id = st.puller.versions().resident.unwrap_or_default();
-        let tensors = engine_tensors(&sh.model, &sh.dest, &st.live())?;
+        let live = st.live();
         let t = Instant::now();
         match slot.engine.as_mut() {
-            Some(e) => e.install_weights(&tensors)?,
-            None => slot.engine = Some(LlamaEngine::new(&sh.config, &tensors)?),
+            Some(e) => e.install(&sh.model, &sh.dest, &live)?,
+            None => slot.engine = Some(builder.build(&sh.config, &sh.model, &sh.dest, &live)?),
         }
         slot.version = id;
         tracing::info!(
