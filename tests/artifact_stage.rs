@@ -442,7 +442,7 @@ fn corrupt_missing_and_foreign_deltas_are_refused() {
         "{msg}"
     );
     assert!(p.versions().staged.is_none());
-    assert_eq!(p.versions().resident, Some(v1.id.to_string()));
+    assert_eq!(p.versions().resident, Some(v1.id.into()));
     assert!(live(&p) == want1);
 
     // The object gone: named as missing.

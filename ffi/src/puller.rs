@@ -550,9 +550,12 @@ pub unsafe extern "C" fn mx_puller_versions(
         let v = g.with(|p| p.versions())?;
         // SAFETY: the caller's contract (each output).
         unsafe {
-            write_opt_string(resident, v.resident.as_deref())?;
-            write_opt_string(retained, v.retained.as_deref())?;
-            write_opt_string(staged, v.staged.as_deref())
+            let resident_s = v.resident.as_ref().map(ToString::to_string);
+            let retained_s = v.retained.as_ref().map(ToString::to_string);
+            let staged_s = v.staged.as_ref().map(ToString::to_string);
+            write_opt_string(resident, resident_s.as_deref())?;
+            write_opt_string(retained, retained_s.as_deref())?;
+            write_opt_string(staged, staged_s.as_deref())
         }
     })
 }

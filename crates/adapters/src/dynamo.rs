@@ -10,6 +10,7 @@ use serde::Deserialize;
 use crate::engine::{mx_model_path, Answer, ApplyAnswer, EngineClient, PauseMode};
 use crate::generate::Generation;
 use crate::{de, send, snippet, Error};
+use mx_layout::ResidentVersion;
 use wire::{
     DiscoveryError, EmptyRequest, EngineResponse, PauseRequest, ReplyStatus, UpdateWeightsRequest,
     WorkerInfo, WorkersResponse,
@@ -359,16 +360,18 @@ impl EngineClient for DynamoWorkerClient {
         let a = DynamoWorkerClient::pause(self, mode, false).await?;
         Ok(Answer {
             message: a.message,
-            version: a.version,
+            version: a.version.as_deref().map(ResidentVersion::parse),
         })
     }
 
-    async fn apply(&self, version: &str) -> Result<ApplyAnswer, Error> {
+    async fn apply(&self, version: &ResidentVersion) -> Result<ApplyAnswer, Error> {
         let model_path = mx_model_path(version)?;
-        let a = self.update_weights_from_disk(&model_path, version).await?;
+        let a = self
+            .update_weights_from_disk(&model_path, &version.to_string())
+            .await?;
         Ok(ApplyAnswer {
             message: a.message,
-            version: a.version,
+            version: a.version.as_deref().map(ResidentVersion::parse),
             cache_tiers_cleared: a.cache_tiers_cleared,
             paused_requests: 0,
         })
@@ -377,7 +380,7 @@ impl EngineClient for DynamoWorkerClient {
     async fn read_version(&self) -> Result<Answer, Error> {
         Ok(Answer {
             message: String::new(),
-            version: Some(self.get_weight_version().await?),
+            version: Some(ResidentVersion::parse(&self.get_weight_version().await?)),
         })
     }
 
@@ -385,7 +388,7 @@ impl EngineClient for DynamoWorkerClient {
         let a = DynamoWorkerClient::resume(self).await?;
         Ok(Answer {
             message: a.message,
-            version: a.version,
+            version: a.version.as_deref().map(ResidentVersion::parse),
         })
     }
 

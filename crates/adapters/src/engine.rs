@@ -10,6 +10,7 @@
 
 use std::fmt;
 
+use mx_layout::ResidentVersion;
 use serde::{Deserialize, Serialize};
 
 use crate::generate::Generation;
@@ -61,7 +62,7 @@ pub struct Answer {
     pub message: String,
     /// The weight version the engine reports, when it reports one (always, for a read-back
     /// over a contract that has one).
-    pub version: Option<String>,
+    pub version: Option<ResidentVersion>,
 }
 
 /// What an APPLY answered.
@@ -70,7 +71,7 @@ pub struct ApplyAnswer {
     /// The engine's message.
     pub message: String,
     /// The weight version the engine reports after the update, when it reports one.
-    pub version: Option<String>,
+    pub version: Option<ResidentVersion>,
     /// Cache tiers the engine says it cleared (empty when it does not say).
     pub cache_tiers_cleared: Vec<String>,
     /// Requests paused by the update (SGLang's `num_paused_requests`; 0 elsewhere).
@@ -95,7 +96,7 @@ pub trait EngineClient: Send + Sync {
     /// [`Error::Unappliable`] for a version the contract cannot name (nothing is sent);
     /// [`Error::ApplyStep`] naming the step of a multi-call apply that failed; the contract's
     /// [`Error`]s.
-    async fn apply(&self, version: &str) -> Result<ApplyAnswer, Error>;
+    async fn apply(&self, version: &ResidentVersion) -> Result<ApplyAnswer, Error>;
 
     /// Reads back the version the engine holds; over a contract without read-back (SGLang)
     /// the answer has no version and its message says so.
@@ -122,8 +123,9 @@ pub trait EngineClient: Send + Sync {
 ///
 /// # Errors
 /// [`Error::Unappliable`] for any other version.
-pub(crate) fn mx_model_path(version: &str) -> Result<String, Error> {
-    mx_layout::VersionId::from_engine(version)
+pub(crate) fn mx_model_path(version: &ResidentVersion) -> Result<String, Error> {
+    version
+        .mx()
         .map(|v| v.model_path())
         .ok_or_else(|| Error::Unappliable {
             version: version.to_string(),

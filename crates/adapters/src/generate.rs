@@ -15,7 +15,7 @@ pub struct Generation {
     /// Generated token ids.
     pub output_ids: Vec<u32>,
     /// `meta_info.weight_version`, when the engine reports it.
-    pub weight_version: Option<String>,
+    pub weight_version: Option<mx_layout::ResidentVersion>,
     /// `meta_info.cached_tokens`: prompt tokens served from the prefix cache.
     pub cached_tokens: u64,
 }
@@ -45,7 +45,11 @@ pub async fn generate(
     let r: GenerateResponse = post_typed(http, &url, &body, timeout).await?;
     Ok(Generation {
         output_ids: r.output_ids,
-        weight_version: r.meta_info.weight_version,
+        weight_version: r
+            .meta_info
+            .weight_version
+            .as_deref()
+            .map(mx_layout::ResidentVersion::parse),
         cached_tokens: r.meta_info.cached_tokens.unwrap_or(0),
     })
 }

@@ -8,6 +8,7 @@ use std::time::Duration;
 use crate::engine::{mx_model_path, Answer, ApplyAnswer, EngineClient, PauseMode};
 use crate::generate::Generation;
 use crate::{send, snippet, Error};
+use mx_layout::ResidentVersion;
 use wire::{
     ContinueRequest, ControlResponse, PauseRequest, UpdateWeightsRequest, UpdateWeightsResponse,
 };
@@ -164,10 +165,10 @@ impl EngineClient for SglangClient {
         }
     }
 
-    async fn apply(&self, version: &str) -> Result<ApplyAnswer, Error> {
+    async fn apply(&self, version: &ResidentVersion) -> Result<ApplyAnswer, Error> {
         let model_path = mx_model_path(version)?;
         let a = self
-            .update_weights_from_disk(&model_path, version, true, true)
+            .update_weights_from_disk(&model_path, &version.to_string(), true, true)
             .await?;
         Ok(ApplyAnswer {
             message: a.message,

@@ -46,6 +46,7 @@ use std::time::Duration;
 use crate::engine::{Answer, ApplyAnswer, EngineClient, PauseMode};
 use crate::generate::Generation;
 use crate::{post_typed, send_typed, Error};
+use mx_layout::ResidentVersion;
 use wire::{
     CompletionRequest, CompletionResponse, FinishWeightUpdateRequest, IsPausedResponse,
     MessageResponse, ResetPrefixCacheResponse, StatusResponse, UpdateInfo, UpdateWeightsRequest,
@@ -285,8 +286,8 @@ impl EngineClient for VllmClient {
         })
     }
 
-    async fn apply(&self, version: &str) -> Result<ApplyAnswer, Error> {
-        if version.is_empty() {
+    async fn apply(&self, version: &ResidentVersion) -> Result<ApplyAnswer, Error> {
+        if matches!(version, ResidentVersion::Label(l) if l.is_empty()) {
             return Err(Error::Unappliable {
                 version: String::new(),
                 reason: "no version to apply",
@@ -303,10 +304,11 @@ impl EngineClient for VllmClient {
         self.start_weight_update()
             .await
             .map_err(step("start_weight_update", false))?;
-        self.update_weights(version)
+        let version = version.to_string();
+        self.update_weights(&version)
             .await
             .map_err(step("update_weights", false))?;
-        self.finish_weight_update(version)
+        self.finish_weight_update(&version)
             .await
             .map_err(step("finish_weight_update", false))?;
         self.reset_prefix_cache()
@@ -316,7 +318,7 @@ impl EngineClient for VllmClient {
             message:
                 "start_weight_update, update_weights, finish_weight_update, reset_prefix_cache: ok"
                     .into(),
-            version: Some(version.to_string()),
+            version: Some(ResidentVersion::parse(&version)),
             cache_tiers_cleared: vec!["prefix_cache".into()],
             paused_requests: 0,
         })
@@ -326,7 +328,7 @@ impl EngineClient for VllmClient {
         match self.weight_version().await? {
             Some(v) => Ok(Answer {
                 message: String::new(),
-                version: Some(v),
+                version: Some(ResidentVersion::parse(&v)),
             }),
             None => Err(Error::NoVersion {
                 url: self.url("weight_info"),

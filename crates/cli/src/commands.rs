@@ -531,7 +531,7 @@ pub(crate) async fn status(args: StatusArgs) -> anyhow::Result<()> {
             stage,
             w.resident_version
                 .map(|d| d.to_string())
-                .or_else(|| w.resident_id.clone())
+                .or_else(|| w.resident_id.as_ref().map(ToString::to_string))
                 .unwrap_or_else(|| "-".into()),
             if w.admitted {
                 "admitted".to_string()

@@ -121,16 +121,17 @@ impl Progress {
 
 /// Prints a refit: outcome, phases, and per worker previous -> resulting version with its calls.
 pub fn print_refit(r: &Refit) {
-    let short = |v: &Option<String>| match v {
-        Some(v) if v.len() > 15 => format!("{}…", &v[..15]),
-        Some(v) => v.clone(),
+    // The first 15 characters (a label may hold any UTF-8).
+    let short = |v: Option<&dyn std::fmt::Display>| match v.map(|v| v.to_string()) {
+        Some(v) if v.chars().count() > 15 => format!("{}…", v.chars().take(15).collect::<String>()),
+        Some(v) => v,
         None => "(none)".into(),
     };
     println!(
         "refit {} -> {} ({}): {}{}{}",
         r.id,
         r.spec.label,
-        &r.target[..r.target.len().min(15)],
+        r.target.to_string().chars().take(15).collect::<String>(),
         r.outcome
             .map(|o| o.to_string())
             .unwrap_or_else(|| "OPEN".into()),
@@ -188,8 +189,8 @@ pub fn print_refit(r: &Refit) {
         println!(
             "  {:<10} {:<17} {:<17} {:>8.3} {:>8} {:>8} {:>8}  {tiers}{tokens}",
             id,
-            short(&w.previous),
-            short(&w.resident),
+            short(w.previous.as_ref().map(|v| v as &dyn std::fmt::Display)),
+            short(w.resident.as_ref().map(|v| v as &dyn std::fmt::Display)),
             w.stage_seconds,
             apply,
             verify,

@@ -539,7 +539,11 @@ impl ControlClient {
             ranks: reg.ranks.clone(),
             layout: Some(convert::layout_pb(&reg.layout)),
             engine: reg.engine.as_ref().map(convert::engine_pb),
-            resident_version: reg.resident_version.clone().unwrap_or_default(),
+            resident_version: reg
+                .resident_version
+                .as_ref()
+                .map(ToString::to_string)
+                .unwrap_or_default(),
             model_limits: reg.model_limits.as_ref().map(convert::model_limits_pb),
             incarnation: self.incarnation,
         })

@@ -7,8 +7,8 @@ use std::collections::BTreeMap;
 
 use mx_layout::merkle::VersionProof;
 use mx_layout::{
-    DType, DestPiece, Digest, LayoutSpec, MemDevice, RankDigests, Scheme, ShardEntry,
-    SourceManifest, TensorBox, TensorSpec, Want,
+    DType, DestPiece, Digest, LayoutSpec, MemDevice, RankDigests, ResidentVersion, Scheme,
+    ShardEntry, SourceManifest, TensorBox, TensorSpec, Want,
 };
 
 use crate::limits;
@@ -728,7 +728,11 @@ pub(crate) fn fleet_pb(f: &FleetStatus) -> pb::FleetStatus {
                 last_error: w.last_error.clone().unwrap_or_default(),
                 last_staged: w.last_staged.as_ref().map(staged_pb),
                 engine: w.engine.as_ref().map(engine_pb),
-                resident_id: w.resident_id.clone().unwrap_or_default(),
+                resident_id: w
+                    .resident_id
+                    .as_ref()
+                    .map(ToString::to_string)
+                    .unwrap_or_default(),
                 admitted: w.admitted,
                 admission: w.admission.clone(),
                 connected: w.connected,
@@ -742,7 +746,7 @@ pub(crate) fn fleet_pb(f: &FleetStatus) -> pb::FleetStatus {
         fleet_version: f
             .fleet_version
             .as_ref()
-            .map(|v| v.1.clone())
+            .map(|v| v.1.to_string())
             .unwrap_or_default(),
         open_refit: f.open_refit.unwrap_or(0),
     }
@@ -961,15 +965,21 @@ pub(crate) fn fleet(p: &pb::FleetStatus) -> Result<FleetStatus, Error> {
                         .as_ref()
                         .map(|e| engine(e, &f("engine")))
                         .transpose()?,
-                    resident_id: opt_string(&w.resident_id),
+                    resident_id: opt_string(&w.resident_id).map(|r| ResidentVersion::parse(&r)),
                     admitted: w.admitted,
                     admission: w.admission.clone(),
                     connected: w.connected,
                 })
             })
             .collect::<Result<_, Error>>()?,
-        fleet_version: (!p.fleet_version.is_empty())
-            .then(|| (p.fleet_label.clone(), p.fleet_version.clone())),
+        fleet_version: match p.fleet_version.as_str() {
+            "" => None,
+            v => Some((
+                p.fleet_label.clone(),
+                v.parse()
+                    .map_err(|e: mx_layout::Error| invalid("fleet_version", e.to_string()))?,
+            )),
+        },
         open_refit: (p.open_refit != 0).then_some(p.open_refit),
     })
 }

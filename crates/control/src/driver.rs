@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use mx_adapters::generate::Generation;
 use mx_adapters::{client_for, Answer, EngineClient};
-use mx_layout::VersionId;
+use mx_layout::{ResidentVersion, VersionId};
 
 use crate::observe;
 use crate::record::{WorkerResult, MAX_BATCH_WORKERS};
@@ -152,6 +152,11 @@ fn group_by_engine(
 }
 
 /// What a pause, read-back or resume answered: its version (resume: only its message).
+/// A resident version for a message: `none` when there is none.
+fn shown(v: Option<&ResidentVersion>) -> String {
+    v.map_or_else(|| "none".into(), ToString::to_string)
+}
+
 fn answered(a: Result<Answer, mx_adapters::Error>, with_version: bool) -> CallResult {
     match a {
         Ok(a) => CallResult {
@@ -450,7 +455,7 @@ impl Ctx<'_> {
             rw.reregistered.as_ref().map(|j| {
                 format!(
                     "worker {w} registered again during {phase} (resident now {}): what it staged may be gone; nothing was applied",
-                    j.resident.as_deref().unwrap_or("none")
+                    shown(j.resident.as_ref())
                 )
             })
         }))
@@ -479,7 +484,7 @@ impl Ctx<'_> {
                     .map(|now| {
                         format!(
                             "the worker registered again during the call (resident now {}): the process called is gone",
-                            now.resident.as_deref().unwrap_or("none")
+                            shown(now.resident.as_ref())
                         )
                     })
             })
@@ -622,7 +627,7 @@ async fn drive_inner(shared: &Arc<Shared>, id: u64, recovering: bool) -> Result<
     // APPLY, `apply_parallelism` workers at a time (the first intent is the point of no
     // return).
     ctx.phase(Phase::Apply, String::new(), false).await?;
-    if let Some(reason) = apply_all(&ctx, &ids, &refit.target).await? {
+    if let Some(reason) = apply_all(&ctx, &ids, refit.target).await? {
         return rollback(&ctx, reason, false).await;
     }
     // VERIFY: read the resident version back from every worker (or take it from its APPLY
@@ -637,7 +642,10 @@ async fn drive_inner(shared: &Arc<Shared>, id: u64, recovering: bool) -> Result<
                             w.calls.last().is_some_and(|c| {
                                 matches!(c.action, Action::Apply { .. })
                                     && c.result.as_ref().is_some_and(|r| {
-                                        r.ok && r.version.as_deref() == Some(&refit.target)
+                                        r.ok && r
+                                            .version
+                                            .as_ref()
+                                            .is_some_and(|v| v.is(refit.target))
                                     })
                             })
                         })
@@ -667,7 +675,7 @@ async fn drive_inner(shared: &Arc<Shared>, id: u64, recovering: bool) -> Result<
     let mut failure = None;
     ctx.call_many(reads, 0, |w, r| {
         let wrong = match &r.version {
-            Some(v) if v != &refit.target => {
+            Some(v) if !v.is(refit.target) => {
                 metrics::counter!(observe::VERIFICATION_FAILURES_TOTAL, "check" => "version")
                     .increment(1);
                 Some(format!(
@@ -722,11 +730,15 @@ async fn drive_inner(shared: &Arc<Shared>, id: u64, recovering: bool) -> Result<
 /// APPLY on every worker of `ids`, at most `apply_parallelism` at once (0 = all). After the
 /// first failure no new apply starts; those in flight finish. `Some(reason)` on failure.
 /// Failpoints: `apply:<n>` when `n` applies have finished (`apply:0` before the first).
-async fn apply_all(ctx: &Ctx<'_>, ids: &[String], target: &str) -> Result<Option<String>, Error> {
+async fn apply_all(
+    ctx: &Ctx<'_>,
+    ids: &[String],
+    target: VersionId,
+) -> Result<Option<String>, Error> {
     let calls = ids
         .iter()
         .map(|w| {
-            let version = target.to_string();
+            let version = target.into();
             (w.clone(), Action::Apply { version })
         })
         .collect();
@@ -757,7 +769,7 @@ async fn stage(ctx: &Ctx<'_>, refit: &Refit) -> Result<Option<String>, Error> {
     let need: Vec<String> = refit
         .workers
         .iter()
-        .filter(|(_, w)| w.previous.as_deref() != Some(refit.target.as_str()))
+        .filter(|(_, w)| !w.previous.as_ref().is_some_and(|p| p.is(refit.target)))
         .filter(|(id, _)| {
             !matches!(
                 ctx.shared.read(|s| s.worker_brief(id)),
@@ -865,7 +877,7 @@ async fn verify_only(ctx: &Ctx<'_>, refit: &Refit) -> Result<(), Error> {
     ctx.call_many(reads, 0, |w, r| {
         if failure.is_none() {
             failure = (!r.ok).then(|| r.error.clone()).or_else(|| match &r.version {
-                Some(v) if v != &refit.target => Some(format!(
+                Some(v) if !v.is(refit.target) => Some(format!(
                     "worker {w}: resident version {v} is not {} ({}): it is not admitted until a refit brings it there",
                     refit.target, refit.spec.label
                 )),
@@ -1100,8 +1112,7 @@ async fn settle_one(
             .and_then(|(e, _)| e)
             .is_some_and(|e| e.api == EngineApi::Vllm)
     });
-    let Some(prev) = previous.filter(|p| restores_any || VersionId::from_engine(p).is_some())
-    else {
+    let Some(prev) = previous.filter(|p| restores_any || p.mx().is_some()) else {
         // It held nothing before the refit: there is nothing to go back to, and nothing to
         // guard either: it is admitted only on the fleet's committed version. Its version is
         // read back (so what it holds is known), then it resumes.

@@ -103,7 +103,7 @@ async fn run(engine: &dyn EngineClient, action: Action, spec: &RefitSpec) -> Cal
 
 fn apply() -> Action {
     Action::Apply {
-        version: V.to_string(),
+        version: ResidentVersion::parse(V),
     }
 }
 
@@ -115,12 +115,12 @@ async fn vllm_apply_is_one_weight_update_session_then_a_prefix_cache_reset() {
     assert!(r.ok, "{}", r.error);
     let r = run(&*engine, apply(), &spec).await;
     assert!(r.ok, "{}", r.error);
-    assert_eq!(r.version.as_deref(), Some(V));
+    assert_eq!(r.version, Some(ResidentVersion::parse(V)));
     assert_eq!(r.cache_tiers_cleared, vec!["prefix_cache".to_string()]);
     assert!(r.message.contains("finish_weight_update"), "{}", r.message);
     let r = run(&*engine, Action::ReadVersion, &spec).await;
     assert!(r.ok, "{}", r.error);
-    assert_eq!(r.version.as_deref(), Some(V));
+    assert_eq!(r.version, Some(ResidentVersion::parse(V)));
     let r = run(&*engine, Action::Resume, &spec).await;
     assert!(r.ok, "{}", r.error);
     let r = run(&*engine, Action::Generate, &spec).await;
@@ -166,20 +166,20 @@ async fn vllm_apply_stops_at_the_failing_step_and_names_it() {
     let r = run(
         &*engine,
         Action::Apply {
-            version: "disk:/ckpt".into(),
+            version: ResidentVersion::parse("disk:/ckpt"),
         },
         &spec(vec![]),
     )
     .await;
     assert!(r.ok, "{}", r.error);
-    assert_eq!(r.version.as_deref(), Some("disk:/ckpt"));
+    assert_eq!(r.version, Some(ResidentVersion::parse("disk:/ckpt")));
     assert_eq!(vllm.lock().unwrap().calls.len(), 4);
     // No version at all: nothing is sent.
     let (engine, vllm) = serve().await;
     let r = run(
         &*engine,
         Action::Apply {
-            version: String::new(),
+            version: ResidentVersion::Label(String::new()),
         },
         &spec(vec![]),
     )

@@ -1,6 +1,6 @@
 //! Tests of the journal file: checksums, torn tails, strict parsing, replay.
 use super::*;
-use mx_layout::{LayoutSpec, Scheme, SourceManifest, TensorSpec};
+use mx_layout::{LayoutSpec, ResidentVersion, Scheme, SourceManifest, TensorSpec};
 
 #[test]
 fn batches_are_cut_into_whole_lines() {
@@ -150,7 +150,7 @@ fn three_records(path: &Path) -> Vec<u8> {
         ranks,
         layout,
         engine,
-        resident_version: Some(format!("mx:{}", "7".repeat(64))),
+        resident_version: Some(ResidentVersion::parse(&format!("mx:{}", "7".repeat(64)))),
     })
     .unwrap();
     drop(j);

@@ -79,8 +79,8 @@ pub mod pb {
 
 pub use error::{Error, OptionalState};
 pub use refit::{
-    model_path, version_id, Action, CallResult, EngineApi, EngineEndpoint, GenerationCheck,
-    ModelLimits, Outcome, PauseMode, Phase, Refit, RefitSpec, RefitWorker, Registration,
+    model_path, Action, CallResult, EngineApi, EngineEndpoint, GenerationCheck, ModelLimits,
+    Outcome, PauseMode, Phase, Refit, RefitSpec, RefitWorker, Registration,
 };
 pub use server::{serve, spawn, spawn_ha, ControlPlaneConfig, Security, ServerHandle, TlsIdentity};
 pub use types::{

@@ -1,7 +1,7 @@
 //! The journaled records: every mutating call of the control plane is one [`Record`], checked
 //! and applied by [`crate::state::State`] and written as one journal line ([`crate::journal`]).
 
-use mx_layout::{LayoutSpec, SourceManifest, TensorSpec};
+use mx_layout::{LayoutSpec, ResidentVersion, SourceManifest, TensorSpec};
 use serde::{Deserialize, Serialize};
 
 use crate::refit::{Action, CallResult, EngineEndpoint, Outcome, Phase, Refit};
@@ -99,7 +99,7 @@ pub enum Record {
         engine: Option<EngineEndpoint>,
         /// The version id resident in its live weights.
         #[serde(default)]
-        resident_version: Option<String>,
+        resident_version: Option<ResidentVersion>,
     },
     /// The orchestrator asks workers to stage a READY version.
     Stage {

@@ -24,7 +24,7 @@
 use std::collections::BTreeMap;
 use std::fmt;
 
-use mx_layout::{Digest, LayoutSpec, VersionId};
+use mx_layout::{Digest, LayoutSpec, ResidentVersion, VersionId};
 use serde::{Deserialize, Serialize};
 
 /// Which engine contract the control plane speaks to a worker (DESIGN.md "Engine contracts");
@@ -58,8 +58,8 @@ pub struct Registration {
     pub layout: LayoutSpec,
     /// Its engine routes; `None` for a worker that only stages (it cannot be refitted).
     pub engine: Option<EngineEndpoint>,
-    /// The version id resident in its live weights (see [`version_id`]), `None` when it has none.
-    pub resident_version: Option<String>,
+    /// The version id resident in its live weights (an mx version, or another label: [`ResidentVersion`]), `None` when it has none.
+    pub resident_version: Option<ResidentVersion>,
     /// What generation requests its engine accepts, when known: a refit's post-update check is
     /// validated against them before anything pauses.
     #[serde(default)]
@@ -111,12 +111,6 @@ impl ModelLimits {
         }
         Ok(())
     }
-}
-
-/// The version id of an mx policy version as engines report it: `mx:<64 hex digits>` (the blake3
-/// version digest). Weights loaded any other way have some other id and never match.
-pub fn version_id(d: &Digest) -> String {
-    VersionId(*d).to_string()
 }
 
 /// The `model_path` that asks an mx worker to apply a staged (or pinned) version: `mx://<hex>`.
@@ -233,8 +227,9 @@ pub enum Action {
     Pause,
     /// update_weights_from_disk with `model_path` = `mx://<hex>` of `version`'s digest.
     Apply {
-        /// The version id to install.
-        version: String,
+        /// The version to install: an mx version, or (a rollback on an engine that retains
+        /// its start-up checkpoint, vLLM with mx's backend) the label it was resident as.
+        version: ResidentVersion,
     },
     /// get_weight_version.
     ReadVersion,
@@ -266,7 +261,7 @@ pub struct CallResult {
     /// Wall seconds of the call.
     pub seconds: f64,
     /// The version the engine reports resident (apply, read_version), when it reports one.
-    pub version: Option<String>,
+    pub version: Option<ResidentVersion>,
     /// Cache tiers the engine says it cleared (apply).
     pub cache_tiers_cleared: Vec<String>,
     /// Generated tokens (generate).
@@ -318,9 +313,9 @@ pub struct WorkerCall {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RefitWorker {
     /// Resident version when the refit began (the rollback target).
-    pub previous: Option<String>,
+    pub previous: Option<ResidentVersion>,
     /// Resident version now, as last learned from the worker (apply answers and read-backs).
-    pub resident: Option<String>,
+    pub resident: Option<ResidentVersion>,
     /// STAGE seconds as the worker reported them, and useful bytes pulled.
     pub stage_seconds: f64,
     /// Useful bytes pulled.
@@ -339,7 +334,7 @@ pub struct RefitWorker {
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Rejoined {
     /// The version resident in its engine then (`None`: no weights).
-    pub resident: Option<String>,
+    pub resident: Option<ResidentVersion>,
 }
 
 impl RefitWorker {
@@ -368,8 +363,8 @@ pub struct Refit {
     pub spec: RefitSpec,
     /// The target version's digest.
     pub digest: Digest,
-    /// The target version id ([`version_id`]).
-    pub target: String,
+    /// The target version's id (of `digest`).
+    pub target: VersionId,
     /// Workers left out (not connected) with the reason, when `allow_partial`.
     pub dropped: Vec<(String, String)>,
     /// Current phase; phases passed, with the unix millisecond each began.
@@ -409,7 +404,7 @@ impl Refit {
             && self
                 .workers
                 .values()
-                .all(|w| w.previous.as_deref() == Some(self.target.as_str()))
+                .all(|w| w.previous.as_ref().is_some_and(|p| p.is(self.target)))
     }
 
     /// What is missing for this refit's journal to be complete: BEGIN and END recorded, every

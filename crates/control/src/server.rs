@@ -3,8 +3,9 @@
 
 use std::collections::BTreeMap;
 
-use crate::refit::{now_ms, version_id, Phase, Refit, RefitSpec, RefitWorker};
+use crate::refit::{now_ms, Phase, Refit, RefitSpec, RefitWorker};
 use crate::WorkerState;
+use mx_layout::{ResidentVersion, VersionId};
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -192,7 +193,8 @@ impl ControlPlane for Service {
         let rec = Record::Register {
             layout: convert::req_layout(&r.layout, "layout")?,
             engine,
-            resident_version: (!r.resident_version.is_empty()).then_some(r.resident_version),
+            resident_version: (!r.resident_version.is_empty())
+                .then(|| ResidentVersion::parse(&r.resident_version)),
             worker_id: r.worker_id,
             instance: r.instance,
             ranks: r.ranks,
@@ -627,7 +629,7 @@ async fn start_refit(shared: &Arc<Shared>, mut spec: RefitSpec) -> Result<u64, E
                 state: info.state,
                 reason: "a refit needs a READY version".into(),
             })?;
-            let target = version_id(&digest);
+            let target = VersionId(digest);
             let mut workers = BTreeMap::new();
             let mut dropped = Vec::new();
             for w in &spec.worker_ids {

@@ -9,7 +9,8 @@ use crate::refit::{
 };
 use crate::state::Record;
 use mx_layout::{
-    DType, Digest, LayoutSpec, MemDevice, Scheme, ShardEntry, SourceManifest, TensorBox, TensorSpec,
+    DType, Digest, LayoutSpec, MemDevice, ResidentVersion, Scheme, ShardEntry, SourceManifest,
+    TensorBox, TensorSpec, VersionId,
 };
 
 const LAYOUT: LayoutSpec = LayoutSpec {
@@ -84,11 +85,11 @@ fn refit_with(
     batched: bool,
 ) {
     let id = st.next_refit_id();
-    let target = crate::refit::version_id(&d);
+    let target = VersionId(d);
     let workers = ids
         .iter()
         .map(|w| {
-            let prev = st.fleet_version().map(|f| f.1.clone());
+            let prev = st.fleet_version().map(|f| ResidentVersion::from(f.1));
             let rw = RefitWorker {
                 previous: prev.clone(),
                 resident: prev,
@@ -117,7 +118,7 @@ fn refit_with(
         id,
         spec,
         digest: d,
-        target: target.clone(),
+        target,
         dropped: vec![],
         phase: Phase::Stage,
         phases: vec![(Phase::Stage, 10 * id)],
@@ -148,14 +149,14 @@ fn refit_with(
     let result = CallResult {
         ok: true,
         seconds: 0.125,
-        version: Some(target.clone()),
+        version: Some(target.into()),
         cache_tiers_cleared: vec!["prefix".into()],
         message: "ok".into(),
         ..CallResult::default()
     };
     if batched {
         let action = Action::Apply {
-            version: target.clone(),
+            version: target.into(),
         };
         let worker_ids = ids.to_vec();
         push(
@@ -181,7 +182,7 @@ fn refit_with(
             id,
             worker_id: w.clone(),
             action: Action::Apply {
-                version: target.clone(),
+                version: target.into(),
             },
         };
         push(recs, st, call);

@@ -9,7 +9,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use mx_layout::{
-    version_digest, Digest, LayoutSpec, SourceManifest, TensorBox, TensorSpec, VersionId,
+    version_digest, Digest, LayoutSpec, ResidentVersion, SourceManifest, TensorBox, TensorSpec,
+    VersionId,
 };
 use serde::{Deserialize, Serialize};
 
@@ -107,7 +108,7 @@ struct Worker {
     /// Version id resident in its live weights, as last learned (its registration, or a refit's
     /// APPLY answer or read-back). Admission is computed from it on every read
     /// ([`State::admission`]), never stored, so it cannot go stale.
-    resident_id: Option<String>,
+    resident_id: Option<ResidentVersion>,
     /// The refit that fenced it (could not bring it back), until it registers again or a later
     /// refit of it commits or rolls back cleanly: what is resident is unknown meanwhile.
     fenced_by: Option<u64>,
@@ -133,7 +134,7 @@ pub struct State {
     pub(crate) refits: BTreeMap<u64, Refit>,
     next_refit: u64,
     /// The version the fleet last committed: (label, version id).
-    fleet_version: Option<(String, String)>,
+    fleet_version: Option<(String, VersionId)>,
     /// How many times each (version, slot) was published again with a different manifest
     /// (bounded by [`crate::limits::MAX_REPUBLISHES`]).
     #[serde(with = "crate::snapshot::pair_map")]
@@ -484,7 +485,7 @@ impl State {
                     r.reason = reason;
                 }
                 let label = r.spec.label.clone();
-                let target = r.target.clone();
+                let target = r.target;
                 let set = r.spec.worker_ids.clone();
                 if outcome == Outcome::Committed {
                     self.fleet_version = Some((label.clone(), target));
@@ -577,7 +578,7 @@ impl State {
         let Some(w) = self.workers.get(worker_id) else {
             return (false, format!("worker {worker_id} is not registered"));
         };
-        let (resident, fenced_by) = (w.resident_id.as_deref(), w.fenced_by);
+        let (resident, fenced_by) = (w.resident_id.as_ref(), w.fenced_by);
         if let Some(r) = self.open_refit_of(worker_id) {
             return (
                 false,
@@ -606,7 +607,7 @@ impl State {
                 false,
                 format!("stale: resident {v}, but the fleet has committed no version"),
             ),
-            (Some((label, fleet)), Some(v)) if v == fleet => {
+            (Some((label, fleet)), Some(v)) if v.is(*fleet) => {
                 let _ = label;
                 (true, String::new())
             }
@@ -704,7 +705,7 @@ impl State {
     }
 
     /// The version the fleet last committed: (label, version id).
-    pub fn fleet_version(&self) -> Option<&(String, String)> {
+    pub fn fleet_version(&self) -> Option<&(String, VersionId)> {
         self.fleet_version.as_ref()
     }
 
@@ -752,7 +753,7 @@ impl State {
     pub fn worker_engine(
         &self,
         worker_id: &str,
-    ) -> Option<(Option<EngineEndpoint>, Option<String>)> {
+    ) -> Option<(Option<EngineEndpoint>, Option<ResidentVersion>)> {
         self.workers
             .get(worker_id)
             .map(|w| (w.engine.clone(), w.resident_id.clone()))
@@ -883,10 +884,10 @@ impl State {
         self.workers.contains_key(worker_id)
     }
 
-    /// The label of the version whose id ([`crate::refit::version_id`]) is `version`, `None`
-    /// when no declared version has that digest.
-    pub fn label_of(&self, version: &str) -> Option<String> {
-        let d = VersionId::from_engine(version)?.digest();
+    /// The label of mx version `version`, `None` for another label or when no declared version
+    /// has that digest.
+    pub fn label_of(&self, version: &ResidentVersion) -> Option<String> {
+        let d = version.mx()?.digest();
         self.versions
             .iter()
             .find(|(_, v)| v.digest == Some(d))
@@ -999,8 +1000,8 @@ impl State {
                     version_digest: w.digest,
                     resident_version: w
                         .resident_id
-                        .as_deref()
-                        .and_then(VersionId::from_engine)
+                        .as_ref()
+                        .and_then(ResidentVersion::mx)
                         .map(|v| v.digest()),
                     last_error: w.last_error.clone(),
                     last_staged: w.last_staged.clone(),

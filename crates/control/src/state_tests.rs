@@ -180,7 +180,7 @@ fn register(st: &mut State, id: &str, resident: Option<String>) {
         ranks: vec![0],
         layout: LAYOUT,
         engine: None,
-        resident_version: resident,
+        resident_version: resident.as_deref().map(ResidentVersion::parse),
     })
     .unwrap();
 }
@@ -212,7 +212,7 @@ fn ready_state() -> (State, Digest) {
                 system_url: "http://127.0.0.1:1".into(),
                 no_model: false,
             }),
-            resident_version: Some("disk:/ckpt".into()),
+            resident_version: Some(ResidentVersion::parse("disk:/ckpt")),
         })
         .unwrap();
     }
@@ -237,8 +237,8 @@ fn begin_on(st: &State, label: &str, d: Digest, set: &[(&str, Option<&str>)]) ->
             (
                 id.to_string(),
                 crate::refit::RefitWorker {
-                    previous: previous.map(str::to_string),
-                    resident: previous.map(str::to_string),
+                    previous: previous.map(ResidentVersion::parse),
+                    resident: previous.map(ResidentVersion::parse),
                     stage_seconds: 0.0,
                     stage_bytes: 0,
                     calls: vec![],
@@ -264,7 +264,7 @@ fn begin_on(st: &State, label: &str, d: Digest, set: &[(&str, Option<&str>)]) ->
                 verify_from_apply_answer: false,
             },
             digest: d,
-            target: crate::refit::version_id(&d),
+            target: VersionId(d),
             dropped: vec![],
             phase: Phase::Stage,
             phases: vec![],
@@ -309,13 +309,13 @@ fn refit_commits_admits_and_refuses_illegal_steps() {
     for p in [Phase::Prepare, Phase::Apply] {
         st.apply(phase(1, p)).unwrap();
     }
-    let target = crate::refit::version_id(&d);
+    let target = VersionId(d).to_string();
     for w in ["a", "b"] {
         st.apply(Record::WorkerCall {
             id: 1,
             worker_id: w.into(),
             action: Action::Apply {
-                version: target.clone(),
+                version: ResidentVersion::parse(&target),
             },
         })
         .unwrap();
@@ -357,11 +357,14 @@ fn refit_commits_admits_and_refuses_illegal_steps() {
     })
     .unwrap();
     let f = st.fleet_status();
-    assert_eq!(f.fleet_version, Some(("v1".into(), target.clone())));
+    assert_eq!(
+        f.fleet_version,
+        Some(("v1".into(), target.parse().unwrap()))
+    );
     assert!(f
         .workers
         .iter()
-        .all(|w| w.admitted && w.resident_id.as_deref() == Some(target.as_str())));
+        .all(|w| w.admitted && w.resident_id == Some(ResidentVersion::parse(&target))));
     // The resident digest is the one inside the resident mx version id.
     assert!(f.workers.iter().all(|w| w.resident_version == Some(d)));
     assert_eq!(st.version_state("v1"), Some(VersionState::Committed));
@@ -477,9 +480,9 @@ fn a_version_overwritten_in_place_is_retired() {
 #[test]
 fn a_fenced_worker_stays_gated_until_it_registers_again() {
     let (mut st, d) = ready_state();
-    let target = crate::refit::version_id(&d);
+    let target = VersionId(d).to_string();
     let apply = || Action::Apply {
-        version: target.clone(),
+        version: ResidentVersion::parse(&target),
     };
     // Refit 1 commits v1 on a and b.
     st.apply(begin(&st, d)).unwrap();
@@ -512,7 +515,7 @@ fn a_fenced_worker_stays_gated_until_it_registers_again() {
     st.apply(end(2, Outcome::Fenced, &["b"])).unwrap();
     // b's last known version is still the committed one, but it is not admitted.
     let b = worker(&st, "b");
-    assert_eq!(b.resident_id.as_deref(), Some(target.as_str()));
+    assert_eq!(b.resident_id, Some(ResidentVersion::parse(&target)));
     assert!(
         !b.admitted && b.admission.contains("fenced by refit 2"),
         "{}",
@@ -572,7 +575,7 @@ fn commit(st: &mut State, id: u64, set: &[&str], target: &str) {
         st.apply(phase(id, p)).unwrap();
     }
     for w in set {
-        let version = target.to_string();
+        let version = ResidentVersion::parse(target);
         call(st, id, w, Action::Apply { version }, true);
     }
     for p in [Phase::Verify, Phase::Resume, Phase::Commit] {
@@ -607,12 +610,12 @@ fn regression_a_commit_makes_every_worker_not_on_it_stale() {
     // Observed: after a refit committed V on a set, workers outside it that still held
     // V-1 stayed admitted.
     let (mut st, d1) = ready_state();
-    let v1 = crate::refit::version_id(&d1);
+    let v1 = VersionId(d1).to_string();
     st.apply(begin(&st, d1)).unwrap();
     commit(&mut st, 1, &["a", "b"], &v1);
     assert!(worker(&st, "a").admitted && worker(&st, "b").admitted);
     let d2 = second_version(&mut st, "v2");
-    let v2 = crate::refit::version_id(&d2);
+    let v2 = VersionId(d2).to_string();
     st.apply(begin_on(&st, "v2", d2, &[("a", Some(&v1))]))
         .unwrap();
     // b is outside the refit: still admitted on v1 while v2 is not committed.
@@ -621,7 +624,7 @@ fn regression_a_commit_makes_every_worker_not_on_it_stale() {
     commit(&mut st, 2, &["a"], &v2);
     let (a, b) = (worker(&st, "a"), worker(&st, "b"));
     assert!(a.admitted, "{}", a.admission);
-    assert_eq!(b.resident_id.as_deref(), Some(v1.as_str()));
+    assert_eq!(b.resident_id, Some(ResidentVersion::parse(&v1)));
     assert!(
         !b.admitted && b.admission.contains("stale") && b.admission.contains(&v2),
         "{}",
@@ -654,7 +657,7 @@ fn a_worker_registering_again_during_a_refit_is_recorded_in_it() {
 #[test]
 fn a_refit_of_the_held_version_is_verify_only() {
     let (mut st, d1) = ready_state();
-    let v1 = crate::refit::version_id(&d1);
+    let v1 = VersionId(d1).to_string();
     // A refit whose workers do not all hold the target cannot skip to VERIFY.
     st.apply(begin(&st, d1)).unwrap();
     assert!(!st.refit(1).unwrap().verify_only());
@@ -684,7 +687,7 @@ fn a_refit_of_the_held_version_is_verify_only() {
         worker_id: "b".into(),
         result: CallResult {
             ok: true,
-            version: Some("disk:/other".into()),
+            version: Some(ResidentVersion::parse("disk:/other")),
             ..CallResult::default()
         },
     })
@@ -703,7 +706,7 @@ fn a_refit_of_the_held_version_is_verify_only() {
 #[test]
 fn a_departed_worker_stays_gated_until_a_later_refit_settles_it() {
     let (mut st, d1) = ready_state();
-    let v1 = crate::refit::version_id(&d1);
+    let v1 = VersionId(d1).to_string();
     st.apply(begin(&st, d1)).unwrap();
     commit(&mut st, 1, &["a", "b"], &v1);
     st.apply(begin_on(
@@ -815,7 +818,7 @@ fn a_version_is_released_once_staged_everywhere_or_never_to_be_staged() {
         &[("a", Some("disk:/ckpt")), ("b", Some("disk:/ckpt"))],
     ))
     .unwrap();
-    commit(&mut st, 1, &["a", "b"], &crate::refit::version_id(&d3));
+    commit(&mut st, 1, &["a", "b"], &VersionId(d3).to_string());
     assert_eq!(
         st.release_of("v1"),
         Some(Release::Superseded { by: "v2".into() })
@@ -1067,7 +1070,7 @@ fn peers_serve_only_what_is_resident_and_recorded_and_are_withdrawn_before_their
         ranks: vec![0, 1],
         layout: LAYOUT,
         engine: None,
-        resident_version: resident,
+        resident_version: resident.as_deref().map(ResidentVersion::parse),
     };
     // The peer's memory: both regions it verified, at its own addresses, with the record's
     // digests.
@@ -1089,7 +1092,7 @@ fn peers_serve_only_what_is_resident_and_recorded_and_are_withdrawn_before_their
     st.apply(reg(Some("disk:/ckpt".into()))).unwrap();
     let e = st.check(&serve(&peer)).unwrap_err().to_string();
     assert!(e.contains("only what is resident"), "{e}");
-    st.apply(reg(Some(crate::refit::version_id(&d)))).unwrap();
+    st.apply(reg(Some(VersionId(d).to_string()))).unwrap();
     assert_eq!(st.check(&serve(&peer)).unwrap(), Check::Apply);
     // A shard that is not a region of the record, or a piece that contradicts it: refused,
     // naming the entry.
@@ -1124,6 +1127,6 @@ fn peers_serve_only_what_is_resident_and_recorded_and_are_withdrawn_before_their
     assert!(st.version_info("v1").unwrap().peers.is_empty());
     assert_eq!(st.check(&withdraw).unwrap(), Check::Noop);
     st.apply(serve(&peer)).unwrap();
-    st.apply(reg(Some(crate::refit::version_id(&d)))).unwrap();
+    st.apply(reg(Some(VersionId(d).to_string()))).unwrap();
     assert!(st.version_info("v1").unwrap().peers.is_empty());
 }

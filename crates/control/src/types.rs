@@ -4,7 +4,10 @@
 use std::collections::BTreeMap;
 use std::fmt;
 
-use mx_layout::{Digest, LayoutSpec, RankDigests, SourceManifest, TensorBox, TensorSpec};
+use mx_layout::{
+    Digest, LayoutSpec, RankDigests, ResidentVersion, SourceManifest, TensorBox, TensorSpec,
+    VersionId,
+};
 use serde::{Deserialize, Serialize};
 
 /// Lifecycle of a policy version.
@@ -295,7 +298,7 @@ pub struct WorkerStatus {
     /// Its engine routes.
     pub engine: Option<crate::refit::EngineEndpoint>,
     /// Version id resident in its live weights, as last learned (`mx:<hex>` for mx versions).
-    pub resident_id: Option<String>,
+    pub resident_id: Option<ResidentVersion>,
     /// Rollouts may be sent to it.
     pub admitted: bool,
     /// Why it is not admitted (empty when admitted).
@@ -325,7 +328,7 @@ pub struct FleetStatus {
     /// Workers.
     pub workers: Vec<WorkerStatus>,
     /// The version the fleet last committed: (label, version id).
-    pub fleet_version: Option<(String, String)>,
+    pub fleet_version: Option<(String, VersionId)>,
     /// The refit in progress.
     pub open_refit: Option<u64>,
 }

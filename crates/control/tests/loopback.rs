@@ -13,8 +13,8 @@ use mx_control::{
     PauseMode, RefitSpec, Registration, ServerHandle, StagedReport, VersionState, WorkerState,
 };
 use mx_layout::{
-    version_digest, DType, DestPiece, Digest, LayoutSpec, MemDevice, RankDigests, Scheme,
-    ShardEntry, SourceManifest, TensorBox, TensorSpec,
+    version_digest, DType, DestPiece, Digest, LayoutSpec, MemDevice, RankDigests, ResidentVersion,
+    Scheme, ShardEntry, SourceManifest, TensorBox, TensorSpec, VersionId,
 };
 
 const FSDP2: LayoutSpec = LayoutSpec {
@@ -547,7 +547,7 @@ async fn register_dynamo(c: &ControlClient, id: &str, url: &str) {
             system_url: url.to_string(),
             no_model: false,
         }),
-        resident_version: Some("disk:/ckpt".into()),
+        resident_version: Some(ResidentVersion::parse("disk:/ckpt")),
         model_limits: None,
     })
     .await
@@ -555,7 +555,7 @@ async fn register_dynamo(c: &ControlClient, id: &str, url: &str) {
 }
 
 /// Declares `step-7` and publishes both of its slots; its digest and version id.
-async fn declare_and_publish_step7(c: &ControlClient) -> (Digest, String) {
+async fn declare_and_publish_step7(c: &ControlClient) -> (Digest, VersionId) {
     c.declare_version("step-7", FSDP2, &tensors())
         .await
         .unwrap();
@@ -566,7 +566,7 @@ async fn declare_and_publish_step7(c: &ControlClient) -> (Digest, String) {
         .unwrap()
         .version_digest
         .unwrap();
-    (digest, mx_control::version_id(&digest))
+    (digest, VersionId(digest))
 }
 
 /// A full-lifecycle refit of worker `w` to `step-7`, each engine call given `call_timeout_ms`.
@@ -643,7 +643,7 @@ async fn a_refit_is_the_only_commit_and_a_stage_waits_for_it_to_end() {
         [
             Action::Pause,
             Action::Apply {
-                version: target.clone()
+                version: target.into()
             },
             Action::ReadVersion,
             Action::Resume
@@ -658,12 +658,9 @@ async fn a_refit_is_the_only_commit_and_a_stage_waits_for_it_to_end() {
     assert_eq!(info.state, VersionState::Committed);
     assert_eq!(info.commit_workers, vec!["w".to_string()]);
     let status = c.get_status().await.unwrap();
-    assert_eq!(
-        status.fleet_version,
-        Some(("step-7".to_string(), target.clone()))
-    );
+    assert_eq!(status.fleet_version, Some(("step-7".to_string(), target)));
     let w = &status.workers[0];
-    assert_eq!(w.resident_id.as_deref(), Some(target.as_str()));
+    assert_eq!(w.resident_id, Some(target.into()));
     assert_eq!(w.resident_version, Some(digest));
     assert!(w.admitted, "{}", w.admission);
     // Once the refit ended, staging is accepted again.
@@ -783,13 +780,13 @@ async fn verify_takes_the_version_from_apply_answers_and_reads_back_the_rest() {
             .collect()
     };
     let apply = Action::Apply {
-        version: target.clone(),
+        version: target.into(),
     };
     // Orchestrator-gated: no pause or resume; `a`'s answer stood for its read-back.
     assert_eq!(actions("a").as_slice(), std::slice::from_ref(&apply));
     assert_eq!(actions("b"), [apply, Action::ReadVersion]);
     for w in ["a", "b"] {
-        assert_eq!(r.workers[w].resident.as_deref(), Some(target.as_str()));
+        assert_eq!(r.workers[w].resident, Some(target.into()));
     }
     let routes = |f: &Fake| -> Vec<String> {
         f.lock()
@@ -1013,7 +1010,7 @@ async fn a_post_update_check_the_engines_would_refuse_is_refused_before_anything
             system_url: url.clone(),
             no_model: false,
         }),
-        resident_version: Some("disk:/ckpt".into()),
+        resident_version: Some(ResidentVersion::parse("disk:/ckpt")),
         model_limits: Some(mx_control::ModelLimits {
             vocab_size: 49152,
             max_positions: 8192,
@@ -1076,7 +1073,7 @@ async fn register_as(c: &ControlClient, id: &str, inc: u64, url: &str) -> Result
                 system_url: url.to_string(),
                 no_model: false,
             }),
-            resident_version: Some("disk:/ckpt".into()),
+            resident_version: Some(ResidentVersion::parse("disk:/ckpt")),
             model_limits: None,
         })
         .await
@@ -1197,7 +1194,7 @@ async fn register_rank(
                 system_url: url.to_string(),
                 no_model: false,
             }),
-            resident_version: Some("disk:/ckpt".into()),
+            resident_version: Some(ResidentVersion::parse("disk:/ckpt")),
             model_limits: None,
         })
         .await

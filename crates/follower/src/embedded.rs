@@ -280,8 +280,7 @@ impl EmbeddedPuller {
             Some(id) => id,
             None => {
                 let staged = self.with(|p| p.versions().staged)?;
-                let staged = staged.ok_or(Error::NothingStaged)?;
-                staged.parse()?
+                staged.ok_or(Error::NothingStaged)?
             }
         };
         Ok(self.with(|p| p.apply(id))??)

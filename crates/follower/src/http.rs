@@ -395,7 +395,11 @@ async fn discovery(State(ctx): State<Ctx>) -> Response {
 /// A Dynamo answer, `{status, message, version}` with the resident version (empty when none),
 /// and its HTTP status.
 fn dynamo_answer(inst: &Instance, res: Result<String, Error>) -> (StatusCode, EngineResponse) {
-    let version = Some(inst.resident_version().unwrap_or_default());
+    let version = Some(
+        inst.resident_version()
+            .map(|v| v.to_string())
+            .unwrap_or_default(),
+    );
     match res {
         Ok(message) => (StatusCode::OK, EngineResponse::ok(message, version)),
         Err(e) => (status_of(&e), EngineResponse::error(e.to_string(), version)),
@@ -601,7 +605,7 @@ async fn generate(State(ctx): State<Ctx>, body: Bytes) -> Response {
             let answer = GenerateResponse {
                 output_ids: out.output_ids,
                 meta_info: MetaInfo {
-                    weight_version: Some(out.weight_version),
+                    weight_version: out.weight_version.map(|v| v.to_string()),
                     prompt_tokens: Some(out.prompt_tokens as u64),
                     completion_tokens: Some(out.completion_tokens as u64),
                     cached_tokens: Some(out.cached_tokens as u64),

@@ -11,7 +11,8 @@ use std::time::Instant;
 use mx_checkpoint::Checkpoint;
 use mx_layout::merkle::VersionProof;
 use mx_layout::{
-    Digest, LayoutSpec, ModelInfo, RankDigests, RankLayout, SourceManifest, VersionId, Want,
+    Digest, LayoutSpec, ModelInfo, RankDigests, RankLayout, ResidentVersion, SourceManifest,
+    VersionId, Want,
 };
 use mx_nixl::Agent;
 use mx_puller::{ApplyKind as PullKind, ExecOptions, Puller, PullerConfig, StageReport};
@@ -110,11 +111,11 @@ pub enum ApplyKind {
 #[derive(Debug, Clone, PartialEq)]
 pub struct ApplyOutcome {
     /// The version now resident.
-    pub version: String,
+    pub version: ResidentVersion,
     /// How it got there.
     pub kind: ApplyKind,
     /// The pinned (previous) version now, if any.
-    pub pinned: Option<String>,
+    pub pinned: Option<ResidentVersion>,
     /// Cache tiers clear after the apply (empty when the caller asked not to clear them). An
     /// instance that runs no engine (see [`Instance::generation_support`]) caches nothing, so
     /// every tier is clear.
@@ -127,12 +128,12 @@ pub struct ApplyOutcome {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Versions {
     /// Resident version.
-    pub live: Option<String>,
+    pub live: Option<ResidentVersion>,
     /// Previous live version, retained in a host copy so a rollback needs no source (`None`
     /// when the retained copy is the live version itself, e.g. right after a rollback).
-    pub pinned: Option<String>,
+    pub pinned: Option<ResidentVersion>,
     /// Staged version (pulled and verified).
-    pub staged: Option<String>,
+    pub staged: Option<VersionId>,
 }
 
 /// One generation request (greedy).
@@ -164,8 +165,9 @@ pub enum FinishReason {
 pub struct GenerateOutput {
     /// Generated token ids.
     pub output_ids: Vec<u32>,
-    /// The version whose weights generated the last token.
-    pub weight_version: String,
+    /// The version whose weights generated the last token (`None` when no token was
+    /// generated).
+    pub weight_version: Option<ResidentVersion>,
     /// Prompt length.
     pub prompt_tokens: usize,
     /// Generated tokens.
@@ -207,7 +209,7 @@ impl State {
 struct EngineSlot {
     engine: Option<Box<dyn Engine>>,
     /// The version whose weights the engine holds.
-    version: String,
+    version: Option<ResidentVersion>,
     /// The prompt the engine's prefix cache holds (mirrors the engine's one-entry prefix
     /// cache, to report `cached_tokens`); empty when cleared.
     prefix: Vec<u32>,
@@ -479,8 +481,8 @@ impl Instance {
         lock(&self.shared.versions).clone()
     }
 
-    /// The resident version id, `None` before the first apply.
-    pub fn resident_version(&self) -> Option<String> {
+    /// The resident version, `None` before the first apply.
+    pub fn resident_version(&self) -> Option<ResidentVersion> {
         self.versions().live
     }
 
@@ -505,7 +507,7 @@ impl Instance {
 
     /// The resident version id and blake3 of every live parameter per rank (`None` before the
     /// first apply).
-    pub async fn live_digests(&self) -> Result<Option<(String, Vec<RankDigests>)>, Error> {
+    pub async fn live_digests(&self) -> Result<Option<(ResidentVersion, Vec<RankDigests>)>, Error> {
         let sh = Arc::clone(&self.shared);
         blocking(move || {
             let st = lock(&sh.state);
@@ -902,7 +904,7 @@ struct Progress {
     /// Prompt tokens the first decode call found in the prefix cache.
     cached: Option<usize>,
     /// The version whose weights generated the last token.
-    version: String,
+    version: Option<ResidentVersion>,
 }
 
 /// How a decode call ended.
@@ -998,7 +1000,8 @@ fn install(sh: &Shared, st: &mut State, source: &ApplySource) -> Result<ApplyKin
             }
             let t = Instant::now();
             let buffers = load_disk(path, &sh.model, &sh.dest)?;
-            st.puller.install(version.clone(), &buffers)?;
+            st.puller
+                .install(ResidentVersion::Label(version.clone()), &buffers)?;
             tracing::info!(
                 path = %path.display(),
                 version,
@@ -1021,7 +1024,7 @@ fn rebuild_engine(
     let fp = sh.failpoints.get();
     let mut slot = lock(&sh.engine);
     if let (true, Ok(()), Some(builder)) = (rebuild, &sh.generation, &sh.builder) {
-        let id = st.puller.versions().resident.unwrap_or_default();
+        let id = st.puller.versions().resident;
         let live = st.live();
         let t = Instant::now();
         match slot.engine.as_mut() {
@@ -1096,7 +1099,7 @@ fn apply_locked(
         Err(e) => {
             // The engine refused the new weights: put the previous version back (the retained
             // copy holds it) so live weights and engine agree again.
-            if let Some(prev) = before.as_deref().and_then(VersionId::from_engine) {
+            if let Some(prev) = before.as_ref().and_then(ResidentVersion::mx) {
                 if let Err(e2) = st.puller.apply(prev) {
                     tracing::error!("restoring {prev} after the engine refused failed: {e2}");
                 }
@@ -1107,8 +1110,12 @@ fn apply_locked(
     };
     let versions = st.versions();
     *lock(&sh.versions) = versions.clone();
+    let version = versions
+        .live
+        .clone()
+        .ok_or_else(|| Error::Task("no version is live after an apply".into()))?;
     let out = ApplyOutcome {
-        version: versions.live.clone().unwrap_or_default(),
+        version,
         kind,
         pinned: versions.pinned,
         cache_tiers_cleared: tiers,
@@ -1116,7 +1123,7 @@ fn apply_locked(
     };
     tracing::info!(
         worker = sh.cfg.worker_id,
-        version = out.version,
+        version = %out.version,
         kind = ?out.kind,
         pinned = ?out.pinned,
         apply_s = out.seconds,

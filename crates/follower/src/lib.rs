@@ -42,8 +42,8 @@
 //!   id ([`Error::Displaced`]: its engine is retired first) or after an explicit
 //!   [`WorkerConfig::reconnect_timeout`].
 //!
-//! Version ids: an mx policy version is [`mx_version_id`] (`mx:<64 hex>`); weights loaded from
-//! disk are named by the request's `weight_version`, or `disk:<path>`.
+//! Versions: what is resident is a [`ResidentVersion`]: an mx policy version (`mx:<64 hex>`), or
+//! weights loaded from disk, named by the request's `weight_version`, or `disk:<path>`.
 //!
 //! `/generate` decodes exactly `max_new_tokens` tokens unless one of the request's
 //! `stop_token_ids` comes first: unlike SGLang the end-of-sequence token is not a default stop,
@@ -67,22 +67,15 @@ mod worker;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
-use mx_layout::Digest;
-
 pub use engine::{Engine, EngineBuilder, EngineError};
 pub use gate::{PauseMode, PauseOutcome};
 pub use instance::{
     ApplyKind, ApplyOutcome, ApplySource, FinishReason, GenerateOutput, GenerateRequest, Instance,
     InstanceConfig, Versions, CACHE_TIERS,
 };
+pub use mx_layout::ResidentVersion;
 pub use mx_puller::StageReport;
 pub use worker::{Worker, WorkerConfig, MAX_BACKOFF};
-
-/// The version id of an mx policy version: `mx:<64 hex digits of the version digest>`
-/// ([`mx_layout::VersionId`], where the form is parsed and printed).
-pub fn mx_version_id(d: &Digest) -> String {
-    mx_layout::VersionId(*d).to_string()
-}
 
 /// Errors of the worker. Each names the version, field, tensor, rank or source at fault.
 #[derive(Debug, thiserror::Error)]

@@ -89,10 +89,7 @@ pub(crate) async fn stage_from_any(
             return Ok(r);
         }
     }
-    let held = inst
-        .resident_version()
-        .as_deref()
-        .and_then(VersionId::from_engine);
+    let held = inst.resident_version().and_then(|r| r.mx());
     for a in artifact_order(&info, held) {
         match stage_artifact(inst, label, digest, a, held).await {
             Ok(r) => return Ok(r),

@@ -339,11 +339,7 @@ impl Worker {
         let mut failed: Option<(VersionId, Instant)> = None;
         loop {
             tokio::time::sleep(PEER_POLL).await;
-            let want = self
-                .inst
-                .resident_version()
-                .as_deref()
-                .and_then(VersionId::from_engine);
+            let want = self.inst.resident_version().and_then(|r| r.mx());
             let Some(v) = want else {
                 if served.take().is_some() {
                     let _ = self.client().withdraw_peer(&self.cfg.worker_id, None).await;

@@ -426,7 +426,7 @@ async fn run_async(args: DemoArgs) -> anyhow::Result<()> {
         }
         let mut workers = Vec::new();
         let mut useful = 0u64;
-        let target = mx_control::version_id(&digest);
+        let target = mx_layout::VersionId(digest).to_string();
         for id in &worker_ids {
             let w = status
                 .workers

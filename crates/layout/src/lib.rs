@@ -38,5 +38,5 @@ pub use manifest::{
 };
 pub use model::{rank_layout, rank_layouts, ModelInfo, Param, Piece, RankLayout};
 pub use strict_json::JsonError;
-pub use types::{Digest, LayoutSpec, Scheme, TensorBox, VersionId};
+pub use types::{Digest, LayoutSpec, ResidentVersion, Scheme, TensorBox, VersionId};
 pub use want::Want;

@@ -96,8 +96,8 @@ impl<'de> Deserialize<'de> for Digest {
 /// is the one place either form is parsed or printed.
 ///
 /// Weights that did not come through mx (a checkpoint read from disk) carry some other id
-/// (`disk:<path>`, a trainer's label): [`VersionId::from_engine`] returns `None` for those, and
-/// they never equal an mx version.
+/// (`disk:<path>`, a trainer's label): they are a [`ResidentVersion::Label`] and never equal an mx
+/// version.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct VersionId(pub Digest);
 
@@ -110,12 +110,6 @@ impl VersionId {
     /// The version digest (the Merkle root of the publication).
     pub fn digest(&self) -> Digest {
         self.0
-    }
-
-    /// The version an engine reports, when it is an mx version: `Some` for `mx:<64 hex>`, `None`
-    /// for every other id (a disk load's name, a malformed `mx:` string).
-    pub fn from_engine(id: &str) -> Option<VersionId> {
-        id.parse().ok()
     }
 
     /// True when `id` claims to be an mx version (starts with `mx:`), well-formed or not.
@@ -192,6 +186,78 @@ impl<'de> Deserialize<'de> for VersionId {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<VersionId, D::Error> {
         let s = String::deserialize(d)?;
         s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+/// The weights an engine holds, as it reports them: an mx policy version, or another label.
+///
+/// An mx version becomes resident only by an apply of a staged, verified version (or a
+/// rollback to the retained one); weights that did not come through mx (a checkpoint read from
+/// disk, named `disk:<path>` or by the `weight_version` the engine was given) are a
+/// [`ResidentVersion::Label`] and never equal an mx version. This type is the one place an
+/// engine's version string is parsed ([`ResidentVersion::parse`]); it prints and serializes as
+/// that string.
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum ResidentVersion {
+    /// An mx policy version (`mx:<64 hex>`).
+    Mx(VersionId),
+    /// Any other label; a malformed `mx:` string is one too (it names no mx version).
+    Label(String),
+}
+
+impl ResidentVersion {
+    /// What an engine reports: `mx:<64 hex>` is an mx version, anything else a label.
+    pub fn parse(reported: &str) -> ResidentVersion {
+        match reported.parse() {
+            Ok(v) => ResidentVersion::Mx(v),
+            Err(_) => ResidentVersion::Label(reported.to_string()),
+        }
+    }
+
+    /// The mx version, when it is one.
+    pub fn mx(&self) -> Option<VersionId> {
+        match self {
+            ResidentVersion::Mx(v) => Some(*v),
+            ResidentVersion::Label(_) => None,
+        }
+    }
+
+    /// True when it is mx version `v`.
+    pub fn is(&self, v: VersionId) -> bool {
+        self.mx() == Some(v)
+    }
+}
+
+impl From<VersionId> for ResidentVersion {
+    fn from(v: VersionId) -> ResidentVersion {
+        ResidentVersion::Mx(v)
+    }
+}
+
+impl fmt::Display for ResidentVersion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ResidentVersion::Mx(v) => v.fmt(f),
+            ResidentVersion::Label(l) => f.write_str(l),
+        }
+    }
+}
+
+impl fmt::Debug for ResidentVersion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:?}", self.to_string())
+    }
+}
+
+impl Serialize for ResidentVersion {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for ResidentVersion {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<ResidentVersion, D::Error> {
+        Ok(ResidentVersion::parse(&String::deserialize(d)?))
     }
 }
 
@@ -395,7 +461,7 @@ mod tests {
         let engine = v.to_string();
         assert_eq!(engine, format!("mx:{d}"));
         assert_eq!(engine.parse::<VersionId>().ok(), Some(v));
-        assert_eq!(VersionId::from_engine(&engine), Some(v));
+        assert_eq!(ResidentVersion::parse(&engine).mx(), Some(v));
         assert_eq!(v.model_path(), format!("mx://{d}"));
         assert_eq!(
             VersionId::from_model_path(&v.model_path()).ok(),
@@ -408,7 +474,7 @@ mod tests {
             &format!("mx:{}", "g".repeat(64)),
             &d.to_string(),
         ] {
-            assert_eq!(VersionId::from_engine(bad), None, "{bad}");
+            assert_eq!(ResidentVersion::parse(bad).mx(), None, "{bad}");
             assert!(matches!(
                 bad.parse::<VersionId>(),
                 Err(Error::BadVersionId { .. })
@@ -423,5 +489,32 @@ mod tests {
         assert_eq!(json, format!("\"mx:{d}\""));
         let back: Result<VersionId, _> = serde_json::from_str(&json);
         assert_eq!(back.ok(), Some(v));
+    }
+
+    #[test]
+    #[allow(clippy::unwrap_used)] // reason: a test fails loudly on purpose
+    fn a_resident_version_is_an_mx_version_or_a_label_and_prints_as_reported() {
+        let v = VersionId(Digest([7; 32]));
+        for (reported, want) in [
+            (v.to_string(), ResidentVersion::Mx(v)),
+            (
+                "disk:/ckpt".to_string(),
+                ResidentVersion::Label("disk:/ckpt".into()),
+            ),
+            (
+                "mx:abc".to_string(),
+                ResidentVersion::Label("mx:abc".into()),
+            ),
+            (String::new(), ResidentVersion::Label(String::new())),
+        ] {
+            let r = ResidentVersion::parse(&reported);
+            assert_eq!(r, want, "{reported}");
+            assert_eq!(r.to_string(), reported);
+            let json = serde_json::to_string(&r).unwrap();
+            assert_eq!(json, serde_json::to_string(&reported).unwrap());
+            assert_eq!(serde_json::from_str::<ResidentVersion>(&json).unwrap(), r);
+        }
+        assert!(ResidentVersion::from(v).is(v));
+        assert_eq!(ResidentVersion::parse("mx:abc").mx(), None);
     }
 }

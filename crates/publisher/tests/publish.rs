@@ -82,7 +82,7 @@ async fn stage_and_apply(client: &ControlClient, inst: &Instance, label: &str) -
     assert!(stats.useful_bytes > 0, "{stats:?}");
     inst.apply(ApplySource::Version(d)).await.unwrap();
     let (id, live) = inst.live_digests().await.unwrap().unwrap();
-    assert_eq!(id, mx_layout::VersionId(d).to_string());
+    assert_eq!(id, mx_layout::VersionId(d).into());
     live
 }
 

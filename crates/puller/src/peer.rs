@@ -79,16 +79,8 @@ impl Puller {
         record: &[SourceManifest],
         layouts: &[Vec<RankLayout>],
     ) -> Result<SourceManifest, Error> {
-        let id = version.to_string();
-        if self.resident.as_deref() != Some(id.as_str()) {
-            let v = self.versions();
-            let none = || "nothing".to_string();
-            return Err(Error::UnknownVersion {
-                version: id,
-                staged: v.staged.unwrap_or_else(none),
-                retained: v.retained.unwrap_or_else(none),
-                resident: v.resident.unwrap_or_else(none),
-            });
+        if !self.is_resident(version) {
+            return Err(self.versions().unknown(version));
         }
         self.check_registered()?;
         self.register_live()?;

@@ -8,8 +8,8 @@ use std::time::Instant;
 use mx_layout::merkle::VersionProof;
 use mx_layout::plan::{plan_within, CostModel, Plan};
 use mx_layout::{
-    rank_layout, DType, Digest, LayoutSpec, ModelInfo, RankDigests, RankLayout, SourceManifest,
-    TensorBox, VersionId, Want,
+    rank_layout, DType, Digest, LayoutSpec, ModelInfo, RankDigests, RankLayout, ResidentVersion,
+    SourceManifest, TensorBox, VersionId, Want,
 };
 use mx_nixl::{Agent, ReadOptions};
 use rayon::prelude::*;
@@ -84,11 +84,11 @@ pub enum ApplyKind {
 #[derive(Debug, Clone, PartialEq)]
 pub struct ApplyReport {
     /// The version resident now.
-    pub version: String,
+    pub version: ResidentVersion,
     /// How.
     pub kind: ApplyKind,
     /// The version retained now, if any.
-    pub retained: Option<String>,
+    pub retained: Option<ResidentVersion>,
     /// Seconds copying the resident version into the retained copy first (the first apply
     /// after start or a disk load; later applies retain from staging, off the safe point).
     pub retain_s: f64,
@@ -100,11 +100,26 @@ pub struct ApplyReport {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Versions {
     /// In the destination memory.
-    pub resident: Option<String>,
+    pub resident: Option<ResidentVersion>,
     /// In the retained host copy.
-    pub retained: Option<String>,
-    /// Pulled and verified in staging.
-    pub staged: Option<String>,
+    pub retained: Option<ResidentVersion>,
+    /// Pulled and verified in staging (always an mx version).
+    pub staged: Option<VersionId>,
+}
+
+impl Versions {
+    /// [`Error::UnknownVersion`] for `version`, naming what is held.
+    pub(crate) fn unknown(&self, version: impl std::fmt::Display) -> Error {
+        fn show(x: Option<&impl ToString>) -> String {
+            x.map_or_else(|| "nothing".into(), ToString::to_string)
+        }
+        Error::UnknownVersion {
+            version: version.to_string(),
+            staged: show(self.staged.as_ref()),
+            retained: show(self.retained.as_ref()),
+            resident: show(self.resident.as_ref()),
+        }
+    }
 }
 
 /// Memory a puller holds beside the engine's own, in bytes.
@@ -183,8 +198,15 @@ struct PlanCache {
 /// The retained host copy: one buffer per held rank, laid out as its layout.
 #[derive(Debug)]
 struct Retained {
-    id: Option<String>,
+    id: Option<ResidentVersion>,
     ranks: Vec<Vec<u8>>,
+}
+
+impl Retained {
+    /// True when the copy holds mx version `v`.
+    fn holds(&self, v: VersionId) -> bool {
+        self.id.as_ref().is_some_and(|r| r.is(v))
+    }
 }
 
 /// The planner's costs for an object store: a request is cheap next to its bytes here, since
@@ -211,7 +233,7 @@ pub struct Puller {
     cost: Option<CostModel>,
     plan_cache: Option<PlanCache>,
     staged: Option<Staged>,
-    pub(crate) resident: Option<String>,
+    pub(crate) resident: Option<ResidentVersion>,
     retained: Option<Retained>,
 }
 
@@ -340,8 +362,13 @@ impl Puller {
 
     /// Declares what the destination memory holds now (e.g. the weights the engine loaded at
     /// start): `id` is resident. Nothing is copied.
-    pub fn set_resident(&mut self, id: Option<String>) {
+    pub fn set_resident(&mut self, id: Option<ResidentVersion>) {
         self.resident = id;
+    }
+
+    /// True when mx version `v` is in the destination memory.
+    pub(crate) fn is_resident(&self, v: VersionId) -> bool {
+        self.resident.as_ref().is_some_and(|r| r.is(v))
     }
 
     /// The versions held.
@@ -349,7 +376,7 @@ impl Puller {
         Versions {
             resident: self.resident.clone(),
             retained: self.retained.as_ref().and_then(|r| r.id.clone()),
-            staged: self.staged.as_ref().map(|s| s.version.to_string()),
+            staged: self.staged.as_ref().map(|s| s.version),
         }
     }
 
@@ -399,12 +426,11 @@ impl Puller {
     /// # Errors
     /// [`Error::Memory`] reading device memory.
     pub fn resident_digests(&self, version: VersionId) -> Result<Option<Vec<RankDigests>>, Error> {
-        let id = version.to_string();
-        if self.resident.as_deref() == Some(id.as_str()) {
+        if self.is_resident(version) {
             return self.live_digests().map(Some);
         }
         match &self.retained {
-            Some(r) if r.id.as_deref() == Some(id.as_str()) => {
+            Some(r) if r.holds(version) => {
                 Ok(Some(param_digests(&self.dest, |i| Ok(r.ranks[i].clone()))?))
             }
             _ => Ok(None),
@@ -596,12 +622,15 @@ impl Puller {
         }
         let url = source.manifest().agent_name.clone();
         if let Some(base) = source.base() {
-            if self.resident.as_deref() != Some(base.to_string().as_str()) {
+            if !self.is_resident(base) {
                 return Err(Error::WrongBase {
                     url,
                     version: version.to_string(),
                     base: base.to_string(),
-                    held: self.resident.clone().unwrap_or_else(|| "nothing".into()),
+                    held: self
+                        .resident
+                        .as_ref()
+                        .map_or_else(|| "nothing".into(), ToString::to_string),
                 });
             }
         }
@@ -694,8 +723,8 @@ impl Puller {
         else {
             return Ok(());
         };
-        let id = s.version.to_string();
-        if self.resident.as_deref() != Some(id.as_str()) || r.id.as_deref() == Some(id.as_str()) {
+        let id = s.version;
+        if !self.resident.as_ref().is_some_and(|x| x.is(id)) || r.holds(id) {
             return Ok(());
         }
         let t = Instant::now();
@@ -704,10 +733,10 @@ impl Puller {
         for (i, buf) in r.ranks.iter_mut().enumerate() {
             exec.apply_rank(&s.plan, i, buf.as_mut_slice())?;
         }
-        r.id = Some(id);
+        r.id = Some(id.into());
         tracing::info!(
             retain_s = t.elapsed().as_secs_f64(),
-            version = r.id.as_deref().unwrap_or(""),
+            version = %id,
             "retained the resident version from staging"
         );
         Ok(())
@@ -736,21 +765,15 @@ impl Puller {
     /// # Errors
     /// [`Error::UnknownVersion`] naming what is staged, retained and resident.
     pub fn can_apply(&self, version: VersionId) -> Result<(), Error> {
-        let id = version.to_string();
         let v = self.versions();
-        if [&v.resident, &v.retained, &v.staged]
-            .iter()
-            .any(|x| x.as_deref() == Some(id.as_str()))
+        if v.staged == Some(version)
+            || [&v.resident, &v.retained]
+                .iter()
+                .any(|x| x.as_ref().is_some_and(|x| x.is(version)))
         {
             return Ok(());
         }
-        let show = |x: Option<String>| x.unwrap_or_else(|| "nothing".into());
-        Err(Error::UnknownVersion {
-            version: id,
-            staged: show(v.staged),
-            retained: show(v.retained),
-            resident: show(v.resident),
-        })
+        Err(v.unknown(version))
     }
 
     /// Installs `version` into the destination memory in place: from staging, from the
@@ -764,12 +787,11 @@ impl Puller {
     /// [`Error::UnknownVersion`] naming what is staged, retained and resident;
     /// [`Error::Unregistered`]; [`Error::Memory`].
     pub fn apply(&mut self, version: VersionId) -> Result<ApplyReport, Error> {
-        let id = version.to_string();
-        if self.resident.as_deref() == Some(id.as_str()) {
-            return Ok(self.report(ApplyKind::AlreadyResident, 0.0, 0.0));
+        if self.is_resident(version) {
+            return Ok(self.report(version.into(), ApplyKind::AlreadyResident, 0.0, 0.0));
         }
         self.check_registered()?;
-        if self.retained.as_ref().and_then(|r| r.id.as_deref()) == Some(id.as_str()) {
+        if self.retained.as_ref().is_some_and(|r| r.holds(version)) {
             return self.restore();
         }
         self.can_apply(version)?;
@@ -781,8 +803,13 @@ impl Puller {
         let t = Instant::now();
         self.resident = None;
         self.copy_staged(&plan)?;
-        self.resident = Some(id);
-        Ok(self.report(ApplyKind::Staged, retain_s, t.elapsed().as_secs_f64()))
+        self.resident = Some(version.into());
+        Ok(self.report(
+            version.into(),
+            ApplyKind::Staged,
+            retain_s,
+            t.elapsed().as_secs_f64(),
+        ))
     }
 
     /// Writes the staged `plan` into every rank's destination memory: host memory directly,
@@ -828,8 +855,8 @@ impl Puller {
         for (m, buf) in self.memory.iter_mut().zip(&r.ranks) {
             m.write_all(buf)?;
         }
-        self.resident = Some(id);
-        Ok(self.report(ApplyKind::Restored, 0.0, t.elapsed().as_secs_f64()))
+        self.resident = Some(id.clone());
+        Ok(self.report(id, ApplyKind::Restored, 0.0, t.elapsed().as_secs_f64()))
     }
 
     /// Writes host copies of every held rank (laid out as their layouts, in rank order) into
@@ -839,7 +866,11 @@ impl Puller {
     /// # Errors
     /// [`Error::BadDestination`] when the copies do not match the ranks' sizes;
     /// [`Error::Unregistered`]; [`Error::Memory`].
-    pub fn install(&mut self, id: String, ranks: &[Vec<u8>]) -> Result<ApplyReport, Error> {
+    pub fn install(
+        &mut self,
+        id: ResidentVersion,
+        ranks: &[Vec<u8>],
+    ) -> Result<ApplyReport, Error> {
         self.check_registered()?;
         if ranks.len() != self.dest.len() {
             return Err(Error::BadDestination {
@@ -871,16 +902,27 @@ impl Puller {
         for (m, buf) in self.memory.iter_mut().zip(ranks) {
             m.write_all(buf)?;
         }
-        self.resident = Some(id);
-        Ok(self.report(ApplyKind::Installed, retain_s, t.elapsed().as_secs_f64()))
+        self.resident = Some(id.clone());
+        Ok(self.report(
+            id,
+            ApplyKind::Installed,
+            retain_s,
+            t.elapsed().as_secs_f64(),
+        ))
     }
 
-    fn report(&self, kind: ApplyKind, retain_s: f64, copy_s: f64) -> ApplyReport {
-        let v = self.versions();
+    /// What an apply that left `version` resident did.
+    fn report(
+        &self,
+        version: ResidentVersion,
+        kind: ApplyKind,
+        retain_s: f64,
+        copy_s: f64,
+    ) -> ApplyReport {
         ApplyReport {
-            version: v.resident.unwrap_or_default(),
+            version,
             kind,
-            retained: v.retained,
+            retained: self.versions().retained,
             retain_s,
             copy_s,
         }
@@ -897,13 +939,7 @@ impl Puller {
         mut f: impl FnMut(StagedPiece<'_>) -> Result<(), Error>,
     ) -> Result<(), Error> {
         let (Some(s), Some(exec)) = (self.staged.as_ref(), self.exec.as_ref()) else {
-            let v = self.versions();
-            return Err(Error::UnknownVersion {
-                version: "(the staged version)".into(),
-                staged: "nothing".into(),
-                retained: v.retained.unwrap_or_else(|| "nothing".into()),
-                resident: v.resident.unwrap_or_else(|| "nothing".into()),
-            });
+            return Err(self.versions().unknown("(the staged version)"));
         };
         for (i, rl) in self.dest.iter().enumerate() {
             for p in &rl.params {

@@ -345,7 +345,7 @@ impl Puller {
                     what: "set_resident",
                 });
             }
-            p.with(|p| p.set_resident(version))
+            p.with(|p| p.set_resident(version.as_deref().map(mx_layout::ResidentVersion::parse)))
         })
     }
 
@@ -361,7 +361,11 @@ impl Puller {
     ) -> PyResult<(Option<String>, Option<String>, Option<String>)> {
         self.with(py, |p, _| {
             let v = p.with(|p| p.versions())?;
-            Ok((v.resident, v.retained, v.staged))
+            Ok((
+                v.resident.map(|x| x.to_string()),
+                v.retained.map(|x| x.to_string()),
+                v.staged.map(|x| x.to_string()),
+            ))
         })
     }
 

@@ -16,6 +16,7 @@ use common::{generate, get, ids, model_dir, post, serve, PARIS, PROMPT};
 use mx_adapters::dynamo::{DynamoClient, DynamoWorkerClient};
 use mx_adapters::sglang::SglangClient;
 use mx_adapters::PauseMode as DynPause;
+use mx_worker::ResidentVersion;
 use serde_json::json;
 
 const T: Duration = Duration::from_secs(120);
@@ -138,7 +139,7 @@ async fn disk_load_generates_paris_on_tp3_and_every_apply_clears_the_caches() {
         Some(0),
         "apply must clear the KV cache"
     );
-    assert_eq!(inst.versions().pinned.as_deref(), Some("v1"));
+    assert_eq!(inst.versions().pinned, Some(ResidentVersion::parse("v1")));
     let (_, body) = generate(&base, &PROMPT, 2).await;
     assert_eq!(ids(&body), PARIS);
     assert_eq!(
@@ -230,7 +231,7 @@ async fn failpoints_lie_about_the_cache_fail_generation_and_hang_apply() {
     assert!(matches!(e, mx_adapters::Error::Timeout { .. }), "{e}");
     // The hung apply still completes; the next one does not sleep.
     let t = Instant::now();
-    while inst.resident_version().as_deref() != Some("v3") {
+    while inst.resident_version() != Some(ResidentVersion::parse("v3")) {
         assert!(t.elapsed() < T, "the hung apply never completed");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -465,7 +466,7 @@ async fn sglang_contract_updates_pauses_and_continues() {
         msg.contains(&format!("mx:{}", "0".repeat(64))) && msg.contains("resident: s2"),
         "{msg}"
     );
-    assert_eq!(inst.resident_version().as_deref(), Some("s2"));
+    assert_eq!(inst.resident_version(), Some(ResidentVersion::parse("s2")));
     http.shutdown().await;
 }
 
@@ -486,7 +487,7 @@ async fn a_worker_without_every_rank_loads_but_refuses_generation_with_409() {
         "no engine: no cache tier to clear, none reported: {:?}",
         r.cache_tiers_cleared
     );
-    assert_eq!(inst.resident_version().as_deref(), Some("v1"));
+    assert_eq!(inst.resident_version(), Some(ResidentVersion::parse("v1")));
     let (status, body) = generate(&base, &PROMPT, 2).await;
     assert_eq!(status, 409, "{body}");
     let msg = body["error"]["message"].as_str().unwrap();

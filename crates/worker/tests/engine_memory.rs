@@ -126,7 +126,7 @@ async fn per_parameter_engine_memory_is_written_in_place_and_rolled_back() {
     assert!(r.useful_bytes > 0 && r.descriptors > 0, "{r:?}");
     let rank_bytes: u64 = puller.rank_layouts().iter().map(|d| d.total_bytes).sum();
     assert!(r.staging_bytes <= rank_bytes, "{r:?}");
-    assert_eq!(puller.versions().staged, Some(v1.to_string()));
+    assert_eq!(puller.versions().staged, Some(v1));
     assert_eq!(puller.versions().resident, None, "staging touched nothing");
 
     // The staged pieces as an engine's own loader would take them: each is the row-major box of
@@ -190,7 +190,7 @@ async fn per_parameter_engine_memory_is_written_in_place_and_rolled_back() {
     let a = puller.apply(v2).unwrap();
     assert_eq!(
         (a.kind, a.retained.clone()),
-        (ApplyKind::Staged, Some(v1.to_string()))
+        (ApplyKind::Staged, Some(v1.into()))
     );
     let d2 = puller.live_digests().unwrap();
     assert_ne!(d2, d1);
@@ -203,7 +203,7 @@ async fn per_parameter_engine_memory_is_written_in_place_and_rolled_back() {
     let rb = puller.rollback().unwrap();
     assert_eq!(
         (rb.kind, rb.version.clone()),
-        (ApplyKind::Restored, v1.to_string())
+        (ApplyKind::Restored, v1.into())
     );
     assert_eq!(puller.live_digests().unwrap(), d1);
     assert_eq!(addresses(&puller), before);
@@ -437,7 +437,7 @@ async fn an_engine_with_no_model_is_refitted_and_its_generation_skipped() {
     );
     assert!(generate.tokens.is_empty());
     let (live_id, live) = inst.live_digests().await.unwrap().unwrap();
-    assert_eq!(live_id, v1.to_string());
+    assert_eq!(live_id, v1.into());
     assert_eq!(live, disk_reference(&dir).await);
     assert_eq!(
         inst.with_puller(|p| addresses(p)),

@@ -21,7 +21,7 @@ use common::{control_plane, generate, ids, model_dir, post, tp3, PARIS, PROMPT};
 use mx_control::client::ControlClient;
 use mx_control::{EngineApi, GenerationCheck, Outcome, PauseMode, RefitSpec, VersionState};
 use mx_layout::{Digest, LayoutSpec, RankDigests};
-use mx_worker::{mx_version_id, Error, Instance, Worker, WorkerConfig};
+use mx_worker::{Error, Instance, Worker, WorkerConfig};
 use serde_json::json;
 use trainer::TestTrainer;
 
@@ -130,7 +130,8 @@ async fn refit(
 }
 
 async fn digests(inst: &Instance) -> (String, Vec<RankDigests>) {
-    inst.live_digests().await.unwrap().unwrap()
+    let (id, d) = inst.live_digests().await.unwrap().unwrap();
+    (id.to_string(), d)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -168,7 +169,7 @@ async fn staged_pinned_and_live_versions_apply_swap_and_refuse_byte_exactly() {
     // bytes the worker's GET /mx/live_digests reports.
     let d1 = refit(&client, &mut pubs, &specs, "step-1", &PARIS).await;
     let (id1, v1) = digests(&inst).await;
-    assert_eq!(id1, mx_version_id(&d1));
+    assert_eq!(id1, mx_layout::VersionId(d1).to_string());
     assert_eq!(
         v1, disk,
         "step-1 pulled over NIXL differs from the checkpoint"
@@ -196,9 +197,12 @@ async fn staged_pinned_and_live_versions_apply_swap_and_refuse_byte_exactly() {
     train(&mut pubs, "step-1", 2).await;
     let d2 = refit(&client, &mut pubs, &specs, "step-2", &[]).await;
     let (id2, v2) = digests(&inst).await;
-    assert_eq!(id2, mx_version_id(&d2));
+    assert_eq!(id2, mx_layout::VersionId(d2).to_string());
     assert_ne!(v2, v1);
-    assert_eq!(inst.versions().pinned, Some(id1.clone()));
+    assert_eq!(
+        inst.versions().pinned.map(|v| v.to_string()),
+        Some(id1.clone())
+    );
     let (_, body) = generate(&base, &PROMPT, 4).await;
     let out2 = ids(&body);
     assert_eq!(body["meta_info"]["weight_version"], id2);
@@ -226,7 +230,10 @@ async fn staged_pinned_and_live_versions_apply_swap_and_refuse_byte_exactly() {
     );
     // The retained copy is the live version now; step-2 stays staged.
     assert_eq!(inst.versions().pinned, None);
-    assert_eq!(inst.versions().staged, Some(id2.clone()));
+    assert_eq!(
+        inst.versions().staged.map(|v| v.to_string()),
+        Some(id2.clone())
+    );
     assert_eq!(inst.cached_positions(), Some(0));
     let (_, body) = generate(&base, &PROMPT, 2).await;
     assert_eq!(ids(&body), PARIS);
@@ -241,7 +248,10 @@ async fn staged_pinned_and_live_versions_apply_swap_and_refuse_byte_exactly() {
     let (status, r) = post(&update, json!({"model_path": format!("mx://{d2}")})).await;
     assert_eq!(status, 200, "{r}");
     assert_eq!(digests(&inst).await, (id2.clone(), v2.clone()));
-    assert_eq!(inst.versions().pinned, Some(id1.clone()));
+    assert_eq!(
+        inst.versions().pinned.map(|v| v.to_string()),
+        Some(id1.clone())
+    );
     assert_eq!(
         inst.live_addresses().await,
         addrs,
@@ -258,7 +268,7 @@ async fn staged_pinned_and_live_versions_apply_swap_and_refuse_byte_exactly() {
     assert_eq!(r["version"], id2);
     let msg = r["message"].as_str().unwrap();
     for needle in [
-        mx_version_id(&unknown),
+        mx_layout::VersionId(unknown).to_string(),
         format!("staged: {id2}"),
         format!("retained: {id1}"),
         format!("resident: {id2}"),
@@ -266,7 +276,10 @@ async fn staged_pinned_and_live_versions_apply_swap_and_refuse_byte_exactly() {
         assert!(msg.contains(&needle), "{needle:?} not in {msg}");
     }
     assert_eq!(digests(&inst).await, (id2.clone(), v2.clone()));
-    assert_eq!(inst.versions().pinned, Some(id1.clone()));
+    assert_eq!(
+        inst.versions().pinned.map(|v| v.to_string()),
+        Some(id1.clone())
+    );
 
     // Staging a version that is already retained reports at once, without pulling (staging
     // keeps step-2), and applying it then restores it.
@@ -279,7 +292,10 @@ async fn staged_pinned_and_live_versions_apply_swap_and_refuse_byte_exactly() {
         stats.digests, v1,
         "the retained copy's digests are step-1's live digests"
     );
-    assert_eq!(inst.versions().staged, Some(id2.clone()));
+    assert_eq!(
+        inst.versions().staged.map(|v| v.to_string()),
+        Some(id2.clone())
+    );
     let (status, r) = post(&update, json!({"model_path": format!("mx://{d1}")})).await;
     assert_eq!(status, 200, "{r}");
     assert_eq!(digests(&inst).await, (id1.clone(), v1.clone()));
@@ -301,7 +317,7 @@ async fn staged_pinned_and_live_versions_apply_swap_and_refuse_byte_exactly() {
     let (status, r) = post(&update, json!({"model_path": format!("mx://{d3}")})).await;
     assert_eq!(status, 200, "{r}");
     let (id3, v3) = digests(&inst).await;
-    assert_eq!(id3, mx_version_id(&d3));
+    assert_eq!(id3, mx_layout::VersionId(d3).to_string());
     assert_ne!(v3, v1);
     assert_ne!(v3, v2);
     assert_eq!(
@@ -357,7 +373,10 @@ async fn a_worker_serves_while_the_control_plane_is_away_and_cannot_be_taken_ove
         }
     };
     let ws = registered(control.clone()).await;
-    assert_eq!(ws.resident_id.as_deref(), Some("boot"));
+    assert_eq!(
+        ws.resident_id,
+        Some(mx_worker::ResidentVersion::parse("boot"))
+    );
     assert_eq!(ws.engine.map(|e| e.system_url), Some(url.clone()));
 
     // The control plane goes away for longer than the old 3 s limit of this test: the engine
@@ -382,7 +401,10 @@ async fn a_worker_serves_while_the_control_plane_is_away_and_cannot_be_taken_ove
     let (control2, server2) = control_plane(tmp.path(), &listen).await;
     assert_eq!(control2, control);
     let ws = registered(control.clone()).await;
-    assert_eq!(ws.resident_id.as_deref(), Some("boot"));
+    assert_eq!(
+        ws.resident_id,
+        Some(mx_worker::ResidentVersion::parse("boot"))
+    );
 
     // A second process under the live id is refused at start, and the id keeps its engine.
     let mut cfg2 = worker_config(&control, &dir, "w");

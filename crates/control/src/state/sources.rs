@@ -284,13 +284,15 @@ impl State {
             .ok_or_else(|| Error::UnknownWorker {
                 worker_id: worker_id.to_string(),
             })?;
-        let id = crate::refit::version_id(&digest);
-        if w.resident_id.as_deref() != Some(id.as_str()) {
+        let id = VersionId(digest);
+        if !w.resident_id.as_ref().is_some_and(|r| r.is(id)) {
             return Err(invalid(
                 "worker_id",
                 format!(
                     "worker {worker_id} holds {}, not {label} ({id}): it can serve only what is resident",
-                    w.resident_id.as_deref().unwrap_or("nothing")
+                    w.resident_id
+                        .as_ref()
+                        .map_or_else(|| "nothing".into(), ToString::to_string)
                 ),
             ));
         }

@@ -69,7 +69,7 @@ impl State {
         ranks: Vec<u32>,
         layout: LayoutSpec,
         engine: Option<EngineEndpoint>,
-        resident_version: Option<String>,
+        resident_version: Option<ResidentVersion>,
     ) -> Effects {
         // A new process (or a restarted one) serves nothing it has not offered again.
         self.withdraw_peer(&worker_id, None);

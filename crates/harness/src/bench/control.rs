@@ -307,7 +307,7 @@ async fn stage_version(
             .map(|b| format!("{} {:?} {:?}", b.worker_id, b.state, b.error));
         bail!("stage of {label} did not reach every worker: {bad:?}");
     }
-    Ok(mx_control::version_id(&digest))
+    Ok(mx_layout::VersionId(digest).to_string())
 }
 
 /// The refit every round asks for.
@@ -359,7 +359,12 @@ async fn rollback_round(
     let resident = |s: &mx_control::types::FleetStatus| -> HashMap<String, Option<String>> {
         s.workers
             .iter()
-            .map(|w| (w.worker_id.clone(), w.resident_id.clone()))
+            .map(|w| {
+                (
+                    w.worker_id.clone(),
+                    w.resident_id.as_ref().map(ToString::to_string),
+                )
+            })
             .collect()
     };
     let (was, now) = (resident(&before), resident(&after));

@@ -344,7 +344,7 @@ async fn check_engines(f: &Fleet) -> anyhow::Result<Vec<String>> {
             .get_weight_version()
             .await
             .unwrap_or_else(|err| format!("(error: {err})"));
-            if v != fleet {
+            if v != fleet.to_string() {
                 out.push(format!(
                     "admitted worker {} reports {v}, the fleet committed {label} ({fleet})",
                     w.worker_id

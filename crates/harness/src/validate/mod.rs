@@ -335,11 +335,14 @@ impl Fleet {
     async fn ensure(&self, label: &str) -> anyhow::Result<()> {
         let (target, _) = self.versions.get(label).context("unknown label")?.clone();
         let st = self.status().await?;
-        let there = st.fleet_version.as_ref().is_some_and(|(_, v)| *v == target)
+        let there = st
+            .fleet_version
+            .as_ref()
+            .is_some_and(|(_, v)| v.to_string() == target)
             && WORKERS.iter().all(|w| {
-                st.workers.iter().any(|x| {
-                    x.worker_id == *w && x.admitted && x.resident_id.as_deref() == Some(&target)
-                })
+                st.workers
+                    .iter()
+                    .any(|x| x.worker_id == *w && x.admitted && holds(&x.resident_id, &target))
             });
         if !there {
             let r = self.refit(label).await?;
@@ -686,8 +689,13 @@ async fn learn_version(f: &mut Fleet, label: &str) -> anyhow::Result<()> {
     f.versions
         .get_mut(label)
         .with_context(|| label.to_string())?
-        .0 = mx_control::version_id(&d);
+        .0 = mx_layout::VersionId(d).to_string();
     Ok(())
+}
+
+/// True when `resident` is the version with id `id` (`mx:<hex>`).
+pub(super) fn holds(resident: &Option<mx_layout::ResidentVersion>, id: &str) -> bool {
+    resident.as_ref().is_some_and(|r| r.to_string() == id)
 }
 
 async fn wait_ready(f: &mut Fleet, label: &str) -> anyhow::Result<()> {
@@ -711,9 +719,7 @@ async fn wait_ready(f: &mut Fleet, label: &str) -> anyhow::Result<()> {
 /// True when every worker of refit `r` ended with `label`'s version resident.
 fn on(r: &Refit, label: &str, f: &Fleet) -> bool {
     let v = &f.versions[label].0;
-    r.workers
-        .values()
-        .all(|w| w.resident.as_deref() == Some(v.as_str()))
+    r.workers.values().all(|w| holds(&w.resident, v))
 }
 
 async fn scenario(f: &mut Fleet, name: &str) -> anyhow::Result<(String, String, bool, String)> {
@@ -938,9 +944,7 @@ async fn scenario(f: &mut Fleet, name: &str) -> anyhow::Result<(String, String, 
                 && r.reason.contains("w1")
                 && r.workers
                     .get("w0")
-                    .and_then(|w| w.resident.clone())
-                    .as_deref()
-                    == Some(f.versions["step-1"].0.as_str());
+                    .is_some_and(|w| holds(&w.resident, &f.versions["step-1"].0));
             Ok((
                 s("ABORTED (missing w1), w0 stays on step-1"),
                 outcome_str(&r),

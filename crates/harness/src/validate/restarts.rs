@@ -9,7 +9,7 @@ use mx_adapters::dynamo::wire::UpdateWeightsRequest;
 use mx_control::{Action, Outcome, Refit};
 use serde_json::json;
 
-use super::{outcome_str, s, Fleet};
+use super::{holds, outcome_str, s, Fleet};
 use mx_cli::refits::{print_refit, wait_end};
 
 /// Polls refit `id` until `ready` holds for it (or it ended, or a minute passed).
@@ -86,9 +86,9 @@ pub(super) async fn worker_restarted_during_apply(
     let r = wait_end(&f.client, id, Duration::from_secs(300)).await?;
     let secs = t.elapsed().as_secs_f64();
     print_refit(&r);
-    let staged_again = r.workers["w0"].calls.iter().filter(|c| matches!(&c.action, Action::Apply { version } if *version == f.versions["step-2"].0)).count();
+    let staged_again = r.workers["w0"].calls.iter().filter(|c| matches!(&c.action, Action::Apply { version } if version.to_string() == f.versions["step-2"].0)).count();
     let ok = r.outcome == Some(Outcome::RolledBack)
-        && r.workers["w0"].resident.as_deref() == Some(f.versions["step-2"].0.as_str())
+        && holds(&r.workers["w0"].resident, &f.versions["step-2"].0)
         && staged_again >= 1;
     Ok((
         s("ROLLED_BACK: w0 staged step-2 again from its sources, all on step-2"),
@@ -206,7 +206,7 @@ pub(super) async fn empty_worker_in_a_failed_refit(
     let secs = t.elapsed().as_secs_f64();
     print_refit(&r);
     f.failpoints("w1", json!({"generate.fail": null})).await?;
-    let w0_back = r.workers["w0"].resident.as_deref() == Some(f.versions["step-1"].0.as_str());
+    let w0_back = holds(&r.workers["w0"].resident, &f.versions["step-1"].0);
     // w1's rollback: one read-back and one resume, both answered (no retry until a deadline).
     let w1_rollback: Vec<String> = r.workers["w1"]
         .calls
