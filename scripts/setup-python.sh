@@ -4,7 +4,7 @@
 #     dependencies; it runs on CPU), nixl-cu12==1.5.1 (NIXL's libraries, which the package `mx`
 #     loads), maturin (builds the package), pytest and ruff (tests and lint), moto[server] (the
 #     S3-compatible server the artifact tests start on loopback), numpy;
-#   - the package `mx` itself (python/mx + the PyO3 extension crates/python), built and installed
+#   - the package `mx` itself (python/mx + the PyO3 extension crates/bindings/python), built and installed
 #     the way a user would: `pip install .` from the checkout (maturin, release profile; the
 #     build shares cargo's target directory, $CARGO_TARGET_DIR or $REPO/target).
 #

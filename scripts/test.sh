@@ -121,7 +121,7 @@ test_cmd=(cargo test --release --no-fail-fast "${scope[@]}" "$@")
 begin "${test_cmd[*]}"
 "${test_cmd[@]}"
 
-# The C ABI from C (ffi/tests/c/refit.c against ffi/include/mx.h and libmx.so; the header's
+# The C ABI from C (crates/bindings/ffi/tests/c/refit.c against crates/bindings/ffi/include/mx.h and libmx.so; the header's
 # drift check is a cargo test above): with the whole workspace, or when mx-ffi is among the
 # packages given.
 run_c=1

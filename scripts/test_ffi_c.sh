@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The C ABI from C: compiles ffi/tests/c/refit.c with the system C compiler against
-# ffi/include/mx.h and the release libmx.so, and runs it (a control plane in the test process,
+# The C ABI from C: compiles crates/bindings/ffi/tests/c/refit.c with the system C compiler
+# against crates/bindings/ffi/include/mx.h and the release libmx.so, and runs it (a control plane in the test process,
 # two trainer processes publishing from malloc'd memory, the engine pulling into its own
 # malloc'd parameters over NIXL, a refit, a rollback, and bad input). scripts/test.sh runs it
 # after the Rust tests; it can also run alone (it builds libmx.so first when missing or stale).
@@ -22,7 +22,7 @@ LIBDIR="$TARGET/release"
 cargo build --release -p mx-ffi --lib
 OUT="$TARGET/ffi-c"
 mkdir -p "$OUT"
-"$CC" -std=gnu11 -O1 -g -Wall -Wextra -Werror -I ffi/include ffi/tests/c/refit.c \
+"$CC" -std=gnu11 -O1 -g -Wall -Wextra -Werror -I crates/bindings/ffi/include crates/bindings/ffi/tests/c/refit.c \
     -L "$LIBDIR" -lmx -Wl,-rpath,"$LIBDIR" -o "$OUT/refit"
 
 export UCX_MODULES="${UCX_MODULES:-^efa}"

@@ -15,6 +15,10 @@
 //!   on loopback for tests and benchmarks; [`lab`]: the `mx-lab` command line.
 //!
 //! No product library and no product binary depends on this crate.
+//!
+//! Map: [`lab`] (the `mx-lab` command line) · [`demo`] · [`validate`] (fault matrix, chaos,
+//! restarts, HA) · [`bench`] · [`fleet`] (local child processes) · [`trainer`] (the demo trainer) ·
+//! [`s3`] (a loopback S3 server) · `slice` (reference slicing for the demo's check).
 
 pub mod bench;
 pub mod demo;
