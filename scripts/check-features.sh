@@ -38,6 +38,18 @@ for p in "${packages[@]}"; do
     fi
 done
 if ((bad)); then
+    # Which features differ, as cargo tree resolves them (a hint: a unit compiled again because a
+    # dependency changed is listed above, not here). `-e normal` is the program's side (proc macros'
+    # own dependencies included); `-e normal,build` adds the build scripts' side.
+    norm() { sed 's/ (\*)$//; s/ (proc-macro)//; s/ ([/][^)]*)//' | sort -u; }
+    for edges in normal normal,build; do
+        ws="$(cargo tree --workspace -e "$edges" -f '{p} [{f}]' --prefix none 2>/dev/null | norm)"
+        for p in "${packages[@]}"; do
+            cargo tree -p "$p" -e "$edges" -f '{p} [{f}]' --prefix none 2>/dev/null | norm \
+                | comm -23 - <(printf '%s\n' "$ws") | grep -v '^mx-' \
+                | sed "s/^/check-features: $p (-e $edges) has only: /" >&2 || true
+        done
+    done
     echo "check-features: the bindings' features differ from the workspace's; see this script's header" >&2
     exit 1
 fi
