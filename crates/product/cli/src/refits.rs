@@ -6,6 +6,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use mx_control::client::ControlClient;
 use mx_control::Refit;
+use mx_layout::ResidentVersion;
 
 /// Golden tokens of demo version `version` for `prompt`: a forward pass over the checkpoint plus
 /// the known training steps, never over pulled bytes.
@@ -122,7 +123,7 @@ impl Progress {
 /// Prints a refit: outcome, phases, and per worker previous -> resulting version with its calls.
 pub fn print_refit(r: &Refit) {
     // The first 15 characters (a label may hold any UTF-8).
-    let short = |v: Option<&dyn std::fmt::Display>| match v.map(|v| v.to_string()) {
+    let short = |v: &Option<ResidentVersion>| match v.as_ref().map(ToString::to_string) {
         Some(v) if v.chars().count() > 15 => format!("{}…", v.chars().take(15).collect::<String>()),
         Some(v) => v,
         None => "(none)".into(),
@@ -189,8 +190,8 @@ pub fn print_refit(r: &Refit) {
         println!(
             "  {:<10} {:<17} {:<17} {:>8.3} {:>8} {:>8} {:>8}  {tiers}{tokens}",
             id,
-            short(w.previous.as_ref().map(|v| v as &dyn std::fmt::Display)),
-            short(w.resident.as_ref().map(|v| v as &dyn std::fmt::Display)),
+            short(&w.previous),
+            short(&w.resident),
             w.stage_seconds,
             apply,
             verify,
