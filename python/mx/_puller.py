@@ -405,6 +405,16 @@ class Puller:
         lim = None if limits is None else (int(limits[0]), int(limits[1]))
         return self._inner.follow(worker_id, instance, engine_url, engine_api, lim)
 
+    def engine_identity(self) -> dict[str, str] | None:
+        """Whose engine this is once :meth:`serve` or :meth:`follow` started a worker, else
+        ``None``: ``{"worker_id", "instance", "incarnation_digest"}``. The control plane asks an
+        engine for it before any call that changes the engine and refuses an engine whose
+        answer names another worker; an engine serving its own routes answers it (mx's vLLM
+        plugin: through vLLM's ``collective_rpc``). The process incarnation itself never
+        leaves the process, only a one-way digest of it."""
+        self._check()
+        return self._inner.engine_identity()
+
     def close(self) -> None:
         """Stops serving (its routes answer 410 Gone) and drops the puller; the tensors stay
         the engine's and are not touched after this returns. Idempotent."""

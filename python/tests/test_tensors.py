@@ -277,6 +277,120 @@ def test_served_puller_is_refitted_by_the_control_plane(fleet, control, weights)
     assert qkv in err and "changed since it was registered" in err, err
 
 
+# --- an engine URL proves nothing: the engine says whose it is ------------------------------
+
+
+class _Proxy:
+    """A TCP forwarder on a loopback port of its own to ``port``: a spelling of an engine's URL
+    that no address comparison can see through."""
+
+    def __init__(self, port: int) -> None:
+        import socket
+
+        self._target = port
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.port = self._server.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+
+        while True:
+            try:
+                client, _ = self._server.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self._target))
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(a, b) -> None:
+        try:
+            while data := a.recv(65536):
+                b.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (a, b):
+                try:
+                    s.shutdown(2)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self._server.close()
+
+
+def _get(url: str) -> dict:
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def test_another_worker_id_cannot_reach_a_live_workers_engine(fleet, control, model, weights):
+    """Issue 29, item 1: a worker id registered with w0's engine spelled differently was
+    accepted, and a refit of it paused, installed and committed on w0's engine. Every spelling
+    of the same address is refused at registration; a proxy (which no address check sees
+    through) gets as far as the refit, where the engine says it is w0's and nothing is sent."""
+    trainer, engine = fleet
+    url = engine.puller.serve("engine-0")
+    port = int(url.rsplit(":", 1)[1])
+    ident = engine.puller.engine_identity()
+    assert ident is not None and ident["worker_id"] == "engine-0", ident
+    assert len(ident["incarnation_digest"]) == 32
+    assert _get(f"{url}/mx/identity") == {"engines": [ident]}
+    _declare(control, "v1", weights)
+    v1 = trainer.publish("v1")
+    assert control.refit("v1", ["engine-0"], stage_timeout=60, call_timeout=30).committed
+
+    other = Engine(control.url, model, worker_id="x")
+    proxy = _Proxy(port)
+    try:
+        for alias in (
+            f"http://localhost:{port}",
+            f"http://127.0.0.1:{port}/",
+            f"http://127.1:{port}",
+            f"http://[::ffff:127.0.0.1]:{port}",
+            f"http://127.0.0.1:0{port}",
+            f"http://0x7f000001:{port}",
+        ):
+            msg = _refused(
+                lambda a=alias: other.puller.follow(
+                    "x", instance="x", engine_url=a, engine_api="dynamo"
+                ),
+                "AlreadyExists",
+                '"engine-0"',
+                f"loopback:{port}",
+            )
+            assert "one engine cannot serve two worker ids" in msg, msg
+        # Through the proxy the registration is accepted; the refit is refused at its first
+        # engine call, before anything is sent.
+        other.puller.follow(
+            "x", instance="x", engine_url=f"http://127.0.0.1:{proxy.port}", engine_api="dynamo"
+        )
+        for p in trainer.pubs:
+            p.wait_staged("v1", timeout=30)
+        trainer.step(0.25)
+        _declare(control, "v2", weights)
+        trainer.publish("v2")
+        r = control.refit("v2", ["x"], stage_timeout=60, call_timeout=30)
+        assert r.outcome is mx.Outcome.ABORTED, r
+        calls = r.workers["x"].calls
+        assert [c.action for c in calls] == ["pause"], calls
+        assert "says it serves engine-0 of instance engine-0, not worker x" in calls[0].error
+        # engine-0 was never paused nor changed, and stays admitted on v1.
+        assert _get(f"{url}/engine/get_weight_version")["version"] == v1
+        w0 = next(w for w in control.status().workers if w.worker_id == "engine-0")
+        assert w0.admitted and w0.resident_id == v1, w0
+        assert engine.mismatches(trainer.full()) != []  # it holds v1, not the stepped v2
+    finally:
+        proxy.close()
+        other.puller.close()
+
+
 # --- bad tensors are refused, naming them -------------------------------------------------
 
 

@@ -102,6 +102,13 @@ def test_server_registered_as_a_worker(fleet, server):
     assert w.connected
     assert w.resident_id == f"disk:{MODEL}"
     assert server.generate(PROMPT) == COLD_TOKENS
+    # The engine says whose it is (what a refit asks before it calls the engine): the mx plugin's
+    # worker method through vLLM's collective_rpc, one entry per tensor-parallel rank.
+    status, body = server.call("POST", "/collective_rpc", {"method": "mx_engine_identity"})
+    assert status == 200, body
+    [ident] = body["results"]
+    assert ident["worker_id"] == WORKER and ident["instance"] == INSTANCE, ident
+    assert len(ident["incarnation_digest"]) == 32, ident
 
 
 def test_refit_installs_the_version_and_rolls_back(fleet, server):

@@ -26,11 +26,30 @@ BACKEND = "mx"
 """The name the backend registers under (``--weight-transfer-config '{"backend": "mx"}'``)."""
 
 
+IDENTITY_METHOD = "mx_engine_identity"
+"""The worker method :func:`register` adds to vLLM's workers: the control plane calls it through
+vLLM's ``POST /collective_rpc`` (dev mode) to learn which mx worker each rank follows as, before
+any call that changes the engine."""
+
+
+def _engine_identity(worker: object) -> dict[str, str] | None:
+    """A vLLM worker's mx identity (``{"worker_id", "instance", "incarnation_digest"}``), or
+    ``None`` when its weight-transfer backend is not mx's or not initialized."""
+    engine = getattr(worker, "weight_transfer_engine", None)
+    identity = getattr(engine, "engine_identity", None)
+    return identity() if callable(identity) else None
+
+
 def register() -> None:
     """Registers the ``"mx"`` weight-transfer backend with vLLM's factory (lazily: the engine
-    module is imported only when a server selects it). Called by vLLM in every process through
-    the ``vllm.general_plugins`` entry point; idempotent."""
+    module is imported only when a server selects it) and adds :data:`IDENTITY_METHOD` to vLLM's
+    workers. Called by vLLM in every process through the ``vllm.general_plugins`` entry point;
+    idempotent."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    if not hasattr(WorkerBase, IDENTITY_METHOD):
+        setattr(WorkerBase, IDENTITY_METHOD, _engine_identity)
 
     if BACKEND in WeightTransferEngineFactory._registry:
         return
@@ -39,4 +58,4 @@ def register() -> None:
     )
 
 
-__all__ = ["BACKEND", "register"]
+__all__ = ["BACKEND", "IDENTITY_METHOD", "register"]

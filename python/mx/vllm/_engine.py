@@ -373,6 +373,12 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
         finally:
             self._reloading = False
 
+    def engine_identity(self) -> dict[str, str] | None:
+        """This rank's mx identity once initialized (``None`` before): what the control plane
+        reads through vLLM's ``collective_rpc`` before it changes the engine (see
+        :data:`mx.vllm.IDENTITY_METHOD`)."""
+        return None if self._puller is None else self._puller.engine_identity()
+
     def shutdown(self) -> None:
         if self._puller is not None:
             self._puller.close()

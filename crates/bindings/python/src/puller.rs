@@ -503,6 +503,25 @@ impl Puller {
         })
     }
 
+    /// Whose engine this is once `serve` or `follow` started a worker, else `None`: a dict
+    /// `{"worker_id", "instance", "incarnation_digest"}` (the incarnation itself never leaves
+    /// the process). An engine serving its own routes answers it when the control plane asks
+    /// before changing the engine (mx's vLLM plugin: vLLM's `collective_rpc`).
+    fn engine_identity<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> PyResult<Option<Bound<'py, pyo3::types::PyDict>>> {
+        let id = self.with(py, |p, _rt| Ok::<_, mx_follower::Error>(p.identity()))?;
+        id.map(|id| {
+            let d = pyo3::types::PyDict::new(py);
+            d.set_item("worker_id", id.worker_id)?;
+            d.set_item("instance", id.instance)?;
+            d.set_item("incarnation_digest", id.incarnation_digest)?;
+            Ok(d)
+        })
+        .transpose()
+    }
+
     /// Stops serving (if served) and drops the puller; the registered memory stays the
     /// caller's and is not touched after this returns. Idempotent.
     fn close(&self, py: Python<'_>) -> PyResult<()> {

@@ -402,4 +402,8 @@ impl EngineClient for DynamoWorkerClient {
         )
         .await
     }
+
+    async fn identify(&self) -> Result<crate::identity::Proof, Error> {
+        crate::identity::mx_route(&self.http, &self.system_url, self.timeout).await
+    }
 }

@@ -14,6 +14,7 @@ use mx_layout::ResidentVersion;
 use serde::{Deserialize, Serialize};
 
 use crate::generate::Generation;
+use crate::identity::Proof;
 use crate::Error;
 
 /// Which engine contract a worker speaks.
@@ -116,6 +117,14 @@ pub trait EngineClient: Send + Sync {
     /// # Errors
     /// The contract's [`Error`]s.
     async fn generate(&self, prompt: &[u32], max_new_tokens: u32) -> Result<Generation, Error>;
+
+    /// Asks the engine which mx workers it serves ([`crate::identity`]): read-only, made before
+    /// any call that changes the engine.
+    ///
+    /// # Errors
+    /// The contract's [`Error`]s; an engine without the identity route is
+    /// [`Proof::NotOffered`], not an error.
+    async fn identify(&self) -> Result<Proof, Error>;
 }
 
 /// The `mx://<64 hex>` model path of an `mx:<64 hex>` version id, for the contracts that load

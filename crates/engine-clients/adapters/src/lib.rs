@@ -42,10 +42,12 @@ mod de;
 pub mod dynamo;
 pub mod engine;
 pub mod generate;
+pub mod identity;
 pub mod sglang;
 pub mod vllm;
 
 pub use engine::{Answer, ApplyAnswer, EngineApi, EngineClient, PauseMode};
+pub use identity::{incarnation_digest, EngineIdentity, Proof};
 
 use dynamo::DynamoWorkerClient;
 use sglang::SglangClient;

@@ -206,4 +206,8 @@ impl EngineClient for SglangClient {
         )
         .await
     }
+
+    async fn identify(&self) -> Result<crate::identity::Proof, Error> {
+        crate::identity::mx_route(&self.http, &self.system_url, self.timeout).await
+    }
 }

@@ -45,6 +45,8 @@ use std::time::Duration;
 
 use crate::engine::{Answer, ApplyAnswer, EngineClient, PauseMode};
 use crate::generate::Generation;
+use crate::identity::wire::{CollectiveRpcRequest, CollectiveRpcResponse};
+use crate::identity::Proof;
 use crate::{post_typed, send_typed, Error};
 use mx_layout::ResidentVersion;
 use wire::{
@@ -269,6 +271,57 @@ impl VllmClient {
     }
 }
 
+impl VllmClient {
+    /// `POST /collective_rpc` with `{"method": "mx_engine_identity"}`: the mx workers of every
+    /// tensor-parallel rank ([`crate::identity`]). A server without dev mode (404), or whose
+    /// workers lack the method (vLLM answers 500 naming it "not implemented": the mx plugin is
+    /// not loaded), or whose ranks all answer `null` (their weight-transfer backend is not
+    /// mx's) is [`Proof::NotOffered`].
+    ///
+    /// # Errors
+    /// [`Error::Status`] for any other non-200 answer, [`Error::BadResponse`] for a body that
+    /// is not `{"results": [identity | null, ...]}`.
+    pub async fn engine_identity(&self) -> Result<Proof, Error> {
+        let url = self.url("collective_rpc");
+        let body = CollectiveRpcRequest {
+            method: crate::identity::wire::VLLM_METHOD,
+        };
+        let (status, raw) =
+            crate::send(&url, self.http.post(&url).json(&body), self.timeout).await?;
+        let not_offered = |why: &str| Ok(Proof::NotOffered(format!("{url}: {why}")));
+        match status {
+            200 => {}
+            404 | 405 => {
+                return not_offered(
+                    "no collective_rpc route (start vLLM with VLLM_SERVER_DEV_MODE=1)",
+                )
+            }
+            500 if raw.contains("not implemented") => {
+                return not_offered(
+                    "vLLM's workers have no mx_engine_identity (the mx plugin is not loaded)",
+                )
+            }
+            _ => {
+                return Err(Error::Status {
+                    url,
+                    status,
+                    body: crate::snippet(&raw),
+                })
+            }
+        }
+        let r: CollectiveRpcResponse =
+            serde_json::from_str(&raw).map_err(|e| Error::BadResponse {
+                url: url.clone(),
+                reason: format!("{e}: {}", crate::snippet(&raw)),
+            })?;
+        let ranks: Vec<_> = r.results.into_iter().flatten().collect();
+        if ranks.is_empty() {
+            return not_offered("no rank's weight-transfer backend is mx's");
+        }
+        Ok(Proof::Proven(ranks))
+    }
+}
+
 /// The refit's calls over vLLM's RL routes. APPLY is one weight-update session:
 /// `start_weight_update`, `update_weights`, `finish_weight_update` (which records the version),
 /// then `reset_prefix_cache`; the first step that fails fails the call ([`Error::ApplyStep`]).
@@ -346,5 +399,9 @@ impl EngineClient for VllmClient {
 
     async fn generate(&self, prompt: &[u32], max_new_tokens: u32) -> Result<Generation, Error> {
         self.complete(prompt, max_new_tokens).await
+    }
+
+    async fn identify(&self) -> Result<Proof, Error> {
+        self.engine_identity().await
     }
 }

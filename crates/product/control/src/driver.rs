@@ -252,6 +252,14 @@ pub(crate) async fn drive(shared: Arc<Shared>, id: u64, recovering: bool) {
     }
 }
 
+/// Why [`Ctx::prove`] did not let a call through.
+enum Refusal {
+    /// The engine said it serves other workers: nothing is sent to it, ever, in this refit.
+    NotTheirs(String),
+    /// The engine did not answer the question (a transient failure, like any call's).
+    Unanswered(String),
+}
+
 struct Ctx<'a> {
     shared: &'a Arc<Shared>,
     id: u64,
@@ -266,6 +274,9 @@ struct Ctx<'a> {
     applies_sent: AtomicUsize,
     /// The phase this driver entered last and when, for [`observe::REFIT_PHASE_SECONDS`].
     current: std::sync::Mutex<Option<(Phase, Instant)>>,
+    /// (engine URL, worker id, incarnation) the engine at that URL answered for in this refit
+    /// (or could not answer for: an engine without an identity route), so it is asked once.
+    proven: std::sync::Mutex<std::collections::HashSet<(String, String, u64)>>,
 }
 
 impl Ctx<'_> {
@@ -380,9 +391,16 @@ impl Ctx<'_> {
             },
             Some(ep) => {
                 let engine = client_for(ep.api, &self.http, &ep.system_url, timeout);
-                tokio::select! {
-                    r = perform(&*engine, &action, &self.spec) => r,
-                    why = self.reregistration(&first, seen) => failed(why),
+                match self.prove(&workers, &ep.system_url, &*engine).await {
+                    Err(Refusal::NotTheirs(why)) => CallResult {
+                        not_sent: true,
+                        ..failed(why)
+                    },
+                    Err(Refusal::Unanswered(why)) => failed(why),
+                    Ok(()) => tokio::select! {
+                        r = perform(&*engine, &action, &self.spec) => r,
+                        why = self.reregistration(&first, seen) => failed(why),
+                    },
                 }
             }
         };
@@ -412,6 +430,68 @@ impl Ctx<'_> {
                 (w, r)
             })
             .collect()
+    }
+
+    /// Asks the engine at `url` whose it is before the first call this refit makes to it for
+    /// `workers` (and again for a worker that registered anew): the call is refused, with
+    /// nothing sent, unless the engine names every one of them with the instance and
+    /// incarnation the control plane accepted (`crate::identity`). An engine without an
+    /// identity route is called on the strength of its address (unique among connected
+    /// workers, checked at registration).
+    async fn prove(
+        &self,
+        workers: &[String],
+        url: &str,
+        engine: &dyn EngineClient,
+    ) -> Result<(), Refusal> {
+        use crate::commit::lock;
+        use crate::identity::{judge, Expected, Verdict};
+        let instances: Vec<String> = self.shared.read(|s| {
+            workers
+                .iter()
+                .map(|w| s.worker_instance(w).unwrap_or_default().to_string())
+                .collect()
+        });
+        let expected: Vec<Expected> = workers
+            .iter()
+            .zip(instances)
+            .map(|(w, instance)| Expected {
+                worker_id: w.clone(),
+                instance,
+                incarnation: lock(&self.shared.mailbox(w).owner).incarnation,
+            })
+            .collect();
+        let key = |e: &Expected| (url.to_string(), e.worker_id.clone(), e.incarnation);
+        if expected
+            .iter()
+            .all(|e| lock(&self.proven).contains(&key(e)))
+        {
+            return Ok(());
+        }
+        let proof = engine
+            .identify()
+            .await
+            .map_err(|e| Refusal::Unanswered(format!("asking the engine whose it is: {e}")))?;
+        match judge(url, &proof, &expected) {
+            Verdict::Refused(why) => {
+                metrics::counter!(observe::ENGINE_PROOFS_TOTAL, "result" => "refused").increment(1);
+                return Err(Refusal::NotTheirs(why));
+            }
+            Verdict::Unproven(why) => {
+                metrics::counter!(observe::ENGINE_PROOFS_TOTAL, "result" => "not_offered")
+                    .increment(1);
+                tracing::info!(
+                    refit = self.id,
+                    engine = url,
+                    "the engine cannot say whose it is ({why}): called on the strength of its address"
+                );
+            }
+            Verdict::Proven => {
+                metrics::counter!(observe::ENGINE_PROOFS_TOTAL, "result" => "proven").increment(1);
+            }
+        }
+        lock(&self.proven).extend(expected.iter().map(key));
+        Ok(())
     }
 
     /// `action` on a group of workers that share one engine (one engine call for all; a lone
@@ -593,6 +673,7 @@ async fn drive_inner(shared: &Arc<Shared>, id: u64, recovering: bool) -> Result<
         applies_sent: AtomicUsize::new(applies_sent),
         // BEGIN entered the first phase; a recovered refit's phase is timed from the recovery.
         current: std::sync::Mutex::new(Some((refit.phase, Instant::now()))),
+        proven: std::sync::Mutex::new(std::collections::HashSet::new()),
     };
     if recovering {
         return recover(&ctx).await;
@@ -929,7 +1010,11 @@ async fn abort(ctx: &Ctx<'_>, reason: String, recovered: bool) -> Result<(), Err
     let paused: Vec<String> = refit
         .workers
         .iter()
-        .filter(|(_, w)| w.calls.iter().any(|c| c.action == Action::Pause))
+        .filter(|(_, w)| {
+            w.calls.iter().any(|c| {
+                c.action == Action::Pause && !c.result.as_ref().is_some_and(|r| r.not_sent)
+            })
+        })
         .map(|(id, _)| id.clone())
         .collect();
     let mut settled = settle_each(ctx, &paused, false).await?;
@@ -1069,6 +1154,16 @@ async fn settle_each(ctx: &Ctx<'_>, ids: &[String], restore: bool) -> Result<Set
     Ok(out)
 }
 
+/// A failed settling call: retried, unless nothing was sent because the engine at the worker's
+/// URL is another worker's (no retry can reach the worker's own engine): fenced at once.
+fn retry_or_fence(r: CallResult) -> Attempt {
+    if r.not_sent {
+        Attempt::Fence(r.error)
+    } else {
+        Attempt::Retry(r.error)
+    }
+}
+
 /// One attempt: pause, apply the worker's previous version (when `restore`), read back, resume.
 /// When the apply fails (the pinned copy is gone: the worker restarted, or its engine keeps no
 /// previous version), the previous version is staged again from its sources and applied; when
@@ -1085,7 +1180,7 @@ async fn settle_one(
         if r.ok {
             Attempt::Done
         } else {
-            Attempt::Retry(r.error)
+            retry_or_fence(r)
         }
     };
     if !restore {
@@ -1119,7 +1214,7 @@ async fn settle_one(
         if apply_issued {
             let r = ctx.call_on(ws, Action::ReadVersion).await?;
             if !r.ok {
-                return Ok(Attempt::Retry(r.error));
+                return Ok(retry_or_fence(r));
             }
         }
         return Ok(if gated {
@@ -1131,7 +1226,7 @@ async fn settle_one(
     if !gated {
         let r = ctx.call_on(ws, Action::Pause).await?;
         if !r.ok {
-            return Ok(Attempt::Retry(r.error));
+            return Ok(retry_or_fence(r));
         }
     }
     let apply = Action::Apply {

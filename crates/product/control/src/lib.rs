@@ -31,7 +31,7 @@
 //!   [`local_etcd`] (leadership on etcd);
 //! - serving: `server` (the tonic service and its HA replica), `shared` (the state, journal
 //!   and wake-ups the service and the driver share), `driver` (a refit's engine calls),
-//!   `fanout` (bounded answers with Merkle proofs), `takeover` (engine URL index),
+//!   `fanout` (bounded answers with Merkle proofs), `takeover` (engine address index), `identity` (engine addresses and the engine's proof of whose it is),
 //!   `convert` and [`wire`] (the RPC edge), [`auth`], [`limits`], [`observe`] (metrics);
 //! - clients: [`client`]; tests of recovery: [`crash`] (crash points a harness arms).
 //!
@@ -51,6 +51,7 @@ mod error;
 mod fanout;
 pub mod ha;
 pub mod history;
+mod identity;
 pub mod journal;
 pub mod limits;
 pub mod local_etcd;

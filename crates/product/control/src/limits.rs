@@ -117,10 +117,13 @@ pub fn bytes(field: &str, n: usize, max: usize) -> Result<(), Error> {
     Ok(())
 }
 
-/// Checks a version label: not empty, at most [`MAX_LABEL_BYTES`].
+/// Checks a version label: not empty, at most [`MAX_LABEL_BYTES`], and printable ASCII without
+/// spaces (`!` to `~`): labels are printed raw in tables, logs and errors, where a newline or an
+/// escape sequence could fake a line of output (issue 29).
 ///
 /// # Errors
-/// [`Error::InvalidField`] naming `field`.
+/// [`Error::InvalidField`] naming `field` and, for a character outside the set, the character
+/// (escaped) and its byte offset.
 pub fn label(field: &str, s: &str) -> Result<(), Error> {
     if s.is_empty() {
         return Err(Error::InvalidField {
@@ -128,7 +131,41 @@ pub fn label(field: &str, s: &str) -> Result<(), Error> {
             reason: "empty label".into(),
         });
     }
-    bytes(field, s.len(), MAX_LABEL_BYTES)
+    bytes(field, s.len(), MAX_LABEL_BYTES)?;
+    if let Some((at, c)) = s.char_indices().find(|(_, c)| !c.is_ascii_graphic()) {
+        return Err(Error::InvalidField {
+            field: field.to_string(),
+            reason: format!(
+                "label {s:?} has {c:?} at byte {at}: a label is printable ASCII without spaces ('!' to '~')"
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// Most bytes of one declaration's tensor list, counted as each tensor's name plus 8 bytes per
+/// dim of its shape: 32 MiB. Kimi-K2's ~150,000 tensors with ~100-byte names need ~16 MiB; each
+/// count is bounded on its own too, but 100,000 tensors of 1 KiB names (100 MiB, every count
+/// within its limit) must not reach the journal (issue 29).
+pub const MAX_DECLARATION_BYTES: usize = 32 << 20;
+
+/// Checks an instance name: empty (the worker is its own instance) or at most 128 characters of
+/// ASCII letters, digits, `.`, `_`, `-` and `:` (the worker id's set: it is printed beside it).
+///
+/// # Errors
+/// [`Error::InvalidField`] naming `field` and the character at fault.
+pub fn instance(field: &str, s: &str) -> Result<(), Error> {
+    bytes(field, s.len(), 128)?;
+    match s
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-' | ':')))
+    {
+        Some(c) => Err(Error::InvalidField {
+            field: field.to_string(),
+            reason: format!("{s:?} has {c:?}: use ASCII letters, digits, '.', '_', '-' and ':'"),
+        }),
+        None => Ok(()),
+    }
 }
 
 /// Most boxes one `GetVersion` want names: 4,194,304 (a worker lists each box of each tensor its
@@ -159,13 +196,20 @@ pub fn artifact_url(field: &str, s: &str) -> Result<(), Error> {
         })
 }
 
-/// Checks a tensor or agent name's length (at most [`MAX_NAME_BYTES`]; emptiness is checked
-/// where it matters).
+/// Checks a tensor or agent name: at most [`MAX_NAME_BYTES`] and no control characters (names
+/// are printed in errors and tables; emptiness is checked where it matters).
 ///
 /// # Errors
-/// [`Error::InvalidField`] naming `field`.
+/// [`Error::InvalidField`] naming `field` (and the character at fault).
 pub fn name(field: &str, s: &str) -> Result<(), Error> {
-    bytes(field, s.len(), MAX_NAME_BYTES)
+    bytes(field, s.len(), MAX_NAME_BYTES)?;
+    if let Some((at, c)) = s.char_indices().find(|(_, c)| c.is_control()) {
+        return Err(Error::InvalidField {
+            field: field.to_string(),
+            reason: format!("name {s:?} has the control character {c:?} at byte {at}"),
+        });
+    }
+    Ok(())
 }
 
 /// Checks a world size: `1..=MAX_WORLD_SIZE`.
@@ -250,8 +294,18 @@ pub fn declaration(
     label("label", label_)?;
     layout("trainer_layout", trainer)?;
     count("tensors", tensors.len(), MAX_TENSORS)?;
+    let mut total = 0usize;
     for (i, t) in tensors.iter().enumerate() {
         tensor(&format!("tensors[{i}]"), t)?;
+        total = total.saturating_add(t.name.len() + 8 * t.shape.len());
+        if total > MAX_DECLARATION_BYTES {
+            return Err(over(
+                "tensors",
+                &format!("total size (names + 8 bytes per dim) through tensors[{i}]"),
+                total,
+                MAX_DECLARATION_BYTES,
+            ));
+        }
     }
     Ok(())
 }
@@ -330,7 +384,7 @@ mod tests {
             dtype: DType::F32,
             shape: vec![1; 17],
         };
-        let (f, r) = field_of(declaration("v", &fsdp(1), &[deep]).unwrap_err());
+        let (f, r) = field_of(declaration("v", &fsdp(1), std::slice::from_ref(&deep)).unwrap_err());
         assert_eq!(
             (f.as_str(), r.as_str()),
             (
@@ -338,5 +392,58 @@ mod tests {
                 "number of dims 17 is over the limit of 16"
             )
         );
+    }
+
+    #[test]
+    fn labels_and_names_that_could_fake_output_are_refused_naming_the_character() {
+        let (f, r) = field_of(label("label", "step-3\nfleet ok").unwrap_err());
+        assert_eq!(f, "label");
+        assert!(
+            r.contains("'\\n' at byte 6") && r.contains("printable ASCII"),
+            "{r}"
+        );
+        for bad in ["a b", "v\u{1b}[2J", "caf\u{e9}", "tab\t"] {
+            assert!(label("label", bad).is_err(), "{bad:?}");
+        }
+        for good in ["step-5", "v1", "run/abc@3:final", "~!#"] {
+            label("label", good).unwrap();
+        }
+        let (f, r) = field_of(name("tensors[0].name", "w\r.weight").unwrap_err());
+        assert_eq!(f, "tensors[0].name");
+        assert!(r.contains("control character '\\r' at byte 1"), "{r}");
+        name("n", "model.layers.0.mlp.experts.7.w1.weight").unwrap();
+        assert!(instance("instance", "vllm-a:0").is_ok() && instance("instance", "").is_ok());
+        assert!(instance("instance", "a\nb").is_err());
+    }
+
+    #[test]
+    fn a_declaration_is_bounded_in_total_not_only_per_count() {
+        let fsdp = LayoutSpec {
+            scheme: Scheme::Fsdp,
+            world_size: 1,
+        };
+        let t = |i: usize| TensorSpec {
+            name: format!("{i:0>1000}"),
+            dtype: DType::BF16,
+            shape: vec![4],
+        };
+        // 100,000 tensors of 1 KiB names: every count within its limit, 100 MiB in total.
+        let tensors: Vec<TensorSpec> = (0..100_000).map(t).collect();
+        let (f, r) = field_of(declaration("v", &fsdp, &tensors).unwrap_err());
+        assert_eq!(f, "tensors");
+        assert!(r.contains("over the limit of 33554432"), "{r}");
+        // Kimi-K2's scale (~150,000 tensors of ~100-byte names) is well within it.
+        let real: Vec<TensorSpec> = (0..150_000)
+            .map(|i| TensorSpec {
+                name: format!(
+                    "model.layers.{}.mlp.experts.{}.gate_proj.weight_scale_inv",
+                    i / 2304,
+                    i % 384
+                ),
+                dtype: DType::F32,
+                shape: vec![56, 16],
+            })
+            .collect();
+        declaration("v", &fsdp, &real).unwrap();
     }
 }

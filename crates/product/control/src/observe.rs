@@ -37,6 +37,10 @@ pub const REFITS_TOTAL: &str = "mx_refits_total";
 /// Engine calls made by refits (counter; labels `action`: pause, apply, read_version, resume,
 /// generate; `result`: ok, failed).
 pub const ENGINE_CALLS_TOTAL: &str = "mx_engine_calls_total";
+/// Engines asked whose they are before a refit's first call to them (counter; label `result`:
+/// proven, not_offered (no identity route: called on the strength of the address), refused
+/// (the engine named another worker: nothing was sent to it)).
+pub const ENGINE_PROOFS_TOTAL: &str = "mx_engine_proofs_total";
 /// Engine call latency (histogram, seconds; label `action`).
 pub const ENGINE_CALL_SECONDS: &str = "mx_engine_call_seconds";
 /// Verification failures (counter; label `check`: `version` when a worker's resident version
@@ -137,6 +141,10 @@ fn describe() {
     describe_counter!(
         ENGINE_CALLS_TOTAL,
         "Engine calls of refits, by action and result"
+    );
+    describe_counter!(
+        ENGINE_PROOFS_TOTAL,
+        "Engines asked whose they are before a refit called them, by result"
     );
     describe_histogram!(
         ENGINE_CALL_SECONDS,

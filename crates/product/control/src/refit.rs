@@ -270,6 +270,11 @@ pub struct CallResult {
     pub paused_requests: u64,
     /// The engine's message.
     pub message: String,
+    /// Nothing was sent: the engine at the worker's URL said it serves other workers
+    /// (`crate::identity`), so the call was refused before it was made. Such a worker cannot
+    /// be settled through that URL: an abort does not resume it and a rollback fences it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub not_sent: bool,
 }
 
 /// How a refit ended.

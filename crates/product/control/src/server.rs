@@ -179,6 +179,7 @@ impl ControlPlane for Service {
         let who = auth::principal(&req)?;
         let r = req.into_inner();
         check_worker_id(&r.worker_id)?;
+        crate::limits::instance("instance", &r.instance)?;
         who.check_worker(&r.worker_id)?;
         let limits = r.model_limits.as_ref().map(convert::model_limits);
         let id = r.worker_id.clone();
@@ -189,6 +190,15 @@ impl ControlPlane for Service {
             .map(|e| convert::engine(e, "engine"))
             .transpose()?;
         let system_url = engine.as_ref().map(|e| e.system_url.clone());
+        let addresses = match &system_url {
+            Some(url) => crate::identity::engine_addresses(url)
+                .await
+                .map_err(|reason| Error::InvalidField {
+                    field: "engine.system_url".into(),
+                    reason,
+                })?,
+            None => Vec::new(),
+        };
         let (instance, ranks) = (r.instance.clone(), r.ranks.clone());
         let rec = Record::Register {
             layout: convert::req_layout(&r.layout, "layout")?,
@@ -206,21 +216,23 @@ impl ControlPlane for Service {
             &mailbox,
             incarnation,
             system_url.as_deref(),
+            &addresses,
             &instance,
             &ranks,
         )?;
         self.shared.mutate(rec).await?;
-        let new_url = system_url.clone();
+        let new_addresses = addresses.clone();
         let previous = std::mem::replace(
             &mut *lock(&mailbox.owner),
             Owner {
                 incarnation,
                 system_url,
+                addresses,
                 instance,
                 ranks,
             },
         );
-        lock(&self.shared.engines).set(&id, previous.system_url.as_deref(), new_url.as_deref());
+        lock(&self.shared.engines).set(&id, &previous.addresses, &new_addresses);
         if previous.incarnation != 0 && previous.incarnation != incarnation {
             tracing::warn!(
                 worker = %id,

@@ -44,6 +44,9 @@ pub(crate) struct Owner {
     pub(crate) incarnation: u64,
     /// Its engine URL, if it registered one.
     pub(crate) system_url: Option<String>,
+    /// The socket addresses that URL reaches (`crate::identity::engine_addresses`; empty
+    /// without an engine).
+    pub(crate) addresses: Vec<String>,
     /// Its inference instance and the ranks it holds: workers of one instance (the ranks of a
     /// tensor-parallel engine, each its own process) share the engine URL.
     pub(crate) instance: String,
@@ -199,16 +202,20 @@ impl Shared {
 
     /// Refuses a registration that would take over a live worker: `worker_id`'s command stream
     /// is connected and the caller is not the process that opened it (another incarnation, or
-    /// an older client that sends none), or `system_url` is the engine of another connected
-    /// worker id (a refit of either would land on the other's engine) that is not another rank
-    /// of the same instance (`instance`, disjoint `ranks`: the processes of one tensor-parallel
-    /// engine, which refits call once for all).
+    /// an older client that sends none), or its engine (`system_url`, reaching `addresses`)
+    /// shares an address with the engine of another connected worker id (a refit of either
+    /// would land on the other's engine; every spelling of one address counts, issue 29) that is
+    /// not another rank of the same instance (`instance`, disjoint `ranks`: the processes of
+    /// one tensor-parallel engine, which refits call once for all).
+    #[allow(clippy::too_many_arguments)]
+    // reason: the registration's fields, each checked here; bundling them would only rename them.
     pub(crate) fn check_takeover(
         &self,
         worker_id: &str,
         mailbox: &Mailbox,
         incarnation: u64,
         system_url: Option<&str>,
+        addresses: &[String],
         instance: &str,
         ranks: &[u32],
     ) -> Result<(), Error> {
@@ -232,20 +239,24 @@ impl Shared {
             return Ok(());
         };
         // Only the ids registered with this engine (issue 17: not every connected worker).
-        let candidates = lock(&self.engines).others(url, worker_id);
-        let other = candidates.into_iter().find(|id| {
-            let m = self.mailbox(id);
+        let candidates = lock(&self.engines).others(addresses, worker_id);
+        let other = candidates.into_iter().find_map(|id| {
+            let m = self.mailbox(&id);
             let o = lock(&m.owner);
             let sibling = o.instance == instance && !o.ranks.iter().any(|r| ranks.contains(r));
-            m.open_streams.load(Ordering::SeqCst) > 0
-                && o.system_url.as_deref() == Some(url)
-                && !sibling
+            let shared = o.addresses.iter().find(|a| addresses.contains(a)).cloned();
+            match shared {
+                Some(a) if m.open_streams.load(Ordering::SeqCst) > 0 && !sibling => {
+                    Some((id.clone(), o.system_url.clone().unwrap_or_default(), a))
+                }
+                _ => None,
+            }
         });
         match other {
-            Some(other) => Err(Error::WorkerIdInUse {
+            Some((other, their_url, address)) => Err(Error::WorkerIdInUse {
                 worker_id: worker_id.to_string(),
                 reason: format!(
-                    "its engine {url} is the engine of connected worker {other:?}: one engine cannot serve two worker ids"
+                    "its engine {url} is the engine of connected worker {other:?} ({their_url}; both reach {address}): one engine cannot serve two worker ids"
                 ),
             }),
             None => Ok(()),

@@ -759,6 +759,11 @@ impl State {
             .map(|w| (w.engine.clone(), w.resident_id.clone()))
     }
 
+    /// The inference instance `worker_id` registered in, if it is registered.
+    pub fn worker_instance(&self, worker_id: &str) -> Option<&str> {
+        self.workers.get(worker_id).map(|w| w.instance.as_str())
+    }
+
     fn version(&self, label: &str) -> Result<&Version, Error> {
         self.versions
             .get(label)

@@ -433,6 +433,19 @@ impl EmbeddedPuller {
         }
     }
 
+    /// Whose engine this is once [`EmbeddedPuller::serve`] or [`EmbeddedPuller::follow`] started
+    /// a worker (`None` before): what an engine serving its own routes answers when the control
+    /// plane asks ([`mx_adapters::identity`]; mx's vLLM plugin through `collective_rpc`).
+    pub fn identity(&self) -> Option<mx_adapters::EngineIdentity> {
+        match &self.state {
+            State::Served {
+                worker: Some((w, _)),
+                ..
+            } => Some(w.identity()),
+            _ => None,
+        }
+    }
+
     /// True once [`EmbeddedPuller::serve`] started a worker.
     pub fn served(&self) -> bool {
         matches!(

@@ -30,7 +30,9 @@ use mx_adapters::dynamo::wire::{
 use mx_adapters::generate::wire::{
     self as generate_wire, ErrorBody, ErrorResponse, GenerateResponse, MetaInfo,
 };
+use mx_adapters::identity::wire::IdentityResponse;
 use mx_adapters::sglang::wire::{self as sglang_wire, UpdateWeightsResponse};
+use mx_adapters::EngineIdentity;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use serde_json::{json, Map, Value};
@@ -90,9 +92,14 @@ struct Ctx {
     url: Arc<String>,
     /// `Bearer <token>` every request must carry, when set.
     token: Option<Arc<String>>,
+    /// Whose engine this is, as `GET /mx/identity` answers (`None`: not following a control
+    /// plane; the route answers 404).
+    identity: Option<Arc<EngineIdentity>>,
 }
 
-/// Binds `addr` and serves `inst`'s routes on it until the returned server is shut down.
+/// Binds `addr` and serves `inst`'s routes on it until the returned server is shut down;
+/// `identity` is the worker it follows the control plane as (`GET /mx/identity`, see
+/// [`mx_adapters::identity`]), `None` for an instance served without a control plane.
 ///
 /// # Errors
 /// [`Error::Bind`] when the address cannot be bound.
@@ -100,6 +107,7 @@ pub async fn serve(
     inst: Instance,
     addr: SocketAddr,
     token: Option<String>,
+    identity: Option<EngineIdentity>,
 ) -> Result<HttpServer, Error> {
     if token.is_none() && !addr.ip().is_loopback() {
         return Err(Error::BadRequest {
@@ -121,6 +129,7 @@ pub async fn serve(
         inst,
         url: Arc::new(format!("http://{addr}")),
         token: token.map(|t| Arc::new(format!("Bearer {t}"))),
+        identity: identity.map(Arc::new),
     };
     let mut router = Router::new()
         .route("/v1/rl/workers", get(discovery))
@@ -138,7 +147,8 @@ pub async fn serve(
         .route("/engine/control/pause_generation", post(sglang_pause))
         .route("/engine/control/continue_generation", post(sglang_continue))
         .route("/generate", post(generate))
-        .route("/mx/live_digests", get(live_digests));
+        .route("/mx/live_digests", get(live_digests))
+        .route("/mx/identity", get(identity_route));
     if failpoints {
         router = router.route("/mx/failpoints", get(failpoints_get).post(failpoints_set));
     }
@@ -624,6 +634,24 @@ async fn generate(State(ctx): State<Ctx>, body: Bytes) -> Response {
             };
             reply(status, &answer)
         }
+    }
+}
+
+// ---- identity -----------------------------------------------------------------------------
+
+/// `GET /mx/identity`: the worker this engine serves (behind the engine token, like every
+/// engine route); 404 when the instance follows no control plane.
+async fn identity_route(State(ctx): State<Ctx>) -> Response {
+    match &ctx.identity {
+        Some(id) => Json(IdentityResponse {
+            engines: vec![EngineIdentity::clone(id)],
+        })
+        .into_response(),
+        None => (
+            StatusCode::NOT_FOUND,
+            Json(json!({"status": "error", "message": "this engine follows no control plane"})),
+        )
+            .into_response(),
     }
 }
 

@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
+use mx_adapters::EngineIdentity;
 use mx_control::client::{Backoff, CommandStream, ControlClient};
 use mx_control::{Command, EngineApi, EngineEndpoint, Registration, StagedReport};
 use mx_layout::{Digest, LayoutSpec, VersionId};
@@ -169,13 +170,25 @@ impl Worker {
     /// # Errors
     /// As [`Worker::start`], after the instance exists.
     pub async fn serve(cfg: WorkerConfig, inst: Instance) -> Result<Worker, Error> {
-        let http = http::serve(inst.clone(), cfg.http, cfg.http_token.clone()).await?;
+        let incarnation = mx_control::client::random_u64();
+        let identity = EngineIdentity {
+            worker_id: cfg.worker_id.clone(),
+            instance: cfg.instance.clone(),
+            incarnation_digest: mx_adapters::incarnation_digest(incarnation),
+        };
+        let http = http::serve(
+            inst.clone(),
+            cfg.http,
+            cfg.http_token.clone(),
+            Some(identity),
+        )
+        .await?;
         tracing::info!(
             worker = cfg.worker_id,
             url = http.url(),
             "engine HTTP routes served"
         );
-        Worker::with_routes(cfg, inst, Routes::Served(http)).await
+        Worker::with_routes(cfg, inst, Routes::Served(http), incarnation).await
     }
 
     /// Follows the control plane for `inst`, whose engine serves its own routes at
@@ -202,15 +215,16 @@ impl Worker {
             no_model: engine.no_model,
             model_limits,
         };
-        Worker::with_routes(cfg, inst, routes).await
+        let incarnation = mx_control::client::random_u64();
+        Worker::with_routes(cfg, inst, routes, incarnation).await
     }
 
     async fn with_routes(
         cfg: WorkerConfig,
         inst: Instance,
         routes: Routes,
+        incarnation: u64,
     ) -> Result<Worker, Error> {
-        let incarnation = mx_control::client::random_u64();
         let client = ControlClient::connect_lazy(&cfg.control)?.with_incarnation(incarnation);
         let w = Worker {
             cfg,
@@ -256,6 +270,16 @@ impl Worker {
     /// This process's incarnation, sent with its registrations and command streams.
     pub fn incarnation(&self) -> u64 {
         self.incarnation
+    }
+
+    /// What this worker's engine answers when asked whose it is ([`mx_adapters::identity`]):
+    /// an engine serving its own routes (vLLM) returns it from its identity route.
+    pub fn identity(&self) -> EngineIdentity {
+        EngineIdentity {
+            worker_id: self.cfg.worker_id.clone(),
+            instance: self.cfg.instance.clone(),
+            incarnation_digest: mx_adapters::incarnation_digest(self.incarnation),
+        }
     }
 
     fn client(&self) -> ControlClient {

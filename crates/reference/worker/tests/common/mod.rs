@@ -97,9 +97,14 @@ pub(crate) async fn serve(
         Some(mx_worker::reference_engine()),
     )
     .expect("instance opens");
-    let http = mx_worker::http::serve(inst.clone(), "127.0.0.1:0".parse().expect("addr"), None)
-        .await
-        .expect("HTTP binds");
+    let http = mx_worker::http::serve(
+        inst.clone(),
+        "127.0.0.1:0".parse().expect("addr"),
+        None,
+        None,
+    )
+    .await
+    .expect("HTTP binds");
     (inst, http)
 }
 
