@@ -294,6 +294,19 @@ class Control:
         rollouts may be sent to it)."""
         return FleetStatus._from_json(json.loads(self._inner.status(timeout)))
 
+    def retire_worker(
+        self, worker_id: str, reason: str = "", *, timeout: float | None = None
+    ) -> None:
+        """Retires a departed worker id (journaled): :meth:`status`, admission and default
+        worker sets forget it. A worker's own process retires its id when its puller closes.
+
+        Raises:
+            MxError: ``NotFound`` for an unknown id, ``AlreadyExists`` while its command stream
+                is connected, ``FailedPrecondition`` while a refit holds it,
+                ``PermissionDenied`` outside the caller's role.
+        """
+        self._inner.retire_worker(worker_id, reason, timeout)
+
     def start_refit(
         self,
         label: str,

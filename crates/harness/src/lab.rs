@@ -30,7 +30,7 @@ pub struct LabCli {
 pub enum LabCmd {
     /// Every `mx` command.
     #[command(flatten)]
-    Product(mx_cli::Cmd),
+    Product(Box<mx_cli::Cmd>),
     /// Run one demo trainer rank: load its shards, publish versions step-1..step-N.
     Publish(PublishArgs),
     /// The main job: a real multi-process refit of a real checkpoint, verified byte for byte.
@@ -97,7 +97,7 @@ pub fn run(cli: LabCli) -> anyhow::Result<()> {
         mx_worker::failpoints::arm();
     }
     match cli.cmd {
-        LabCmd::Product(cmd) => mx_cli::run(cmd),
+        LabCmd::Product(cmd) => mx_cli::run(*cmd),
         LabCmd::Publish(a) => runtime()?.block_on(publish(a)),
         LabCmd::Demo(a) => demo::run(a),
         LabCmd::Validate(a) => validate::run(a),

@@ -537,6 +537,24 @@ impl ControlClient {
         json_text(py, &fleet_json(&s))
     }
 
+    /// Retires a departed worker id (see `ControlClient::retire_worker`).
+    #[pyo3(signature = (worker_id, reason = "", timeout = None))]
+    fn retire_worker(
+        &self,
+        py: Python<'_>,
+        worker_id: String,
+        reason: &str,
+        timeout: Option<f64>,
+    ) -> PyResult<()> {
+        let timeout = self.deadline(timeout)?;
+        self.call(
+            py,
+            "RetireWorker",
+            timeout,
+            self.client.retire_worker(&worker_id, reason),
+        )
+    }
+
     /// Starts a refit and returns its id at once.
     #[pyo3(signature = (
         label, workers, *, pause_mode = "wait", allow_partial = false, check = None,

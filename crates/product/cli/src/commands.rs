@@ -80,6 +80,11 @@ pub struct ControlArgs {
     /// summary (outcome, phases, times, counts).
     #[arg(long, default_value_t = mx_control::snapshot::DEFAULT_REFIT_DETAIL)]
     pub refit_detail: usize,
+    /// Retire worker ids whose command stream has been closed longer than this many seconds
+    /// (journaled; status, admission and default refit sets forget them) unless a refit holds
+    /// them. Default: keep them until their process exits cleanly or `mx retire`.
+    #[arg(long, value_name = "SECONDS")]
+    pub retire_departed_after: Option<f64>,
 }
 
 /// Flags of `mx worker`.
@@ -195,6 +200,37 @@ pub struct StatusArgs {
     pub json: bool,
 }
 
+/// Flags of `mx retire`.
+#[derive(clap::Args, Debug)]
+pub struct RetireArgs {
+    /// Control plane address.
+    #[arg(long, default_value = "http://127.0.0.1:7700")]
+    pub control: String,
+    /// The worker ids to retire (comma-separated); each must be departed (its command stream
+    /// closed) and in no open refit.
+    #[arg(long, value_delimiter = ',', required = true)]
+    pub workers: Vec<String>,
+    /// Why (printed by the journal).
+    #[arg(long, default_value = "retired by an operator")]
+    pub reason: String,
+}
+
+/// `mx retire`: retires departed worker ids, one by one; stops at the first refusal.
+///
+/// # Errors
+/// The control plane's refusal, naming the worker.
+pub(crate) async fn retire(a: RetireArgs) -> anyhow::Result<()> {
+    let client = mx_control::client::ControlClient::connect(&a.control).await?;
+    for w in &a.workers {
+        client
+            .retire_worker(w, &a.reason)
+            .await
+            .with_context(|| format!("retiring worker {w}"))?;
+        println!("retired {w}");
+    }
+    Ok(())
+}
+
 /// Flags of `mx journal`.
 #[derive(clap::Args, Debug)]
 pub struct JournalArgs {
@@ -227,7 +263,18 @@ pub(crate) async fn control(args: ControlArgs) -> anyhow::Result<()> {
         compact_journal_bytes,
         compact_journal_records,
         refit_detail,
+        retire_departed_after,
     } = args;
+    let retire_departed_after = retire_departed_after
+        .map(|s| {
+            std::time::Duration::try_from_secs_f64(s)
+                .ok()
+                .filter(|d| !d.is_zero())
+                .with_context(|| {
+                    format!("--retire-departed-after {s}: a positive number of seconds")
+                })
+        })
+        .transpose()?;
     let security = mx_control::Security::from_files(
         tokens.as_deref(),
         tls_cert.as_deref(),
@@ -247,6 +294,7 @@ pub(crate) async fn control(args: ControlArgs) -> anyhow::Result<()> {
             }),
             max_journal_records: compact_journal_records,
             refit_detail,
+            retire_departed_after,
         },
         listen,
         journal_path: journal,
@@ -348,7 +396,15 @@ pub(crate) async fn worker(args: WorkerArgs) -> anyhow::Result<()> {
         "mx worker {id} serving the engine routes at {} ({engine_api} contract registered)",
         w.http_url()
     );
-    w.run().await?;
+    tokio::select! {
+        r = w.run() => r?,
+        r = crate::terminated() => {
+            r?;
+            // A clean exit (SIGTERM, Ctrl-C): the id leaves the fleet instead of lingering as
+            // a departed worker that default refit sets would have to leave out.
+            w.retire("the worker exited (SIGTERM or Ctrl-C)").await;
+        }
+    }
     Ok(())
 }
 

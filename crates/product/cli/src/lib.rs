@@ -22,7 +22,8 @@ pub mod refits;
 pub mod report;
 
 pub use commands::{
-    CommitArgs, ControlArgs, DeclareArgs, JournalArgs, StageArgs, StatusArgs, WorkerArgs,
+    CommitArgs, ControlArgs, DeclareArgs, JournalArgs, RetireArgs, StageArgs, StatusArgs,
+    WorkerArgs,
 };
 pub use export_cmd::ExportArgs;
 pub use plan_cmd::PlanArgs;
@@ -75,6 +76,9 @@ pub enum Cmd {
     Export(export_cmd::ExportArgs),
     /// Print the control plane's journal.
     Journal(JournalArgs),
+    /// Retire departed worker ids (journaled): status, admission and default refit sets forget
+    /// them. A worker retires its own id when it exits cleanly.
+    Retire(RetireArgs),
 }
 
 /// The tokio runtime a command runs on: two worker threads (the machines this runs on have two
@@ -107,6 +111,7 @@ pub fn run(cmd: Cmd) -> anyhow::Result<()> {
         Cmd::Refit(a) => runtime()?.block_on(refit_cmd::run(a)),
         Cmd::Export(a) => runtime()?.block_on(export_cmd::run(a)),
         Cmd::Journal(a) => commands::journal(a),
+        Cmd::Retire(a) => runtime()?.block_on(commands::retire(a)),
     }
 }
 

@@ -20,8 +20,9 @@ pub struct RefitArgs {
     /// Version label to move to (READY, or committed before).
     #[arg(long)]
     pub label: String,
-    /// Target workers (comma-separated ids); default: every registered worker with engine
-    /// routes.
+    /// Target workers (comma-separated ids); default: every connected worker with engine routes
+    /// (registered ids whose command stream is closed are left out and named; retire them with
+    /// `mx retire`, or they are retired after the control plane's --retire-departed-after).
     #[arg(long, value_delimiter = ',')]
     pub workers: Vec<String>,
     /// Dynamo discovery URL (`GET {url}/v1/rl/workers`): the target set is every discovered
@@ -125,12 +126,20 @@ pub(crate) async fn run(a: RefitArgs) -> anyhow::Result<()> {
         }
         ids
     } else if a.workers.is_empty() {
-        status
+        let (live, away): (Vec<_>, Vec<_>) = status
             .workers
             .iter()
             .filter(|w| w.engine.is_some())
-            .map(|w| w.worker_id.clone())
-            .collect()
+            .partition(|w| w.connected);
+        if !away.is_empty() {
+            let ids: Vec<&str> = away.iter().map(|w| w.worker_id.as_str()).collect();
+            println!(
+                "left out (registered, not connected; `mx retire --workers {}` forgets them): {}",
+                ids.join(","),
+                ids.join(", ")
+            );
+        }
+        live.iter().map(|w| w.worker_id.clone()).collect()
     } else {
         a.workers.clone()
     };
@@ -159,7 +168,7 @@ pub(crate) async fn run(a: RefitArgs) -> anyhow::Result<()> {
         workers
     };
     if workers.is_empty() {
-        bail!("no target workers: none registered with engine routes (start `mx worker`)");
+        bail!("no target workers: none connected with engine routes (start `mx worker`)");
     }
     let check = if a.check_tokens == 0 {
         None

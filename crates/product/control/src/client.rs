@@ -552,6 +552,27 @@ impl ControlClient {
         Ok(())
     }
 
+    /// Retires `worker_id` (`RetireWorker`, journaled): status, admission and default refit sets
+    /// forget it. A worker retires its own id on a clean exit (this client's incarnation must
+    /// be its last registration's); an orchestrator retires an id whose command stream is
+    /// closed. `reason`: printable ASCII, at most 256 bytes (may be empty).
+    ///
+    /// # Errors
+    /// `NOT_FOUND` for an unknown id, `ALREADY_EXISTS` ([`Error::is_worker_id_in_use`]) while
+    /// another process holds it connected, `FAILED_PRECONDITION` while a refit holds it,
+    /// `PERMISSION_DENIED` outside the caller's role or scope.
+    pub async fn retire_worker(&self, worker_id: &str, reason: &str) -> Result<(), Error> {
+        let (at, mut rpc) = self.rpc();
+        rpc.retire_worker(pb::RetireWorkerRequest {
+            worker_id: worker_id.to_string(),
+            reason: reason.to_string(),
+            incarnation: self.incarnation,
+        })
+        .await
+        .map_err(|s| self.failed(at, "RetireWorker", s))?;
+        Ok(())
+    }
+
     /// [`register`](Self::register) for a worker without engine routes or weights.
     ///
     /// # Errors

@@ -318,7 +318,7 @@ impl Error {
             Error::WorkerIdInUse { .. } => true,
             Error::Rpc { rpc, code, .. } => {
                 *code == tonic::Code::AlreadyExists
-                    && matches!(*rpc, "RegisterWorker" | "WatchCommands")
+                    && matches!(*rpc, "RegisterWorker" | "WatchCommands" | "RetireWorker")
             }
             _ => false,
         }

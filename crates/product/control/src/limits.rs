@@ -143,6 +143,25 @@ pub fn label(field: &str, s: &str) -> Result<(), Error> {
     Ok(())
 }
 
+/// Checks a free text printed by status and logs (a reason): at most [`MAX_LABEL_BYTES`], and
+/// printable ASCII with spaces (` ` to `~`).
+///
+/// # Errors
+/// [`Error::InvalidField`] naming `field` and the character at fault.
+pub fn text(field: &str, s: &str) -> Result<(), Error> {
+    bytes(field, s.len(), MAX_LABEL_BYTES)?;
+    if let Some((at, c)) = s
+        .char_indices()
+        .find(|(_, c)| !(c.is_ascii_graphic() || *c == ' '))
+    {
+        return Err(Error::InvalidField {
+            field: field.to_string(),
+            reason: format!("{c:?} at byte {at}: printable ASCII only (' ' to '~')"),
+        });
+    }
+    Ok(())
+}
+
 /// Most bytes of one declaration's tensor list, counted as each tensor's name plus 8 bytes per
 /// dim of its shape: 32 MiB. Kimi-K2's ~150,000 tensors with ~100-byte names need ~16 MiB; each
 /// count is bounded on its own too, but 100,000 tensors of 1 KiB names (100 MiB, every count

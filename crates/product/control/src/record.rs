@@ -101,6 +101,17 @@ pub enum Record {
         #[serde(default)]
         resident_version: Option<ResidentVersion>,
     },
+    /// A worker id is retired: its registration, admission and peer offers are forgotten (by
+    /// the worker on clean exit, by an orchestrator, or by the retention rule for ids departed
+    /// longer than the control plane's `retire_departed_after`).
+    Retire {
+        /// Worker id.
+        worker_id: String,
+        /// Why.
+        reason: String,
+        /// Unix ms.
+        at_ms: u64,
+    },
     /// The orchestrator asks workers to stage a READY version.
     Stage {
         /// Version label.

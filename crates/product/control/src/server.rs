@@ -249,6 +249,50 @@ impl ControlPlane for Service {
         Ok(Response::new(pb::RegisterWorkerResponse {}))
     }
 
+    async fn retire_worker(
+        &self,
+        req: Request<pb::RetireWorkerRequest>,
+    ) -> Result<Response<pb::RetireWorkerResponse>, Status> {
+        let who = auth::principal(&req)?;
+        let r = req.into_inner();
+        let is_worker = who.role() == Some(auth::Role::Worker);
+        if is_worker {
+            who.check_worker(&r.worker_id)?;
+        }
+        let mailbox = self.shared.mailbox(&r.worker_id);
+        let _one = mailbox.registering.lock().await;
+        let owner = lock(&mailbox.owner).incarnation;
+        let own = r.incarnation != 0 && r.incarnation == owner;
+        if is_worker && !own {
+            return Err(Error::WorkerIdInUse {
+                worker_id: r.worker_id,
+                reason: format!(
+                    "a worker retires an id only from the process of its last registration (incarnation {owner:#x}, this call {:#x})",
+                    r.incarnation
+                ),
+            }
+            .into());
+        }
+        if !own && self.shared.connected(&r.worker_id) {
+            return Err(Error::WorkerIdInUse {
+                worker_id: r.worker_id,
+                reason: "its command stream is connected: stop the worker (it retires its id on a clean exit) or retire it once it departed".into(),
+            }
+            .into());
+        }
+        let id = r.worker_id.clone();
+        self.shared
+            .mutate(Record::Retire {
+                worker_id: r.worker_id,
+                reason: r.reason,
+                at_ms: now_ms(),
+            })
+            .await?;
+        self.shared.forget_worker(&id);
+        tracing::info!(worker = %id, "worker id retired");
+        Ok(Response::new(pb::RetireWorkerResponse {}))
+    }
+
     async fn list_layouts(
         &self,
         _req: Request<pb::ListLayoutsRequest>,
@@ -756,6 +800,58 @@ async fn run(
     run_on(svc, shared, security, incoming, addr, shutdown).await
 }
 
+/// The retention rule ([`crate::snapshot::Compaction::retire_departed_after`]): every quarter of
+/// `after` (at most 30 s), retires the registered ids whose command stream has been closed
+/// longer than `after` and that no open refit holds. Stops when the server closes.
+async fn retire_departed(shared: Arc<Shared>, after: std::time::Duration) {
+    use std::time::{Duration, Instant};
+    let tick = (after / 4).clamp(Duration::from_millis(50), Duration::from_secs(30));
+    let mut away: std::collections::HashMap<String, Instant> = Default::default();
+    let mut closing = shared.closing.subscribe();
+    loop {
+        tokio::select! {
+            () = tokio::time::sleep(tick) => {}
+            _ = closing.changed() => {}
+        }
+        if *closing.borrow() {
+            return;
+        }
+        let ids = shared.read(State::worker_ids);
+        away.retain(|id, _| ids.binary_search(id).is_ok());
+        for id in ids {
+            if shared.connected(&id) {
+                away.remove(&id);
+                continue;
+            }
+            let since = *away.entry(id.clone()).or_insert_with(Instant::now);
+            if since.elapsed() < after || shared.read(|s| s.open_refit_of_worker(&id).is_some()) {
+                continue;
+            }
+            let mailbox = shared.mailbox(&id);
+            let _one = mailbox.registering.lock().await;
+            if shared.connected(&id) {
+                continue;
+            }
+            let rec = Record::Retire {
+                worker_id: id.clone(),
+                reason: format!(
+                    "departed for more than {} s (retire_departed_after)",
+                    after.as_secs_f64()
+                ),
+                at_ms: now_ms(),
+            };
+            match shared.mutate(rec).await {
+                Ok(()) => {
+                    shared.forget_worker(&id);
+                    away.remove(&id);
+                    tracing::info!(worker = %id, "departed worker id retired");
+                }
+                Err(e) => tracing::warn!(worker = %id, "retiring a departed worker id: {e}"),
+            }
+        }
+    }
+}
+
 /// [`run`] over accepted connections from `incoming`.
 async fn run_on(
     svc: ControlPlaneServer<Service>,
@@ -767,6 +863,9 @@ async fn run_on(
     addr: SocketAddr,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), Error> {
+    if let Some(after) = shared.retire_departed_after {
+        tokio::spawn(retire_departed(Arc::clone(&shared), after));
+    }
     let closing = async move {
         shutdown.await;
         tracing::info!("control plane shutting down");

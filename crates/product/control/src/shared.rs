@@ -94,6 +94,8 @@ pub(crate) struct Shared {
     pub(crate) epoch: Option<u64>,
     /// Merkle trees and lookups of the versions workers asked for with a want.
     pub(crate) fanout: crate::fanout::Cache,
+    /// [`crate::snapshot::Compaction::retire_departed_after`].
+    pub(crate) retire_departed_after: Option<std::time::Duration>,
 }
 
 impl Drop for Shared {
@@ -168,7 +170,17 @@ impl Shared {
             http,
             epoch,
             fanout: crate::fanout::Cache::default(),
+            retire_departed_after: policy.retire_departed_after,
         })
+    }
+
+    /// Forgets what the server keeps beside the state about a retired worker id: its owner
+    /// (incarnation, engine addresses), its place in the engine index and its model limits.
+    pub(crate) fn forget_worker(&self, worker_id: &str) {
+        let mailbox = self.mailbox(worker_id);
+        let previous = std::mem::take(&mut *lock(&mailbox.owner));
+        lock(&self.engines).set(worker_id, &previous.addresses, &[]);
+        lock(&self.limits).remove(worker_id);
     }
 
     /// Evaluates `check` now and after every change that concerns `worker_id` (its

@@ -58,6 +58,12 @@ pub struct Compaction {
     /// this many that ended. Older ones keep their summary (id, label, outcome, phases, times,
     /// counts). At least 1 is kept whatever this says.
     pub refit_detail: usize,
+    /// Worker ids whose command stream has been closed longer than this are retired (a
+    /// journaled `retire`: forgotten by status, admission and default refit sets), unless a
+    /// refit holds them. `None` (the default): kept until retired by their process on a clean
+    /// exit or by an orchestrator (`RetireWorker`). Measured from when this control plane last
+    /// saw each one connected, or from its start.
+    pub retire_departed_after: Option<std::time::Duration>,
 }
 
 /// Default [`Compaction::max_journal_bytes`]: 256 MiB.
@@ -76,6 +82,7 @@ impl Default for Compaction {
             max_journal_bytes: DEFAULT_MAX_JOURNAL_BYTES,
             max_journal_records: DEFAULT_MAX_JOURNAL_RECORDS,
             refit_detail: DEFAULT_REFIT_DETAIL,
+            retire_departed_after: None,
         }
     }
 }

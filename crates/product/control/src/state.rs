@@ -244,6 +244,9 @@ impl State {
                 layout,
                 ..
             } => check_register(worker_id, ranks, layout),
+            Record::Retire {
+                worker_id, reason, ..
+            } => self.check_retire(worker_id, reason),
             Record::Stage { label, worker_ids } => self.check_stage(label, worker_ids),
             Record::Staged { report } => self.check_staged(report),
             Record::RefitBegin { refit } => self.check_refit_begin(refit),
@@ -400,6 +403,13 @@ impl State {
                 engine,
                 resident_version,
             } => self.apply_register(worker_id, instance, ranks, layout, engine, resident_version),
+            Record::Retire { worker_id, .. } => {
+                self.withdraw_peer(&worker_id, None);
+                self.workers.remove(&worker_id);
+                Effects {
+                    workers: vec![worker_id],
+                }
+            }
             Record::Stage { label, worker_ids } => {
                 let digest = self.versions.get(&label).and_then(|v| v.digest);
                 if let Some(v) = self.versions.get_mut(&label) {
@@ -757,6 +767,34 @@ impl State {
         self.workers
             .get(worker_id)
             .map(|w| (w.engine.clone(), w.resident_id.clone()))
+    }
+
+    /// Checks a [`Record::Retire`]: the worker is registered and in no open refit (the refit
+    /// settles it first); the reason is printable.
+    fn check_retire(&self, worker_id: &str, reason: &str) -> Result<Check, Error> {
+        if !self.workers.contains_key(worker_id) {
+            return Err(Error::UnknownWorker {
+                worker_id: worker_id.to_string(),
+            });
+        }
+        if let Some(r) = self.open_refit_of(worker_id) {
+            return Err(Error::Refit {
+                id: r.id,
+                reason: format!(
+                    "worker {worker_id} is in this open refit to {}: it is retired only once the refit ended",
+                    r.spec.label
+                ),
+            });
+        }
+        if !reason.is_empty() {
+            crate::limits::text("reason", reason)?;
+        }
+        Ok(Check::Apply)
+    }
+
+    /// The ids of every registered worker (ascending).
+    pub fn worker_ids(&self) -> Vec<String> {
+        self.workers.keys().cloned().collect()
     }
 
     /// The inference instance `worker_id` registered in, if it is registered.

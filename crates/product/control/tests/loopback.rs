@@ -1255,3 +1255,119 @@ async fn wait_connected(c: &ControlClient, id: &str, want: bool) {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// The ids the control plane lists, ascending.
+async fn listed(c: &ControlClient) -> Vec<String> {
+    let mut ids: Vec<String> = c
+        .get_status()
+        .await
+        .unwrap()
+        .workers
+        .into_iter()
+        .map(|w| w.worker_id)
+        .collect();
+    ids.sort();
+    ids
+}
+
+/// Issue 29, item 2: ids registered once stayed forever, and ten junk ids made every default
+/// refit abort. A worker retires its own id; an orchestrator retires a departed one (not a
+/// connected one); retirements are journaled (a restart keeps them); the retention rule retires
+/// ids departed longer than `retire_departed_after` and leaves the connected ones.
+#[tokio::test]
+async fn worker_ids_are_retired_by_their_process_an_orchestrator_or_retention() {
+    let dir = tempfile::tempdir().unwrap();
+    let journal = dir.path().join("journal.jsonl");
+    let (c, h) = start(&journal).await;
+    register_as(&c, "w0", 0xa, "http://127.0.0.1:9301")
+        .await
+        .unwrap();
+    let s0 = c
+        .clone()
+        .with_incarnation(0xa)
+        .watch_commands("w0")
+        .await
+        .unwrap();
+    wait_connected(&c, "w0", true).await;
+    for i in 0..10 {
+        register_as(
+            &c,
+            &format!("x{i}"),
+            0x100 + i,
+            &format!("http://10.0.0.{i}:1"),
+        )
+        .await
+        .unwrap();
+    }
+    assert_eq!(listed(&c).await.len(), 11);
+    // An orchestrator may not retire a connected id, nor another process the live one.
+    let e = c.retire_worker("w0", "cleanup").await.unwrap_err();
+    assert!(
+        e.is_worker_id_in_use() && e.to_string().contains("command stream is connected"),
+        "{e}"
+    );
+    let e = c
+        .clone()
+        .with_incarnation(0xb)
+        .retire_worker("w0", "")
+        .await
+        .unwrap_err();
+    assert!(e.is_worker_id_in_use(), "{e}");
+    let e = c.retire_worker("nobody", "").await.unwrap_err();
+    assert!(e.to_string().contains("nobody"), "{e}");
+    let e = c.retire_worker("x0", "bad\nreason").await.unwrap_err();
+    assert!(e.to_string().contains("printable ASCII"), "{e}");
+    // A departed id is retired by an orchestrator; the live worker retires its own id.
+    c.retire_worker("x0", "departed").await.unwrap();
+    c.clone()
+        .with_incarnation(0xa)
+        .retire_worker("w0", "clean exit")
+        .await
+        .unwrap();
+    drop(s0);
+    let left = listed(&c).await;
+    assert_eq!(left.len(), 9, "{left:?}");
+    assert!(!left.contains(&"w0".to_string()) && !left.contains(&"x0".to_string()));
+    // w0's engine address is free again: another id may register it.
+    register_as(&c, "w9", 0xc, "http://localhost:9301")
+        .await
+        .unwrap();
+    h.shutdown().await.unwrap();
+
+    // Journaled: a restart lists the same ids; with retention, the departed ones go and the
+    // connected one stays.
+    let (addr, h) = spawn(ControlPlaneConfig {
+        compaction: mx_control::snapshot::Compaction {
+            retire_departed_after: Some(Duration::from_millis(300)),
+            ..Default::default()
+        },
+        listen: "127.0.0.1:0".parse().unwrap(),
+        journal_path: journal.clone(),
+        security: mx_control::Security::insecure_loopback(),
+    })
+    .await
+    .unwrap();
+    let c = ControlClient::connect(&addr.to_string()).await.unwrap();
+    assert_eq!(listed(&c).await.len(), 10);
+    register_as(&c, "w9", 0xd, "http://127.0.0.1:9301")
+        .await
+        .unwrap();
+    let _s9 = c
+        .clone()
+        .with_incarnation(0xd)
+        .watch_commands("w9")
+        .await
+        .unwrap();
+    let t = std::time::Instant::now();
+    while listed(&c).await != ["w9"] {
+        assert!(t.elapsed() < T, "still listed: {:?}", listed(&c).await);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    h.shutdown().await.unwrap();
+    let lines = std::fs::read_to_string(&journal).unwrap();
+    let retired = lines
+        .lines()
+        .filter(|l| l.contains("\"op\":\"retire\""))
+        .count();
+    assert_eq!(retired, 2 + 9, "{retired} retire records");
+}

@@ -470,13 +470,15 @@ impl EmbeddedPuller {
     }
 
     /// Stops serving, if served: the routes answer 410 Gone with `reason`, the command stream
-    /// ends. Idempotent. Call it inside the runtime that served the worker.
+    /// ends and the worker id is retired at the control plane (best effort, see
+    /// [`Worker::retire`]). Idempotent. Call it inside the runtime that served the worker.
     pub async fn stop_serving(&mut self, reason: &str) {
         if let State::Served { inst, worker, .. } = &mut self.state {
             inst.retire(reason.to_string());
             if let Some((w, runner)) = worker.take() {
                 runner.abort();
                 let _ = runner.await;
+                w.retire(reason).await;
                 drop(w);
             }
         }

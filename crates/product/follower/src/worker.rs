@@ -272,6 +272,21 @@ impl Worker {
         self.incarnation
     }
 
+    /// Retires this worker's id at the control plane (a clean exit: status, admission and
+    /// default refit sets forget it), best effort within 5 s: a control plane that is away or
+    /// refuses (a refit holds the id) is logged, and the id stays until it is retired later.
+    pub async fn retire(&self, reason: &str) {
+        let id = &self.cfg.worker_id;
+        let client = self.client();
+        match tokio::time::timeout(Duration::from_secs(5), client.retire_worker(id, reason)).await {
+            Ok(Ok(())) => tracing::info!(worker = %id, "worker id retired: {reason}"),
+            Ok(Err(e)) => tracing::warn!(worker = %id, "retiring the worker id on exit: {e}"),
+            Err(_) => {
+                tracing::warn!(worker = %id, "retiring the worker id on exit: no answer within 5 s")
+            }
+        }
+    }
+
     /// What this worker's engine answers when asked whose it is ([`mx_adapters::identity`]):
     /// an engine serving its own routes (vLLM) returns it from its identity route.
     pub fn identity(&self) -> EngineIdentity {
