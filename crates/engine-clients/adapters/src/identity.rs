@@ -115,6 +115,7 @@ pub(crate) async fn mx_route(
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::panic)] // reason: tests fail loudly on purpose
 mod tests {
     use super::*;
 

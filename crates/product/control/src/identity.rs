@@ -164,6 +164,7 @@ pub(crate) fn judge(url: &str, proof: &Proof, expected: &[Expected]) -> Verdict 
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::panic)] // reason: tests fail loudly on purpose
 mod tests {
     use super::*;
     use mx_adapters::EngineIdentity;

@@ -508,6 +508,7 @@ fn compaction_is_due_by_bytes_or_records() {
         max_journal_bytes: 100,
         max_journal_records: 10,
         refit_detail: 2,
+        retire_departed_after: None,
     };
     assert!(!c.due(100, 10));
     assert!(c.due(101, 1));
@@ -520,6 +521,7 @@ fn compaction_is_due_by_bytes_or_records() {
         max_journal_bytes: 0,
         max_journal_records: 0,
         refit_detail: 2,
+        retire_departed_after: None,
     };
     assert!(!never.due(u64::MAX, u64::MAX));
 }
