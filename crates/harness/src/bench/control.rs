@@ -1,7 +1,8 @@
 //! `mx-lab bench control`: the control plane at fleet scale. A real `mx control` process (journal
 //! fsync'd on the real disk) and `--workers` simulated workers spread over `--procs` processes:
 //! each simulated worker registers over loopback gRPC, holds its own command stream, answers
-//! Stage commands with a staged report, and serves the Dynamo engine routes (pause, update
+//! Stage commands with a staged report, says whose engine it is (`mx/identity`, as mx's own
+//! routes do), and serves the Dynamo engine routes (pause, update
 //! weights, read version, resume) under its own URL prefix, remembering the version it was asked
 //! to apply. Nothing is pulled: this measures the control plane, not the data plane.
 //!
@@ -671,6 +672,20 @@ async fn engine_route(
     }
 }
 
+/// `GET /w/{id}/mx/identity`: whose engine this is, as mx's own engine routes answer it (the
+/// simulated workers register without an incarnation, so its digest is of 0).
+async fn identity_route(
+    UrlPath(id): UrlPath<String>,
+) -> Json<mx_adapters::identity::wire::IdentityResponse> {
+    Json(mx_adapters::identity::wire::IdentityResponse {
+        engines: vec![mx_adapters::EngineIdentity {
+            instance: id.clone(),
+            worker_id: id,
+            incarnation_digest: mx_adapters::incarnation_digest(0),
+        }],
+    })
+}
+
 /// Runs one process of simulated workers until killed.
 pub(crate) async fn sim_workers(a: SimArgs) -> anyhow::Result<()> {
     let st = Arc::new(SimState {
@@ -679,6 +694,7 @@ pub(crate) async fn sim_workers(a: SimArgs) -> anyhow::Result<()> {
     });
     let app = Router::new()
         .route("/w/{id}/engine/{route}", post(engine_route))
+        .route("/w/{id}/mx/identity", axum::routing::get(identity_route))
         .with_state(Arc::clone(&st));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;

@@ -274,9 +274,6 @@ struct Ctx<'a> {
     applies_sent: AtomicUsize,
     /// The phase this driver entered last and when, for [`observe::REFIT_PHASE_SECONDS`].
     current: std::sync::Mutex<Option<(Phase, Instant)>>,
-    /// (engine URL, worker id, incarnation) the engine at that URL answered for in this refit
-    /// (or could not answer for: an engine without an identity route), so it is asked once.
-    proven: std::sync::Mutex<std::collections::HashSet<(String, String, u64)>>,
 }
 
 impl Ctx<'_> {
@@ -432,12 +429,12 @@ impl Ctx<'_> {
             .collect()
     }
 
-    /// Asks the engine at `url` whose it is before the first call this refit makes to it for
-    /// `workers` (and again for a worker that registered anew): the call is refused, with
-    /// nothing sent, unless the engine names every one of them with the instance and
-    /// incarnation the control plane accepted (`crate::identity`). An engine without an
-    /// identity route is called on the strength of its address (unique among connected
-    /// workers, checked at registration).
+    /// Asks the engine at `url` whose it is before the first call to it for `workers` (once per
+    /// worker process and URL: the answer holds until the worker registers anew, see
+    /// `Shared::proven`): the call is refused, with nothing sent, unless the engine names every
+    /// one of them with the instance and incarnation the control plane accepted
+    /// (`crate::identity`). An engine without an identity route is called on the strength of its
+    /// address (unique among connected workers, checked at registration).
     async fn prove(
         &self,
         workers: &[String],
@@ -446,28 +443,31 @@ impl Ctx<'_> {
     ) -> Result<(), Refusal> {
         use crate::commit::lock;
         use crate::identity::{judge, Expected, Verdict};
-        let instances: Vec<String> = self.shared.read(|s| {
+        let incarnations: Vec<u64> = workers
+            .iter()
+            .map(|w| lock(&self.shared.mailbox(w).owner).incarnation)
+            .collect();
+        let known = {
+            let proven = lock(&self.shared.proven);
             workers
                 .iter()
-                .map(|w| s.worker_instance(w).unwrap_or_default().to_string())
-                .collect()
-        });
-        let expected: Vec<Expected> = workers
-            .iter()
-            .zip(instances)
-            .map(|(w, instance)| Expected {
-                worker_id: w.clone(),
-                instance,
-                incarnation: lock(&self.shared.mailbox(w).owner).incarnation,
-            })
-            .collect();
-        let key = |e: &Expected| (url.to_string(), e.worker_id.clone(), e.incarnation);
-        if expected
-            .iter()
-            .all(|e| lock(&self.proven).contains(&key(e)))
-        {
+                .zip(&incarnations)
+                .all(|(w, i)| proven.get(w).is_some_and(|(u, inc)| u == url && inc == i))
+        };
+        if known {
             return Ok(());
         }
+        let expected: Vec<Expected> = self.shared.read(|s| {
+            workers
+                .iter()
+                .zip(&incarnations)
+                .map(|(w, &incarnation)| Expected {
+                    worker_id: w.clone(),
+                    instance: s.worker_instance(w).unwrap_or_default().to_string(),
+                    incarnation,
+                })
+                .collect()
+        });
         let proof = engine
             .identify()
             .await
@@ -490,7 +490,11 @@ impl Ctx<'_> {
                 metrics::counter!(observe::ENGINE_PROOFS_TOTAL, "result" => "proven").increment(1);
             }
         }
-        lock(&self.proven).extend(expected.iter().map(key));
+        lock(&self.shared.proven).extend(
+            expected
+                .into_iter()
+                .map(|e| (e.worker_id, (url.to_string(), e.incarnation))),
+        );
         Ok(())
     }
 
@@ -673,7 +677,6 @@ async fn drive_inner(shared: &Arc<Shared>, id: u64, recovering: bool) -> Result<
         applies_sent: AtomicUsize::new(applies_sent),
         // BEGIN entered the first phase; a recovered refit's phase is timed from the recovery.
         current: std::sync::Mutex::new(Some((refit.phase, Instant::now()))),
-        proven: std::sync::Mutex::new(std::collections::HashSet::new()),
     };
     if recovering {
         return recover(&ctx).await;

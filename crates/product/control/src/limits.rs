@@ -132,15 +132,12 @@ pub fn label(field: &str, s: &str) -> Result<(), Error> {
         });
     }
     bytes(field, s.len(), MAX_LABEL_BYTES)?;
-    if let Some((at, c)) = s.char_indices().find(|(_, c)| !c.is_ascii_graphic()) {
-        return Err(Error::InvalidField {
-            field: field.to_string(),
-            reason: format!(
-                "label {s:?} has {c:?} at byte {at}: a label is printable ASCII without spaces ('!' to '~')"
-            ),
-        });
-    }
-    Ok(())
+    printable(s, false).map_err(|(at, c)| Error::InvalidField {
+        field: field.to_string(),
+        reason: format!(
+            "label {s:?} has {c:?} at byte {at}: a label is printable ASCII without spaces ('!' to '~')"
+        ),
+    })
 }
 
 /// Checks a free text printed by status and logs (a reason): at most [`MAX_LABEL_BYTES`], and
@@ -150,16 +147,66 @@ pub fn label(field: &str, s: &str) -> Result<(), Error> {
 /// [`Error::InvalidField`] naming `field` and the character at fault.
 pub fn text(field: &str, s: &str) -> Result<(), Error> {
     bytes(field, s.len(), MAX_LABEL_BYTES)?;
-    if let Some((at, c)) = s
+    printable(s, true).map_err(|(at, c)| Error::InvalidField {
+        field: field.to_string(),
+        reason: format!("{c:?} at byte {at}: printable ASCII only (' ' to '~')"),
+    })
+}
+
+/// `Err((byte offset, character))` of the first character of `s` outside printable ASCII (`!`
+/// to `~`, and ` ` when `space`).
+fn printable(s: &str, space: bool) -> Result<(), (usize, char)> {
+    match s
         .char_indices()
-        .find(|(_, c)| !(c.is_ascii_graphic() || *c == ' '))
+        .find(|&(_, c)| !(c.is_ascii_graphic() || (space && c == ' ')))
     {
+        Some(bad) => Err(bad),
+        None => Ok(()),
+    }
+}
+
+/// Longest worker id or instance name, in characters (ASCII): 128.
+pub const MAX_ID_CHARS: usize = 128;
+
+/// Checks a worker id: 1 to [`MAX_ID_CHARS`] ASCII letters, digits, `.`, `_`, `-` and `:`.
+///
+/// # Errors
+/// [`Error::InvalidField`] naming `field` and the character or length at fault.
+pub fn worker_id(field: &str, s: &str) -> Result<(), Error> {
+    if s.is_empty() {
         return Err(Error::InvalidField {
             field: field.to_string(),
-            reason: format!("{c:?} at byte {at}: printable ASCII only (' ' to '~')"),
+            reason: "empty worker id".into(),
         });
     }
-    Ok(())
+    identifier(field, s)
+}
+
+/// Checks an instance name: empty (the worker is its own instance) or as a worker id
+/// ([`worker_id`]): it is printed beside one.
+///
+/// # Errors
+/// [`Error::InvalidField`] naming `field` and the character or length at fault.
+pub fn instance(field: &str, s: &str) -> Result<(), Error> {
+    identifier(field, s)
+}
+
+/// At most [`MAX_ID_CHARS`] of ASCII letters, digits, `.`, `_`, `-` and `:`.
+fn identifier(field: &str, s: &str) -> Result<(), Error> {
+    let bad = s
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-' | ':')));
+    let reason = if s.len() > MAX_ID_CHARS {
+        format!("{} characters, at most {MAX_ID_CHARS}", s.len())
+    } else if let Some(c) = bad {
+        format!("{s:?} has {c:?}: use ASCII letters, digits, '.', '_', '-' and ':'")
+    } else {
+        return Ok(());
+    };
+    Err(Error::InvalidField {
+        field: field.to_string(),
+        reason,
+    })
 }
 
 /// Most bytes of one declaration's tensor list, counted as each tensor's name plus 8 bytes per
@@ -167,25 +214,6 @@ pub fn text(field: &str, s: &str) -> Result<(), Error> {
 /// count is bounded on its own too, but 100,000 tensors of 1 KiB names (100 MiB, every count
 /// within its limit) must not reach the journal (issue 29).
 pub const MAX_DECLARATION_BYTES: usize = 32 << 20;
-
-/// Checks an instance name: empty (the worker is its own instance) or at most 128 characters of
-/// ASCII letters, digits, `.`, `_`, `-` and `:` (the worker id's set: it is printed beside it).
-///
-/// # Errors
-/// [`Error::InvalidField`] naming `field` and the character at fault.
-pub fn instance(field: &str, s: &str) -> Result<(), Error> {
-    bytes(field, s.len(), 128)?;
-    match s
-        .chars()
-        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-' | ':')))
-    {
-        Some(c) => Err(Error::InvalidField {
-            field: field.to_string(),
-            reason: format!("{s:?} has {c:?}: use ASCII letters, digits, '.', '_', '-' and ':'"),
-        }),
-        None => Ok(()),
-    }
-}
 
 /// Most boxes one `GetVersion` want names: 4,194,304 (a worker lists each box of each tensor its
 /// ranks hold once: Kimi-K2's ~150,000 tensors on a few ranks).

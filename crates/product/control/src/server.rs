@@ -89,29 +89,11 @@ async fn pump(
     tracing::debug!(worker = %worker_id, "command stream ended");
 }
 
-/// Longest worker id accepted.
-const MAX_WORKER_ID: usize = 128;
-
 /// A worker id must be 1 to 128 characters of ASCII letters, digits, `.`, `_`, `-` and `:` (it
 /// is printed in tables, journal records and log lines, and used in failpoint names). Checked
-/// when a worker registers, not when the journal is replayed.
+/// when a worker registers, not when the journal is replayed ([`crate::limits::worker_id`]).
 fn check_worker_id(id: &str) -> Result<(), Error> {
-    let bad = id
-        .chars()
-        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-' | ':')));
-    let reason = if id.is_empty() {
-        "empty worker id".to_string()
-    } else if id.len() > MAX_WORKER_ID {
-        format!("{} characters, at most {MAX_WORKER_ID}", id.len())
-    } else if let Some(c) = bad {
-        format!("{id:?} has {c:?}: use ASCII letters, digits, '.', '_', '-' and ':'")
-    } else {
-        return Ok(());
-    };
-    Err(Error::InvalidField {
-        field: "worker_id".into(),
-        reason,
-    })
+    crate::limits::worker_id("worker_id", id)
 }
 
 fn wait_reached(state: Option<VersionState>, wanted: VersionState) -> bool {
@@ -280,16 +262,8 @@ impl ControlPlane for Service {
             }
             .into());
         }
-        let id = r.worker_id.clone();
-        self.shared
-            .mutate(Record::Retire {
-                worker_id: r.worker_id,
-                reason: r.reason,
-                at_ms: now_ms(),
-            })
-            .await?;
-        self.shared.forget_worker(&id);
-        tracing::info!(worker = %id, "worker id retired");
+        self.shared.retire(&r.worker_id, r.reason).await?;
+        tracing::info!(worker = %r.worker_id, "worker id retired");
         Ok(Response::new(pb::RetireWorkerResponse {}))
     }
 
@@ -832,17 +806,12 @@ async fn retire_departed(shared: Arc<Shared>, after: std::time::Duration) {
             if shared.connected(&id) {
                 continue;
             }
-            let rec = Record::Retire {
-                worker_id: id.clone(),
-                reason: format!(
-                    "departed for more than {} s (retire_departed_after)",
-                    after.as_secs_f64()
-                ),
-                at_ms: now_ms(),
-            };
-            match shared.mutate(rec).await {
+            let reason = format!(
+                "departed for more than {} s (retire_departed_after)",
+                after.as_secs_f64()
+            );
+            match shared.retire(&id, reason).await {
                 Ok(()) => {
-                    shared.forget_worker(&id);
                     away.remove(&id);
                     tracing::info!(worker = %id, "departed worker id retired");
                 }

@@ -94,6 +94,12 @@ pub(crate) struct Shared {
     pub(crate) epoch: Option<u64>,
     /// Merkle trees and lookups of the versions workers asked for with a want.
     pub(crate) fanout: crate::fanout::Cache,
+    /// Worker id -> (engine URL, incarnation) its engine answered for (or, without an identity
+    /// route, could not answer for) before a refit called it (`crate::identity`). An engine
+    /// restarts only with its worker process, which registers with a new incarnation, so the
+    /// answer holds for as long as the pair matches: one question per worker process, not one
+    /// per refit. Forgotten when the id is retired.
+    pub(crate) proven: Mutex<HashMap<String, (String, u64)>>,
     /// [`crate::snapshot::Compaction::retire_departed_after`].
     pub(crate) retire_departed_after: Option<std::time::Duration>,
 }
@@ -170,8 +176,31 @@ impl Shared {
             http,
             epoch,
             fanout: crate::fanout::Cache::default(),
+            proven: Mutex::default(),
             retire_departed_after: policy.retire_departed_after,
         })
+    }
+
+    /// Retires `worker_id` (journals [`crate::record::Record::Retire`]) and forgets what the
+    /// server keeps beside the state about it. The caller holds its mailbox's `registering`
+    /// lock and has checked who may retire it.
+    ///
+    /// # Errors
+    /// The record's check (unknown id, an open refit holds it, an unprintable reason) or the
+    /// journal's.
+    pub(crate) async fn retire(
+        self: &Arc<Self>,
+        worker_id: &str,
+        reason: String,
+    ) -> Result<(), Error> {
+        self.mutate(Record::Retire {
+            worker_id: worker_id.to_string(),
+            reason,
+            at_ms: crate::refit::now_ms(),
+        })
+        .await?;
+        self.forget_worker(worker_id);
+        Ok(())
     }
 
     /// Forgets what the server keeps beside the state about a retired worker id: its owner
@@ -181,6 +210,7 @@ impl Shared {
         let previous = std::mem::take(&mut *lock(&mailbox.owner));
         lock(&self.engines).set(worker_id, &previous.addresses, &[]);
         lock(&self.limits).remove(worker_id);
+        lock(&self.proven).remove(worker_id);
     }
 
     /// Evaluates `check` now and after every change that concerns `worker_id` (its

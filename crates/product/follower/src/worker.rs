@@ -94,6 +94,16 @@ impl Routes {
     }
 }
 
+/// What the engine of worker `cfg.worker_id`, registered with `incarnation`, answers when asked
+/// whose it is ([`mx_adapters::identity`]).
+fn engine_identity(cfg: &WorkerConfig, incarnation: u64) -> EngineIdentity {
+    EngineIdentity {
+        worker_id: cfg.worker_id.clone(),
+        instance: cfg.instance.clone(),
+        incarnation_digest: mx_adapters::incarnation_digest(incarnation),
+    }
+}
+
 /// One inference instance connected to the control plane.
 pub struct Worker {
     cfg: WorkerConfig,
@@ -171,11 +181,7 @@ impl Worker {
     /// As [`Worker::start`], after the instance exists.
     pub async fn serve(cfg: WorkerConfig, inst: Instance) -> Result<Worker, Error> {
         let incarnation = mx_control::client::random_u64();
-        let identity = EngineIdentity {
-            worker_id: cfg.worker_id.clone(),
-            instance: cfg.instance.clone(),
-            incarnation_digest: mx_adapters::incarnation_digest(incarnation),
-        };
+        let identity = engine_identity(&cfg, incarnation);
         let http = http::serve(
             inst.clone(),
             cfg.http,
@@ -290,11 +296,7 @@ impl Worker {
     /// What this worker's engine answers when asked whose it is ([`mx_adapters::identity`]):
     /// an engine serving its own routes (vLLM) returns it from its identity route.
     pub fn identity(&self) -> EngineIdentity {
-        EngineIdentity {
-            worker_id: self.cfg.worker_id.clone(),
-            instance: self.cfg.instance.clone(),
-            incarnation_digest: mx_adapters::incarnation_digest(self.incarnation),
-        }
+        engine_identity(&self.cfg, self.incarnation)
     }
 
     fn client(&self) -> ControlClient {
