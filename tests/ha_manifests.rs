@@ -69,9 +69,15 @@ async fn a_manifest_over_an_etcd_entry_is_journaled_by_digest_and_verified_on_re
     };
     // Without a store the record does not fit one etcd entry.
     let plain = etcd.config("mx/control/leader", 2);
-    let (journal, _) = Journal::open_etcd(&plain, leader.clone(), "/mx/plain/", rt.clone())
-        .await
-        .unwrap();
+    let (journal, _) = Journal::open_etcd(
+        &plain,
+        leader.clone(),
+        "/mx/plain/",
+        rt.clone(),
+        mx_control::journal::Unchecked::Refuse,
+    )
+    .await
+    .unwrap();
     let rec = publish.clone();
     let e = tokio::task::spawn_blocking(move || {
         let mut journal = journal;
@@ -83,9 +89,15 @@ async fn a_manifest_over_an_etcd_entry_is_journaled_by_digest_and_verified_on_re
     assert!(e.to_string().contains("etcd's request limit"), "{e}");
 
     // With a store the log holds the digest; the reopened journal holds the manifest.
-    let (journal, _) = Journal::open_etcd(&with_store, leader.clone(), "/mx/refs/", rt.clone())
-        .await
-        .unwrap();
+    let (journal, _) = Journal::open_etcd(
+        &with_store,
+        leader.clone(),
+        "/mx/refs/",
+        rt.clone(),
+        mx_control::journal::Unchecked::Refuse,
+    )
+    .await
+    .unwrap();
     let rec = publish.clone();
     tokio::task::spawn_blocking(move || {
         let mut journal = journal;
@@ -101,9 +113,15 @@ async fn a_manifest_over_an_etcd_entry_is_journaled_by_digest_and_verified_on_re
         panic!("{:?}", raw[0].record)
     };
     assert_eq!(*slot, 0);
-    let (_, loaded) = Journal::open_etcd(&with_store, leader.clone(), "/mx/refs/", rt.clone())
-        .await
-        .unwrap();
+    let (_, loaded) = Journal::open_etcd(
+        &with_store,
+        leader.clone(),
+        "/mx/refs/",
+        rt.clone(),
+        mx_control::journal::Unchecked::Refuse,
+    )
+    .await
+    .unwrap();
     assert_eq!(loaded.entries.len(), 1);
     assert_eq!(loaded.entries[0].record, publish);
 
@@ -114,18 +132,30 @@ async fn a_manifest_over_an_etcd_entry_is_journaled_by_digest_and_verified_on_re
         .put(&key, b"not the manifest".to_vec().into())
         .await
         .unwrap();
-    let e = Journal::open_etcd(&with_store, leader.clone(), "/mx/refs/", rt.clone())
-        .await
-        .unwrap_err()
-        .to_string();
+    let e = Journal::open_etcd(
+        &with_store,
+        leader.clone(),
+        "/mx/refs/",
+        rt.clone(),
+        mx_control::journal::Unchecked::Refuse,
+    )
+    .await
+    .unwrap_err()
+    .to_string();
     assert!(
         e.contains(&manifest.blake3) && e.contains("the journal names"),
         "{e}"
     );
     // A replica without the store cannot replay it, and says why.
-    let e = Journal::open_etcd(&plain, leader, "/mx/refs/", rt)
-        .await
-        .unwrap_err()
-        .to_string();
+    let e = Journal::open_etcd(
+        &plain,
+        leader,
+        "/mx/refs/",
+        rt,
+        mx_control::journal::Unchecked::Refuse,
+    )
+    .await
+    .unwrap_err()
+    .to_string();
     assert!(e.contains("--manifest-store"), "{e}");
 }

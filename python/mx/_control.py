@@ -294,6 +294,20 @@ class Control:
         rollouts may be sent to it)."""
         return FleetStatus._from_json(json.loads(self._inner.status(timeout)))
 
+    def accept_journal(self, reason: str, *, timeout: float | None = None) -> dict[str, Any]:
+        """Accepts the journal as it stands after the fleet contradicted it
+        (:attr:`FleetStatus.halted`: a worker holds a version, or was called by a refit, that
+        the journal lost). Journaled with ``reason``; the control plane acts on the fleet
+        again. Returns ``{"accepted": [str], "resumed_refit": int | None}``: the
+        contradictions accepted, and the open refit that is then settled as after a restart.
+
+        Raises:
+            MxError: ``FailedPrecondition`` when nothing contradicts the journal,
+                ``InvalidArgument`` for an empty or unprintable reason, ``PermissionDenied``
+                outside the orchestrator role.
+        """
+        return json.loads(self._inner.accept_journal(reason, timeout))
+
     def retire_worker(
         self, worker_id: str, reason: str = "", *, timeout: float | None = None
     ) -> None:

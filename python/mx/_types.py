@@ -111,6 +111,9 @@ class FleetStatus:
     fleet_version: tuple[str, str] | None
     #: Id of the refit in progress, if any.
     open_refit: int | None
+    #: Set while the control plane does not act on its fleet: the fleet contradicted its
+    #: journal (what, and what to do: :meth:`Control.accept_journal` or a restored journal).
+    halted: str | None = None
     raw: Mapping[str, Any] = field(repr=False, compare=False, default_factory=dict)
 
     def version(self, label: str) -> VersionSummary | None:
@@ -155,6 +158,7 @@ class FleetStatus:
             ),
             fleet_version=(fv["label"], fv["version_id"]) if fv else None,
             open_refit=d.get("open_refit"),
+            halted=d.get("halted"),
             raw=d,
         )
 

@@ -374,6 +374,7 @@ fn fleet_json(s: &FleetStatus) -> Value {
         })).collect::<Vec<_>>(),
         "fleet_version": s.fleet_version.as_ref().map(|(l, v)| json!({"label": l, "version_id": v})),
         "open_refit": s.open_refit,
+        "halted": s.halted,
     })
 }
 
@@ -553,6 +554,26 @@ impl ControlClient {
             timeout,
             self.client.retire_worker(&worker_id, reason),
         )
+    }
+
+    /// Accepts the journal as it stands after the fleet contradicted it (status's `halted`;
+    /// see `ControlClient::accept_journal`): returns `{"accepted": [str], "resumed_refit": int
+    /// | None}`.
+    #[pyo3(signature = (reason, timeout = None))]
+    fn accept_journal(
+        &self,
+        py: Python<'_>,
+        reason: &str,
+        timeout: Option<f64>,
+    ) -> PyResult<String> {
+        let timeout = self.deadline(timeout)?;
+        let (accepted, resumed) = self.call(
+            py,
+            "AcceptJournal",
+            timeout,
+            self.client.accept_journal(reason),
+        )?;
+        json_text(py, &json!({"accepted": accepted, "resumed_refit": resumed}))
     }
 
     /// Starts a refit and returns its id at once.

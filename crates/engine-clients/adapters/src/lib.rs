@@ -84,6 +84,23 @@ pub fn http_client(token: Option<&str>) -> Result<reqwest::Client, String> {
 /// pause, apply or resume anything (mx-control's `ha` module).
 pub const EPOCH_HEADER: &str = "x-mx-epoch";
 
+/// The header carrying the id of the refit an engine call belongs to (a decimal `u64`). mx's
+/// engine routes remember the highest one and report it when their worker registers, so a
+/// control plane whose journal lost that refit learns it from the fleet (mx-control's
+/// `testimony` module).
+pub const REFIT_HEADER: &str = "x-mx-refit";
+
+tokio::task_local! {
+    /// The refit whose engine calls the current task makes: every request sent inside
+    /// [`for_refit`] carries it in [`REFIT_HEADER`].
+    static REFIT: u64;
+}
+
+/// Runs `calls` (engine calls of refit `id`) so that each request carries [`REFIT_HEADER`].
+pub async fn for_refit<F: std::future::Future>(id: u64, calls: F) -> F::Output {
+    REFIT.scope(id, calls).await
+}
+
 /// [`http_client`] that also sends `epoch` in [`EPOCH_HEADER`] on every request.
 ///
 /// # Errors
@@ -234,6 +251,10 @@ pub(crate) async fn send(
     req: reqwest::RequestBuilder,
     timeout: Duration,
 ) -> Result<(u16, String), Error> {
+    let req = match REFIT.try_with(|id| *id) {
+        Ok(id) => req.header(REFIT_HEADER, id),
+        Err(_) => req,
+    };
     let resp = match tokio::time::timeout(timeout, req.send()).await {
         Err(_) => {
             return Err(Error::Timeout {

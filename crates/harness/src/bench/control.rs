@@ -727,6 +727,7 @@ pub(crate) async fn sim_workers(a: SimArgs) -> anyhow::Result<()> {
                 }),
                 resident_version: None,
                 model_limits: None,
+                seen: Default::default(),
             })
             .await
             .with_context(|| format!("registering {id}"))?;

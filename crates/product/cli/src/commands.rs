@@ -85,6 +85,17 @@ pub struct ControlArgs {
     /// them. Default: keep them until their process exits cleanly or `mx retire`.
     #[arg(long, value_name = "SECONDS")]
     pub retire_departed_after: Option<f64>,
+    /// Replay journal lines that carry no checksum (a journal written before lines had one)
+    /// instead of refusing the journal. A line whose checksum was stripped reads the same, so
+    /// give it only for a journal known to predate checksums.
+    #[arg(long)]
+    pub accept_unchecked_journal_lines: bool,
+    /// After a restart with an open refit, wait up to this long for the refit's workers to
+    /// register again before settling it, so that what they hold can contradict a damaged
+    /// journal (the control plane then stops acting until `mx accept-journal` or a restored
+    /// journal).
+    #[arg(long, value_name = "SECONDS", default_value_t = 10.0)]
+    pub testimony_wait: f64,
 }
 
 /// Flags of `mx worker`.
@@ -215,6 +226,37 @@ pub struct RetireArgs {
     pub reason: String,
 }
 
+/// Flags of `mx accept-journal`.
+#[derive(clap::Args, Debug)]
+pub struct AcceptJournalArgs {
+    /// Control plane address.
+    #[arg(long, default_value = "http://127.0.0.1:7700")]
+    pub control: String,
+    /// Why the journal stands (journaled; printable ASCII, at most 256 bytes).
+    #[arg(long)]
+    pub reason: String,
+}
+
+/// `mx accept-journal`: accepts the journal as it stands after the fleet contradicted it
+/// (`mx status` says HALTED), so that the control plane acts on the fleet again.
+///
+/// # Errors
+/// The control plane's refusal (nothing to accept, a bad reason, not an orchestrator).
+pub(crate) async fn accept_journal(a: AcceptJournalArgs) -> anyhow::Result<()> {
+    let client = mx_control::client::ControlClient::connect(&a.control).await?;
+    let (accepted, resumed) = client.accept_journal(&a.reason).await?;
+    for c in &accepted {
+        println!("accepted: {c}");
+    }
+    match resumed {
+        Some(id) => println!(
+            "acting on the fleet again; open refit {id} is settled as after a restart (`mx journal --refits` shows how it ends)"
+        ),
+        None => println!("acting on the fleet again"),
+    }
+    Ok(())
+}
+
 /// `mx retire`: retires departed worker ids, one by one; stops at the first refusal.
 ///
 /// # Errors
@@ -264,7 +306,12 @@ pub(crate) async fn control(args: ControlArgs) -> anyhow::Result<()> {
         compact_journal_records,
         refit_detail,
         retire_departed_after,
+        accept_unchecked_journal_lines,
+        testimony_wait,
     } = args;
+    let testimony_wait = std::time::Duration::try_from_secs_f64(testimony_wait)
+        .ok()
+        .with_context(|| format!("--testimony-wait {testimony_wait}: a number of seconds"))?;
     let retire_departed_after = retire_departed_after
         .map(|s| {
             std::time::Duration::try_from_secs_f64(s)
@@ -295,6 +342,8 @@ pub(crate) async fn control(args: ControlArgs) -> anyhow::Result<()> {
             max_journal_records: compact_journal_records,
             refit_detail,
             retire_departed_after,
+            testimony_wait,
+            accept_unchecked_lines: accept_unchecked_journal_lines,
         },
         listen,
         journal_path: journal,
@@ -556,6 +605,9 @@ pub(crate) async fn status(args: StatusArgs) -> anyhow::Result<()> {
     if json {
         println!("{}", serde_json::to_string_pretty(&s)?);
         return Ok(());
+    }
+    if let Some(why) = &s.halted {
+        println!("HALTED: {why}");
     }
     if s.versions.is_empty() && s.workers.is_empty() {
         println!("no versions declared, no workers registered");

@@ -22,8 +22,8 @@ pub mod refits;
 pub mod report;
 
 pub use commands::{
-    CommitArgs, ControlArgs, DeclareArgs, JournalArgs, RetireArgs, StageArgs, StatusArgs,
-    WorkerArgs,
+    AcceptJournalArgs, CommitArgs, ControlArgs, DeclareArgs, JournalArgs, RetireArgs, StageArgs,
+    StatusArgs, WorkerArgs,
 };
 pub use export_cmd::ExportArgs;
 pub use plan_cmd::PlanArgs;
@@ -79,6 +79,11 @@ pub enum Cmd {
     /// Retire departed worker ids (journaled): status, admission and default refit sets forget
     /// them. A worker retires its own id when it exits cleanly.
     Retire(RetireArgs),
+    /// Accept the journal as it stands after the fleet contradicted it (`mx status` says
+    /// HALTED: a worker holds a version or saw a refit the journal lost): the control plane
+    /// acts on the fleet again (journaled). Restoring the journal and restarting is the other
+    /// way out.
+    AcceptJournal(AcceptJournalArgs),
 }
 
 /// The tokio runtime a command runs on: two worker threads (the machines this runs on have two
@@ -112,6 +117,7 @@ pub fn run(cmd: Cmd) -> anyhow::Result<()> {
         Cmd::Export(a) => runtime()?.block_on(export_cmd::run(a)),
         Cmd::Journal(a) => commands::journal(a),
         Cmd::Retire(a) => runtime()?.block_on(commands::retire(a)),
+        Cmd::AcceptJournal(a) => runtime()?.block_on(commands::accept_journal(a)),
     }
 }
 

@@ -546,6 +546,8 @@ impl ControlClient {
                 .unwrap_or_default(),
             model_limits: reg.model_limits.as_ref().map(convert::model_limits_pb),
             incarnation: self.incarnation,
+            last_refit_id: reg.seen.refit,
+            leader_epoch: reg.seen.epoch,
         })
         .await
         .map_err(|s| self.failed(at, "RegisterWorker", s))?;
@@ -573,6 +575,28 @@ impl ControlClient {
         Ok(())
     }
 
+    /// Accepts the journal as it stands after the fleet contradicted it (`AcceptJournal`,
+    /// journaled; [`crate::testimony`]): returns the contradictions accepted, in words, and the
+    /// open refit that goes on, if any. `reason`: printable ASCII, 1 to 256 bytes.
+    ///
+    /// # Errors
+    /// `FAILED_PRECONDITION` when nothing contradicts the journal, `INVALID_ARGUMENT` for a bad
+    /// reason, `PERMISSION_DENIED` outside the orchestrator role.
+    pub async fn accept_journal(&self, reason: &str) -> Result<(Vec<String>, Option<u64>), Error> {
+        let (at, mut rpc) = self.rpc();
+        let r = rpc
+            .accept_journal(pb::AcceptJournalRequest {
+                reason: reason.to_string(),
+            })
+            .await
+            .map_err(|s| self.failed(at, "AcceptJournal", s))?
+            .into_inner();
+        Ok((
+            r.accepted,
+            (r.resumed_refit != 0).then_some(r.resumed_refit),
+        ))
+    }
+
     /// [`register`](Self::register) for a worker without engine routes or weights.
     ///
     /// # Errors
@@ -592,6 +616,7 @@ impl ControlClient {
             engine: None,
             resident_version: None,
             model_limits: None,
+            seen: Default::default(),
         })
         .await
     }

@@ -749,6 +749,7 @@ pub(crate) fn fleet_pb(f: &FleetStatus) -> pb::FleetStatus {
             .map(|v| v.1.to_string())
             .unwrap_or_default(),
         open_refit: f.open_refit.unwrap_or(0),
+        halted: f.halted.clone().unwrap_or_default(),
     }
 }
 
@@ -981,6 +982,7 @@ pub(crate) fn fleet(p: &pb::FleetStatus) -> Result<FleetStatus, Error> {
             )),
         },
         open_refit: (p.open_refit != 0).then_some(p.open_refit),
+        halted: opt_string(&p.halted),
     })
 }
 

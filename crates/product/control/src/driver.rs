@@ -248,6 +248,10 @@ pub(crate) async fn drive(shared: Arc<Shared>, id: u64, recovering: bool) {
     use tracing::Instrument;
     let span = tracing::info_span!("refit", id, recovering);
     if let Err(e) = drive_inner(&shared, id, recovering).instrument(span).await {
+        if matches!(e, Error::Halted { .. }) {
+            // It goes on, as after a restart, once an operator accepts the journal.
+            crate::commit::lock(&shared.halt).stopped_refit = Some(id);
+        }
         tracing::error!(refit = id, "refit driver stopped: {e}");
     }
 }
@@ -287,6 +291,7 @@ impl Ctx<'_> {
     }
 
     async fn phase(&self, phase: Phase, reason: String, recovered: bool) -> Result<(), Error> {
+        self.shared.acting()?;
         tracing::info!(refit = self.id, %phase, reason, "refit phase");
         self.phase_ended(Some(phase));
         self.shared
@@ -380,6 +385,15 @@ impl Ctx<'_> {
         let first = workers.first().cloned().unwrap_or_default();
         let seen = self.rejoined(&first);
         let mut result = match &endpoint {
+            // The fleet contradicted the journal: nothing more is sent (the driver stops at
+            // its next phase).
+            _ if self.shared.acting().is_err() => CallResult {
+                not_sent: true,
+                ..failed(format!(
+                    "not sent: {}",
+                    self.shared.halt_reason().unwrap_or_default()
+                ))
+            },
             None => failed(format!("worker {first} has no engine endpoint")),
             Some(ep) if ep.no_model && matches!(action, Action::Generate) => CallResult {
                 ok: true,
@@ -388,17 +402,21 @@ impl Ctx<'_> {
             },
             Some(ep) => {
                 let engine = client_for(ep.api, &self.http, &ep.system_url, timeout);
-                match self.prove(&workers, &ep.system_url, &*engine).await {
-                    Err(Refusal::NotTheirs(why)) => CallResult {
-                        not_sent: true,
-                        ..failed(why)
-                    },
-                    Err(Refusal::Unanswered(why)) => failed(why),
-                    Ok(()) => tokio::select! {
-                        r = perform(&*engine, &action, &self.spec) => r,
-                        why = self.reregistration(&first, seen) => failed(why),
-                    },
-                }
+                // Every request carries the refit's id (mx_adapters::REFIT_HEADER).
+                mx_adapters::for_refit(self.id, async {
+                    match self.prove(&workers, &ep.system_url, &*engine).await {
+                        Err(Refusal::NotTheirs(why)) => CallResult {
+                            not_sent: true,
+                            ..failed(why)
+                        },
+                        Err(Refusal::Unanswered(why)) => failed(why),
+                        Ok(()) => tokio::select! {
+                            r = perform(&*engine, &action, &self.spec) => r,
+                            why = self.reregistration(&first, seen) => failed(why),
+                        },
+                    }
+                })
+                .await
             }
         };
         result.seconds = t0.elapsed().as_secs_f64();
@@ -628,6 +646,7 @@ impl Ctx<'_> {
         fenced: Vec<String>,
         departed: Vec<String>,
     ) -> Result<(), Error> {
+        self.shared.acting()?;
         if fenced.is_empty() && departed.is_empty() {
             tracing::info!(refit = self.id, %outcome, reason, "refit ended");
         } else {
@@ -1290,6 +1309,11 @@ async fn settle_one(
 async fn recover(ctx: &Ctx<'_>) -> Result<(), Error> {
     let refit = ctx.refit()?;
     tracing::warn!(refit = refit.id, phase = %refit.phase, "recovering an open refit after restart");
+    // The journal may have lost what happened after it (a cut reads like a torn write): the
+    // refit's workers say what they hold before anything is settled (`crate::testimony`).
+    let ids: Vec<String> = refit.workers.keys().cloned().collect();
+    ctx.shared.await_testimony(&ids).await;
+    ctx.shared.acting()?;
     for (w, rw) in &refit.workers {
         if rw.calls.last().is_some_and(|c| c.result.is_none()) {
             ctx.shared

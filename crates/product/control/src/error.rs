@@ -217,6 +217,13 @@ pub enum Error {
         /// Why.
         reason: String,
     },
+    /// The fleet contradicted the journal (`crate::testimony`): the control plane does not act
+    /// on it until an operator decides.
+    #[error("the control plane is halted: {reason}")]
+    Halted {
+        /// What contradicts the journal and what to do.
+        reason: String,
+    },
     /// The security configuration (token file, TLS files, the bind policy) is unusable.
     #[error("{what}: {reason}")]
     Config {
@@ -264,7 +271,8 @@ impl Error {
             Error::UnknownWorker { .. }
             | Error::VersionState { .. }
             | Error::Refit { .. }
-            | Error::WorkerState { .. } => Code::FailedPrecondition,
+            | Error::WorkerState { .. }
+            | Error::Halted { .. } => Code::FailedPrecondition,
             Error::WaitNotReached { .. } => Code::DeadlineExceeded,
             Error::Fenced { .. } => Code::Unavailable,
             Error::Transport { .. } => Code::Unavailable,

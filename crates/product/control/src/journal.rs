@@ -46,10 +46,16 @@
 //! Detecting these needs a record of the journal's length outside the file.
 //!
 //! # Journals written before checksums
-//! Lines without a checksum are accepted only at the start of the file (before the first line
-//! with one), and each open logs a warning with how many were replayed unverified; what is
-//! appended to such a journal carries checksums. Such a line must have exactly the fields `seq`,
-//! `unix_ms` and `record`, so a checksum field mangled into another key is not taken for one.
+//! A line without a checksum reads exactly like a line whose checksum was stripped (so that an
+//! edit of it passes), so a control plane refuses such a journal ([`Unchecked::Refuse`],
+//! naming the line) unless it is started with `--accept-unchecked-journal-lines`
+//! ([`crate::snapshot::Compaction::accept_unchecked_lines`]). With it, such lines are
+//! accepted only at the start of the file (before the first line with one), and each open
+//! logs a warning with how many were replayed unverified; what is appended to such a journal
+//! carries checksums. Such a line must have exactly the fields `seq`, `unix_ms` and `record`,
+//! so a checksum field mangled into another key is not taken for one. Read-only readers
+//! ([`load`], [`read_records`], [`parse_records`]: `mx journal`, the harness) accept them with
+//! the warning: they act on nothing.
 
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Write};
@@ -63,6 +69,15 @@ use crate::limits::{MAX_BATCH_BYTES, MAX_JOURNAL_LINE_BYTES};
 use crate::snapshot::Snapshot;
 use crate::state::{Record, State};
 use crate::Error;
+
+/// Whether lines without a checksum (written before lines had one, or stripped) are replayed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unchecked {
+    /// Refuse the journal at the first such line, naming it (a control plane's default).
+    Refuse,
+    /// Replay them when they lead the file, with a warning.
+    Accept,
+}
 
 /// Largest incomplete last line taken for a torn write, in bytes: one group-commit batch
 /// ([`MAX_BATCH_BYTES`]) plus one line ([`MAX_JOURNAL_LINE_BYTES`]), all that a crash can leave
@@ -174,6 +189,7 @@ fn decode_line(
     line: &[u8],
     (lo, want): (u64, u64),
     first_checked: Option<usize>,
+    unchecked: Unchecked,
 ) -> Result<(Entry, bool), String> {
     let (entry, checked) = match split_checksum(line) {
         Some((body, stored)) => {
@@ -194,6 +210,14 @@ fn decode_line(
                 }
                 return Err(format!(
                     "record seq {want} has no checksum, but line {k} had one: its checksum field was damaged"
+                ));
+            }
+            if unchecked == Unchecked::Refuse {
+                if let Some(op) = retired_op(line) {
+                    return Err(retired_reason(op));
+                }
+                return Err(format!(
+                    "record seq {want} has no checksum: a line written before lines had one, or one whose checksum was stripped (its bytes cannot be verified). Start the control plane with --accept-unchecked-journal-lines only if this journal predates checksums"
                 ));
             }
             let e: LegacyEntry =
@@ -253,7 +277,7 @@ fn not_torn(tail: &[u8], next_seq: u64) -> Option<String> {
 /// Parses journal `bytes` whose first record has a sequence number in `1..=first_max` (1 without
 /// a snapshot; the snapshot's seq + 1 with one, or lower when a crash interrupted a compaction
 /// before it truncated the journal); each next one is the previous plus 1.
-fn parse(path: &Path, bytes: &[u8], first_max: u64) -> Result<Parsed, Error> {
+fn parse(path: &Path, bytes: &[u8], first_max: u64, unchecked: Unchecked) -> Result<Parsed, Error> {
     let mut entries: Vec<Entry> = Vec::new();
     let mut pos = 0usize;
     let mut line_no = 0usize;
@@ -283,7 +307,7 @@ fn parse(path: &Path, bytes: &[u8], first_max: u64) -> Result<Parsed, Error> {
             break;
         };
         let (entry, checked) =
-            decode_line(&rest[..nl], (lo, want), first_checked).map_err(corrupt)?;
+            decode_line(&rest[..nl], (lo, want), first_checked, unchecked).map_err(corrupt)?;
         if checked {
             first_checked.get_or_insert(line_no);
         } else {
@@ -385,7 +409,7 @@ pub fn load(path: &Path) -> Result<Loaded, Error> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
         Err(e) => return Err(io_err(path, "read")(e)),
     };
-    let parsed = parse(path, &bytes, first_max)?;
+    let parsed = parse(path, &bytes, first_max, Unchecked::Accept)?;
     if parsed.good_len < bytes.len() as u64 {
         tracing::warn!(
             path = %path.display(),
@@ -424,7 +448,7 @@ pub fn read_records(path: &Path) -> Result<Vec<Entry>, Error> {
 /// # Errors
 /// [`Error::JournalCorrupt`] naming the 1-based line of the first bad line.
 pub fn parse_records(path: &Path, bytes: &[u8]) -> Result<Vec<Entry>, Error> {
-    parse(path, bytes, 1).map(|p| p.entries)
+    parse(path, bytes, 1, Unchecked::Accept).map(|p| p.entries)
 }
 
 /// [`parse_records`] for the journal that follows a snapshot at `snapshot_seq`: returns the
@@ -439,7 +463,8 @@ pub fn parse_records_after(
     snapshot_seq: u64,
 ) -> Result<Vec<Entry>, Error> {
     let first_max = snapshot_seq.saturating_add(1);
-    parse(path, bytes, first_max).map(|p| after_snapshot(p.entries, first_max - 1).0)
+    parse(path, bytes, first_max, Unchecked::Accept)
+        .map(|p| after_snapshot(p.entries, first_max - 1).0)
 }
 
 /// Replays `entries` into a fresh [`State`], as the control plane does when it starts.
@@ -629,6 +654,14 @@ impl Journal {
     /// [`Error::SnapshotCorrupt`] for a bad snapshot; [`Error::JournalCorrupt`] naming a bad
     /// line (nothing is cut then).
     pub fn recover(path: &Path) -> Result<(Journal, Loaded), Error> {
+        Journal::recover_with(path, Unchecked::Refuse)
+    }
+
+    /// [`Journal::recover`], replaying lines without a checksum as `unchecked` says.
+    ///
+    /// # Errors
+    /// As [`Journal::recover`].
+    pub fn recover_with(path: &Path, unchecked: Unchecked) -> Result<(Journal, Loaded), Error> {
         let existed = path.exists();
         let mut file = OpenOptions::new()
             .read(true)
@@ -657,7 +690,7 @@ impl Journal {
         let base = first_max - 1;
         let mut bytes = Vec::new();
         file.read_to_end(&mut bytes).map_err(io_err(path, "read"))?;
-        let parsed = parse(path, &bytes, first_max)?;
+        let parsed = parse(path, &bytes, first_max, unchecked)?;
         let last = parsed.entries.last().map_or(base, |e| e.seq).max(base);
         let next_seq = last.checked_add(1).ok_or_else(|| Error::JournalCorrupt {
             path: path.to_path_buf(),
@@ -710,8 +743,9 @@ impl Journal {
         leadership: std::sync::Arc<crate::ha::Leadership>,
         prefix: &str,
         rt: tokio::runtime::Handle,
+        unchecked: Unchecked,
     ) -> Result<(Journal, Loaded), Error> {
-        let r = read_etcd(cfg, prefix).await?;
+        let r = read_etcd(cfg, prefix, unchecked).await?;
         let journal = Journal {
             path: r.path,
             file: Store::Etcd {
@@ -1029,10 +1063,16 @@ struct EtcdRead {
 /// [`Error::InvalidField`] for a gap in the log or a log that does not start where its
 /// snapshot says.
 pub async fn load_etcd(cfg: &crate::ha::EtcdConfig, prefix: &str) -> Result<Loaded, Error> {
-    read_etcd(cfg, prefix).await.map(|r| r.loaded)
+    read_etcd(cfg, prefix, Unchecked::Accept)
+        .await
+        .map(|r| r.loaded)
 }
 
-async fn read_etcd(cfg: &crate::ha::EtcdConfig, prefix: &str) -> Result<EtcdRead, Error> {
+async fn read_etcd(
+    cfg: &crate::ha::EtcdConfig,
+    prefix: &str,
+    unchecked: Unchecked,
+) -> Result<EtcdRead, Error> {
     let log = crate::ha::read_journal(cfg, prefix).await?;
     let path = PathBuf::from(format!("etcd:{prefix}"));
     let blobs = cfg.blobs.clone();
@@ -1077,7 +1117,7 @@ async fn read_etcd(cfg: &crate::ha::EtcdConfig, prefix: &str) -> Result<EtcdRead
         .or(log.snapshot.as_ref().map(|(h, _)| h.first_entry))
         .unwrap_or(1);
     let bytes: Vec<u8> = log.entries.into_iter().flat_map(|(_, b)| b).collect();
-    let parsed = parse(&path, &bytes, base + 1)?;
+    let parsed = parse(&path, &bytes, base + 1, unchecked)?;
     if parsed.good_len != bytes.len() as u64 {
         return Err(Error::JournalCorrupt {
             path,

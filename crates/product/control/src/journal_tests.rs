@@ -289,7 +289,7 @@ fn an_incomplete_line_that_is_not_a_torn_write_is_refused() {
 }
 
 #[test]
-fn a_journal_from_before_checksums_replays_and_what_follows_is_checked() {
+fn a_journal_from_before_checksums_replays_only_when_asked_and_what_follows_is_checked() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("j.jsonl");
     let old = concat!(
@@ -299,16 +299,29 @@ fn a_journal_from_before_checksums_replays_and_what_follows_is_checked() {
         "\n"
     );
     std::fs::write(&path, old).unwrap();
-    let (mut j, entries) = Journal::open(&path).unwrap();
-    assert_eq!(entries.len(), 2);
+    // A control plane refuses it unless told the journal predates checksums (issue 29: a
+    // stripped checksum reads the same), naming the line and the flag; nothing is changed.
+    let err = Journal::open(&path).map(|_| ()).unwrap_err();
+    let (line, reason) = corrupt_line(&err);
+    assert_eq!(line, 1);
+    assert!(
+        reason.starts_with("record seq 1 has no checksum")
+            && reason.contains("--accept-unchecked-journal-lines"),
+        "{reason}"
+    );
+    assert_eq!(std::fs::read_to_string(&path).unwrap(), old);
+    let (mut j, loaded) = Journal::recover_with(&path, Unchecked::Accept).unwrap();
+    assert_eq!(loaded.entries.len(), 2);
     assert_eq!(j.unverified_lines(), 2);
     j.append(&reg("c")).unwrap();
     drop(j);
     let text = std::fs::read_to_string(&path).unwrap();
     assert!(text.lines().nth(2).unwrap().contains(",\"crc32\":\""));
-    let (j, entries) = Journal::open(&path).unwrap();
-    assert_eq!((entries.len(), j.unverified_lines()), (3, 2));
+    let (j, loaded) = Journal::recover_with(&path, Unchecked::Accept).unwrap();
+    assert_eq!((loaded.entries.len(), j.unverified_lines()), (3, 2));
     drop(j);
+    // Read-only readers replay it (with a warning): they act on nothing.
+    assert_eq!(read_records(&path).unwrap().len(), 3);
     // An unchecked line after a checked one is a damaged line.
     let mut text = text;
     text.push_str(
@@ -334,6 +347,47 @@ fn a_journal_from_before_checksums_replays_and_what_follows_is_checked() {
     let (line, reason) = corrupt_line(&err);
     assert_eq!(line, 1);
     assert!(reason.contains("unknown field `crc33`"), "{reason}");
+}
+
+/// Issue 29: lines of a checksummed journal with their checksums stripped, and a resident
+/// version edited on one, were replayed as a legacy journal and the edit believed.
+#[test]
+fn stripped_checksums_and_an_edit_under_them_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("j.jsonl");
+    let (mut j, _) = Journal::open(&path).unwrap();
+    for w in ["a", "b", "c"] {
+        j.append(&reg(w)).unwrap();
+    }
+    drop(j);
+    let good = std::fs::read_to_string(&path).unwrap();
+    let stripped: String = good
+        .lines()
+        .enumerate()
+        .map(|(i, l)| {
+            let l = if i < 2 {
+                let cut = l.find(",\"crc32\":\"").unwrap();
+                format!("{}}}", &l[..cut])
+            } else {
+                l.to_string()
+            };
+            format!("{l}\n")
+        })
+        .collect();
+    let edited = stripped.replacen("\"worker_id\":\"a\"", "\"worker_id\":\"z\"", 1);
+    assert_ne!(edited, stripped);
+    for text in [&stripped, &edited] {
+        std::fs::write(&path, text).unwrap();
+        let err = Journal::open(&path).map(|_| ()).unwrap_err();
+        let (line, reason) = corrupt_line(&err);
+        assert_eq!(line, 1, "{reason}");
+        assert!(reason.contains("stripped"), "{reason}");
+        assert_eq!(
+            &std::fs::read_to_string(&path).unwrap(),
+            text,
+            "nothing cut"
+        );
+    }
 }
 
 #[test]

@@ -63,6 +63,7 @@ mod shared;
 pub mod snapshot;
 pub mod state;
 mod takeover;
+pub mod testimony;
 pub mod types;
 pub mod wire;
 
@@ -81,7 +82,7 @@ pub mod pb {
 pub use error::{Error, OptionalState};
 pub use refit::{
     model_path, Action, CallResult, EngineApi, EngineEndpoint, GenerationCheck, ModelLimits,
-    Outcome, PauseMode, Phase, Refit, RefitSpec, RefitWorker, Registration,
+    Outcome, PauseMode, Phase, Refit, RefitSpec, RefitWorker, Registration, Seen,
 };
 pub use server::{serve, spawn, spawn_ha, ControlPlaneConfig, Security, ServerHandle, TlsIdentity};
 pub use types::{

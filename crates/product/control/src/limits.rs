@@ -52,6 +52,10 @@ pub const MAX_PIECES: usize = 1 << 22;
 /// log line and error message).
 pub const MAX_LABEL_BYTES: usize = 256;
 
+/// Most unknown resident versions one `AcceptJournal` record accepts: 65,536 (one per worker
+/// of a large fleet at most).
+pub const MAX_ACCEPTED_VERSIONS: usize = 1 << 16;
+
 /// Longest tensor or NIXL agent name, in bytes: 1,024 (checkpoint names are under 200).
 pub const MAX_NAME_BYTES: usize = 1024;
 

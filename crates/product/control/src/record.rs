@@ -1,7 +1,7 @@
 //! The journaled records: every mutating call of the control plane is one [`Record`], checked
 //! and applied by [`crate::state::State`] and written as one journal line ([`crate::journal`]).
 
-use mx_layout::{LayoutSpec, ResidentVersion, SourceManifest, TensorSpec};
+use mx_layout::{LayoutSpec, ResidentVersion, SourceManifest, TensorSpec, VersionId};
 use serde::{Deserialize, Serialize};
 
 use crate::refit::{Action, CallResult, EngineEndpoint, Outcome, Phase, Refit};
@@ -108,6 +108,21 @@ pub enum Record {
         /// Worker id.
         worker_id: String,
         /// Why.
+        reason: String,
+        /// Unix ms.
+        at_ms: u64,
+    },
+    /// An operator accepts the journal as it stands after the fleet contradicted it
+    /// ([`crate::testimony`]): the versions workers hold that it never declared are taken as
+    /// unknown (they contradict it no more), and refit ids go on above `refit_floor`.
+    AcceptJournal {
+        /// Resident mx versions accepted as unknown.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        versions: Vec<VersionId>,
+        /// The highest refit id a worker saw (0: none beyond the journal's).
+        #[serde(default)]
+        refit_floor: u64,
+        /// What was contradicted and why the operator accepted it, in words.
         reason: String,
         /// Unix ms.
         at_ms: u64,

@@ -64,6 +64,20 @@ pub struct Registration {
     /// validated against them before anything pauses.
     #[serde(default)]
     pub model_limits: Option<ModelLimits>,
+    /// What its engine has seen of refits and leaders ([`crate::testimony`]).
+    #[serde(default)]
+    pub seen: Seen,
+}
+
+/// What a worker's engine has seen of the control plane: the highest refit id that called it
+/// and the highest leader epoch (0: none, or an engine that cannot tell). A registration
+/// carries it so that the fleet can contradict a damaged journal ([`crate::testimony`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Seen {
+    /// Highest refit id ([`mx_adapters::REFIT_HEADER`]).
+    pub refit: u64,
+    /// Highest leader epoch ([`mx_adapters::EPOCH_HEADER`]).
+    pub epoch: u64,
 }
 
 /// The limits of a worker's model on generation requests (HF `config.json`: `vocab_size`,

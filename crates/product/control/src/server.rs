@@ -182,6 +182,13 @@ impl ControlPlane for Service {
             None => Vec::new(),
         };
         let (instance, ranks) = (r.instance.clone(), r.ranks.clone());
+        let testimony = crate::testimony::Testimony {
+            worker_id: id.clone(),
+            resident: (!r.resident_version.is_empty())
+                .then(|| ResidentVersion::parse(&r.resident_version)),
+            last_refit: r.last_refit_id,
+            epoch: r.leader_epoch,
+        };
         let rec = Record::Register {
             layout: convert::req_layout(&r.layout, "layout")?,
             engine,
@@ -223,12 +230,58 @@ impl ControlPlane for Service {
                 "worker id taken over by a new process: the previous one's command stream is gone, and it will be refused if it comes back"
             );
         }
-        let mut map = lock(&self.shared.limits);
-        match limits {
-            Some(l) => map.insert(id, l),
-            None => map.remove(&id),
-        };
+        {
+            let mut map = lock(&self.shared.limits);
+            match limits {
+                Some(l) => map.insert(id, l),
+                None => map.remove(&id),
+            };
+        }
+        self.shared.testify(&testimony);
         Ok(Response::new(pb::RegisterWorkerResponse {}))
+    }
+
+    async fn accept_journal(
+        &self,
+        req: Request<pb::AcceptJournalRequest>,
+    ) -> Result<Response<pb::AcceptJournalResponse>, Status> {
+        let reason = req.into_inner().reason;
+        let (accepted, (versions, refit_floor), stopped) = {
+            let h = lock(&self.shared.halt);
+            if !h.halted() {
+                return Err(Status::failed_precondition(
+                    "nothing to accept: the fleet has not contradicted the journal",
+                ));
+            }
+            (h.contradictions.clone(), h.accepted(), h.stopped_refit)
+        };
+        self.shared
+            .mutate(Record::AcceptJournal {
+                versions,
+                refit_floor,
+                reason: reason.clone(),
+                at_ms: crate::refit::now_ms(),
+            })
+            .await?;
+        {
+            let mut h = lock(&self.shared.halt);
+            h.contradictions.retain(|c| !accepted.contains(c));
+            if !h.halted() {
+                h.stopped_refit = None;
+            }
+        }
+        let words: Vec<String> = accepted.iter().map(ToString::to_string).collect();
+        tracing::warn!(reason, accepted = ?words, "the journal was accepted as it stands: acting on the fleet again");
+        let open = self.shared.read(State::open_refit_id);
+        let resumed = stopped.filter(|id| open == Some(*id) && self.shared.acting().is_ok());
+        if let Some(id) = resumed {
+            tokio::spawn(crate::driver::drive(Arc::clone(&self.shared), id, true));
+        }
+        self.shared.changes.send_modify(|n| *n = n.wrapping_add(1));
+        Ok(Response::new(pb::AcceptJournalResponse {
+            accepted: words,
+            resumed_refit: resumed.unwrap_or(0),
+        }))
     }
 
     async fn retire_worker(
@@ -395,6 +448,7 @@ impl ControlPlane for Service {
         _req: Request<pb::GetStatusRequest>,
     ) -> Result<Response<pb::FleetStatus>, Status> {
         let mut status = self.shared.read_durable(State::fleet_status).await;
+        status.halted = self.shared.halt_reason();
         for w in &mut status.workers {
             w.connected = self.shared.connected(&w.worker_id);
             // Admission also needs an open command stream: a worker the control plane cannot
@@ -618,6 +672,7 @@ impl ControlPlane for Service {
 /// of the version every worker of the set already runs, right after a committed refit of the
 /// same set, changes nothing and answers that refit's id (idempotent).
 async fn start_refit(shared: &Arc<Shared>, mut spec: RefitSpec) -> Result<u64, Error> {
+    shared.acting()?;
     let mut seen = std::collections::BTreeSet::new();
     for (i, w) in spec.worker_ids.iter().enumerate() {
         if w.is_empty() || !seen.insert(w.clone()) {

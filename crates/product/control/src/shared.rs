@@ -102,6 +102,15 @@ pub(crate) struct Shared {
     pub(crate) proven: Mutex<HashMap<String, (String, u64)>>,
     /// [`crate::snapshot::Compaction::retire_departed_after`].
     pub(crate) retire_departed_after: Option<std::time::Duration>,
+    /// What the fleet said that contradicts the journal (`crate::testimony`): while it holds
+    /// anything, nothing acts on the fleet.
+    pub(crate) halt: Mutex<crate::testimony::Halt>,
+    /// The workers that registered since this control plane started (their testimony is in).
+    pub(crate) testified: Mutex<std::collections::HashSet<String>>,
+    /// Woken by every registration.
+    pub(crate) testimony: Notify,
+    /// [`crate::snapshot::Compaction::testimony_wait`].
+    pub(crate) testimony_wait: Duration,
 }
 
 impl Drop for Shared {
@@ -123,7 +132,7 @@ impl Shared {
         engine_token: Option<&str>,
         policy: crate::snapshot::Compaction,
     ) -> Result<Shared, Error> {
-        let (journal, loaded) = Journal::recover(journal_path)?;
+        let (journal, loaded) = Journal::recover_with(journal_path, policy.unchecked())?;
         Shared::from_journal(journal, loaded, engine_token, None, policy)
     }
 
@@ -178,7 +187,69 @@ impl Shared {
             fanout: crate::fanout::Cache::default(),
             proven: Mutex::default(),
             retire_departed_after: policy.retire_departed_after,
+            halt: Mutex::default(),
+            testified: Mutex::default(),
+            testimony: Notify::new(),
+            testimony_wait: policy.testimony_wait,
         })
+    }
+
+    /// `Ok` while the control plane acts on its fleet; [`Error::Halted`] (saying why and what
+    /// to do) once the fleet contradicted the journal, until an operator accepts it.
+    pub(crate) fn acting(&self) -> Result<(), Error> {
+        match self.halt_reason() {
+            None => Ok(()),
+            Some(reason) => Err(Error::Halted { reason }),
+        }
+    }
+
+    /// Why the control plane stopped acting on its fleet, if it did.
+    pub(crate) fn halt_reason(&self) -> Option<String> {
+        lock(&self.halt).reason()
+    }
+
+    /// Hears a registering worker's testimony: compares it with the journal and halts on any
+    /// contradiction (logged at error level with what to do).
+    pub(crate) fn testify(&self, t: &crate::testimony::Testimony) {
+        let found = self.read(|s| crate::testimony::judge(s, self.epoch, t));
+        if !found.is_empty() {
+            for c in &found {
+                tracing::error!(worker = %t.worker_id, "the fleet contradicts the journal: {c}");
+            }
+            let began = lock(&self.halt).add(found, crate::refit::now_ms());
+            if began {
+                tracing::error!("{}", crate::testimony::WHAT_TO_DO);
+            }
+        }
+        lock(&self.testified).insert(t.worker_id.clone());
+        self.testimony.notify_waiters();
+        self.changes.send_modify(|n| *n = n.wrapping_add(1));
+    }
+
+    /// Waits until every worker of `ids` has registered since this control plane started, or
+    /// [`Shared::testimony_wait`] passed (a worker that is not back cannot testify).
+    pub(crate) async fn await_testimony(&self, ids: &[String]) {
+        let deadline = tokio::time::Instant::now() + self.testimony_wait;
+        loop {
+            let changed = self.testimony.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            let missing: Vec<&String> = {
+                let t = lock(&self.testified);
+                ids.iter().filter(|w| !t.contains(*w)).collect()
+            };
+            if missing.is_empty() {
+                return;
+            }
+            if tokio::time::timeout_at(deadline, changed).await.is_err() {
+                tracing::warn!(
+                    ?missing,
+                    wait = ?self.testimony_wait,
+                    "workers of the open refit did not register again in time: settling it on the journal's word"
+                );
+                return;
+            }
+        }
     }
 
     /// Retires `worker_id` (journals [`crate::record::Record::Retire`]) and forgets what the

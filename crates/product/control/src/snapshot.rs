@@ -46,7 +46,8 @@ pub const SNAPSHOT_FORMAT: u32 = 1;
 /// Largest snapshot file read, in bytes (16 GiB): a longer one is refused rather than read.
 pub const MAX_SNAPSHOT_BYTES: u64 = 16 << 30;
 
-/// When the journal is compacted into a snapshot, and how much refit history is kept in full.
+/// When the journal is compacted into a snapshot, how much refit history is kept in full, and
+/// how a journal is recovered (unchecked lines, the fleet's testimony).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Compaction {
     /// Compact once the journal file holds more than this many bytes (0: never by size).
@@ -64,7 +65,20 @@ pub struct Compaction {
     /// exit or by an orchestrator (`RetireWorker`). Measured from when this control plane last
     /// saw each one connected, or from its start.
     pub retire_departed_after: Option<std::time::Duration>,
+    /// How long a control plane that recovers an open refit after a restart waits for the
+    /// refit's workers to register again, so that what they hold can contradict a damaged
+    /// journal before anything is settled ([`crate::testimony`]); it goes on as soon as all
+    /// of them did. Default [`DEFAULT_TESTIMONY_WAIT`].
+    pub testimony_wait: std::time::Duration,
+    /// Replay journal lines without a checksum (written before lines had one) instead of
+    /// refusing the journal: only for a journal known to predate checksums, since a line whose
+    /// checksum was stripped reads the same ([`crate::journal`]). Default false.
+    pub accept_unchecked_lines: bool,
 }
+
+/// Default [`Compaction::testimony_wait`]: 10 s (a worker retries a lost control plane at
+/// most every 5 s).
+pub const DEFAULT_TESTIMONY_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Default [`Compaction::max_journal_bytes`]: 256 MiB.
 pub const DEFAULT_MAX_JOURNAL_BYTES: u64 = 256 << 20;
@@ -83,11 +97,23 @@ impl Default for Compaction {
             max_journal_records: DEFAULT_MAX_JOURNAL_RECORDS,
             refit_detail: DEFAULT_REFIT_DETAIL,
             retire_departed_after: None,
+            testimony_wait: DEFAULT_TESTIMONY_WAIT,
+            accept_unchecked_lines: false,
         }
     }
 }
 
 impl Compaction {
+    /// How a control plane replays lines without a checksum
+    /// ([`Compaction::accept_unchecked_lines`]).
+    pub fn unchecked(&self) -> crate::journal::Unchecked {
+        if self.accept_unchecked_lines {
+            crate::journal::Unchecked::Accept
+        } else {
+            crate::journal::Unchecked::Refuse
+        }
+    }
+
     /// True when a journal of `bytes` bytes holding `records` records after its snapshot is due
     /// for compaction.
     pub fn due(&self, bytes: u64, records: u64) -> bool {

@@ -509,6 +509,7 @@ fn compaction_is_due_by_bytes_or_records() {
         max_journal_records: 10,
         refit_detail: 2,
         retire_departed_after: None,
+        ..Default::default()
     };
     assert!(!c.due(100, 10));
     assert!(c.due(101, 1));
@@ -522,6 +523,7 @@ fn compaction_is_due_by_bytes_or_records() {
         max_journal_records: 0,
         refit_detail: 2,
         retire_departed_after: None,
+        ..Default::default()
     };
     assert!(!never.due(u64::MAX, u64::MAX));
 }

@@ -143,6 +143,10 @@ pub struct State {
     /// layouts (bounded by [`crate::limits::MAX_PIECE_EXTENSIONS`]).
     #[serde(with = "crate::snapshot::pair_map")]
     extensions: BTreeMap<(String, u32), u32>,
+    /// Resident mx versions an operator accepted as unknown when the fleet contradicted the
+    /// journal ([`Record::AcceptJournal`]): they contradict it no more.
+    #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
+    accepted_unknown: BTreeSet<VersionId>,
     /// How many ended refits keep their per-worker detail (configuration, not state).
     #[serde(skip)]
     pub(crate) detail: crate::history::RefitDetail,
@@ -247,6 +251,25 @@ impl State {
             Record::Retire {
                 worker_id, reason, ..
             } => self.check_retire(worker_id, reason),
+            Record::AcceptJournal {
+                versions, reason, ..
+            } => {
+                crate::limits::text("reason", reason)?;
+                if reason.is_empty() {
+                    return Err(invalid("reason", "empty: say why the journal stands"));
+                }
+                if versions.len() > crate::limits::MAX_ACCEPTED_VERSIONS {
+                    return Err(invalid(
+                        "versions",
+                        format!(
+                            "{} versions: at most {} are accepted at once",
+                            versions.len(),
+                            crate::limits::MAX_ACCEPTED_VERSIONS
+                        ),
+                    ));
+                }
+                Ok(Check::Apply)
+            }
             Record::Stage { label, worker_ids } => self.check_stage(label, worker_ids),
             Record::Staged { report } => self.check_staged(report),
             Record::RefitBegin { refit } => self.check_refit_begin(refit),
@@ -409,6 +432,15 @@ impl State {
                 Effects {
                     workers: vec![worker_id],
                 }
+            }
+            Record::AcceptJournal {
+                versions,
+                refit_floor,
+                ..
+            } => {
+                self.accepted_unknown.extend(versions);
+                self.next_refit = self.next_refit.max(refit_floor.saturating_add(1));
+                Effects::default()
             }
             Record::Stage { label, worker_ids } => {
                 let digest = self.versions.get(&label).and_then(|v| v.digest);
@@ -792,6 +824,12 @@ impl State {
         Ok(Check::Apply)
     }
 
+    /// True when `v` is the version id of a declared version (READY once), or one an operator
+    /// accepted as unknown ([`Record::AcceptJournal`]).
+    pub fn knows_version(&self, v: VersionId) -> bool {
+        self.accepted_unknown.contains(&v) || self.versions.values().any(|x| x.digest == Some(v.0))
+    }
+
     /// The ids of every registered worker (ascending).
     pub fn worker_ids(&self) -> Vec<String> {
         self.workers.keys().cloned().collect()
@@ -1058,6 +1096,7 @@ impl State {
                 .collect(),
             fleet_version: self.fleet_version.clone(),
             open_refit: self.open_refit_id(),
+            halted: None,
         }
     }
 

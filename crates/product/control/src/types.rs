@@ -331,4 +331,7 @@ pub struct FleetStatus {
     pub fleet_version: Option<(String, VersionId)>,
     /// The refit in progress.
     pub open_refit: Option<u64>,
+    /// Set while the control plane does not act on its fleet: the fleet contradicted the
+    /// journal (`crate::testimony`); what contradicts it and what to do.
+    pub halted: Option<String>,
 }

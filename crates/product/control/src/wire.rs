@@ -124,6 +124,8 @@ pub fn canonical(kind: WireMessage, bytes: &[u8]) -> Result<Vec<u8>, Error> {
                 resident_version: r.resident_version,
                 model_limits: limits.as_ref().map(convert::model_limits_pb),
                 incarnation: r.incarnation,
+                last_refit_id: r.last_refit_id,
+                leader_epoch: r.leader_epoch,
             }
             .encode_to_vec()
         }

@@ -24,6 +24,7 @@ fn cfg(journal: &std::path::Path, max_journal_records: u64) -> ControlPlaneConfi
             max_journal_records,
             refit_detail: 8,
             retire_departed_after: None,
+            ..Default::default()
         },
     }
 }
@@ -84,6 +85,7 @@ async fn the_journal_is_compacted_past_its_threshold_and_replays_the_same_state(
         max_journal_records: 0,
         refit_detail: 8,
         retire_departed_after: None,
+        ..Default::default()
     };
     let mut c = cfg(&journal, 0);
     c.compaction = never;

@@ -153,10 +153,15 @@ async fn one_leader_and_a_deposed_leader_cannot_write() {
     // replayed as from a file.
     let b = std::sync::Arc::new(b);
     let rt = tokio::runtime::Handle::current();
-    let (journal, loaded) =
-        mx_control::journal::Journal::open_etcd(&cfg, b.clone(), "/mx/journal/", rt.clone())
-            .await
-            .unwrap();
+    let (journal, loaded) = mx_control::journal::Journal::open_etcd(
+        &cfg,
+        b.clone(),
+        "/mx/journal/",
+        rt.clone(),
+        mx_control::journal::Unchecked::Refuse,
+    )
+    .await
+    .unwrap();
     assert!(loaded.entries.is_empty() && loaded.snapshot.is_none());
     let declare = |label: &str| mx_control::state::Record::Declare {
         label: label.into(),
@@ -177,9 +182,15 @@ async fn one_leader_and_a_deposed_leader_cannot_write() {
     })
     .await
     .unwrap();
-    let (_, loaded) = mx_control::journal::Journal::open_etcd(&cfg, b.clone(), "/mx/journal/", rt)
-        .await
-        .unwrap();
+    let (_, loaded) = mx_control::journal::Journal::open_etcd(
+        &cfg,
+        b.clone(),
+        "/mx/journal/",
+        rt,
+        mx_control::journal::Unchecked::Refuse,
+    )
+    .await
+    .unwrap();
     let got: Vec<_> = loaded.entries.into_iter().map(|e| e.record).collect();
     assert_eq!(got, recs);
     drop(etcd);
@@ -405,9 +416,15 @@ async fn a_compacted_etcd_journal_replays_its_snapshot_and_the_log_after_it() {
         std::sync::Arc::new(until_elected("a", || Leadership::campaign(&cfg, "a")).await);
     let prefix = "/mx/compact/";
     let rt = tokio::runtime::Handle::current();
-    let (journal, _) = Journal::open_etcd(&cfg, leader_a.clone(), prefix, rt.clone())
-        .await
-        .unwrap();
+    let (journal, _) = Journal::open_etcd(
+        &cfg,
+        leader_a.clone(),
+        prefix,
+        rt.clone(),
+        mx_control::journal::Unchecked::Refuse,
+    )
+    .await
+    .unwrap();
     // Four declarations of 6,000 tensors each: each one journal line under 1 MiB, the state
     // that holds them all over 1 MiB (a snapshot of two chunks or more).
     let declare = |label: &str, tensors: usize| Record::Declare {
@@ -452,9 +469,15 @@ async fn a_compacted_etcd_journal_replays_its_snapshot_and_the_log_after_it() {
         "{:?}",
         log.iter().map(|(e, _)| e).collect::<Vec<_>>()
     );
-    let (reopened, loaded) = Journal::open_etcd(&cfg, leader_a.clone(), prefix, rt.clone())
-        .await
-        .unwrap();
+    let (reopened, loaded) = Journal::open_etcd(
+        &cfg,
+        leader_a.clone(),
+        prefix,
+        rt.clone(),
+        mx_control::journal::Unchecked::Refuse,
+    )
+    .await
+    .unwrap();
     let snap = loaded.snapshot.expect("the snapshot is read back");
     assert_eq!(snap.seq, 4);
     let mut replayed = snap.state;
@@ -516,9 +539,15 @@ async fn a_compacted_etcd_journal_replays_its_snapshot_and_the_log_after_it() {
             .put(format!("{prefix}snapshot/head"), head, None)
             .await
             .unwrap();
-        let e = Journal::open_etcd(&cfg, leader_a.clone(), prefix, rt.clone())
-            .await
-            .unwrap_err();
+        let e = Journal::open_etcd(
+            &cfg,
+            leader_a.clone(),
+            prefix,
+            rt.clone(),
+            mx_control::journal::Unchecked::Refuse,
+        )
+        .await
+        .unwrap_err();
         let msg = e.to_string();
         assert!(
             msg.contains("/mx/compact/snapshot/head") && msg.contains(says),

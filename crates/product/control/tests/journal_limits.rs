@@ -160,7 +160,9 @@ async fn regression_an_absurd_declaration_in_the_journal_is_refused_at_replay() 
         ),
     )
     .unwrap();
-    let err = spawn(cfg(&path)).await.map(|_| ()).unwrap_err();
+    let mut legacy = cfg(&path);
+    legacy.compaction.accept_unchecked_lines = true;
+    let err = spawn(legacy).await.map(|_| ()).unwrap_err();
     assert_eq!(replay_err(err).0, 1);
 }
 

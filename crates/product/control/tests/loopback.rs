@@ -549,6 +549,7 @@ async fn register_dynamo(c: &ControlClient, id: &str, url: &str) {
         }),
         resident_version: Some(ResidentVersion::parse("disk:/ckpt")),
         model_limits: None,
+        seen: Default::default(),
     })
     .await
     .unwrap();
@@ -1015,6 +1016,7 @@ async fn a_post_update_check_the_engines_would_refuse_is_refused_before_anything
             vocab_size: 49152,
             max_positions: 8192,
         }),
+        seen: Default::default(),
     })
     .await
     .unwrap();
@@ -1075,6 +1077,7 @@ async fn register_as(c: &ControlClient, id: &str, inc: u64, url: &str) -> Result
             }),
             resident_version: Some(ResidentVersion::parse("disk:/ckpt")),
             model_limits: None,
+            seen: Default::default(),
         })
         .await
 }
@@ -1196,6 +1199,7 @@ async fn register_rank(
             }),
             resident_version: Some(ResidentVersion::parse("disk:/ckpt")),
             model_limits: None,
+            seen: Default::default(),
         })
         .await
 }

@@ -208,19 +208,51 @@ impl mx_control::observe::Probe for WorkerProbe {
 
 /// Refuses a call whose [`mx_adapters::EPOCH_HEADER`] is below the highest epoch seen (409: a
 /// newer control-plane leader took over; the caller is deposed). A call without the header is
-/// let through (clients other than a control plane); a malformed one is refused (400).
+/// let through (clients other than a control plane); a malformed one is refused (400). An
+/// admitted call's [`mx_adapters::REFIT_HEADER`] raises the highest refit id seen (400 when
+/// malformed).
 async fn refuse_stale_epoch(
     State(ctx): State<Ctx>,
     req: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> Response {
-    match epoch_verdict(
-        &ctx.inst.shared.epoch,
-        req.headers().get(mx_adapters::EPOCH_HEADER),
-    ) {
+    let shared = &ctx.inst.shared;
+    let verdict = epoch_verdict(&shared.epoch, req.headers().get(mx_adapters::EPOCH_HEADER))
+        .and_then(|()| {
+            refit_seen(
+                &shared.last_refit,
+                req.headers().get(mx_adapters::REFIT_HEADER),
+            )
+        });
+    match verdict {
         Ok(()) => next.run(req).await,
         Err((code, why)) => (code, Json(json!({"error": why}))).into_response(),
     }
+}
+
+/// Raises `highest` to the refit id in `header` (absent: nothing to note).
+fn refit_seen(
+    highest: &std::sync::atomic::AtomicU64,
+    header: Option<&axum::http::HeaderValue>,
+) -> Result<(), (StatusCode, String)> {
+    let Some(h) = header else {
+        return Ok(());
+    };
+    let id = h
+        .to_str()
+        .ok()
+        .and_then(|s| s.parse::<u64>().ok())
+        .ok_or_else(|| {
+            (
+                StatusCode::BAD_REQUEST,
+                format!(
+                    "{}: not a decimal refit id: {h:?}",
+                    mx_adapters::REFIT_HEADER
+                ),
+            )
+        })?;
+    highest.fetch_max(id, std::sync::atomic::Ordering::SeqCst);
+    Ok(())
 }
 
 /// Checks `header` against the highest epoch seen and raises it (see [`refuse_stale_epoch`]).

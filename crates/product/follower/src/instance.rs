@@ -239,6 +239,9 @@ pub(crate) struct Shared {
     /// The highest control-plane leader epoch seen, on an engine call or a command stream
     /// ([`Instance::admit_epoch`]).
     pub(crate) epoch: std::sync::atomic::AtomicU64,
+    /// The highest refit id that called this engine ([`mx_adapters::REFIT_HEADER`]): reported
+    /// at registration, so the fleet can contradict a damaged journal.
+    pub(crate) last_refit: std::sync::atomic::AtomicU64,
     config: serde_json::Value,
     pub(crate) model: ModelInfo,
     pub(crate) dest: Vec<RankLayout>,
@@ -298,6 +301,16 @@ impl Instance {
         admit_epoch(&self.shared.epoch, epoch)
     }
 
+    /// What this engine has seen of the control plane: the highest refit id that called it
+    /// and the highest leader epoch (0: none), as a registration reports them.
+    pub fn seen(&self) -> mx_control::Seen {
+        use std::sync::atomic::Ordering::SeqCst;
+        mx_control::Seen {
+            refit: self.shared.last_refit.load(SeqCst),
+            epoch: self.shared.epoch.load(SeqCst),
+        }
+    }
+
     /// Reads the model's config.json and headers and computes the layout of the held ranks.
     /// No weights are resident until an apply (or [`Instance::apply`] of a disk checkpoint).
     /// `agent` is the NIXL agent staging pulls through; without one, staging fails with
@@ -346,6 +359,7 @@ impl Instance {
         Ok(Instance {
             shared: Arc::new(Shared {
                 epoch: std::sync::atomic::AtomicU64::new(0),
+                last_refit: std::sync::atomic::AtomicU64::new(0),
                 max_positions: config
                     .get("max_position_embeddings")
                     .and_then(serde_json::Value::as_u64),
@@ -392,6 +406,7 @@ impl Instance {
         Ok(Instance {
             shared: Arc::new(Shared {
                 epoch: std::sync::atomic::AtomicU64::new(0),
+                last_refit: std::sync::atomic::AtomicU64::new(0),
                 max_positions: None,
                 config: serde_json::Value::Null,
                 model,

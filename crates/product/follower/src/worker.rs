@@ -328,6 +328,7 @@ impl Worker {
                     Routes::Served(_) => self.inst.model_limits(),
                     Routes::External { model_limits, .. } => *model_limits,
                 },
+                seen: self.inst.seen(),
             })
             .await;
         res.map_err(|e| self.displaced_or(e))

@@ -522,3 +522,164 @@ async fn a_publish_rides_out_a_control_plane_restart_and_a_gone_source_is_named(
     runner.abort();
     server2.shutdown().await.unwrap();
 }
+
+/// The control plane's status, polled until `done` says so (at most 30 s).
+async fn status_until(
+    control: &str,
+    what: &str,
+    done: impl Fn(&mx_control::FleetStatus) -> bool,
+) -> mx_control::FleetStatus {
+    let t = Instant::now();
+    loop {
+        if let Ok(c) = ControlClient::connect(control).await {
+            if let Ok(s) = c.get_status().await {
+                if done(&s) {
+                    return s;
+                }
+            }
+        }
+        assert!(t.elapsed() < Duration::from_secs(30), "never: {what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Issue 29, item 3: a journal cut inside a line reads like a write torn by a crash. Cut inside
+/// refit 1's COMMIT (the fleet had gone on to step-3 by refit 3), a restarted control plane
+/// reopened refit 1 and rolled the fleet back. Now the worker's registration (resident step-3,
+/// called by refit 3) contradicts the journal: the control plane stops acting (no rollback,
+/// no new refit; status says why and what to do) until an operator accepts the journal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_journal_the_fleet_contradicts_stops_the_control_plane_until_an_operator_decides() {
+    if !mx_nixl::nixl_or_skip("a_journal_the_fleet_contradicts") {
+        return;
+    }
+    let Some(dir) = model_dir("a_journal_the_fleet_contradicts") else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let journal = tmp.path().join("journal.jsonl");
+    let (control, server) = control_plane(tmp.path(), "127.0.0.1:0").await;
+    let listen = control.trim_start_matches("http://").to_string();
+    let w = Arc::new(
+        Worker::start(worker_config(&control, &dir, "w"))
+            .await
+            .unwrap(),
+    );
+    let runner = tokio::spawn({
+        let w = Arc::clone(&w);
+        async move { w.run().await }
+    });
+    let inst = w.instance().clone();
+    let url = w.http_url();
+    let client = ControlClient::connect(&control).await.unwrap();
+    let mut pubs = Vec::new();
+    for rank in 0..2 {
+        pubs.push(trainer::start(&control, &dir, "fsdp:2".parse().unwrap(), rank).await);
+    }
+    let specs = mx_checkpoint::Checkpoint::open(&dir).unwrap().specs();
+    refit(&client, &mut pubs, &specs, "step-1", &PARIS).await;
+    train(&mut pubs, "step-1", 2).await;
+    refit(&client, &mut pubs, &specs, "step-2", &[]).await;
+    train(&mut pubs, "step-2", 3).await;
+    let d3 = refit(&client, &mut pubs, &specs, "step-3", &[]).await;
+    let step3 = mx_layout::VersionId(d3).to_string();
+    assert_eq!(digests(&inst).await.0, step3);
+    assert_eq!(inst.seen().refit, 3, "the engine saw refits 1 to 3");
+    drop(pubs);
+    server.shutdown().await.unwrap();
+
+    // Cut the journal inside the line that enters refit 1's COMMIT.
+    let bytes = std::fs::read(&journal).unwrap();
+    let text = String::from_utf8(bytes.clone()).unwrap();
+    let mut at = 0;
+    let line = text
+        .lines()
+        .find(|l| {
+            let hit = l.contains("\"op\":\"refit_phase\",\"id\":1,\"phase\":\"commit\"");
+            if !hit {
+                at += l.len() + 1;
+            }
+            hit
+        })
+        .expect("refit 1's commit line");
+    std::fs::write(&journal, &bytes[..at + line.len() / 2]).unwrap();
+    let kept = mx_control::journal::read_records(&journal).unwrap().len();
+
+    // Restarted on the cut journal: refit 1 is open again; the worker comes back and testifies.
+    let (control2, server2) = control_plane(tmp.path(), &listen).await;
+    assert_eq!(control2, control);
+    let s = status_until(&control, "the control plane halts", |s| s.halted.is_some()).await;
+    let why = s.halted.unwrap();
+    assert!(
+        why.contains(&format!(
+            "worker w holds {step3}, a version this journal never declared"
+        )),
+        "{why}"
+    );
+    assert!(
+        why.contains("worker w was called by refit 3; this journal's last refit is 1"),
+        "{why}"
+    );
+    assert!(why.contains("mx accept-journal"), "{why}");
+    assert_eq!(s.open_refit, Some(1), "refit 1 stays open, not settled");
+    // Nothing acted: after the testimony wait, the journal gained registrations only, and the
+    // engine still serves step-3, unpaused.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let after = mx_control::journal::read_records(&journal).unwrap();
+    for e in &after[kept..] {
+        assert!(
+            matches!(e.record, mx_control::record::Record::Register { .. }),
+            "acted while halted: {:?}",
+            e.record
+        );
+    }
+    let (code, v) = post(&format!("{url}/engine/get_weight_version"), json!({})).await;
+    assert_eq!((code, v["version"].as_str()), (200, Some(step3.as_str())));
+    let (code, v) = generate(&url, &PROMPT, 2).await;
+    assert_eq!(code, 200, "the engine was left paused: {v}");
+    // No refit starts while halted.
+    let client = ControlClient::connect(&control).await.unwrap();
+    let e = client
+        .refit(&RefitSpec {
+            label: "step-1".into(),
+            worker_ids: vec!["w".into()],
+            pause_mode: PauseMode::Wait,
+            allow_partial: false,
+            check: None,
+            framework_step: 0,
+            stage_timeout_ms: 10_000,
+            call_timeout_ms: 10_000,
+            apply_parallelism: 0,
+            orchestrator_gated: false,
+            verify_from_apply_answer: false,
+        })
+        .await
+        .unwrap_err();
+    let shown = e.to_string();
+    assert!(
+        shown.contains("FailedPrecondition") && shown.contains("the control plane is halted"),
+        "{shown}"
+    );
+
+    // The operator accepts the journal as it stands: journaled, refit 1 is settled as after a
+    // restart, and refit ids go on above 3.
+    let (accepted, resumed) = client
+        .accept_journal("cut on purpose by this test")
+        .await
+        .unwrap();
+    assert_eq!(accepted.len(), 2, "{accepted:?}");
+    assert_eq!(resumed, Some(1));
+    let (ended, r) = client.wait_refit(1, WAIT).await.unwrap();
+    assert!(ended, "refit 1 was not settled after the acceptance");
+    let r = r.unwrap();
+    assert!(r.recovered && r.outcome.is_some(), "{r:?}");
+    assert!(client.get_status().await.unwrap().halted.is_none());
+    let records = mx_control::journal::read_records(&journal).unwrap();
+    assert!(records.iter().any(|e| matches!(
+        &e.record,
+        mx_control::record::Record::AcceptJournal { refit_floor: 3, versions, .. }
+            if versions.iter().map(ToString::to_string).eq([step3.clone()])
+    )));
+    runner.abort();
+    server2.shutdown().await.unwrap();
+}

@@ -75,8 +75,14 @@ pub async fn spawn_ha(
             std::process::exit(74);
         });
     }
-    let (journal, loaded) =
-        Journal::open_etcd(etcd, leadership, prefix, tokio::runtime::Handle::current()).await?;
+    let (journal, loaded) = Journal::open_etcd(
+        etcd,
+        leadership,
+        prefix,
+        tokio::runtime::Handle::current(),
+        cfg.compaction.unchecked(),
+    )
+    .await?;
     let shared = Arc::new(Shared::from_journal(
         journal,
         loaded,
