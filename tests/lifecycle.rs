@@ -191,12 +191,20 @@ fn ha_leader_killed_at_every_transition_the_other_replica_settles() {
             .iter()
             .map(|(p, _, _)| format!("leader_killed_at_{p}")),
     );
+    // Issue 29, item 4: `mx refit --control A,B` with the leader SIGKILLed during the request,
+    // in STAGE and later exits 0 with exactly one COMMITTED refit (checked by the scenario).
+    let cli = [0, 600, 2500].map(|ms| format!("refit_cli_leader_killed_after_{ms}ms"));
+    names.extend(cli.iter().cloned());
     let refs: Vec<&str> = names.iter().map(String::as_str).collect();
     let Some(j) = validate_with(&["--ha"], &refs) else {
         return;
     };
+    for n in &cli {
+        assert_eq!(row(&j, n)["observed"], "exit 0, 1 COMMITTED", "{n}");
+        assert_eq!(after(&j, n), ["step-2", "step-2"], "{n}");
+    }
     assert_eq!(after(&j, "happy_path"), ["step-2", "step-2"]);
-    for ((_, outcome, label), n) in points.iter().zip(&names[1..]) {
+    for ((_, outcome, label), n) in points.iter().zip(&names[1..=points.len()]) {
         assert_eq!(row(&j, n)["observed"], *outcome, "{n}");
         assert_eq!(after(&j, n), [*label, *label], "{n}");
         let d = row(&j, n)["detail"].as_str().unwrap();

@@ -137,6 +137,15 @@ impl Procs {
 
     /// Waits until `name` exits by itself (e.g. a failpoint killed it); it leaves the list.
     pub(crate) fn wait_exit(&mut self, name: &str, timeout: Duration) -> anyhow::Result<()> {
+        self.wait_status(name, timeout).map(|_| ())
+    }
+
+    /// [`Procs::wait_exit`], returning how it exited.
+    pub(crate) fn wait_status(
+        &mut self,
+        name: &str,
+        timeout: Duration,
+    ) -> anyhow::Result<std::process::ExitStatus> {
         let t = Instant::now();
         loop {
             let i = self
@@ -144,9 +153,9 @@ impl Procs {
                 .iter()
                 .position(|(n, _)| n == name)
                 .with_context(|| format!("no process {name}"))?;
-            if self.0[i].1.try_wait()?.is_some() {
+            if let Some(st) = self.0[i].1.try_wait()? {
                 self.0.remove(i);
-                return Ok(());
+                return Ok(st);
             }
             if t.elapsed() > timeout {
                 bail!("{name} did not exit within {timeout:?}");

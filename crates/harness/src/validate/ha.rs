@@ -173,11 +173,100 @@ impl Ha {
     }
 }
 
-/// The scenario names of `--ha`: the leader SIGKILLed at each point of [`CRASH_POINTS`].
+/// How long after `mx refit --control A,B` starts each `refit_cli_leader_killed_after_<ms>ms`
+/// scenario SIGKILLs the leader: during the refit request itself, in STAGE, and later (in
+/// APPLY or after it, depending on the machine).
+pub(super) const CLI_KILL_DELAYS_MS: [u64; 3] = [0, 600, 2500];
+
+/// The scenario names of `--ha`: the leader SIGKILLed at each point of [`CRASH_POINTS`], and
+/// at each delay of [`CLI_KILL_DELAYS_MS`] into an `mx refit` over both replicas.
 pub(super) fn scenario_names() -> impl Iterator<Item = String> {
     CRASH_POINTS
         .iter()
         .map(|(p, _)| format!("leader_killed_at_{p}"))
+        .chain(
+            CLI_KILL_DELAYS_MS
+                .iter()
+                .map(|ms| format!("refit_cli_leader_killed_after_{ms}ms")),
+        )
+}
+
+/// One `refit_cli_leader_killed_after_<ms>ms` scenario (issue 29, item 4): `mx refit --control
+/// A,B --label step-2` runs as an operator runs it, and the leader is SIGKILLed `delay` after it
+/// started (then restarted as a follower). The command must ride out the failover and exit 0,
+/// and the journal must hold exactly one COMMITTED refit of step-2 from it: any other refit it
+/// caused was ended by the control plane that took over (and asked for again), none committed
+/// twice, and every worker ends on step-2.
+pub(super) async fn cli_refit_through_leader_kill(
+    f: &mut Fleet,
+    delay: Duration,
+) -> anyhow::Result<(String, String, bool, String)> {
+    use mx_control::Outcome;
+    f.ensure("step-1").await?;
+    let first = super::next_refit_id(f).await?;
+    let ha = f.ha.as_ref().context("an HA scenario without --ha")?;
+    let leader = ha
+        .leader()
+        .await?
+        .context("no control-plane replica leads")?;
+    let (work, journal) = (f.work.clone(), f.journal.clone());
+    let cli = format!("refit-cli-{}ms", delay.as_millis());
+    let args: Vec<String> = [
+        "refit",
+        "--control",
+        &ha.control_urls(),
+        "--label",
+        "step-2",
+        "--workers",
+        &WORKERS.join(","),
+    ]
+    .iter()
+    .map(|a| s(a))
+    .collect();
+    f.procs.spawn(&cli, &work, &args)?;
+    tokio::time::sleep(delay).await;
+    f.procs.kill(REPLICAS[leader])?;
+    ha.spawn_replica(&mut f.procs, leader, &work, &journal, &[])?;
+    let status = f.procs.wait_status(&cli, Duration::from_secs(300))?;
+    let log = std::fs::read_to_string(work.join(format!("{cli}.log"))).unwrap_or_default();
+    let st = f.journal_state().await?;
+    let ours: Vec<_> = st
+        .refits()
+        .filter(|r| r.id >= first && r.spec.label == "step-2")
+        .collect();
+    let committed = ours
+        .iter()
+        .filter(|r| r.outcome == Some(Outcome::Committed))
+        .count();
+    let others_restarted = ours
+        .iter()
+        .all(|r| r.outcome == Some(Outcome::Committed) || r.ended_by_restart());
+    let last_on = ours.last().is_some_and(|r| super::on(r, "step-2", f));
+    for w in WORKERS {
+        wait_connected(f, w).await?;
+    }
+    let ok = status.success() && committed == 1 && others_restarted && last_on;
+    let summary: Vec<String> = ours
+        .iter()
+        .map(|r| format!("refit {} {}: {}", r.id, super::outcome_str(r), r.reason))
+        .collect();
+    if !ok {
+        eprintln!("{cli} ({status}):\n{log}");
+    }
+    Ok((
+        s("mx refit exits 0; exactly one COMMITTED refit of step-2"),
+        format!(
+            "exit {}, {committed} COMMITTED",
+            status.code().unwrap_or(-1)
+        ),
+        ok,
+        format!(
+            "leader {} SIGKILLed {} ms into mx refit; {}",
+            REPLICAS[leader],
+            delay.as_millis(),
+            summary.join("; ")
+        ),
+    ))
 }
 
 /// One `leader_killed_at_<point>` scenario: the follower is restarted with the failpoint

@@ -727,6 +727,14 @@ async fn scenario(f: &mut Fleet, name: &str) -> anyhow::Result<(String, String, 
         n if n.starts_with("leader_killed_at_") => {
             ha::leader_killed_at(f, n.trim_start_matches("leader_killed_at_")).await
         }
+        n if n.starts_with("refit_cli_leader_killed_after_") => {
+            let ms = n
+                .trim_start_matches("refit_cli_leader_killed_after_")
+                .trim_end_matches("ms")
+                .parse::<u64>()
+                .with_context(|| format!("scenario {n}: not a delay in ms"))?;
+            ha::cli_refit_through_leader_kill(f, Duration::from_millis(ms)).await
+        }
         "happy_path" => {
             f.ensure("step-1").await?;
             let r = f.refit("step-2").await?;

@@ -202,9 +202,23 @@ pub(crate) async fn run(a: RefitArgs) -> anyhow::Result<()> {
         orchestrator_gated: a.orchestrator_gated,
         verify_from_apply_answer: a.verify_from_apply_answer,
     };
-    let id = client.refit(&spec).await?;
-    eprintln!("refit {id}: {} on {:?}", spec.label, spec.worker_ids);
-    let refit = wait_with_progress(&client, id, Duration::from_secs(3600)).await?;
+    let mut restarts = 0;
+    let refit = loop {
+        let id = client.refit(&spec).await?;
+        eprintln!("refit {id}: {} on {:?}", spec.label, spec.worker_ids);
+        let refit = wait_with_progress(&client, id, Duration::from_secs(3600)).await?;
+        // A control plane that took over (or restarted) ended it for that alone, with every
+        // worker back on its previous version: ask for it again, a few times at most.
+        if refit.ended_by_restart() && restarts < MAX_RESTARTS {
+            restarts += 1;
+            eprintln!(
+                "refit {id} was ended by a control plane that took over ({}): every worker is back on its previous version; asking again ({restarts} of {MAX_RESTARTS})",
+                refit.reason
+            );
+            continue;
+        }
+        break refit;
+    };
     print_refit(&refit);
     if let Some(p) = &a.json {
         crate::report::write_report(p, &refit)
@@ -229,6 +243,10 @@ pub(crate) async fn wait_with_progress(
     })
     .await
 }
+
+/// How many times `mx refit` asks again for a refit that a control plane ended only because it
+/// took over after a restart or failover ([`mx_control::Refit::ended_by_restart`]).
+pub(crate) const MAX_RESTARTS: u32 = 3;
 
 /// How long `mx refit` and `mx commit` wait for an unreachable control plane (a restart takes
 /// seconds: the journal is replayed and the open refit recovered) before exiting 69.

@@ -29,8 +29,11 @@ use crate::Error;
 /// Given several replicas of a highly available control plane (comma-separated URLs), it sends
 /// each call to the replica it believes leads; a call answered `UNAVAILABLE` (a follower, or a
 /// replica that is gone) moves it to the leader the follower named, else to the next replica,
-/// and the caller's retry goes there ([`Error::is_transient`] holds for such errors). A follower
-/// executes nothing, so such a retry never runs a call twice.
+/// and the call is sent again there, with backoff, until the failover deadline
+/// ([`FAILOVER_DEADLINE`], [`ControlClient::with_failover_deadline`]). A follower executes
+/// nothing; a leader that died during a call may have executed it, so only calls whose
+/// repetition changes nothing are sent again: every call but `RetireWorker` and
+/// `AcceptJournal`, refits included (each carries a request id the control plane answers once).
 #[derive(Debug, Clone)]
 pub struct ControlClient {
     inner: Rpc,
@@ -38,7 +41,14 @@ pub struct ControlClient {
     replicas: Option<std::sync::Arc<Replicas>>,
     /// Sent with registrations and command streams (0: none, an older client's behaviour).
     incarnation: u64,
+    /// How long a call keeps trying across the replicas ([`FAILOVER_DEADLINE`]).
+    failover: Duration,
 }
+
+/// How long a call to the replicas of a highly available control plane keeps trying across a
+/// failover by default: 30 s (a leader that dies is deposed after its lease, 5 s by default,
+/// and a follower is elected within a second of that).
+pub const FAILOVER_DEADLINE: Duration = Duration::from_secs(30);
 
 type Rpc = ControlPlaneClient<InterceptedService<Channel, Bearer>>;
 
@@ -357,32 +367,13 @@ impl ControlClient {
     /// [`Error::InvalidField`] for a malformed or empty list; the last replica's error when
     /// none leads (or none answers).
     async fn connect_leader(addrs: &str, auth: &ClientAuth) -> Result<ControlClient, Error> {
-        let mut c = ControlClient::replicas(addrs, auth)?;
-        let all = c
-            .replicas
-            .as_ref()
-            .map(|r| r.all.clone())
-            .unwrap_or_default();
-        let mut last = None;
-        for (i, (url, rpc)) in all.into_iter().enumerate() {
-            c.inner = rpc;
-            if let Some(r) = &c.replicas {
-                r.current.store(i, std::sync::atomic::Ordering::Relaxed);
-            }
-            match c.list_layouts().await {
-                // A replica that is away or follows; a refusal of the credentials is the
-                // leader's own answer.
-                Err(e) if e.is_transient() => {
-                    tracing::debug!(replica = url, "not the leader: {e}");
-                    last = Some(e);
-                }
-                _ => return Ok(c),
-            }
+        let c = ControlClient::replicas(addrs, auth)?;
+        match c.list_layouts().await {
+            // A refusal of the credentials is the leader's own answer (a follower refuses
+            // them too, before naming the leader).
+            Err(e) if e.is_transient() => Err(e),
+            _ => Ok(c),
         }
-        Err(last.unwrap_or_else(|| Error::InvalidField {
-            field: "control".into(),
-            reason: format!("no control-plane URL in {addrs:?}"),
-        }))
     }
 
     /// A client of the replicas `addrs` (comma-separated), each on a lazily connecting
@@ -409,6 +400,7 @@ impl ControlClient {
                 all,
             })),
             incarnation: 0,
+            failover: FAILOVER_DEADLINE,
         })
     }
 
@@ -436,6 +428,7 @@ impl ControlClient {
                 .max_encoding_message_size(MAX_MESSAGE_BYTES),
             replicas: None,
             incarnation: 0,
+            failover: FAILOVER_DEADLINE,
         }
     }
 
@@ -472,6 +465,64 @@ impl ControlClient {
         Error::rpc(rpc, status)
     }
 
+    /// How long a call to the replicas of a highly available control plane keeps trying
+    /// across a failover (default [`FAILOVER_DEADLINE`]); no effect with one address.
+    pub fn with_failover_deadline(mut self, deadline: Duration) -> ControlClient {
+        self.failover = deadline;
+        self
+    }
+
+    /// Sends `req` once, as `call` makes it, to the replica believed to lead.
+    async fn once<Req, T, Fut>(
+        &self,
+        name: &'static str,
+        req: Req,
+        call: impl Fn(Rpc, Req) -> Fut,
+    ) -> Result<tonic::Response<T>, Error>
+    where
+        Fut: std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+    {
+        let (at, rpc) = self.rpc();
+        call(rpc, req).await.map_err(|s| self.failed(at, name, s))
+    }
+
+    /// Sends `req` as `call` makes it. With several replicas, a transient failure (a follower
+    /// naming the leader, a replica that is gone, a leader that died during the call: see
+    /// [`Error::is_transient`]) moves to the next replica ([`Replicas::note`]) and sends it
+    /// again, with backoff, until the failover deadline; the last error after it. Only for
+    /// requests whose repetition changes nothing: reads, identical declarations, publishes and
+    /// registrations, and refits, which carry a request id the control plane answers once.
+    async fn retrying<Req: Clone, T, Fut>(
+        &self,
+        name: &'static str,
+        req: Req,
+        call: impl Fn(Rpc, Req) -> Fut,
+    ) -> Result<tonic::Response<T>, Error>
+    where
+        Fut: std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+    {
+        if self.replicas.is_none() {
+            return self.once(name, req, call).await;
+        }
+        let deadline = tokio::time::Instant::now() + self.failover;
+        let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
+        loop {
+            let (at, rpc) = self.rpc();
+            match call(rpc, req.clone()).await {
+                Ok(r) => return Ok(r),
+                Err(s) => {
+                    let e = self.failed(at, name, s);
+                    let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+                    if !e.is_transient() || left.is_zero() {
+                        return Err(e);
+                    }
+                    tracing::debug!(rpc = name, "retrying on the next replica: {e}");
+                    tokio::time::sleep(backoff.next_wait().min(left)).await;
+                }
+            }
+        }
+    }
+
     /// Declares a version: source slots `0..trainer_layout.world_size` and its tensors.
     /// Idempotent when identical.
     ///
@@ -484,14 +535,16 @@ impl ControlClient {
         trainer_layout: LayoutSpec,
         tensors: &[TensorSpec],
     ) -> Result<(), Error> {
-        let (at, mut rpc) = self.rpc();
-        rpc.declare_version(pb::DeclareVersionRequest {
-            label: label.to_string(),
-            trainer_layout: Some(convert::layout_pb(&trainer_layout)),
-            tensors: tensors.iter().map(convert::tensor_spec_pb).collect(),
-        })
-        .await
-        .map_err(|s| self.failed(at, "DeclareVersion", s))?;
+        self.retrying(
+            "DeclareVersion",
+            pb::DeclareVersionRequest {
+                label: label.to_string(),
+                trainer_layout: Some(convert::layout_pb(&trainer_layout)),
+                tensors: tensors.iter().map(convert::tensor_spec_pb).collect(),
+            },
+            |mut rpc, req| async move { rpc.declare_version(req).await },
+        )
+        .await?;
         Ok(())
     }
 
@@ -506,14 +559,16 @@ impl ControlClient {
         label: &str,
         manifest: &SourceManifest,
     ) -> Result<PublishOutcome, Error> {
-        let (at, mut rpc) = self.rpc();
-        let r = rpc
-            .publish(pb::PublishRequest {
-                label: label.to_string(),
-                manifest: Some(convert::manifest_pb(manifest)),
-            })
-            .await
-            .map_err(|s| self.failed(at, "Publish", s))?
+        let r = self
+            .retrying(
+                "Publish",
+                pb::PublishRequest {
+                    label: label.to_string(),
+                    manifest: Some(convert::manifest_pb(manifest)),
+                },
+                |mut rpc, req| async move { rpc.publish(req).await },
+            )
+            .await?
             .into_inner();
         Ok(PublishOutcome {
             state: convert::version_state(r.state, "state")?,
@@ -532,25 +587,27 @@ impl ControlClient {
     /// [`with_incarnation`](Self::with_incarnation)) or the engine URL is another connected
     /// worker's.
     pub async fn register(&self, reg: &Registration) -> Result<(), Error> {
-        let (at, mut rpc) = self.rpc();
-        rpc.register_worker(pb::RegisterWorkerRequest {
-            worker_id: reg.worker_id.clone(),
-            instance: reg.instance.clone(),
-            ranks: reg.ranks.clone(),
-            layout: Some(convert::layout_pb(&reg.layout)),
-            engine: reg.engine.as_ref().map(convert::engine_pb),
-            resident_version: reg
-                .resident_version
-                .as_ref()
-                .map(ToString::to_string)
-                .unwrap_or_default(),
-            model_limits: reg.model_limits.as_ref().map(convert::model_limits_pb),
-            incarnation: self.incarnation,
-            last_refit_id: reg.seen.refit,
-            leader_epoch: reg.seen.epoch,
-        })
-        .await
-        .map_err(|s| self.failed(at, "RegisterWorker", s))?;
+        self.retrying(
+            "RegisterWorker",
+            pb::RegisterWorkerRequest {
+                worker_id: reg.worker_id.clone(),
+                instance: reg.instance.clone(),
+                ranks: reg.ranks.clone(),
+                layout: Some(convert::layout_pb(&reg.layout)),
+                engine: reg.engine.as_ref().map(convert::engine_pb),
+                resident_version: reg
+                    .resident_version
+                    .as_ref()
+                    .map(ToString::to_string)
+                    .unwrap_or_default(),
+                model_limits: reg.model_limits.as_ref().map(convert::model_limits_pb),
+                incarnation: self.incarnation,
+                last_refit_id: reg.seen.refit,
+                leader_epoch: reg.seen.epoch,
+            },
+            |mut rpc, req| async move { rpc.register_worker(req).await },
+        )
+        .await?;
         Ok(())
     }
 
@@ -564,14 +621,16 @@ impl ControlClient {
     /// another process holds it connected, `FAILED_PRECONDITION` while a refit holds it,
     /// `PERMISSION_DENIED` outside the caller's role or scope.
     pub async fn retire_worker(&self, worker_id: &str, reason: &str) -> Result<(), Error> {
-        let (at, mut rpc) = self.rpc();
-        rpc.retire_worker(pb::RetireWorkerRequest {
-            worker_id: worker_id.to_string(),
-            reason: reason.to_string(),
-            incarnation: self.incarnation,
-        })
-        .await
-        .map_err(|s| self.failed(at, "RetireWorker", s))?;
+        self.once(
+            "RetireWorker",
+            pb::RetireWorkerRequest {
+                worker_id: worker_id.to_string(),
+                reason: reason.to_string(),
+                incarnation: self.incarnation,
+            },
+            |mut rpc, req| async move { rpc.retire_worker(req).await },
+        )
+        .await?;
         Ok(())
     }
 
@@ -583,13 +642,15 @@ impl ControlClient {
     /// `FAILED_PRECONDITION` when nothing contradicts the journal, `INVALID_ARGUMENT` for a bad
     /// reason, `PERMISSION_DENIED` outside the orchestrator role.
     pub async fn accept_journal(&self, reason: &str) -> Result<(Vec<String>, Option<u64>), Error> {
-        let (at, mut rpc) = self.rpc();
-        let r = rpc
-            .accept_journal(pb::AcceptJournalRequest {
-                reason: reason.to_string(),
-            })
-            .await
-            .map_err(|s| self.failed(at, "AcceptJournal", s))?
+        let r = self
+            .once(
+                "AcceptJournal",
+                pb::AcceptJournalRequest {
+                    reason: reason.to_string(),
+                },
+                |mut rpc, req| async move { rpc.accept_journal(req).await },
+            )
+            .await?
             .into_inner();
         Ok((
             r.accepted,
@@ -628,11 +689,19 @@ impl ControlClient {
     /// [`Error::Rpc`]: `FailedPrecondition` when a refit is open or the version is not READY,
     /// `NotFound` for an unknown label, `InvalidArgument` for a bad check.
     pub async fn refit(&self, spec: &RefitSpec) -> Result<u64, Error> {
-        let (at, mut rpc) = self.rpc();
-        let r = rpc
-            .refit(convert::refit_request_pb(spec))
-            .await
-            .map_err(|s| self.failed(at, "Refit", s))?
+        // One id for every attempt of this request: a replica that already started the refit
+        // answers its id instead of starting a second one.
+        let req = pb::RefitRequest {
+            request_id: random_u64(),
+            ..convert::refit_request_pb(spec)
+        };
+        let r = self
+            .retrying(
+                "Refit",
+                req,
+                |mut rpc, req| async move { rpc.refit(req).await },
+            )
+            .await?
             .into_inner();
         Ok(r.refit_id)
     }
@@ -647,14 +716,16 @@ impl ControlClient {
         id: u64,
         timeout: Duration,
     ) -> Result<(bool, Option<Refit>), Error> {
-        let (at, mut rpc) = self.rpc();
-        let r = rpc
-            .wait_refit(pb::WaitRefitRequest {
-                refit_id: id,
-                timeout_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
-            })
-            .await
-            .map_err(|s| self.failed(at, "WaitRefit", s))?
+        let r = self
+            .retrying(
+                "WaitRefit",
+                pb::WaitRefitRequest {
+                    refit_id: id,
+                    timeout_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
+                },
+                |mut rpc, req| async move { rpc.wait_refit(req).await },
+            )
+            .await?
             .into_inner();
         Ok((r.ended, r.refit.as_ref().map(convert::refit).transpose()?))
     }
@@ -664,11 +735,13 @@ impl ControlClient {
     /// # Errors
     /// [`Error::Rpc`] when the call fails.
     pub async fn list_layouts(&self) -> Result<Vec<LayoutSpec>, Error> {
-        let (at, mut rpc) = self.rpc();
-        let r = rpc
-            .list_layouts(pb::ListLayoutsRequest {})
-            .await
-            .map_err(|s| self.failed(at, "ListLayouts", s))?
+        let r = self
+            .retrying(
+                "ListLayouts",
+                pb::ListLayoutsRequest {},
+                |mut rpc, req| async move { rpc.list_layouts(req).await },
+            )
+            .await?
             .into_inner();
         r.layouts
             .iter()
@@ -684,14 +757,16 @@ impl ControlClient {
     /// [`Error::Rpc`] with `FailedPrecondition` when the worker is not registered; with
     /// `AlreadyExists` when its last registration was another incarnation's.
     pub async fn watch_commands(&self, worker_id: &str) -> Result<CommandStream, Error> {
-        let (at, mut rpc) = self.rpc();
-        let inner = rpc
-            .watch_commands(pb::WatchCommandsRequest {
-                worker_id: worker_id.to_string(),
-                incarnation: self.incarnation,
-            })
-            .await
-            .map_err(|s| self.failed(at, "WatchCommands", s))?;
+        let inner = self
+            .retrying(
+                "WatchCommands",
+                pb::WatchCommandsRequest {
+                    worker_id: worker_id.to_string(),
+                    incarnation: self.incarnation,
+                },
+                |mut rpc, req| async move { rpc.watch_commands(req).await },
+            )
+            .await?;
         let epoch = match inner.metadata().get(mx_adapters::EPOCH_HEADER) {
             None => None,
             Some(v) => Some(
@@ -717,13 +792,15 @@ impl ControlClient {
     /// [`Error::Rpc`] with `FailedPrecondition` unless the version is READY and every worker is
     /// registered and in no open refit (the message names the worker).
     pub async fn stage(&self, label: &str, worker_ids: &[impl AsRef<str>]) -> Result<(), Error> {
-        let (at, mut rpc) = self.rpc();
-        rpc.stage(pb::StageRequest {
-            label: label.to_string(),
-            worker_ids: ids(worker_ids),
-        })
-        .await
-        .map_err(|s| self.failed(at, "Stage", s))?;
+        self.retrying(
+            "Stage",
+            pb::StageRequest {
+                label: label.to_string(),
+                worker_ids: ids(worker_ids),
+            },
+            |mut rpc, req| async move { rpc.stage(req).await },
+        )
+        .await?;
         Ok(())
     }
 
@@ -732,10 +809,12 @@ impl ControlClient {
     /// # Errors
     /// [`Error::Rpc`] with `FailedPrecondition` unless the worker is staging that version.
     pub async fn report_staged(&self, report: &StagedReport) -> Result<(), Error> {
-        let (at, mut rpc) = self.rpc();
-        rpc.report_staged(convert::staged_pb(report))
-            .await
-            .map_err(|s| self.failed(at, "ReportStaged", s))?;
+        self.retrying(
+            "ReportStaged",
+            convert::staged_pb(report),
+            |mut rpc, req| async move { rpc.report_staged(req).await },
+        )
+        .await?;
         Ok(())
     }
 
@@ -744,14 +823,16 @@ impl ControlClient {
     /// # Errors
     /// [`Error::Rpc`] with `NotFound` for an undeclared label.
     pub async fn get_version(&self, label: &str) -> Result<VersionInfo, Error> {
-        let (at, mut rpc) = self.rpc();
-        let r = rpc
-            .get_version(pb::GetVersionRequest {
-                label: label.to_string(),
-                want: None,
-            })
-            .await
-            .map_err(|s| self.failed(at, "GetVersion", s))?
+        let r = self
+            .retrying(
+                "GetVersion",
+                pb::GetVersionRequest {
+                    label: label.to_string(),
+                    want: None,
+                },
+                |mut rpc, req| async move { rpc.get_version(req).await },
+            )
+            .await?
             .into_inner();
         convert::version_info(&r)
     }
@@ -770,14 +851,16 @@ impl ControlClient {
         label: &str,
         want: &mx_layout::Want,
     ) -> Result<VersionInfo, Error> {
-        let (at, mut rpc) = self.rpc();
-        let r = rpc
-            .get_version(pb::GetVersionRequest {
-                label: label.to_string(),
-                want: Some(convert::want_pb(want)),
-            })
-            .await
-            .map_err(|s| self.failed(at, "GetVersion", s))?
+        let r = self
+            .retrying(
+                "GetVersion",
+                pb::GetVersionRequest {
+                    label: label.to_string(),
+                    want: Some(convert::want_pb(want)),
+                },
+                |mut rpc, req| async move { rpc.get_version(req).await },
+            )
+            .await?
             .into_inner();
         convert::version_info(&r)
     }
@@ -787,11 +870,13 @@ impl ControlClient {
     /// # Errors
     /// [`Error::Rpc`] when the call fails.
     pub async fn get_status(&self) -> Result<FleetStatus, Error> {
-        let (at, mut rpc) = self.rpc();
-        let r = rpc
-            .get_status(pb::GetStatusRequest {})
-            .await
-            .map_err(|s| self.failed(at, "GetStatus", s))?
+        let r = self
+            .retrying(
+                "GetStatus",
+                pb::GetStatusRequest {},
+                |mut rpc, req| async move { rpc.get_status(req).await },
+            )
+            .await?
             .into_inner();
         convert::fleet(&r)
     }
@@ -809,16 +894,18 @@ impl ControlClient {
         state: WorkerState,
         timeout: Duration,
     ) -> Result<(bool, Vec<WorkerBrief>), Error> {
-        let (at, mut rpc) = self.rpc();
-        let r = rpc
-            .wait_workers(pb::WaitWorkersRequest {
-                label: label.to_string(),
-                worker_ids: worker_ids.iter().map(|w| w.as_ref().to_string()).collect(),
-                state: convert::worker_state_pb(state),
-                timeout_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
-            })
-            .await
-            .map_err(|s| self.failed(at, "WaitWorkers", s))?
+        let r = self
+            .retrying(
+                "WaitWorkers",
+                pb::WaitWorkersRequest {
+                    label: label.to_string(),
+                    worker_ids: worker_ids.iter().map(|w| w.as_ref().to_string()).collect(),
+                    state: convert::worker_state_pb(state),
+                    timeout_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
+                },
+                |mut rpc, req| async move { rpc.wait_workers(req).await },
+            )
+            .await?
             .into_inner();
         let mut out = Vec::with_capacity(r.workers.len());
         for b in r.workers {
@@ -845,15 +932,17 @@ impl ControlClient {
         timeout: Duration,
     ) -> Result<VersionInfo, Error> {
         let timeout_ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX);
-        let (at, mut rpc) = self.rpc();
-        let r = rpc
-            .wait_version(pb::WaitVersionRequest {
-                label: label.to_string(),
-                state: convert::version_state_pb(state),
-                timeout_ms,
-            })
-            .await
-            .map_err(|s| self.failed(at, "WaitVersion", s))?
+        let r = self
+            .retrying(
+                "WaitVersion",
+                pb::WaitVersionRequest {
+                    label: label.to_string(),
+                    state: convert::version_state_pb(state),
+                    timeout_ms,
+                },
+                |mut rpc, req| async move { rpc.wait_version(req).await },
+            )
+            .await?
             .into_inner();
         let info = r.version.as_ref().map(convert::version_info).transpose()?;
         match info {
@@ -882,14 +971,16 @@ impl ControlClient {
         label: &str,
         timeout: Duration,
     ) -> Result<Option<Release>, Error> {
-        let (at, mut rpc) = self.rpc();
-        let r = rpc
-            .wait_released(pb::WaitReleasedRequest {
-                label: label.to_string(),
-                timeout_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
-            })
-            .await
-            .map_err(|s| self.failed(at, "WaitReleased", s))?
+        let r = self
+            .retrying(
+                "WaitReleased",
+                pb::WaitReleasedRequest {
+                    label: label.to_string(),
+                    timeout_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
+                },
+                |mut rpc, req| async move { rpc.wait_released(req).await },
+            )
+            .await?
             .into_inner();
         r.release
             .as_ref()
@@ -904,13 +995,15 @@ impl ControlClient {
     /// [`Error::Rpc`]: `NotFound` for an undeclared label, `InvalidArgument` for a slot outside
     /// the trainer layout.
     pub async fn release_version(&self, label: &str, slot: u32) -> Result<(), Error> {
-        let (at, mut rpc) = self.rpc();
-        rpc.release_version(pb::ReleaseVersionRequest {
-            label: label.to_string(),
-            slot,
-        })
-        .await
-        .map_err(|s| self.failed(at, "ReleaseVersion", s))?;
+        self.retrying(
+            "ReleaseVersion",
+            pb::ReleaseVersionRequest {
+                label: label.to_string(),
+                slot,
+            },
+            |mut rpc, req| async move { rpc.release_version(req).await },
+        )
+        .await?;
         Ok(())
     }
 
@@ -927,14 +1020,16 @@ impl ControlClient {
         worker_id: &str,
         manifest: &SourceManifest,
     ) -> Result<(), Error> {
-        let (at, mut rpc) = self.rpc();
-        rpc.serve_peer(pb::ServePeerRequest {
-            label: label.to_string(),
-            worker_id: worker_id.to_string(),
-            manifest: Some(convert::manifest_pb(manifest)),
-        })
-        .await
-        .map_err(|s| self.failed(at, "ServePeer", s))?;
+        self.retrying(
+            "ServePeer",
+            pb::ServePeerRequest {
+                label: label.to_string(),
+                worker_id: worker_id.to_string(),
+                manifest: Some(convert::manifest_pb(manifest)),
+            },
+            |mut rpc, req| async move { rpc.serve_peer(req).await },
+        )
+        .await?;
         Ok(())
     }
 
@@ -943,13 +1038,15 @@ impl ControlClient {
     /// # Errors
     /// [`Error::Rpc`].
     pub async fn withdraw_peer(&self, worker_id: &str, label: Option<&str>) -> Result<(), Error> {
-        let (at, mut rpc) = self.rpc();
-        rpc.withdraw_peer(pb::WithdrawPeerRequest {
-            worker_id: worker_id.to_string(),
-            label: label.unwrap_or_default().to_string(),
-        })
-        .await
-        .map_err(|s| self.failed(at, "WithdrawPeer", s))?;
+        self.retrying(
+            "WithdrawPeer",
+            pb::WithdrawPeerRequest {
+                worker_id: worker_id.to_string(),
+                label: label.unwrap_or_default().to_string(),
+            },
+            |mut rpc, req| async move { rpc.withdraw_peer(req).await },
+        )
+        .await?;
         Ok(())
     }
 
@@ -961,13 +1058,15 @@ impl ControlClient {
     /// (a version not READY, a malformed URL, a delta without a known base, a URL recorded with
     /// another manifest).
     pub async fn register_artifact(&self, label: &str, a: &ArtifactRecord) -> Result<(), Error> {
-        let (at, mut rpc) = self.rpc();
-        rpc.register_artifact(pb::RegisterArtifactRequest {
-            label: label.to_string(),
-            artifact: Some(convert::artifact_pb(a)),
-        })
-        .await
-        .map_err(|s| self.failed(at, "RegisterArtifact", s))?;
+        self.retrying(
+            "RegisterArtifact",
+            pb::RegisterArtifactRequest {
+                label: label.to_string(),
+                artifact: Some(convert::artifact_pb(a)),
+            },
+            |mut rpc, req| async move { rpc.register_artifact(req).await },
+        )
+        .await?;
         Ok(())
     }
 }

@@ -897,6 +897,7 @@ pub(crate) fn refit_request_pb(s: &RefitSpec) -> pb::RefitRequest {
         apply_parallelism: s.apply_parallelism,
         orchestrator_gated: s.orchestrator_gated,
         verify_from_apply_answer: s.verify_from_apply_answer,
+        request_id: 0,
     }
 }
 

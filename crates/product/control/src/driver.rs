@@ -1330,7 +1330,7 @@ async fn recover(ctx: &Ctx<'_>) -> Result<(), Error> {
         }
     }
     let refit = ctx.refit()?;
-    let why = format!("control plane restarted in phase {}", refit.phase);
+    let why = format!("{} {}", crate::refit::RESTART_REASON, refit.phase);
     match refit.phase {
         Phase::Commit => ctx.end(Outcome::Committed, String::new()).await,
         Phase::Abort => abort(ctx, refit.reason.clone(), true).await,

@@ -406,9 +406,33 @@ pub struct Refit {
     /// and `spec.worker_ids` are empty then, and these are their counts.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub trimmed: Option<crate::history::Trimmed>,
+    /// The id of the request that started it (0: none): a request repeated with the same id
+    /// is answered this refit's id and starts nothing.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub request_id: u64,
 }
 
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
+/// How the reason of a refit that a restarted (or newly elected) control plane ended begins
+/// when the refit had not failed before the restart: the control plane, not the fleet, ended it.
+pub const RESTART_REASON: &str = "control plane restarted in phase";
+
 impl Refit {
+    /// True when a control plane that recovered this refit after a restart or failover ended
+    /// it ABORTED or ROLLED_BACK for that reason alone (nothing had failed before): every
+    /// worker is back on its previous version, and the same refit may be asked for again.
+    pub fn ended_by_restart(&self) -> bool {
+        self.recovered
+            && matches!(
+                self.outcome,
+                Some(Outcome::Aborted) | Some(Outcome::RolledBack)
+            )
+            && self.reason.starts_with(RESTART_REASON)
+    }
+
     /// True once an apply was issued to any worker (the point of no return is passed).
     pub fn past_no_return(&self) -> bool {
         self.workers.values().any(RefitWorker::apply_issued)

@@ -58,6 +58,7 @@ async fn pump(
     let mut last_sent = None;
     mailbox.open_streams.fetch_add(1, Ordering::SeqCst);
     shared.changes.send_modify(|n| *n = n.wrapping_add(1));
+    shared.testimony.notify_waiters();
     let _guard = StreamGuard {
         shared: Arc::clone(&shared),
         mailbox: Arc::clone(&mailbox),
@@ -515,8 +516,9 @@ impl ControlPlane for Service {
         &self,
         req: Request<pb::RefitRequest>,
     ) -> Result<Response<pb::RefitResponse>, Status> {
-        let spec = convert::refit_spec(&req.into_inner())?;
-        let refit_id = start_refit(&self.shared, spec).await?;
+        let req = req.into_inner();
+        let spec = convert::refit_spec(&req)?;
+        let refit_id = start_refit(&self.shared, spec, req.request_id).await?;
         Ok(Response::new(pb::RefitResponse { refit_id }))
     }
 
@@ -671,7 +673,36 @@ impl ControlPlane for Service {
 /// Validates a refit request, journals its BEGIN and starts its driver; returns its id. A refit
 /// of the version every worker of the set already runs, right after a committed refit of the
 /// same set, changes nothing and answers that refit's id (idempotent).
-async fn start_refit(shared: &Arc<Shared>, mut spec: RefitSpec) -> Result<u64, Error> {
+///
+/// `request_id` (0: none) names the request: a request whose id a refit already carries is
+/// answered that refit's id and starts nothing, so a client that lost the answer (a leader
+/// that died after journaling the BEGIN) can send it again, to any replica.
+async fn start_refit(
+    shared: &Arc<Shared>,
+    mut spec: RefitSpec,
+    request_id: u64,
+) -> Result<u64, Error> {
+    // One request at a time from here to its BEGIN: a repeated request waits for the first
+    // and finds its id.
+    let _one = shared.starting.lock().await;
+    if request_id != 0 {
+        let known = shared.read(|s| {
+            s.refits()
+                .find(|r| r.request_id == request_id)
+                .map(|r| r.id)
+        });
+        if let Some(id) = known {
+            tracing::info!(
+                refit = id,
+                request_id,
+                "a repeated refit request: answered its refit"
+            );
+            return Ok(id);
+        }
+    }
+    // Right after a start (or a failover), the set's workers are given the rest of the
+    // testimony wait to register again before one that is not back counts as missing.
+    shared.await_testimony(&spec.worker_ids).await;
     shared.acting()?;
     let mut seen = std::collections::BTreeSet::new();
     for (i, w) in spec.worker_ids.iter().enumerate() {
@@ -776,6 +807,7 @@ async fn start_refit(shared: &Arc<Shared>, mut spec: RefitSpec) -> Result<u64, E
                 recovered: false,
                 spec: spec.clone(),
                 trimmed: None,
+                request_id,
             })
         })
         .await?;

@@ -111,6 +111,12 @@ pub(crate) struct Shared {
     pub(crate) testimony: Notify,
     /// [`crate::snapshot::Compaction::testimony_wait`].
     pub(crate) testimony_wait: Duration,
+    /// Held by a refit request from its checks to its BEGIN (`crate::server`'s `start_refit`).
+    pub(crate) starting: tokio::sync::Mutex<()>,
+    /// When this control plane (this leader) started serving its state.
+    pub(crate) started: tokio::time::Instant,
+    /// The workers the journal held at the start: they come back after a restart or failover.
+    pub(crate) returning: std::collections::HashSet<String>,
 }
 
 impl Drop for Shared {
@@ -154,6 +160,7 @@ impl Shared {
                 reason,
             })?;
         let state = crate::commit::rebuild(&mut journal, loaded, &policy)?;
+        let returning = state.worker_ids().into_iter().collect();
         let blobs = journal.blobs().cloned();
         let applied_seq = journal.len();
         let core = Arc::new(Mutex::new(Core { state, applied_seq }));
@@ -191,6 +198,9 @@ impl Shared {
             testified: Mutex::default(),
             testimony: Notify::new(),
             testimony_wait: policy.testimony_wait,
+            starting: tokio::sync::Mutex::new(()),
+            started: tokio::time::Instant::now(),
+            returning,
         })
     }
 
@@ -226,17 +236,25 @@ impl Shared {
         self.changes.send_modify(|n| *n = n.wrapping_add(1));
     }
 
-    /// Waits until every worker of `ids` has registered since this control plane started, or
-    /// [`Shared::testimony_wait`] passed (a worker that is not back cannot testify).
+    /// Waits until every worker of `ids` that the journal knew when this control plane started
+    /// has registered again and opened its command stream, or [`Shared::testimony_wait`]
+    /// passed since the start (a worker that is not back by then cannot testify; after that,
+    /// this returns at once). Workers that first registered since are not waited for.
     pub(crate) async fn await_testimony(&self, ids: &[String]) {
-        let deadline = tokio::time::Instant::now() + self.testimony_wait;
+        let deadline = self.started + self.testimony_wait;
+        if tokio::time::Instant::now() >= deadline {
+            return;
+        }
         loop {
             let changed = self.testimony.notified();
             tokio::pin!(changed);
             changed.as_mut().enable();
             let missing: Vec<&String> = {
                 let t = lock(&self.testified);
-                ids.iter().filter(|w| !t.contains(*w)).collect()
+                ids.iter()
+                    .filter(|w| self.returning.contains(*w))
+                    .filter(|w| !t.contains(*w) || !self.connected(w))
+                    .collect()
             };
             if missing.is_empty() {
                 return;
@@ -245,7 +263,7 @@ impl Shared {
                 tracing::warn!(
                     ?missing,
                     wait = ?self.testimony_wait,
-                    "workers of the open refit did not register again in time: settling it on the journal's word"
+                    "workers did not register again in time after the control plane started: going on without their word"
                 );
                 return;
             }

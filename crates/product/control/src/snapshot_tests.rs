@@ -129,6 +129,7 @@ fn refit_with(
         ended_ms: None,
         recovered: false,
         trimmed: None,
+        request_id: 0,
     };
     let phase = |phase, at_ms| Record::RefitPhase {
         id,

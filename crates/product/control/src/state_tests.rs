@@ -275,6 +275,7 @@ fn begin_on(st: &State, label: &str, d: Digest, set: &[(&str, Option<&str>)]) ->
             ended_ms: None,
             recovered: false,
             trimmed: None,
+            request_id: 0,
         }),
     }
 }

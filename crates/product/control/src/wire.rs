@@ -135,7 +135,11 @@ pub fn canonical(kind: WireMessage, bytes: &[u8]) -> Result<Vec<u8>, Error> {
         }
         WireMessage::Refit => {
             let r: pb::RefitRequest = decode(bytes, "RefitRequest")?;
-            convert::refit_request_pb(&convert::refit_spec(&r)?).encode_to_vec()
+            pb::RefitRequest {
+                request_id: r.request_id,
+                ..convert::refit_request_pb(&convert::refit_spec(&r)?)
+            }
+            .encode_to_vec()
         }
         WireMessage::RegisterArtifact => {
             let r: pb::RegisterArtifactRequest = decode(bytes, "RegisterArtifactRequest")?;

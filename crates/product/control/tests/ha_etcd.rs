@@ -318,7 +318,8 @@ async fn a_new_leader_serves_the_state_the_old_one_journaled() {
 
 /// A follower speaks TLS when the leader does: a client configured with the fleet's CA reaches
 /// it and is told (in the message and in `x-mx-leader`) where the leader is; a plaintext client
-/// gets no answer from it.
+/// gets no answer from it. It authenticates as the leader does (issue 29): a caller without a
+/// token, or with an unknown one, is answered UNAUTHENTICATED and not told where the leader is.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_follower_speaks_tls_as_the_leader_does() {
     let Some(etcd) = etcd_cluster().await else {
@@ -341,6 +342,10 @@ async fn a_follower_speaks_tls_as_the_leader_does() {
         journal_path: dir.path().join(format!("{name}-unused.jsonl")),
         security: mx_control::Security {
             tls: Some(mx_control::TlsIdentity::load(&cert, &key).unwrap()),
+            tokens: Some(std::sync::Arc::new(
+                mx_control::auth::TokenTable::parse("tok-reader-0123456789abcdef,reader,dash\n")
+                    .unwrap(),
+            )),
             ..mx_control::Security::insecure_loopback()
         },
     };
@@ -353,7 +358,12 @@ async fn a_follower_speaks_tls_as_the_leader_does() {
     let b_task = tokio::spawn(async move {
         mx_control::spawn_ha(replica_b, &cfg_b, "https://replica-b", "/mx/tls/").await
     });
-    let auth = mx_control::client::ClientAuth::default().with_ca_pem(ck.cert.pem().into_bytes());
+    let anonymous =
+        mx_control::client::ClientAuth::default().with_ca_pem(ck.cert.pem().into_bytes());
+    let auth = anonymous
+        .clone()
+        .with_token("tok-reader-0123456789abcdef")
+        .unwrap();
     let follower = format!("https://localhost:{port_b}");
     let t = Instant::now();
     let e = loop {
@@ -370,6 +380,21 @@ async fn a_follower_speaks_tls_as_the_leader_does() {
             if message.contains("is a follower: the leader is https://replica-a")),
         "{e}"
     );
+    // Without a token, or with a wrong one: UNAUTHENTICATED, the leader not named.
+    for who in [
+        anonymous.clone(),
+        anonymous.clone().with_token("not-a-token").unwrap(),
+    ] {
+        let c = mx_control::client::ControlClient::connect_with(&follower, &who)
+            .await
+            .unwrap();
+        let e = c.get_status().await.unwrap_err();
+        assert!(
+            matches!(&e, mx_control::Error::Rpc { code: tonic::Code::Unauthenticated, message, .. }
+                if !message.contains("replica-a")),
+            "{e}"
+        );
+    }
     // Plaintext to the follower gets no gRPC answer at all.
     let plain =
         mx_control::client::ControlClient::connect(&format!("http://127.0.0.1:{port_b}")).await;

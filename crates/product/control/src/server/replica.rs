@@ -42,9 +42,14 @@ pub async fn spawn_ha(
     }
     let (stop_follower, follower_stopped) = oneshot::channel::<()>();
     // The follower speaks TLS when the leader does: a client configured for the fleet reaches
-    // either and reads the leader's name from the answer.
+    // either and reads the leader's name from the answer. It authenticates as the leader does
+    // (issue 29): a caller without a valid token is answered UNAUTHENTICATED (one outside the
+    // method's roles PERMISSION_DENIED) before it learns where the leader is.
     let follower = tokio::spawn(
         transport(&cfg.security, bound)?
+            .layer(crate::auth::AuthLayer {
+                table: cfg.security.tokens.clone(),
+            })
             .add_routes(follower_routes(etcd.clone(), advertise.to_string()))
             .serve_with_incoming_shutdown(ReceiverStream::new(follower_conns), async move {
                 let _ = follower_stopped.await;
