@@ -152,6 +152,38 @@ def test_failed_install_restores_the_previous_version(fleet, server):
     assert server.generate(PROMPT) == COLD_TOKENS
 
 
+@pytest.mark.parametrize(
+    "update_info",
+    [{}, {"version_id": "mx:not-hex"}, {"version_id": "mx:" + "cd" * 32}],
+    ids=["no_version_id", "malformed_id", "never_staged"],
+)
+def test_an_update_refused_before_the_install_leaves_the_server_serving(
+    fleet, server, update_info
+):
+    # Issue 29, item 6: start_weight_update began vLLM's layerwise reload, an update refused
+    # before the install left the model on the meta device, and the next generate failed.
+    before = server.generate(PROMPT)
+    assert server.call("POST", "/start_weight_update")[0] == 200
+    status, body = server.call("POST", "/update_weights", {"update_info": update_info})
+    assert status != 200, body
+    assert server.generate(PROMPT) == before
+    # vLLM ended the failed session; a new one works.
+    assert server.call("POST", "/finish_weight_update", {})[0] != 200
+    assert server.call("POST", "/start_weight_update")[0] == 200
+    assert server.call("POST", "/finish_weight_update", {})[0] == 200
+    assert server.generate(PROMPT) == before
+
+
+@pytest.mark.parametrize("mode", ["abort", "wait", "keep"])
+def test_pause_modes_pause_and_resume(server, mode):
+    before = server.generate(PROMPT)
+    assert server.call("POST", f"/pause?mode={mode}") == (200, {"status": "paused"})
+    assert server.call("GET", "/is_paused") == (200, {"is_paused": True})
+    assert server.call("POST", "/resume")[0] == 200
+    assert server.call("GET", "/is_paused") == (200, {"is_paused": False})
+    assert server.generate(PROMPT) == before
+
+
 def test_reload_tensors_fill_only_the_rank_pieces():
     """A reload tensor holds the rank's pieces where the checkpoint has them and NaN elsewhere
     (``fill_nan``; the module's server runs with it and still gives the cold tokens)."""

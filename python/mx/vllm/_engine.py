@@ -33,8 +33,11 @@ previous version (``retain``, 1x) + staging (at most 1x while a version is stage
 
 A failed install puts the previous version back before the error is returned (the puller
 restores its retained copy and vLLM reloads it), so vLLM never serves a half-installed version;
-the control plane then rolls the refit back. A rollback (``update_weights`` naming the
-retained version) installs the retained host copy: no pull.
+the control plane then rolls the refit back. An update refused before the install begins (an
+``update_info`` without ``version_id``, a malformed id, an mx id never staged) changes nothing:
+vLLM's layerwise reload starts only once the version is in the host parameters, not at
+``start_weight_update``. A rollback (``update_weights`` naming the retained version) installs
+the retained host copy: no pull.
 
 Failpoints for tests: with ``MX_VLLM_FAILPOINT_FILE=PATH`` in the server's environment, an
 install finding ``install_after:N`` in that file deletes it and raises after N checkpoint
@@ -249,17 +252,19 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
 
     def _need_init(self) -> Puller:
         if self._puller is None:
-            raise RuntimeError("mx: call /init_weight_transfer_engine before updating weights")
+            raise RuntimeError(
+                "mx: the weight-transfer engine is not initialized: call "
+                "/init_weight_transfer_engine (init_info with control_url, instance_id, "
+                "engine_url) first"
+            )
         return self._puller
 
     # --- one update session ---------------------------------------------------------------
     def start_weight_update(self) -> None:
+        # vLLM's layerwise reload (which moves the model's weights to the meta device until
+        # the reload is finalized) begins only once an install can proceed (receive_weights):
+        # an update refused before that leaves vLLM serving what it served.
         self._need_init()
-        if self._mode == "reload":
-            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-            initialize_layerwise_reload(self.model)
-            self._reloading = True
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class synchronizes torch.accelerator, which raises on a CUDA build of torch
@@ -273,9 +278,16 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
         version = update_info.version_id
         before = puller.versions
         t0 = time.perf_counter()
+        # Refused here (an id never staged, not resident nor retained, not an mx id): nothing
+        # changed, neither the host parameters nor vLLM.
         kind = self._to_host(version)
         t1 = time.perf_counter()
         try:
+            if self._mode == "reload" and not self._reloading:
+                from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+                self._reloading = True
+                initialize_layerwise_reload(self.model)
             self._into_vllm(failpoint=True)
         except BaseException as e:
             self._restore(before.resident, version, e)

@@ -1,0 +1,136 @@
+"""Drives vLLM's offline ``LLM`` through its weight-transfer contract with the ``mx`` backend,
+the way vLLM's own weight-transfer tests drive a backend (``weight_transfer_config``, then
+``init -> start -> update -> finish`` through ``LLM``'s RL methods), and prints what it observed
+as one JSON object on the last line of stdout: each step's error message (``None`` when it
+succeeded), the weight versions vLLM reported and the greedy tokens it generated after each
+step. ``test_vllm_contract.py`` runs it in a process of its own (vLLM's engine runs in this
+process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and asserts on the result.
+
+Usage: ``python vllm_offline_driver.py MODEL_DIR``
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+PROMPT = [504, 3575, 282, 4649, 314]
+
+
+def main(model: str) -> dict[str, Any]:
+    from vllm import LLM, SamplingParams
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    from vllm.plugins import load_general_plugins
+
+    import mx
+
+    out: dict[str, Any] = {}
+    load_general_plugins()
+    out["registered"] = "mx" in WeightTransferEngineFactory._registry
+    llm = LLM(
+        model=model,
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        max_model_len=256,
+        enforce_eager=True,
+        weight_transfer_config={"backend": "mx"},
+    )
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, detokenize=False)
+
+    def tokens() -> list[int]:
+        [o] = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)
+        return list(o.outputs[0].token_ids)
+
+    def err(fn, *args) -> str | None:
+        try:
+            fn(*args)
+        except Exception as e:  # noqa: BLE001 - the message is the observation
+            return str(e)
+        return None
+
+    out["engine_class"] = llm.collective_rpc(lambda w: type(w.weight_transfer_engine).__name__)
+    out["tokens_cold"] = tokens()
+    out["version_cold"] = llm.get_weight_version()
+
+    # Lifecycle calls before init.
+    out["start_before_init"] = err(llm.start_weight_update)
+    out["update_before_init"] = err(llm.update_weights, {"update_info": {"version_id": "x"}})
+    out["finish_before_init"] = err(llm.finish_weight_update)
+    # init_info validation: nothing is initialized by a refused init_info.
+    out["init_empty"] = err(llm.init_weight_transfer_engine, {"init_info": {}})
+    bad_url = {"control_url": "ftp://x", "instance_id": "i", "engine_url": "http://127.0.0.1:9"}
+    out["init_bad_url"] = err(llm.init_weight_transfer_engine, {"init_info": bad_url})
+    out["init_unknown_key"] = err(
+        llm.init_weight_transfer_engine, {"init_info": {**bad_url, "colour": "red"}}
+    )
+    out["start_after_refused_init"] = err(llm.start_weight_update)
+
+    with mx.ControlPlane(journal=Path(os.environ["MX_DRIVER_WORK"]) / "journal.jsonl") as cp:
+        info = {"control_url": cp.url, "instance_id": "offline", "engine_url": "http://127.0.0.1:9"}
+        out["init"] = err(llm.init_weight_transfer_engine, {"init_info": info})
+        out["init_twice"] = err(llm.init_weight_transfer_engine, {"init_info": info})
+        resident = f"disk:{model}"
+
+        # Session rules (vLLM's worker).
+        out["update_without_start"] = err(
+            llm.update_weights, {"update_info": {"version_id": resident}}
+        )
+        out["finish_without_start"] = err(llm.finish_weight_update)
+        out["start"] = err(llm.start_weight_update)
+        out["start_twice"] = err(llm.start_weight_update)
+        out["finish_empty_session"] = err(llm.finish_weight_update)
+
+        # Updates refused before the install begins: each ends vLLM's session, and vLLM keeps
+        # serving the previous version (issue 29: the model was left on the meta device).
+        early = {
+            "no_version_id": {},
+            "unknown_key": {"version_id": resident, "colour": "red"},
+            "malformed_id": {"version_id": "mx:not-hex"},
+            "never_staged": {"version_id": "mx:" + "ab" * 32},
+        }
+        out["early"] = {}
+        for name, update_info in early.items():
+            started = err(llm.start_weight_update)
+            refused = err(llm.update_weights, {"update_info": update_info})
+            out["early"][name] = {
+                "start": started,
+                "update": refused,
+                "tokens": tokens(),
+                "finish_after": err(llm.finish_weight_update),
+            }
+
+        # The full flow, version bookkeeping through finish_weight_update.
+        out["flow_start"] = err(llm.start_weight_update)
+        out["flow_update"] = err(llm.update_weights, {"update_info": {"version_id": resident}})
+        out["flow_version_before_finish"] = llm.get_weight_version()
+        out["flow_finish"] = err(llm.finish_weight_update, "step-42")
+        out["flow_version"] = llm.get_weight_version()
+        out["flow_tokens"] = tokens()
+        llm.update_weight_version("manual-version")
+        out["manual_version"] = llm.get_weight_version()
+        out["last_install"] = llm.collective_rpc(
+            lambda w: w.weight_transfer_engine.last_install.get("kind")
+        )
+
+        # Shutdown, then init again.
+        out["shutdown"] = err(llm.shutdown_weight_transfer_engine)
+        out["start_after_shutdown"] = err(llm.start_weight_update)
+        out["reinit"] = err(llm.init_weight_transfer_engine, {"init_info": info})
+        out["reinit_flow"] = [
+            err(llm.start_weight_update),
+            err(llm.update_weights, {"update_info": {"version_id": resident}}),
+            err(llm.finish_weight_update, "step-43"),
+        ]
+        out["reinit_version"] = llm.get_weight_version()
+        out["reinit_tokens"] = tokens()
+        out["shutdown_end"] = err(llm.shutdown_weight_transfer_engine)
+    return out
+
+
+if __name__ == "__main__":
+    result = main(sys.argv[1])
+    sys.stdout.flush()
+    print(json.dumps(result))
