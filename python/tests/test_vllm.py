@@ -157,9 +157,7 @@ def test_failed_install_restores_the_previous_version(fleet, server):
     [{}, {"version_id": "mx:not-hex"}, {"version_id": "mx:" + "cd" * 32}],
     ids=["no_version_id", "malformed_id", "never_staged"],
 )
-def test_an_update_refused_before_the_install_leaves_the_server_serving(
-    fleet, server, update_info
-):
+def test_an_update_refused_before_the_install_leaves_the_server_serving(fleet, server, update_info):
     # Issue 29, item 6: start_weight_update began vLLM's layerwise reload, an update refused
     # before the install left the model on the meta device, and the next generate failed.
     before = server.generate(PROMPT)
@@ -172,6 +170,22 @@ def test_an_update_refused_before_the_install_leaves_the_server_serving(
     assert server.call("POST", "/start_weight_update")[0] == 200
     assert server.call("POST", "/finish_weight_update", {})[0] == 200
     assert server.generate(PROMPT) == before
+
+
+def test_a_session_left_open_by_a_dead_caller_does_not_block_the_next_refit(fleet, server):
+    # Found by examples/chaos_vllm.py: a control plane SIGKILLed inside APPLY leaves vLLM's
+    # weight-update session open, and every later start_weight_update was refused ("already
+    # active"), so the recovered refit could not roll back. The next APPLY finishes it first.
+    current = server.call("GET", "/weight_info")[1]["weight_version"]
+    _publish(fleet, "hot3", 1.125)
+    assert server.call("POST", "/start_weight_update")[0] == 200
+    r = _refit(fleet, "hot3")
+    assert str(r.outcome) == "COMMITTED", r.reason
+    assert server.call("GET", "/weight_info") == (200, {"weight_version": r.target})
+    assert r.target != current
+    r = _refit(fleet, "cold", COLD_TOKENS)
+    assert str(r.outcome) == "COMMITTED", r.reason
+    assert server.generate(PROMPT) == COLD_TOKENS
 
 
 @pytest.mark.parametrize("mode", ["abort", "wait", "keep"])

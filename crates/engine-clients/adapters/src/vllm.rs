@@ -187,6 +187,20 @@ impl VllmClient {
         Ok(r.message)
     }
 
+    /// `POST /finish_weight_update` with `{}`: closes a weight-update session that an earlier
+    /// caller opened and never closed (a control plane that died between its
+    /// `start_weight_update` and `finish_weight_update`), leaving the engine's weight version
+    /// as it is; returns the engine's message.
+    ///
+    /// # Errors
+    /// As [`VllmClient::start_weight_update`].
+    pub async fn close_open_session(&self) -> Result<String, Error> {
+        let url = self.url("finish_weight_update");
+        let r: MessageResponse =
+            post_typed(&self.http, &url, &serde_json::json!({}), self.timeout).await?;
+        Ok(r.message)
+    }
+
     /// `GET /weight_info`: the weight version the engine reports (`None` when it has none).
     ///
     /// # Errors
@@ -354,9 +368,32 @@ impl EngineClient for VllmClient {
                 source: Box::new(e),
             }
         };
-        self.start_weight_update()
-            .await
-            .map_err(step("start_weight_update", false))?;
+        match self.start_weight_update().await {
+            // A session an earlier caller opened and never closed (a control plane that died
+            // inside APPLY): vLLM refuses a second one until it is finished. Finishing it
+            // completes what that caller installed, if anything; this install then follows.
+            Err(Error::Status {
+                status: 500, body, ..
+            }) if body.contains("already active") => {
+                tracing::warn!(
+                    url = %self.base_url,
+                    "a weight-update session was left open (a caller died inside APPLY): finishing it first"
+                );
+                // vLLM's server may close the connection its 500 went out on: a request sent
+                // on it fails before it is read, so it is sent once more.
+                let closed = match self.close_open_session().await {
+                    Err(Error::Http { .. }) => self.close_open_session().await,
+                    r => r,
+                };
+                closed.map_err(step("finish_weight_update (the session left open)", false))?;
+                self.start_weight_update()
+                    .await
+                    .map_err(step("start_weight_update", false))?;
+            }
+            r => {
+                r.map_err(step("start_weight_update", false))?;
+            }
+        }
         let version = version.to_string();
         self.update_weights(&version)
             .await
