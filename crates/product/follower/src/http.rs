@@ -230,28 +230,35 @@ async fn refuse_stale_epoch(
     }
 }
 
+/// The decimal `u64` of header `name` (`None` when absent), or 400 naming it and `what`.
+fn header_u64(
+    header: Option<&axum::http::HeaderValue>,
+    name: &str,
+    what: &str,
+) -> Result<Option<u64>, (StatusCode, String)> {
+    let Some(h) = header else {
+        return Ok(None);
+    };
+    h.to_str()
+        .ok()
+        .and_then(|s| s.parse::<u64>().ok())
+        .map(Some)
+        .ok_or_else(|| {
+            (
+                StatusCode::BAD_REQUEST,
+                format!("{name}: not a decimal {what}: {h:?}"),
+            )
+        })
+}
+
 /// Raises `highest` to the refit id in `header` (absent: nothing to note).
 fn refit_seen(
     highest: &std::sync::atomic::AtomicU64,
     header: Option<&axum::http::HeaderValue>,
 ) -> Result<(), (StatusCode, String)> {
-    let Some(h) = header else {
-        return Ok(());
-    };
-    let id = h
-        .to_str()
-        .ok()
-        .and_then(|s| s.parse::<u64>().ok())
-        .ok_or_else(|| {
-            (
-                StatusCode::BAD_REQUEST,
-                format!(
-                    "{}: not a decimal refit id: {h:?}",
-                    mx_adapters::REFIT_HEADER
-                ),
-            )
-        })?;
-    highest.fetch_max(id, std::sync::atomic::Ordering::SeqCst);
+    if let Some(id) = header_u64(header, mx_adapters::REFIT_HEADER, "refit id")? {
+        highest.fetch_max(id, std::sync::atomic::Ordering::SeqCst);
+    }
     Ok(())
 }
 
@@ -260,19 +267,9 @@ fn epoch_verdict(
     highest: &std::sync::atomic::AtomicU64,
     header: Option<&axum::http::HeaderValue>,
 ) -> Result<(), (StatusCode, String)> {
-    let Some(h) = header else {
+    let Some(epoch) = header_u64(header, mx_adapters::EPOCH_HEADER, "epoch")? else {
         return Ok(());
     };
-    let epoch = h
-        .to_str()
-        .ok()
-        .and_then(|s| s.parse::<u64>().ok())
-        .ok_or_else(|| {
-            (
-                StatusCode::BAD_REQUEST,
-                format!("{}: not a decimal epoch: {h:?}", mx_adapters::EPOCH_HEADER),
-            )
-        })?;
     if let Err(seen) = crate::instance::admit_epoch(highest, epoch) {
         return Err((
             StatusCode::CONFLICT,

@@ -129,6 +129,43 @@ async fn refit(
     digest
 }
 
+/// Worker "w" (tp:3 over the whole model, Dynamo routes) following `control` and two fsdp:2
+/// trainers holding the checkpoint at `dir`.
+struct Started {
+    worker: Arc<Worker>,
+    runner: tokio::task::JoinHandle<Result<(), Error>>,
+    inst: Instance,
+    url: String,
+    client: ControlClient,
+    pubs: Vec<TestTrainer>,
+    specs: Vec<mx_layout::TensorSpec>,
+}
+
+async fn start_worker_and_trainers(control: &str, dir: &Path) -> Started {
+    let w = Arc::new(
+        Worker::start(worker_config(control, dir, "w"))
+            .await
+            .unwrap(),
+    );
+    let runner = tokio::spawn({
+        let w = Arc::clone(&w);
+        async move { w.run().await }
+    });
+    let mut pubs = Vec::new();
+    for rank in 0..2 {
+        pubs.push(trainer::start(control, dir, "fsdp:2".parse().unwrap(), rank).await);
+    }
+    Started {
+        runner,
+        inst: w.instance().clone(),
+        worker: Arc::clone(&w),
+        url: w.http_url(),
+        client: ControlClient::connect(control).await.unwrap(),
+        pubs,
+        specs: mx_checkpoint::Checkpoint::open(dir).unwrap().specs(),
+    }
+}
+
 async fn digests(inst: &Instance) -> (String, Vec<RankDigests>) {
     let (id, d) = inst.live_digests().await.unwrap().unwrap();
     (id.to_string(), d)
@@ -144,23 +181,15 @@ async fn staged_pinned_and_live_versions_apply_swap_and_refuse_byte_exactly() {
     };
     let tmp = tempfile::tempdir().unwrap();
     let (control, server) = control_plane(tmp.path(), "127.0.0.1:0").await;
-    let w = Arc::new(
-        Worker::start(worker_config(&control, &dir, "w"))
-            .await
-            .unwrap(),
-    );
-    let runner = tokio::spawn({
-        let w = Arc::clone(&w);
-        async move { w.run().await }
-    });
-    let inst = w.instance().clone();
-    let base = w.http_url();
-    let client = ControlClient::connect(&control).await.unwrap();
-    let mut pubs = Vec::new();
-    for rank in 0..2 {
-        pubs.push(trainer::start(&control, &dir, "fsdp:2".parse().unwrap(), rank).await);
-    }
-    let specs = mx_checkpoint::Checkpoint::open(&dir).unwrap().specs();
+    let Started {
+        worker: w,
+        runner,
+        inst,
+        url: base,
+        client,
+        mut pubs,
+        specs,
+    } = start_worker_and_trainers(&control, &dir).await;
 
     // Reference: the same checkpoint sliced from disk by an independent instance.
     let disk = common::disk_reference(&dir).await;
@@ -560,23 +589,15 @@ async fn a_journal_the_fleet_contradicts_stops_the_control_plane_until_an_operat
     let journal = tmp.path().join("journal.jsonl");
     let (control, server) = control_plane(tmp.path(), "127.0.0.1:0").await;
     let listen = control.trim_start_matches("http://").to_string();
-    let w = Arc::new(
-        Worker::start(worker_config(&control, &dir, "w"))
-            .await
-            .unwrap(),
-    );
-    let runner = tokio::spawn({
-        let w = Arc::clone(&w);
-        async move { w.run().await }
-    });
-    let inst = w.instance().clone();
-    let url = w.http_url();
-    let client = ControlClient::connect(&control).await.unwrap();
-    let mut pubs = Vec::new();
-    for rank in 0..2 {
-        pubs.push(trainer::start(&control, &dir, "fsdp:2".parse().unwrap(), rank).await);
-    }
-    let specs = mx_checkpoint::Checkpoint::open(&dir).unwrap().specs();
+    let Started {
+        runner,
+        inst,
+        url,
+        client,
+        mut pubs,
+        specs,
+        ..
+    } = start_worker_and_trainers(&control, &dir).await;
     refit(&client, &mut pubs, &specs, "step-1", &PARIS).await;
     train(&mut pubs, "step-1", 2).await;
     refit(&client, &mut pubs, &specs, "step-2", &[]).await;
