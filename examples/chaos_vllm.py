@@ -17,8 +17,10 @@ After every refit the promises are checked from the servers themselves:
   checkpoint of the version's weights, outside mx's path;
 - the refit ended within its deadline bound and its journal record is complete
   (``mx journal --refits``);
-- both servers are back (registered, connected) and one is admitted within 180 s of the kill
-  (a vLLM restart takes 20-40 s on two cores);
+- both servers are back (registered, connected) and admitted within 180 s of the kill (a vLLM
+  restart takes 20-40 s on two cores): a server back but gated, restarted from the checkpoint or
+  rolled back to a version the fleet left, is brought to the fleet's version by a join refit, as
+  an orchestrator does (``mx refit --join``; reported in each round's ``join_refits``);
 - no refit ends FENCED: every killed server comes back, so every worker can be settled.
 
 The report (``--report``) has ``mx-lab validate --chaos``'s fields: ``chaos.refits``,
@@ -288,23 +290,37 @@ def check_servers(fleet: Fleet) -> list[str]:
     return out
 
 
-def recover(fleet: Fleet, killed_at: float) -> float:
-    """Seconds from the kill until both servers are registered and connected and one is
-    admitted; raises past the bound."""
+def recover(fleet: Fleet, killed_at: float, joins: list[int]) -> float:
+    """Seconds from the kill until both servers are registered, connected and admitted; a
+    server that is back but gated (restarted from the checkpoint, or left on another version by
+    a rollback) is brought to the fleet's version by a join refit, as an orchestrator does
+    (``mx refit --join``; their ids go to ``joins``). Raises past the bound."""
     for t in list(fleet.restarting.values()):
         t.join(max(0.0, RECOVERY_BOUND_S - (time.monotonic() - killed_at)))
     fleet.restarting.clear()
     while True:
         try:
             st = fleet.status()
-            back = all((w := st.worker(worker_id(n))) is not None and w.connected for n in SERVERS)
-            if back and len(fleet.servers) == len(SERVERS) and st.admitted:
+            ws = [st.worker(worker_id(n)) for n in SERVERS]
+            back = len(fleet.servers) == len(SERVERS) and all(w and w.connected for w in ws)
+            if back and all(w.admitted for w in ws):
                 return time.monotonic() - killed_at
+            if back and st.fleet_version is not None and st.open_refit is None:
+                label = st.fleet_version[0]
+                gated = [w.worker_id for w in ws if not w.admitted]
+                r = fleet.control().refit(
+                    label,
+                    gated,
+                    check=mx.GenerationCheck(PROMPT, CHECK_TOKENS, fleet.golden[label]),
+                    stage_timeout=STAGE_TIMEOUT_S,
+                    call_timeout=CALL_TIMEOUT_S,
+                )
+                joins.append(r.refit_id)
         except mx.MxError:
             pass
         if time.monotonic() - killed_at > RECOVERY_BOUND_S:
             raise TimeoutError(
-                f"no admitted server (or one not back) {RECOVERY_BOUND_S} s after the kill"
+                f"a server not back or not admitted {RECOVERY_BOUND_S} s after the kill"
             )
         time.sleep(0.2)
 
@@ -339,8 +355,9 @@ def one_round(fleet: Fleet, n: int, victim: str, delay: float) -> dict[str, Any]
             time.sleep(0.5)
     if r is None or not r.ended:
         violations.append(f"refit {refit_id} still open after {bound:.0f} s")
+    joins: list[int] = []
     try:
-        recovery = recover(fleet, killed_at)
+        recovery = recover(fleet, killed_at, joins)
     except TimeoutError as e:
         violations.append(str(e))
         recovery = time.monotonic() - killed_at
@@ -363,6 +380,7 @@ def one_round(fleet: Fleet, n: int, victim: str, delay: float) -> dict[str, Any]
         "refit_seconds": (r.seconds or 0.0) if r is not None else time.monotonic() - t0,
         "killed_during_refit": killed_unix < ended_at,
         "recovery_seconds": recovery,
+        "join_refits": joins,
         "violations": violations,
     }
 
@@ -375,17 +393,21 @@ def run(n: int, seed: int, report: Path | None, keep: bool) -> bool:
     rounds: list[dict[str, Any]] = []
     try:
         fleet.start_control()
+        # The servers register their layout before the versions are published, so each
+        # trainer cuts its manifest for it when it publishes.
+        starters = [threading.Thread(target=fleet.start_server, args=(s,)) for s in SERVERS]
+        for t in starters:
+            t.start()
+        for t in starters:
+            t.join()
+        if len(fleet.servers) != len(SERVERS):
+            raise RuntimeError("a vLLM server did not start (its log is under the work dir)")
         for label in VERSIONS:
             fleet.start_trainer(label)
         for label in VERSIONS:
             fleet.version_ids[label] = fleet.wait_trainer(label)
         for label, vid in fleet.version_ids.items():
             fleet.golden[label] = golden_tokens(work, label, vid)
-        starters = [threading.Thread(target=fleet.start_server, args=(s,)) for s in SERVERS]
-        for t in starters:
-            t.start()
-        for t in starters:
-            t.join()
         # The fleet starts committed to "cold" (a refit without a kill), as mx-lab's does.
         first = fleet.control().refit(
             "cold",
