@@ -5,7 +5,9 @@ tensor refused with an error naming it."""
 
 from __future__ import annotations
 
+import json
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -123,8 +125,8 @@ class Trainer:
 class Engine:
     """An engine's own tp:3 tensors (all three ranks in one process), registered in place."""
 
-    def __init__(self, url: str, model: mx.Model, **kw) -> None:
-        self.puller = mx.Puller(url, model=model, layout="tp:3", ranks=[0, 1, 2], **kw)
+    def __init__(self, url: str, model: mx.Model, ranks=(0, 1, 2), **kw) -> None:
+        self.puller = mx.Puller(url, model=model, layout="tp:3", ranks=list(ranks), **kw)
         self.params: dict[int, dict[str, torch.Tensor]] = {}
         for p in self.puller.params():
             dtype = torch.float32 if p.dtype == "F32" else torch.bfloat16
@@ -389,6 +391,58 @@ def test_another_worker_id_cannot_reach_a_live_workers_engine(fleet, control, mo
     finally:
         proxy.close()
         other.puller.close()
+
+
+def test_an_engine_another_worker_ids_refit_reached_is_read_back(
+    control_plane, control, model, weights, tmp_path
+):
+    """Issue 29, item 1: workers whose engines share an address (the ranks of one instance,
+    or an id registered while the engine's own worker was away) are not trusted on what they
+    report after a refit called that engine for another id: the control plane reads the
+    engine's version back itself, journals it, and admits on that."""
+    trainer = Trainer(control_plane.url, model, weights)
+    w = Engine(control_plane.url, model, ranks=(0, 1), worker_id="w")
+    x = Engine(control_plane.url, model, ranks=(2,), worker_id="x")
+    try:
+        url = w.puller.serve("w")
+        port = int(url.rsplit(":", 1)[1])
+        _declare(control, "v1", weights)
+        v1 = trainer.publish("v1")
+        assert control.refit("v1", ["w"], stage_timeout=60, call_timeout=30).committed
+        # x: rank 2 of the same instance, its engine w's spelled another way (siblings share).
+        x.puller.follow(
+            "x", instance="w", engine_url=f"http://localhost:{port}/", engine_api="dynamo"
+        )
+        for p in trainer.pubs:
+            p.wait_staged("v1", timeout=30)
+        trainer.step(0.5)
+        _declare(control, "v2", weights)
+        trainer.publish("v2")
+        r = control.refit("v2", ["x"], stage_timeout=60, call_timeout=30)
+        # The engine says it serves w only: nothing is sent for x.
+        assert r.outcome is mx.Outcome.ABORTED, r
+        assert "says it serves w of instance w, not worker x" in r.workers["x"].calls[0].error
+        # w was gated from the refit's BEGIN; its engine is read back once it ended.
+        deadline = time.monotonic() + 15
+        while True:
+            st = next(s for s in control.status().workers if s.worker_id == "w")
+            if st.admitted or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert st.admitted and st.resident_id == v1, st
+        journal = (tmp_path / "control" / "journal.jsonl").read_text().splitlines()
+        records = [json.loads(line)["record"] for line in journal]
+        backs = [rec for rec in records if rec["op"] == "read_back"]
+        assert [(b["worker_id"], b["refit"], b["resident_version"]) for b in backs] == [
+            ("w", r.refit_id, v1)
+        ], backs
+        # Marked at BEGIN (x's refit), read back after its END.
+        ops = [(rec["op"], rec.get("id", rec.get("refit"))) for rec in records]
+        assert ops.index(("refit_end", r.refit_id)) < ops.index(("read_back", r.refit_id)), ops
+    finally:
+        x.puller.close()
+        w.puller.close()
+        trainer.close()
 
 
 # --- bad tensors are refused, naming them -------------------------------------------------

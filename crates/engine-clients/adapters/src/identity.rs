@@ -94,22 +94,45 @@ pub(crate) async fn mx_route(
 ) -> Result<Proof, crate::Error> {
     let url = format!("{}/{}", base.trim_end_matches('/'), wire::MX_ROUTE);
     let (status, raw) = crate::send(&url, http.get(&url), timeout).await?;
-    match status {
-        200 => {
-            let r: wire::IdentityResponse =
-                serde_json::from_str(&raw).map_err(|e| crate::Error::BadResponse {
-                    url: url.clone(),
-                    reason: format!("{e}: {}", crate::snippet(&raw)),
-                })?;
-            Ok(Proof::Proven(r.engines))
-        }
-        404 | 405 => Ok(Proof::NotOffered(format!(
-            "{url} answered HTTP {status}: the engine does not embed mx"
-        ))),
+    let missing = "the engine does not embed mx";
+    Ok(
+        match read_answer::<wire::IdentityResponse>(&url, status, &raw, missing, None)? {
+            Ok(r) => Proof::Proven(r.engines),
+            Err(proof) => proof,
+        },
+    )
+}
+
+/// Reads an identity route's answer, the one place its HTTP status is judged: 200 is parsed
+/// strictly as `T`; 404 and 405 (no such route) are [`Proof::NotOffered`] because `missing`;
+/// a 500 whose body contains `unimplemented.0` is [`Proof::NotOffered`] because
+/// `unimplemented.1` (a route that exists but whose method the engine lacks); anything else is
+/// an error.
+///
+/// # Errors
+/// [`crate::Error::Status`] for another status, [`crate::Error::BadResponse`] for a 200 whose
+/// body is not a `T`.
+pub(crate) fn read_answer<T: serde::de::DeserializeOwned>(
+    url: &str,
+    status: u16,
+    raw: &str,
+    missing: &str,
+    unimplemented: Option<(&str, &str)>,
+) -> Result<Result<T, Proof>, crate::Error> {
+    let not_offered = |why: &str| Ok(Err(Proof::NotOffered(format!("{url}: {why}"))));
+    match (status, unimplemented) {
+        (200, _) => serde_json::from_str(raw)
+            .map(Ok)
+            .map_err(|e| crate::Error::BadResponse {
+                url: url.to_string(),
+                reason: format!("{e}: {}", crate::snippet(raw)),
+            }),
+        (404 | 405, _) => not_offered(&format!("HTTP {status}: {missing}")),
+        (500, Some((needle, why))) if raw.contains(needle) => not_offered(why),
         _ => Err(crate::Error::Status {
-            url,
+            url: url.to_string(),
             status,
-            body: crate::snippet(&raw),
+            body: crate::snippet(raw),
         }),
     }
 }
@@ -129,6 +152,42 @@ mod tests {
         assert_eq!(a, incarnation_digest(0x1234_5678_9abc_def0));
         assert_ne!(a, incarnation_digest(0x1234_5678_9abc_def1));
         assert!(!a.contains("123456789abcdef0"));
+    }
+
+    #[test]
+    fn one_reader_judges_every_identity_routes_status() {
+        type R = Result<Result<wire::IdentityResponse, Proof>, crate::Error>;
+        let read = |status: u16, raw: &str| -> R {
+            read_answer(
+                "http://e/x",
+                status,
+                raw,
+                "gone",
+                Some(("not implemented", "no method")),
+            )
+        };
+        let body = r#"{"engines":[{"worker_id":"w","instance":"i","incarnation_digest":"ab"}]}"#;
+        assert_eq!(read(200, body).unwrap().unwrap().engines[0].worker_id, "w");
+        assert!(matches!(
+            read(200, "{}"),
+            Err(crate::Error::BadResponse { .. })
+        ));
+        for status in [404, 405] {
+            assert_eq!(
+                read(status, "").unwrap().unwrap_err(),
+                Proof::NotOffered(format!("http://e/x: HTTP {status}: gone"))
+            );
+        }
+        assert_eq!(
+            read(500, "method not implemented").unwrap().unwrap_err(),
+            Proof::NotOffered("http://e/x: no method".into())
+        );
+        for (status, raw) in [(500, "boom"), (503, "not implemented"), (401, "")] {
+            assert!(
+                matches!(read(status, raw), Err(crate::Error::Status { status: s, .. }) if s == status),
+                "{status}"
+            );
+        }
     }
 
     #[test]

@@ -302,35 +302,24 @@ impl VllmClient {
         };
         let (status, raw) =
             crate::send(&url, self.http.post(&url).json(&body), self.timeout).await?;
-        let not_offered = |why: &str| Ok(Proof::NotOffered(format!("{url}: {why}")));
-        match status {
-            200 => {}
-            404 | 405 => {
-                return not_offered(
-                    "no collective_rpc route (start vLLM with VLLM_SERVER_DEV_MODE=1)",
-                )
-            }
-            500 if raw.contains("not implemented") => {
-                return not_offered(
-                    "vLLM's workers have no mx_engine_identity (the mx plugin is not loaded)",
-                )
-            }
-            _ => {
-                return Err(Error::Status {
-                    url,
-                    status,
-                    body: crate::snippet(&raw),
-                })
-            }
-        }
-        let r: CollectiveRpcResponse =
-            serde_json::from_str(&raw).map_err(|e| Error::BadResponse {
-                url: url.clone(),
-                reason: format!("{e}: {}", crate::snippet(&raw)),
-            })?;
+        let r: CollectiveRpcResponse = match crate::identity::read_answer(
+            &url,
+            status,
+            &raw,
+            "no collective_rpc route (start vLLM with VLLM_SERVER_DEV_MODE=1)",
+            Some((
+                "not implemented",
+                "vLLM's workers have no mx_engine_identity (the mx plugin is not loaded)",
+            )),
+        )? {
+            Ok(r) => r,
+            Err(proof) => return Ok(proof),
+        };
         let ranks: Vec<_> = r.results.into_iter().flatten().collect();
         if ranks.is_empty() {
-            return not_offered("no rank's weight-transfer backend is mx's");
+            return Ok(Proof::NotOffered(format!(
+                "{url}: no rank's weight-transfer backend is mx's"
+            )));
         }
         Ok(Proof::Proven(ranks))
     }

@@ -26,7 +26,9 @@ pub struct RefitArgs {
     #[arg(long, value_delimiter = ',')]
     pub workers: Vec<String>,
     /// Dynamo discovery URL (`GET {url}/v1/rl/workers`): the target set is every discovered
-    /// worker, matched to registered workers by system_url.
+    /// worker, matched to registered workers by the socket addresses of their engine URLs
+    /// (every spelling of one address matches; every rank registered with a discovered engine
+    /// is included).
     #[arg(long, conflicts_with = "workers")]
     pub discovery: Option<String>,
     /// A file holding the bearer token the discovery route requires (the workers'
@@ -104,27 +106,24 @@ pub(crate) async fn run(a: RefitArgs) -> anyhow::Result<()> {
         let d = mx_adapters::dynamo::DynamoClient::with_client(http, url, Duration::from_secs(10))
             .discover()
             .await?;
-        let mut ids = Vec::new();
+        let mut registered = Vec::new();
+        for w in &status.workers {
+            if let Some(e) = &w.engine {
+                let at = mx_control::engine_addresses(&e.system_url)
+                    .await
+                    .unwrap_or_default();
+                registered.push((w.worker_id.clone(), at));
+            }
+        }
+        let mut discovered = Vec::new();
         for w in &d.workers {
             let url = w.system_url.clone().unwrap_or_default();
-            let id = status
-                .workers
-                .iter()
-                .find(|s| {
-                    s.engine.as_ref().is_some_and(|e| {
-                        e.system_url.trim_end_matches('/') == url.trim_end_matches('/')
-                    })
-                })
-                .map(|s| s.worker_id.clone())
-                .with_context(|| {
-                    format!(
-                        "discovered worker {} ({url}) is not registered with the control plane",
-                        w.instance_id
-                    )
-                })?;
-            ids.push(id);
+            let at = mx_control::engine_addresses(&url)
+                .await
+                .map_err(|e| anyhow::anyhow!("discovered worker {}: {e}", w.instance_id))?;
+            discovered.push((format!("{} ({url})", w.instance_id), at));
         }
-        ids
+        match_discovered(&discovered, &registered)?
     } else if a.workers.is_empty() {
         let (live, away): (Vec<_>, Vec<_>) = status
             .workers
@@ -293,3 +292,75 @@ impl std::fmt::Display for NotCommitted {
 }
 
 impl std::error::Error for NotCommitted {}
+
+/// The registered worker ids (`registered`: id and engine addresses) whose engines the
+/// discovered workers (`discovered`: a name for messages and engine addresses) are, in
+/// discovery order, each once: every spelling of one socket address matches
+/// ([`mx_control::engine_addresses`]), and every rank of an instance registered with the
+/// discovered engine is in the set (a refit calls their shared engine once).
+///
+/// # Errors
+/// A discovered worker no registered worker's engine matches, naming it.
+fn match_discovered(
+    discovered: &[(String, Vec<String>)],
+    registered: &[(String, Vec<String>)],
+) -> anyhow::Result<Vec<String>> {
+    let mut ids: Vec<String> = Vec::new();
+    for (name, at) in discovered {
+        let mut found = false;
+        for (id, theirs) in registered {
+            if theirs.iter().any(|a| at.contains(a)) {
+                found = true;
+                if !ids.contains(id) {
+                    ids.push(id.clone());
+                }
+            }
+        }
+        if !found {
+            bail!(
+                "discovered worker {name} (reaching {}) is not registered with the control plane",
+                at.join(", ")
+            );
+        }
+    }
+    Ok(ids)
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // reason: tests fail loudly on purpose
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn discovered_engines_match_registered_ones_by_address() {
+        let at = |u: &str| {
+            let u = u.to_string();
+            async move { mx_control::engine_addresses(&u).await.unwrap() }
+        };
+        let registered = vec![
+            ("a-tp0".to_string(), at("http://127.0.0.1:8081").await),
+            ("a-tp1".to_string(), at("http://localhost:8081/").await),
+            ("b".to_string(), at("http://10.0.0.2:8081").await),
+            ("c".to_string(), at("http://10.0.0.3:8081").await),
+        ];
+        let discovered = vec![
+            ("1 (b)".to_string(), at("http://10.0.0.2:8081/").await),
+            (
+                "2 (a)".to_string(),
+                at("http://[::ffff:127.0.0.1]:8081").await,
+            ),
+        ];
+        assert_eq!(
+            match_discovered(&discovered, &registered).unwrap(),
+            vec!["b".to_string(), "a-tp0".into(), "a-tp1".into()]
+        );
+        let stray = vec![("9 (z)".to_string(), at("http://10.0.0.9:8081").await)];
+        let e = match_discovered(&stray, &registered)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("9 (z)") && e.contains("10.0.0.9:8081") && e.contains("not registered"),
+            "{e}"
+        );
+    }
+}

@@ -670,7 +670,9 @@ impl Ctx<'_> {
                 fenced,
                 departed,
             })
-            .await
+            .await?;
+        crate::readback::after_refit(self.shared, self.id);
+        Ok(())
     }
 }
 

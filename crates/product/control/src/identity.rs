@@ -17,6 +17,11 @@
 //!   refuses the call, before anything is sent, when any of them is not in it. Address
 //!   spellings the first check cannot see (another interface of the same host, a proxy) end
 //!   here.
+//! - **After a refit, the engine's version read back** (`crate::readback`): every worker
+//!   outside a refit whose engine shares an address with one the refit calls (the other
+//!   ranks of an instance, an id registered while the engine's own worker was away) is gated
+//!   from the refit's BEGIN until the control plane has read its engine's version back itself
+//!   and journaled it; admission then follows that answer, not what the worker reported.
 //!
 //! What each engine kind proves, and what stays trusted:
 //!
@@ -45,7 +50,7 @@ const RESOLVE_TIMEOUT: Duration = Duration::from_secs(2);
 ///
 /// # Errors
 /// A message naming what is wrong when `url` is not an absolute http(s) URL with a host.
-pub(crate) async fn engine_addresses(url: &str) -> Result<Vec<String>, String> {
+pub async fn engine_addresses(url: &str) -> Result<Vec<String>, String> {
     let parsed = reqwest::Url::parse(url).map_err(|e| format!("{url:?} is not a URL: {e}"))?;
     if !matches!(parsed.scheme(), "http" | "https") {
         return Err(format!("{url:?} is not an http(s) URL"));

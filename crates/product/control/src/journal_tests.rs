@@ -40,6 +40,7 @@ fn reg(id: &str) -> Record {
         },
         engine: None,
         resident_version: None,
+        addresses: vec![],
     }
 }
 
@@ -151,6 +152,7 @@ fn three_records(path: &Path) -> Vec<u8> {
         layout,
         engine,
         resident_version: Some(ResidentVersion::parse(&format!("mx:{}", "7".repeat(64)))),
+        addresses: vec![],
     })
     .unwrap();
     drop(j);

@@ -32,6 +32,8 @@
 //! - serving: `server` (the tonic service and its HA replica), `shared` (the state, journal
 //!   and wake-ups the service and the driver share), `driver` (a refit's engine calls),
 //!   `fanout` (bounded answers with Merkle proofs), `takeover` (engine address index), `identity` (engine addresses and the engine's proof of whose it is),
+//!   `readback` (an engine a refit reached through another worker id is read back before its
+//!   own worker is trusted again),
 //!   `convert` and [`wire`] (the RPC edge), [`auth`], [`limits`], [`observe`] (metrics);
 //! - clients: [`client`]; tests of recovery: [`crash`] (crash points a harness arms).
 //!
@@ -56,6 +58,7 @@ pub mod journal;
 pub mod limits;
 pub mod local_etcd;
 pub mod observe;
+mod readback;
 pub mod record;
 pub mod refit;
 mod server;
@@ -80,6 +83,7 @@ pub mod pb {
 }
 
 pub use error::{Error, OptionalState};
+pub use identity::engine_addresses;
 pub use refit::{
     model_path, Action, CallResult, EngineApi, EngineEndpoint, GenerationCheck, ModelLimits,
     Outcome, PauseMode, Phase, Refit, RefitSpec, RefitWorker, Registration, Seen,

@@ -41,6 +41,10 @@ pub const ENGINE_CALLS_TOTAL: &str = "mx_engine_calls_total";
 /// proven, not_offered (no identity route: called on the strength of the address), refused
 /// (the engine named another worker: nothing was sent to it)).
 pub const ENGINE_PROOFS_TOTAL: &str = "mx_engine_proofs_total";
+/// Engines read back after a refit reached an address they share with an engine it called
+/// (counter; label `result`: read (journaled; the worker is admitted if it is the fleet's
+/// version), failed (unreachable, or no read-back in its contract: the worker stays gated)).
+pub const ENGINE_READ_BACKS_TOTAL: &str = "mx_engine_read_backs_total";
 /// Engine call latency (histogram, seconds; label `action`).
 pub const ENGINE_CALL_SECONDS: &str = "mx_engine_call_seconds";
 /// Verification failures (counter; label `check`: `version` when a worker's resident version
@@ -145,6 +149,10 @@ fn describe() {
     describe_counter!(
         ENGINE_PROOFS_TOTAL,
         "Engines asked whose they are before a refit called them, by result"
+    );
+    describe_counter!(
+        ENGINE_READ_BACKS_TOTAL,
+        "Engines read back after a refit reached an address they share, by result"
     );
     describe_histogram!(
         ENGINE_CALL_SECONDS,

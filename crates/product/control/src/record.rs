@@ -100,6 +100,26 @@ pub enum Record {
         /// The version id resident in its live weights.
         #[serde(default)]
         resident_version: Option<ResidentVersion>,
+        /// The socket addresses its engine URL reaches, as the control plane resolved them at
+        /// registration (`host:port/path`, every spelling of one address one key; empty without
+        /// an engine or in journals written before addresses were kept): which workers share an
+        /// engine is state, so a refit's reach is known after a restart too.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        addresses: Vec<String>,
+    },
+    /// The control plane read a worker's engine's version back after refit `refit` called an
+    /// engine at an address the worker's engine shares (another worker id's, issue 29): the
+    /// worker is trusted again with what its engine answered.
+    ReadBack {
+        /// Worker id.
+        worker_id: String,
+        /// The refit whose engine calls reached an address of its engine.
+        refit: u64,
+        /// What the engine answered (`None`: it holds no version).
+        #[serde(default)]
+        resident_version: Option<ResidentVersion>,
+        /// Unix ms.
+        at_ms: u64,
     },
     /// A worker id is retired: its registration, admission and peer offers are forgotten (by
     /// the worker on clean exit, by an orchestrator, or by the retention rule for ids departed

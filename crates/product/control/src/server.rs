@@ -198,6 +198,7 @@ impl ControlPlane for Service {
             worker_id: r.worker_id,
             instance: r.instance,
             ranks: r.ranks,
+            addresses: addresses.clone(),
         };
         let mailbox = self.shared.mailbox(&id);
         let _one = mailbox.registering.lock().await;
@@ -234,11 +235,12 @@ impl ControlPlane for Service {
         {
             let mut map = lock(&self.shared.limits);
             match limits {
-                Some(l) => map.insert(id, l),
+                Some(l) => map.insert(id.clone(), l),
                 None => map.remove(&id),
             };
         }
         self.shared.testify(&testimony);
+        crate::readback::after_registration(&self.shared, &id);
         Ok(Response::new(pb::RegisterWorkerResponse {}))
     }
 

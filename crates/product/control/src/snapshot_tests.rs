@@ -236,6 +236,7 @@ fn history_with(rounds: usize, workers: usize, batched: bool) -> (Vec<Record>, S
             layout: LAYOUT,
             engine: Some(engine),
             resident_version: None,
+            addresses: vec![],
         };
         push(&mut recs, &mut st, reg);
     }

@@ -119,6 +119,24 @@ struct Worker {
     /// Increases every time a command is issued to this worker (kept across re-registration), so
     /// a command stream knows whether the pending command is new to it.
     command_seq: u64,
+    /// The socket addresses its engine URL reaches ([`Record::Register`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    addresses: Vec<String>,
+    /// A refit of other workers called an engine at an address its engine shares: what its
+    /// engine holds is unknown until the control plane reads it back ([`Record::ReadBack`]) or
+    /// a refit of it commits or rolls back cleanly. Gated meanwhile.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    shares_engine: Option<SharedEngine>,
+}
+
+/// Why a worker's engine must be read back before the worker is trusted again: refit `refit`
+/// called worker `with`'s engine, which reaches `address` as this worker's does.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct SharedEngine {
+    pub(crate) refit: u64,
+    pub(crate) with: String,
+    pub(crate) address: String,
 }
 
 pub use crate::observe::Tallies;
@@ -251,6 +269,9 @@ impl State {
             Record::Retire {
                 worker_id, reason, ..
             } => self.check_retire(worker_id, reason),
+            Record::ReadBack {
+                worker_id, refit, ..
+            } => self.check_read_back(worker_id, *refit),
             Record::AcceptJournal {
                 versions, reason, ..
             } => {
@@ -418,14 +439,20 @@ impl State {
                 self.withdraw_peer(&worker_id, label.as_deref());
                 Effects::default()
             }
-            Record::Register {
+            r @ Record::Register { .. } => self.apply_register(r),
+            Record::ReadBack {
                 worker_id,
-                instance,
-                ranks,
-                layout,
-                engine,
                 resident_version,
-            } => self.apply_register(worker_id, instance, ranks, layout, engine, resident_version),
+                ..
+            } => {
+                if let Some(w) = self.workers.get_mut(&worker_id) {
+                    w.shares_engine = None;
+                    w.resident_id = resident_version;
+                }
+                Effects {
+                    workers: vec![worker_id],
+                }
+            }
             Record::Retire { worker_id, .. } => {
                 self.withdraw_peer(&worker_id, None);
                 self.workers.remove(&worker_id);
@@ -472,6 +499,7 @@ impl State {
                     v.state = VersionState::Committing;
                     v.commit_set = refit.spec.worker_ids.clone();
                 }
+                self.mark_shared_engines(&refit);
                 self.refits.insert(refit.id, refit);
                 Effects::default()
             }
@@ -632,6 +660,24 @@ impl State {
                 false,
                 format!(
                     "left during refit {id} before it could be settled (its engine may still be paused); admitted again once a refit of it commits or rolls back cleanly"
+                ),
+            );
+        }
+        if let Some(s) = &w.shares_engine {
+            let when = if self
+                .refits
+                .get(&s.refit)
+                .is_some_and(|r| r.outcome.is_none())
+            {
+                "once the refit ends, the control plane reads its engine's version back"
+            } else {
+                "the control plane reads its engine's version back when the worker registers again; or run a refit of it (mx refit --label L --workers ID)"
+            };
+            return (
+                false,
+                format!(
+                    "refit {} called the engine of worker {}, which reaches {} as this worker's engine does: what its engine holds is unknown until it is read back ({when})",
+                    s.refit, s.with, s.address
                 ),
             );
         }

@@ -181,6 +181,7 @@ fn register(st: &mut State, id: &str, resident: Option<String>) {
         layout: LAYOUT,
         engine: None,
         resident_version: resident.as_deref().map(ResidentVersion::parse),
+        addresses: vec![],
     })
     .unwrap();
 }
@@ -213,6 +214,7 @@ fn ready_state() -> (State, Digest) {
                 no_model: false,
             }),
             resident_version: Some(ResidentVersion::parse("disk:/ckpt")),
+            addresses: vec![],
         })
         .unwrap();
     }
@@ -1072,6 +1074,7 @@ fn peers_serve_only_what_is_resident_and_recorded_and_are_withdrawn_before_their
         layout: LAYOUT,
         engine: None,
         resident_version: resident.as_deref().map(ResidentVersion::parse),
+        addresses: vec![],
     };
     // The peer's memory: both regions it verified, at its own addresses, with the record's
     // digests.
@@ -1130,4 +1133,119 @@ fn peers_serve_only_what_is_resident_and_recorded_and_are_withdrawn_before_their
     st.apply(serve(&peer)).unwrap();
     st.apply(reg(Some(VersionId(d).to_string()))).unwrap();
     assert!(st.version_info("v1").unwrap().peers.is_empty());
+}
+
+/// Registers worker `id` of `instance` (rank 0 of LAYOUT) with an engine reaching `addresses`,
+/// reporting `resident`.
+fn register_at(st: &mut State, id: &str, instance: &str, addresses: &[&str], resident: &str) {
+    st.apply(Record::Register {
+        worker_id: id.into(),
+        instance: instance.into(),
+        ranks: vec![0],
+        layout: LAYOUT,
+        engine: Some(EngineEndpoint {
+            api: crate::refit::EngineApi::Dynamo,
+            system_url: format!("http://{}", addresses[0]),
+            no_model: false,
+        }),
+        resident_version: Some(ResidentVersion::parse(resident)),
+        addresses: addresses.iter().map(|a| a.to_string()).collect(),
+    })
+    .unwrap();
+}
+
+fn read_back(id: &str, refit: u64, resident: &str) -> Record {
+    Record::ReadBack {
+        worker_id: id.into(),
+        refit,
+        resident_version: Some(ResidentVersion::parse(resident)),
+        at_ms: 0,
+    }
+}
+
+#[test]
+fn an_engine_another_workers_refit_reached_is_read_back_before_its_worker_is_trusted() {
+    // Issue 29, item 1: a refit of worker x reached b's engine (x registered it under another
+    // spelling while b was away); b reported what it believed and stayed admitted.
+    let (mut st, d1) = ready_state();
+    let v1 = VersionId(d1).to_string();
+    st.apply(begin(&st, d1)).unwrap();
+    commit(&mut st, 1, &["a", "b"], &v1);
+    register_at(&mut st, "b", "b", &["loopback:7711"], &v1);
+    register_at(&mut st, "c", "c", &["loopback:7712"], &v1);
+    register_at(&mut st, "x", "x", &["10.0.0.9:80", "loopback:7711"], &v1);
+    assert!(["a", "b", "c", "x"].iter().all(|w| st.worker_admitted(w)));
+    let d2 = second_version(&mut st, "v2");
+    let v2 = VersionId(d2).to_string();
+    st.apply(begin_on(&st, "v2", d2, &[("x", Some(&v1))]))
+        .unwrap();
+    // b shares x's engine: gated from BEGIN; a (no address known) and c (another engine) not.
+    let b = worker(&st, "b");
+    assert!(
+        !b.admitted
+            && b.admission
+                .contains("refit 2 called the engine of worker x")
+            && b.admission.contains("loopback:7711")
+            && b.admission.contains("once the refit ends"),
+        "{}",
+        b.admission
+    );
+    assert!(st.worker_admitted("a") && st.worker_admitted("c"));
+    // Not while the refit runs: what the engine holds may still change.
+    let err = st.check(&read_back("b", 2, &v2)).unwrap_err().to_string();
+    assert!(err.contains("still open"), "{err}");
+    assert!(st.read_backs_due(None).is_empty());
+    commit(&mut st, 2, &["x"], &v2);
+    assert_eq!(st.read_backs_due(None), vec![("b".to_string(), 2)]);
+    assert_eq!(st.read_backs_due(Some(1)), vec![]);
+    // What b reports when it registers again is not what its engine was shown to hold.
+    register_at(&mut st, "b", "b", &["loopback:7711"], &v1);
+    let b = worker(&st, "b");
+    assert!(
+        !b.admitted && b.admission.contains("when the worker registers again"),
+        "{}",
+        b.admission
+    );
+    // The engine's own answer decides: it holds v2, the fleet's version.
+    st.apply(read_back("b", 2, &v2)).unwrap();
+    assert!(st.worker_admitted("b"), "{}", worker(&st, "b").admission);
+    assert_eq!(
+        worker(&st, "b").resident_id,
+        Some(ResidentVersion::parse(&v2))
+    );
+    assert!(st.read_backs_due(None).is_empty());
+    // A read-back of a mark that is gone changes nothing.
+    assert_eq!(st.check(&read_back("b", 2, &v1)).unwrap(), Check::Noop);
+    // Another refit of x: b is gated again; an engine answering another version than the
+    // fleet's leaves b stale, not admitted.
+    st.apply(begin_on(&st, "v2", d2, &[("x", Some(&v2))]))
+        .unwrap();
+    st.apply(phase(3, Phase::Abort)).unwrap();
+    st.apply(end(3, Outcome::Aborted, &[])).unwrap();
+    st.apply(read_back("b", 3, &v1)).unwrap();
+    let b = worker(&st, "b");
+    assert!(
+        !b.admitted && b.admission.contains("stale") && b.admission.contains(&v1),
+        "{}",
+        b.admission
+    );
+    // A refit of b itself that commits settles it (its VERIFY read its engine back).
+    st.apply(begin_on(&st, "v2", d2, &[("b", Some(&v1))]))
+        .unwrap();
+    commit(&mut st, 4, &["b"], &v2);
+    assert!(st.worker_admitted("b"), "{}", worker(&st, "b").admission);
+    // Registering another engine drops the mark: the engine the refit reached is not b's.
+    st.apply(begin_on(&st, "v2", d2, &[("x", Some(&v2))]))
+        .unwrap();
+    st.apply(phase(5, Phase::Abort)).unwrap();
+    st.apply(end(5, Outcome::Aborted, &[])).unwrap();
+    assert!(!st.worker_admitted("b"));
+    register_at(&mut st, "b", "b", &["loopback:7799"], &v2);
+    assert!(st.worker_admitted("b"), "{}", worker(&st, "b").admission);
+    // Replayed from a snapshot, the marks are the same.
+    st.apply(begin_on(&st, "v2", d2, &[("x", Some(&v2))]))
+        .unwrap();
+    let json = serde_json::to_string(&st).unwrap();
+    let back: State = serde_json::from_str(&json).unwrap();
+    assert_eq!(back, st);
 }

@@ -1,6 +1,8 @@
 //! How each record changes the state: the larger transitions of [`State::apply`], one method
 //! per record kind, each called only after [`State::check`] accepted the record.
 
+use std::collections::HashMap;
+
 use super::sources::is_extension;
 use super::*;
 use crate::refit::CallResult;
@@ -62,19 +64,31 @@ impl State {
 
     /// A worker (a new or restarted process) registers: it serves nothing as a peer until
     /// it offers again, and the open refit holding it learns that it came back.
-    pub(super) fn apply_register(
-        &mut self,
-        worker_id: String,
-        instance: String,
-        ranks: Vec<u32>,
-        layout: LayoutSpec,
-        engine: Option<EngineEndpoint>,
-        resident_version: Option<ResidentVersion>,
-    ) -> Effects {
+    pub(super) fn apply_register(&mut self, rec: Record) -> Effects {
+        let Record::Register {
+            worker_id,
+            instance,
+            ranks,
+            layout,
+            engine,
+            resident_version,
+            addresses,
+        } = rec
+        else {
+            return Effects::default();
+        };
         // A new process (or a restarted one) serves nothing it has not offered again.
         self.withdraw_peer(&worker_id, None);
         let command_seq = self.workers.get(&worker_id).map_or(0, |w| w.command_seq);
         let departed_from = self.workers.get(&worker_id).and_then(|w| w.departed_from);
+        // What a worker reports is not what its engine was shown to hold: an engine another
+        // worker id's refit reached stays unknown until it is read back, unless the worker
+        // now registers another engine.
+        let shares_engine = self
+            .workers
+            .get(&worker_id)
+            .and_then(|w| w.shares_engine.clone())
+            .filter(|s| addresses.contains(&s.address));
         // A new registration reports what is resident: a fence ends here, and the open
         // refit holding the worker learns that it re-registered (its staged copy and
         // its pinned previous version may be gone).
@@ -107,6 +121,8 @@ impl State {
                 // resumed): registering again does not lift this; a settled refit does.
                 departed_from,
                 command_seq,
+                addresses,
+                shares_engine,
             },
         );
         Effects {
@@ -258,10 +274,87 @@ impl State {
             } else if settled {
                 w.departed_from = None;
             }
+            if settled && !fenced.contains(wid) && !departed.contains(wid) {
+                w.shares_engine = None;
+            }
         }
         // A worker that left serves nothing; a fenced one's memory is unknown.
         for wid in departed.iter().chain(fenced) {
             self.withdraw_peer(wid, None);
         }
+    }
+
+    /// A refit begins: every worker outside its set whose engine shares an address with the
+    /// engine of a worker in it is marked ([`SharedEngine`]): the refit's calls may change
+    /// what that engine holds (one linear pass over the addresses).
+    pub(super) fn mark_shared_engines(&mut self, refit: &Refit) {
+        let mut reached: HashMap<&str, &str> = HashMap::new();
+        for wid in refit.workers.keys() {
+            if let Some(w) = self.workers.get(wid) {
+                for a in &w.addresses {
+                    reached.entry(a.as_str()).or_insert(wid.as_str());
+                }
+            }
+        }
+        if reached.is_empty() {
+            return;
+        }
+        let marks: Vec<(String, SharedEngine)> = self
+            .workers
+            .iter()
+            .filter(|(wid, _)| !refit.workers.contains_key(*wid))
+            .filter_map(|(wid, w)| {
+                w.addresses.iter().find_map(|a| {
+                    reached.get(a.as_str()).map(|with| {
+                        let mark = SharedEngine {
+                            refit: refit.id,
+                            with: (*with).to_string(),
+                            address: a.clone(),
+                        };
+                        (wid.clone(), mark)
+                    })
+                })
+            })
+            .collect();
+        for (wid, mark) in marks {
+            if let Some(w) = self.workers.get_mut(&wid) {
+                w.shares_engine = Some(mark);
+            }
+        }
+    }
+
+    /// Checks a [`Record::ReadBack`]: the worker is registered, and the refit that marked it
+    /// has ended (a version read while it runs may change again). A read-back for an older
+    /// mark, or for a worker no longer marked, changes nothing.
+    pub(super) fn check_read_back(&self, worker_id: &str, refit: u64) -> Result<Check, Error> {
+        let w = self.worker(worker_id)?;
+        if w.shares_engine.as_ref().map(|s| s.refit) != Some(refit) {
+            return Ok(Check::Noop);
+        }
+        if self.refits.get(&refit).is_some_and(|r| r.outcome.is_none()) {
+            return Err(Error::Refit {
+                id: refit,
+                reason: format!(
+                    "still open: worker {worker_id}'s engine is read back once it ends"
+                ),
+            });
+        }
+        Ok(Check::Apply)
+    }
+
+    /// The workers whose engines must be read back now ([`SharedEngine`], its refit ended),
+    /// each with the refit that marked it; only those `refit` marked when given.
+    pub fn read_backs_due(&self, refit: Option<u64>) -> Vec<(String, u64)> {
+        self.workers
+            .iter()
+            .filter_map(|(wid, w)| {
+                let s = w.shares_engine.as_ref()?;
+                let open = self
+                    .refits
+                    .get(&s.refit)
+                    .is_some_and(|r| r.outcome.is_none());
+                (!open && refit.is_none_or(|r| r == s.refit)).then(|| (wid.clone(), s.refit))
+            })
+            .collect()
     }
 }
