@@ -109,6 +109,8 @@ cargo build --release "${scope[@]}" --all-targets
 if ((${#scope[@]})); then
     begin "scripts/check-features.sh (the bindings reuse the workspace's build)"
     bash "$SCRIPT_DIR/check-features.sh"
+    begin "scripts/cli-docs.sh --check (docs/cli.md against the binaries' --help)"
+    bash "$SCRIPT_DIR/cli-docs.sh" --check
 fi
 
 if ((python_tests)); then
