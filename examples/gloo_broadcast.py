@@ -84,6 +84,32 @@ class GlooBroadcastExtension:
         """Joins the broadcast group as ``rank`` (1.. for vLLM ranks)."""
         self._mx_gloo = _group(host, int(port), int(world), int(rank))
 
+    def perturb_logits(self, scale: str) -> int:
+        """A test hook of the examples, not of mx: adds a fixed random bias of ``scale`` nats
+        (seeded) to every logit this engine computes from now on, whatever weights it holds,
+        so its greedy tokens differ from the trainer's where no near-tie excuses them.
+        Returns the vocabulary size biased."""
+        model = self.model_runner.get_model()
+        bias: dict[str, torch.Tensor] = {}
+
+        def hook(_module, _inputs, out):
+            if out is None:
+                return out
+            if "b" not in bias or bias["b"].shape[-1] != out.shape[-1]:
+                g = torch.Generator().manual_seed(20261206)
+                bias["b"] = float(scale) * torch.randn(out.shape[-1], generator=g)
+            return out + bias["b"].to(out.dtype)
+
+        self._mx_perturb = model.logits_processor.register_forward_hook(hook)
+        return int(model.config.vocab_size)
+
+    def unperturb_logits(self) -> None:
+        """Removes :meth:`perturb_logits`' bias."""
+        handle = getattr(self, "_mx_perturb", None)
+        if handle is not None:
+            handle.remove()
+            self._mx_perturb = None
+
     def gloo_receive(self, meta: str) -> dict[str, float]:
         """Receives one full set of weights (``meta``: JSON ``{"specs": [[name, dtype, shape],
         ...], "buckets": [[indices], ...]}``) and installs it through vLLM's layerwise reload.

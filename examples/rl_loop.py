@@ -38,8 +38,14 @@ Who runs where:
   5. the mx path: a refit of both servers to the published version by the control plane
      (STAGE while both keep generating, PREPARE = pause, APPLY = start/update/finish weight
      update + prefix-cache reset, VERIFY = ``/weight_info``, RESUME, CHECK = greedy tokens of
-     the prompt through ``/v1/completions``, which must be the cold start's, else the refit
+     the probe prompts through ``/v1/completions``, judged against the expected outputs the
+     trainer published with the version (its own FSDP2 forward pass after the step:
+     ``mx.expected_outputs``, exact up to a first near-tie below 0.25 nats), else the refit
      rolls back; COMMIT). mx runs last, so each step ends with mx's version committed.
+  6. with ``--perturbed-check`` (on in ``--ci`` and the full run): one more step while every
+     server's logits carry a fixed random bias of 8 nats (the examples' worker extension, not
+     mx): its refit must roll back on the trainer's outputs, every server back on the previous
+     version with its previous tokens (``perturbed_check`` in the report).
 
   Every path runs while both servers keep serving a stream of generation requests (two client
   threads), paused in ``keep`` mode (held requests are preempted by the prefix-cache reset and
@@ -49,7 +55,7 @@ Who runs where:
   broadcast = stall, the gather being inside the pause; mx = publish + STAGE (generation goes
   on) + PREPARE..RESUME) and ``bytes_per_rank`` (what each vLLM rank receives: its own slice
   for mx, the whole checkpoint for disk and broadcast). Each path's tokens are checked against
-  the cold start too.
+  the cold start too, and so are the trainer's own (``trainer_tokens_match_cold_start``).
 
 The report (JSON): ``steps`` ({step, version_id, train_loss, instances: [{id, tokens,
 cold_tokens, tokens_match_cold_start, tokens_changed}]}), ``paths`` ({mx, disk, broadcast}: per
@@ -87,6 +93,10 @@ PATHS = ("mx", "disk", "broadcast")
 LR = 1e-3
 BATCH = (1, 17)
 MAX_NEW = 8
+PROBES = [PROMPT, [1, 504, 2988, 314, 4649, 30]]
+"""The prompts whose greedy tokens the trainer publishes with each version (the first: "The
+capital of France is"). Each token is one forward pass of the FSDP2 model without a KV cache,
+one thread per rank: about 2 s per probe here."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -139,6 +149,27 @@ def trainer_main(conn: Connection, url: str, model_dir: str, slot: int, init_met
                             "step_s": step_s,
                             "publish_s": time.perf_counter() - t0,
                             "step_done": done,
+                        },
+                    )
+                )
+            elif kind == "probe":
+                # The version's expected outputs, from this trainer's own forward pass (a
+                # collective: every rank runs it); slot 0 publishes them with the version.
+                _, label, timeout = msg
+                t0 = time.perf_counter()
+                outputs = mx.expected_outputs(net, PROBES, MAX_NEW)
+                # FSDP2 keeps the root module unsharded after a forward without backward:
+                # back to the sharded parameters (the published shards), as after a step.
+                net.reshard()
+                if slot == 0:
+                    mx.Control(url, timeout=timeout).publish_expected_outputs(label, outputs)
+                conn.send(
+                    (
+                        "probed",
+                        {
+                            "tokens": [list(p.tokens) for p in outputs.probes],
+                            "margins": [list(p.margins) for p in outputs.probes],
+                            "seconds": time.perf_counter() - t0,
                         },
                     )
                 )
@@ -318,28 +349,30 @@ def broadcast_path(
     }
 
 
-def _refit(control: Any, label: str, workers: list[str], expected: list[int], timeout: float):
-    """A refit of ``workers`` to ``label`` whose post-update generation must give ``expected``."""
-    import mx
-
+def _refit(control: Any, label: str, workers: list[str], timeout: float):
+    """A refit of ``workers`` to ``label`` whose post-update check is the expected outputs the
+    trainer published with the version (the default check)."""
     return control.refit(
-        label,
-        workers,
-        pause_mode="keep",
-        check=mx.GenerationCheck(PROMPT, MAX_NEW, expected),
-        stage_timeout=timeout,
-        call_timeout=timeout,
+        label, workers, pause_mode="keep", stage_timeout=timeout, call_timeout=timeout
     )
 
 
-def mx_path(
-    control: Any, label: str, expected: list[int], servers, workers, publish_s: float, timeout
-):
+def _check_source(r: Any) -> str:
+    """Where the refit's post-update check came from (its journaled spec), "" without one."""
+    check = (r.raw.get("spec") or {}).get("check") or {}
+    return str(check.get("source", ""))
+
+
+def mx_path(control: Any, label: str, servers, workers, publish_s: float, timeout):
     with Load(servers) as load:
-        r = _refit(control, label, workers, expected, timeout)
+        r = _refit(control, label, workers, timeout)
         during = load.done
     if str(r.outcome) != "COMMITTED":
         raise RuntimeError(f"refit to {label}: {r.outcome}: {r.reason}")
+    checks = [w.calls[-1].message for w in r.workers.values() if w.calls]
+    source = _check_source(r)
+    if source != f"published with {label} by its trainer":
+        raise RuntimeError(f"refit to {label} did not check the trainer's outputs: {source!r}")
     ph = r.phase_seconds
     stall = sum(ph.get(p, 0.0) for p in ("PREPARE", "APPLY", "VERIFY", "RESUME"))
     staged = [w.last_staged or {} for w in control.status().workers if w.worker_id in workers]
@@ -351,6 +384,8 @@ def mx_path(
         "phase_seconds": dict(ph),
         "generations_during": during,
         "bytes_per_rank": max(int(s.get("bytes", 0)) for s in staged) if staged else 0,
+        "check": checks,
+        "check_source": source,
     }
 
 
@@ -362,7 +397,7 @@ def try_tp3(work: str, cp_url: str, control: Any, label: str, expected: list[int
         s = VllmServer(os.path.join(work, "tp3"), tp=3, startup_timeout=timeout)
         s.init_mx(cp_url, "vllm-tp3", fill_nan=True)
         workers = [f"vllm-tp3-tp{r}" for r in range(3)]
-        r = _refit(control, label, workers, expected, timeout)
+        r = _refit(control, label, workers, timeout)
         if str(r.outcome) != "COMMITTED":
             return {"ran": True, "error": f"{r.outcome}: {r.reason}"}
         tokens = s.generate(PROMPT, MAX_NEW)
@@ -455,6 +490,9 @@ class Loop:
             t.send("step", label, f"step-{step - 1}" if step > 1 else None, args.timeout)
         pubs = [t.recv("published", args.timeout) for t in self.trainers]
         vid = pubs[0]["version_id"]
+        for t in self.trainers:
+            t.send("probe", label, args.timeout)
+        probed = [t.recv("probed", args.timeout) for t in self.trainers][0]
         dump_dir = os.path.join(self.work, "dumps", label)
         for t in self.trainers:
             t.send("dump", dump_dir)
@@ -481,9 +519,7 @@ class Loop:
             checks["broadcast"] = matches()
         publish_s = max(p["publish_s"] for p in pubs)
         workers = [f"{i}-tp0" for i in self.instances]
-        rows["mx"] = mx_path(
-            self.control, label, expected, self.servers, workers, publish_s, args.timeout
-        )
+        rows["mx"] = mx_path(self.control, label, self.servers, workers, publish_s, args.timeout)
         for name, row in rows.items():
             paths[name].append({"step": step, **row})
         instances = []
@@ -516,6 +552,10 @@ class Loop:
                 "train_step_s": max(p["step_s"] for p in pubs),
                 "publish_s": max(p["publish_s"] for p in pubs),
                 "other_paths_match_cold_start": checks,
+                "trainer_tokens": probed["tokens"][0],
+                "trainer_tokens_match_cold_start": probed["tokens"][0] == expected,
+                "trainer_margins": probed["margins"][0],
+                "probe_s": probed["seconds"],
                 "instances": instances,
             }
         )
@@ -525,6 +565,53 @@ class Loop:
             f"stall {stalls}",
             flush=True,
         )
+
+    def perturbed_step(self, step: int) -> dict[str, Any]:
+        """One more step whose refit must roll back: every engine's logits carry a fixed
+        random bias (the examples' worker extension, not mx), so its greedy tokens differ from
+        the outputs the trainer published where the trainer's choice was clear; the control
+        plane's post-update check fails, every engine goes back to the previous version."""
+        args, label = self.args, f"step-{step}"
+        prev = self.report["versions"][-1]["version_id"]
+        before = {s.url: s.generate(PROMPT, MAX_NEW) for s in self.servers}
+        self.control.declare(label, self.tensors, trainer_layout=TRAINER_LAYOUT)
+        for t in self.trainers:
+            t.send("step", label, f"step-{step - 1}", args.timeout)
+        [t.recv("published", args.timeout) for t in self.trainers]
+        for t in self.trainers:
+            t.send("probe", label, args.timeout)
+        [t.recv("probed", args.timeout) for t in self.trainers]
+        rpc = {"method": "perturb_logits", "args": ["8.0"]}
+        _both(self.servers, lambda s: _ok("perturb_logits", s.call("POST", "/collective_rpc", rpc)))
+        try:
+            r = _refit(self.control, label, [f"{i}-tp0" for i in self.instances], args.timeout)
+        finally:
+            off = {"method": "unperturb_logits"}
+            _both(self.servers, lambda s: _ok("unperturb", s.call("POST", "/collective_rpc", off)))
+        errors = [c.error for w in r.workers.values() for c in w.calls if c.error]
+        after = {}
+        for s in self.servers:
+            info = _ok("weight_info", s.call("GET", "/weight_info"))
+            after[s.url] = {
+                "weight_version": info["weight_version"],
+                "tokens_as_before": s.generate(PROMPT, MAX_NEW) == before[s.url],
+            }
+        ok = (
+            str(r.outcome) == "ROLLED_BACK"
+            and _check_source(r) == f"published with {label} by its trainer"
+            and any("the trainer's choice there was clear" in e for e in errors)
+            and all(a["weight_version"] == prev and a["tokens_as_before"] for a in after.values())
+        )
+        print(f"step {step} (engines perturbed): {r.outcome}: {r.reason}", flush=True)
+        return {
+            "label": label,
+            "outcome": str(r.outcome),
+            "reason": r.reason,
+            "errors": errors,
+            "after": after,
+            "rolled_back_to": prev,
+            "ok": ok,
+        }
 
     def stop(self) -> None:
         rss = self.report["peak_rss_bytes"]
@@ -553,6 +640,8 @@ def run(args: argparse.Namespace, work: str) -> dict[str, Any]:
             previous = {s.url: s.generate(PROMPT, MAX_NEW) for s in loop.servers}
             for step in range(1, args.steps + 1):
                 loop.step(step, previous)
+            if args.perturbed_check:
+                loop.report["perturbed_check"] = loop.perturbed_step(args.steps + 1)
         finally:
             loop.stop()
         report = loop.report
@@ -593,12 +682,18 @@ def main() -> int:
     ap.add_argument("--paths", default=None, help="comma-separated: mx,disk,broadcast")
     ap.add_argument("--ci", action="store_true", help="--steps 2 --instances 1 --paths mx")
     ap.add_argument("--tp3", action="store_true")
+    ap.add_argument(
+        "--perturbed-check",
+        action="store_true",
+        default=None,
+        help="one more step with every engine's logits biased: its refit must roll back",
+    )
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--report", required=True)
     ap.add_argument("--keep", action="store_true")
     args = ap.parse_args()
-    ci = {"steps": 2, "instances": 1, "paths": "mx"}
-    full = {"steps": 3, "instances": 2, "paths": ",".join(PATHS)}
+    ci = {"steps": 2, "instances": 1, "paths": "mx", "perturbed_check": True}
+    full = {"steps": 3, "instances": 2, "paths": ",".join(PATHS), "perturbed_check": True}
     for k, v in (ci if args.ci else full).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -630,6 +725,12 @@ def main() -> int:
             for path, m in s["other_paths_match_cold_start"].items()
             for url, matched in m.items()
             if not matched
+        ]
+        pc = report.get("perturbed_check")
+        if pc is not None and not pc["ok"]:
+            bad.append(("perturbed_check", pc["outcome"], pc["reason"]))
+        bad += [
+            (s["step"], "mx check", s["label"]) for s in report["steps"] if not s["trainer_tokens"]
         ]
         report["all_checks_hold"] = not bad and len(report["steps"]) == args.steps
         report["failed_checks"] = bad

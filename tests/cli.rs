@@ -156,3 +156,43 @@ fn a_journal_of_the_retired_commit_path_is_refused_naming_the_line() {
         );
     }
 }
+
+#[test]
+fn a_reader_that_stops_reading_ends_mx_journal_quietly() {
+    // Issue 30, item 7: `mx journal FILE | head` panicked ("failed printing to stdout: Broken
+    // pipe") with a backtrace. It now ends as `cat` does: SIGPIPE, nothing on stderr.
+    use std::io::Read;
+    use std::os::unix::process::ExitStatusExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let journal = tmp.path().join("j.jsonl");
+    let lines: String = (1..=20_000)
+        .map(|i| {
+            format!(
+                r#"{{"seq":{i},"unix_ms":{i},"record":{{"op":"register","worker_id":"w{i}","instance":"w{i}","ranks":[0],"layout":{{"scheme":"VllmTp","world_size":1}}}}}}"#
+            ) + "\n"
+        })
+        .collect();
+    std::fs::write(&journal, lines).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_mx"))
+        .args(["journal", journal.to_str().unwrap()])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = [0u8; 64];
+    child.stdout.take().unwrap().read_exact(&mut first).unwrap(); // then the pipe closes
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !err.contains("panicked") && !err.contains("Broken pipe"),
+        "{err}"
+    );
+    const SIGPIPE: i32 = 13; // Linux
+    assert_eq!(
+        out.status.signal(),
+        Some(SIGPIPE),
+        "{:?}: {err}",
+        out.status
+    );
+    assert!(String::from_utf8_lossy(&first).starts_with(r#"{"seq":1"#));
+}

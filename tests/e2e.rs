@@ -311,7 +311,8 @@ fn a_flipped_byte_in_a_source_fails_the_stage_and_the_worker_is_not_admitted() {
     );
     let (_, s) = mx(&["status", "--control", &a]);
     assert!(
-        s.contains("Failed") && s.contains("gated (no weights resident)"),
+        s.contains("Failed")
+            && s.contains("gated (no weights resident: `mx refit --label LABEL --workers"),
         "{s}"
     );
 }

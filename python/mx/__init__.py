@@ -40,6 +40,7 @@ _nixl.configure()
 
 from . import _mx  # noqa: E402
 from ._control import Control, ControlPlane  # noqa: E402
+from ._expected import expected_outputs  # noqa: E402
 from ._model import Model  # noqa: E402
 from ._publisher import Publisher, Shard  # noqa: E402
 from ._puller import (  # noqa: E402
@@ -54,9 +55,11 @@ from ._puller import (  # noqa: E402
 )
 from ._types import (  # noqa: E402
     Call,
+    ExpectedOutputs,
     FleetStatus,
     GenerationCheck,
     Outcome,
+    Probe,
     RefitResult,
     TensorSpec,
     VersionInfo,
@@ -111,6 +114,7 @@ __all__ = [
     "Call",
     "Control",
     "ControlPlane",
+    "ExpectedOutputs",
     "FleetStatus",
     "GenerationCheck",
     "MemoryReport",
@@ -120,6 +124,7 @@ __all__ = [
     "Outcome",
     "ParamInfo",
     "Piece",
+    "Probe",
     "Publisher",
     "Puller",
     "RefitResult",
@@ -133,6 +138,7 @@ __all__ = [
     "Versions",
     "WorkerOutcome",
     "WorkerStatus",
+    "expected_outputs",
     "__version__",
     "nixl_available",
 ]

@@ -9,6 +9,7 @@ from typing import Any
 
 from . import _mx
 from ._types import (
+    ExpectedOutputs,
     FleetStatus,
     GenerationCheck,
     RefitResult,
@@ -308,6 +309,26 @@ class Control:
         """
         return json.loads(self._inner.accept_journal(reason, timeout))
 
+    def publish_expected_outputs(
+        self, label: str, outputs: ExpectedOutputs, *, timeout: float | None = None
+    ) -> None:
+        """Publishes the outputs version ``label``'s trainer expects of it (computed with its
+        own forward pass on the published weights, e.g. by :func:`mx.expected_outputs`): every
+        refit of the version then checks each engine against them, unless it brings a check of
+        its own or sets ``no_check``. Journaled; publishing the same outputs again is a no-op.
+        Needs the publisher or orchestrator role.
+
+        Raises:
+            MxError: ``NotFound`` for an undeclared label, ``InvalidArgument`` naming the field
+                at fault (``outputs.probes[1].margins``), ``FailedPrecondition`` when other
+                outputs were already published for the version.
+            ValueError: outputs out of bounds (1-16 probes, 1-1024 new tokens, prompts of
+                1-4096 tokens, one margin and log-probability per token).
+        """
+        if not isinstance(outputs, ExpectedOutputs):
+            raise TypeError(f"outputs must be ExpectedOutputs, not {type(outputs).__name__}")
+        self._inner.publish_expected_outputs(label, outputs._wire(), timeout)
+
     def retire_worker(
         self, worker_id: str, reason: str = "", *, timeout: float | None = None
     ) -> None:
@@ -328,7 +349,8 @@ class Control:
         *,
         pause_mode: str = "wait",
         allow_partial: bool = False,
-        check: GenerationCheck | None = None,
+        check: GenerationCheck | ExpectedOutputs | None = None,
+        no_check: bool = False,
         framework_step: int = 0,
         stage_timeout: float = 300.0,
         call_timeout: float = 60.0,
@@ -341,17 +363,19 @@ class Control:
         :meth:`refit` for the arguments and :meth:`wait_refit` to follow it."""
         chk = None
         if check is not None:
-            if not isinstance(check, GenerationCheck):
+            if not isinstance(check, (GenerationCheck, ExpectedOutputs)):
                 raise TypeError(
-                    f"check must be a GenerationCheck or None, not {type(check).__name__}"
+                    "check must be a GenerationCheck, ExpectedOutputs or None, not "
+                    f"{type(check).__name__}"
                 )
-            chk = (list(check.prompt_tokens), check.max_new_tokens, list(check.expected_tokens))
+            chk = check._wire()
         return self._inner.start_refit(
             label,
             _workers(workers),
             pause_mode=pause_mode,
             allow_partial=allow_partial,
             check=chk,
+            no_check=no_check,
             framework_step=framework_step,
             stage_timeout=stage_timeout,
             call_timeout=call_timeout,
@@ -368,7 +392,8 @@ class Control:
         *,
         pause_mode: str = "wait",
         allow_partial: bool = False,
-        check: GenerationCheck | None = None,
+        check: GenerationCheck | ExpectedOutputs | None = None,
+        no_check: bool = False,
         framework_step: int = 0,
         stage_timeout: float = 300.0,
         call_timeout: float = 60.0,
@@ -387,7 +412,9 @@ class Control:
             workers: target worker ids (registered, with engine routes).
             pause_mode: in-flight requests at PREPARE: ``"keep"``, ``"wait"`` or ``"abort"``.
             allow_partial: proceed without workers that are not connected.
-            check: post-update generation on every worker (None: none).
+            check: a post-update check of your own; None (the default): the expected outputs
+                published with the version (:meth:`publish_expected_outputs`), if any.
+            no_check: no post-update generation at all, even with published outputs.
             framework_step: the trainer's step, journaled with the refit.
             stage_timeout: deadline of the whole STAGE phase, seconds.
             call_timeout: deadline of each engine call, seconds.
@@ -416,6 +443,7 @@ class Control:
             pause_mode=pause_mode,
             allow_partial=allow_partial,
             check=check,
+            no_check=no_check,
             framework_step=framework_step,
             stage_timeout=stage_timeout,
             call_timeout=call_timeout,

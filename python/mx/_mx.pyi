@@ -58,6 +58,12 @@ class ControlClient:
     ) -> None: ...
     def accept_journal(self, reason: str, timeout: float | None = None) -> str: ...
     def status(self, timeout: float | None = None) -> str: ...
+    def publish_expected_outputs(
+        self,
+        label: str,
+        check: tuple[list[tuple[list[int], list[int], list[float], list[float]]], int, float, str],
+        timeout: float | None = None,
+    ) -> None: ...
     def start_refit(
         self,
         label: str,
@@ -65,7 +71,9 @@ class ControlClient:
         *,
         pause_mode: str = "wait",
         allow_partial: bool = False,
-        check: tuple[list[int], int, list[int]] | None = None,
+        check: tuple[list[tuple[list[int], list[int], list[float], list[float]]], int, float, str]
+        | None = None,
+        no_check: bool = False,
         framework_step: int = 0,
         stage_timeout: float = 300.0,
         call_timeout: float = 60.0,

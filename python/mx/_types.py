@@ -54,13 +54,51 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class GenerationCheck:
-    """The post-update generation a refit runs on every worker after applying: greedy decoding
-    of ``prompt_tokens`` for ``max_new_tokens`` (>= 1) tokens. With ``expected_tokens`` (golden
-    tokens computed outside mx) the output must equal them; without, it must only succeed."""
+    """A post-update check of your own: greedy decoding of ``prompt_tokens`` for
+    ``max_new_tokens`` (>= 1) tokens on every worker after applying. With ``expected_tokens``
+    (golden tokens computed outside mx) the output must equal them exactly; without, it must
+    only succeed. Prefer :class:`ExpectedOutputs` published with the version."""
 
     prompt_tokens: tuple[int, ...]
     max_new_tokens: int
     expected_tokens: tuple[int, ...] = ()
+
+    def _wire(self) -> tuple:
+        probe = (list(self.prompt_tokens), list(self.expected_tokens), [], [])
+        return ([probe], int(self.max_new_tokens), 0.0, "")
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One probe of a version's expected outputs: a prompt (token ids) and the greedy tokens
+    the trainer's own forward pass produced after it, with, per generated position, the margin
+    ``log p(top1) - log p(top2)`` (nats) and the log-probability of the chosen token."""
+
+    prompt_tokens: tuple[int, ...]
+    tokens: tuple[int, ...]
+    margins: tuple[float, ...] = ()
+    logprobs: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class ExpectedOutputs:
+    """The outputs a version's trainer expects of it (see :func:`mx.expected_outputs` to
+    compute them and :meth:`Control.publish_expected_outputs` to publish them). Every engine's
+    greedy tokens must equal each probe's exactly up to a first near-tie: the first position
+    where they differ is accepted only where the trainer's margin there is below
+    ``tie_margin`` nats (0: mx's default, 0.25, when margins are given), and later tokens are
+    then not compared."""
+
+    probes: tuple[Probe, ...]
+    max_new_tokens: int
+    tie_margin: float = 0.0
+
+    def _wire(self) -> tuple:
+        probes = [
+            (list(p.prompt_tokens), list(p.tokens), list(p.margins), list(p.logprobs))
+            for p in self.probes
+        ]
+        return (probes, int(self.max_new_tokens), float(self.tie_margin), "")
 
 
 @dataclass(frozen=True)

@@ -231,3 +231,37 @@ def test_security_files_are_checked_at_start(tmp_path):
     # Without tokens only a loopback address is served.
     with pytest.raises(mx.MxError, match="non-loopback"):
         mx.ControlPlane(journal=tmp_path / "j.jsonl", listen="0.0.0.0:0")
+
+
+def test_expected_outputs_are_computed_published_once_and_checked(control):
+    """Issue 30, item 1: a trainer's greedy tokens with their top-two margins, from its own
+    forward pass, published with the version; bounds checked naming the field; set once."""
+    import torch
+
+    vocab = 7
+
+    def forward(ids):  # logits favour (last token + 1) % vocab by 2 nats, next best by 1
+        t = ids.shape[1]
+        logits = torch.zeros(1, t, vocab)
+        for i in range(t):
+            nxt = (int(ids[0, i]) + 1) % vocab
+            logits[0, i, nxt] = 2.0
+            logits[0, i, (nxt + 1) % vocab] = 1.0
+        return logits
+
+    out = mx.expected_outputs(forward, [[3], [5, 6]], 3, stop_tokens=[0])
+    assert [p.tokens for p in out.probes] == [(4, 5, 6), (0,)]
+    for p in out.probes:
+        assert all(abs(m - 1.0) < 1e-5 for m in p.margins), p
+        assert len(p.logprobs) == len(p.tokens) and all(lp < 0 for lp in p.logprobs)
+    control.declare("v1", TENSORS, trainer_layout="fsdp:2")
+    control.publish_expected_outputs("v1", out)
+    control.publish_expected_outputs("v1", out)  # the same again: a no-op
+    other = mx.ExpectedOutputs((mx.Probe((3,), (1, 2, 3), (1.0, 1.0, 1.0)),), 3)
+    with pytest.raises(mx.MxError, match="already published"):
+        control.publish_expected_outputs("v1", other)
+    bad = mx.ExpectedOutputs((mx.Probe((3,), (1, 2), (1.0,)),), 3)
+    with pytest.raises(ValueError, match=r"check\.probes\[0\]\.margins: 1 values for 2 tokens"):
+        control.publish_expected_outputs("v1", bad)
+    with pytest.raises(mx.MxError, match="NotFound|not declared|unknown"):
+        control.publish_expected_outputs("nope", out)

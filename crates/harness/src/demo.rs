@@ -166,11 +166,11 @@ async fn check_for(
     let expected =
         tokio::task::spawn_blocking(move || mx_cli::refits::golden(&dir, k, &prompt, CHECK_TOKENS))
             .await??;
-    Ok(Some(GenerationCheck {
-        prompt_tokens: mx_engine::golden::CHECK_PROMPT.to_vec(),
-        max_new_tokens: CHECK_TOKENS,
-        expected_tokens: expected,
-    }))
+    Ok(Some(GenerationCheck::tokens(
+        mx_engine::golden::CHECK_PROMPT.to_vec(),
+        CHECK_TOKENS,
+        expected,
+    )))
 }
 
 /// Runs `mx-lab demo`: starts the fleet, refits it through the versions, checks every worker's
@@ -389,9 +389,15 @@ async fn run_async(args: DemoArgs) -> anyhow::Result<()> {
             "{label}: refit (stage, pause, apply, verify, resume,{} commit)",
             if check.is_some() { " check," } else { "" }
         ));
-        let golden_tokens = check.as_ref().map(|c| c.expected_tokens.clone());
+        let golden_tokens = check.as_ref().map(|c| {
+            c.probes
+                .first()
+                .map(|p| p.tokens.clone())
+                .unwrap_or_default()
+        });
         let refit_id = client
             .refit(&RefitSpec {
+                no_check: false,
                 label: label.clone(),
                 worker_ids: worker_ids.clone(),
                 pause_mode: PauseMode::Wait,

@@ -257,15 +257,12 @@ pub unsafe extern "C" fn mx_control_refit(
             return Err(FfiError::arg("outcome", "NULL output pointer"));
         }
         let spec = RefitSpec {
+            no_check: false,
             label: label.to_string(),
             worker_ids: workers,
             pause_mode: mx_control::PauseMode::Wait,
             allow_partial: false,
-            check: (check != 0).then(|| GenerationCheck {
-                prompt_tokens: vec![1],
-                max_new_tokens: 1,
-                expected_tokens: Vec::new(),
-            }),
+            check: (check != 0).then(|| GenerationCheck::tokens(vec![1], 1, Vec::new())),
             framework_step: 0,
             stage_timeout_ms: 0,
             call_timeout_ms: 0,

@@ -576,11 +576,33 @@ impl ControlClient {
         json_text(py, &json!({"accepted": accepted, "resumed_refit": resumed}))
     }
 
+    /// Publishes the outputs version `label`'s trainer expects of it (`check`: a check tuple,
+    /// see `generation_check`); every refit of it then checks against them by default.
+    #[pyo3(signature = (label, check, timeout = None))]
+    fn publish_expected_outputs(
+        &self,
+        py: Python<'_>,
+        label: String,
+        check: CheckTuple,
+        timeout: Option<f64>,
+    ) -> PyResult<()> {
+        check_label(&label)?;
+        let timeout = self.deadline(timeout)?;
+        let outputs = generation_check(check)?;
+        self.call(
+            py,
+            "PublishExpectedOutputs",
+            timeout,
+            self.client.publish_expected_outputs(&label, &outputs),
+        )
+    }
+
     /// Starts a refit and returns its id at once.
     #[pyo3(signature = (
         label, workers, *, pause_mode = "wait", allow_partial = false, check = None,
-        framework_step = 0, stage_timeout = 300.0, call_timeout = 60.0, apply_parallelism = 0,
-        orchestrator_gated = false, verify_from_apply_answer = false, timeout = None
+        no_check = false, framework_step = 0, stage_timeout = 300.0, call_timeout = 60.0,
+        apply_parallelism = 0, orchestrator_gated = false, verify_from_apply_answer = false,
+        timeout = None
     ))]
     #[allow(clippy::too_many_arguments)] // reason: mirrors RefitSpec's fields as keyword arguments
     fn start_refit(
@@ -590,7 +612,8 @@ impl ControlClient {
         workers: Vec<String>,
         pause_mode: &str,
         allow_partial: bool,
-        check: Option<(Vec<u32>, u32, Vec<u32>)>,
+        check: Option<CheckTuple>,
+        no_check: bool,
         framework_step: u64,
         stage_timeout: f64,
         call_timeout: f64,
@@ -608,19 +631,9 @@ impl ControlClient {
             let d = seconds(name, v)?;
             Ok(u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1))
         };
-        let check = check.map(
-            |(prompt_tokens, max_new_tokens, expected_tokens)| GenerationCheck {
-                prompt_tokens,
-                max_new_tokens,
-                expected_tokens,
-            },
-        );
-        if check.as_ref().is_some_and(|c| c.max_new_tokens == 0) {
-            return Err(PyValueError::new_err(
-                "check: max_new_tokens must be at least 1 (pass check=None for no generation)",
-            ));
-        }
+        let check = check.map(generation_check).transpose()?;
         let spec = RefitSpec {
+            no_check,
             label,
             worker_ids: workers,
             pause_mode,
@@ -669,4 +682,37 @@ impl ControlClient {
     fn __repr__(&self) -> String {
         format!("Control(url={:?})", self.url)
     }
+}
+
+/// A post-update check as Python passes it: `(probes, max_new_tokens, tie_margin, source)`,
+/// each probe `(prompt_tokens, tokens, margins, logprobs)`.
+type CheckTuple = (Vec<ProbeTuple>, u32, f32, String);
+type ProbeTuple = (Vec<u32>, Vec<u32>, Vec<f32>, Vec<f32>);
+
+/// Builds and checks a post-update check from its Python form ([`CheckTuple`]).
+///
+/// # Errors
+/// `ValueError` naming the field at fault (`check.probes[0].margins: ...`).
+fn generation_check(c: CheckTuple) -> PyResult<GenerationCheck> {
+    let (probes, max_new_tokens, tie_margin, source) = c;
+    let check = GenerationCheck {
+        probes: probes
+            .into_iter()
+            .map(
+                |(prompt_tokens, tokens, margins, logprobs)| mx_control::Probe {
+                    prompt_tokens,
+                    tokens,
+                    margins,
+                    logprobs,
+                },
+            )
+            .collect(),
+        max_new_tokens,
+        tie_margin,
+        source,
+    };
+    check
+        .validate()
+        .map_err(|(field, reason)| PyValueError::new_err(format!("check.{field}: {reason}")))?;
+    Ok(check)
 }

@@ -314,6 +314,7 @@ async fn stage_version(
 /// The refit every round asks for.
 fn refit_spec(a: &ControlArgs, label: &str, ids: &[String], step: u64) -> RefitSpec {
     RefitSpec {
+        no_check: false,
         label: label.to_string(),
         worker_ids: ids.to_vec(),
         pause_mode: PauseMode::Keep,

@@ -275,6 +275,7 @@ async fn mx_refit(
     let t = Instant::now();
     let id = client
         .refit(&RefitSpec {
+            no_check: false,
             label: label.to_string(),
             worker_ids: ids.to_vec(),
             pause_mode: PauseMode::Keep,

@@ -257,6 +257,7 @@ async fn prepare(
     .context("waiting for the peer worker")?;
     let id = client
         .refit(&RefitSpec {
+            no_check: false,
             label: "v2-1".into(),
             worker_ids: vec!["peer".into()],
             pause_mode: PauseMode::Wait,

@@ -301,15 +301,16 @@ impl Fleet {
     fn spec_on(&self, label: &str, workers: &[&str]) -> anyhow::Result<RefitSpec> {
         let (_, golden) = self.versions.get(label).context("unknown label")?;
         Ok(RefitSpec {
+            no_check: false,
             label: s(label),
             worker_ids: workers.iter().map(|w| s(w)).collect(),
             pause_mode: PauseMode::Wait,
             allow_partial: false,
-            check: Some(GenerationCheck {
-                prompt_tokens: mx_engine::golden::CHECK_PROMPT.to_vec(),
-                max_new_tokens: CHECK_TOKENS,
-                expected_tokens: golden.clone(),
-            }),
+            check: Some(GenerationCheck::tokens(
+                mx_engine::golden::CHECK_PROMPT.to_vec(),
+                CHECK_TOKENS,
+                golden.clone(),
+            )),
             framework_step: label.trim_start_matches("step-").parse().unwrap_or(0),
             stage_timeout_ms: 120_000,
             call_timeout_ms: CALL_TIMEOUT_MS,

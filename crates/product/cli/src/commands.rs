@@ -577,6 +577,7 @@ pub(crate) async fn commit(args: CommitArgs) -> anyhow::Result<()> {
         pause_mode: mx_control::PauseMode::Wait,
         allow_partial: false,
         check: None,
+        no_check: false,
         framework_step: 0,
         stage_timeout_ms: wait_s.saturating_mul(1000).max(1),
         call_timeout_ms: mx_control::refit::DEFAULT_CALL_TIMEOUT_MS,

@@ -21,6 +21,9 @@ pub const EXIT_ROLLED_BACK: i32 = 11;
 pub const EXIT_FENCED: i32 = 12;
 /// The control plane refused the caller's credentials or role (sysexits' EX_NOPERM).
 pub const EXIT_NO_PERMISSION: i32 = 77;
+/// TLS refused the connection to the control plane (its certificate, the client's CA), or
+/// one side spoke TLS and the other did not (sysexits' EX_PROTOCOL): not "unreachable".
+pub const EXIT_TLS: i32 = 76;
 
 /// The exit status for `e`: the documented ones above for the errors that have one, 1
 /// otherwise. (`mx control` exits 74 itself when its journal cannot be written.) Every
@@ -36,6 +39,9 @@ pub fn exit_code(e: &anyhow::Error) -> i32 {
             };
         }
         if let Some(c) = cause.downcast_ref::<mx_control::Error>() {
+            if matches!(c, mx_control::Error::Tls { .. }) {
+                return EXIT_TLS;
+            }
             match c.code() {
                 tonic::Code::Unavailable => return EXIT_CONTROL_UNREACHABLE,
                 tonic::Code::Unauthenticated | tonic::Code::PermissionDenied => {

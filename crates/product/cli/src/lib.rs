@@ -69,7 +69,8 @@ pub enum Cmd {
     /// Show versions and workers.
     Status(StatusArgs),
     /// Move a worker set to a version: STAGE, PREPARE (pause), APPLY, VERIFY, RESUME, CHECK
-    /// (post-update generation against golden tokens), COMMIT; or ABORT / ROLLBACK.
+    /// (greedy generations against the outputs published with the version), COMMIT; or ABORT /
+    /// ROLLBACK.
     Refit(refit_cmd::RefitArgs),
     /// Export a READY version to object storage (S3): canonical safetensors, or an XOR delta
     /// against --base; recorded at the control plane so workers can stage from it.
@@ -108,16 +109,35 @@ pub fn run(cmd: Cmd) -> anyhow::Result<()> {
     match cmd {
         Cmd::Control(a) => runtime()?.block_on(commands::control(a)),
         Cmd::Worker(a) => runtime()?.block_on(commands::worker(a)),
-        Cmd::Plan(a) => plan_cmd::run(a),
+        Cmd::Plan(a) => {
+            quiet_on_closed_stdout();
+            plan_cmd::run(a)
+        }
         Cmd::Declare(a) => runtime()?.block_on(commands::declare(a)),
         Cmd::Stage(a) => runtime()?.block_on(commands::stage(a)),
         Cmd::Commit(a) => runtime()?.block_on(commands::commit(a)),
         Cmd::Status(a) => runtime()?.block_on(commands::status(a)),
         Cmd::Refit(a) => runtime()?.block_on(refit_cmd::run(a)),
         Cmd::Export(a) => runtime()?.block_on(export_cmd::run(a)),
-        Cmd::Journal(a) => commands::journal(a),
+        Cmd::Journal(a) => {
+            quiet_on_closed_stdout();
+            commands::journal(a)
+        }
         Cmd::Retire(a) => runtime()?.block_on(commands::retire(a)),
         Cmd::AcceptJournal(a) => runtime()?.block_on(commands::accept_journal(a)),
+    }
+}
+
+/// For the commands that only read local files and print (`mx journal`, `mx plan`): a reader
+/// that stops reading (`mx journal FILE | head`) ends the process quietly, as it ends `cat`
+/// (SIGPIPE, exit status 141), instead of a panic on the failed print. Not for commands that
+/// talk to the network, where a peer closing a socket must stay an error, which is why Rust
+/// ignores SIGPIPE by default.
+fn quiet_on_closed_stdout() {
+    // SAFETY: restores the default disposition of SIGPIPE before any thread is started or any
+    // file is written; `signal` with SIG_DFL touches no memory of ours.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
 }
 

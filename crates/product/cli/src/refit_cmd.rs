@@ -47,16 +47,26 @@ pub struct RefitArgs {
     /// Proceed without workers that are not connected (default: a missing worker aborts).
     #[arg(long)]
     pub allow_partial: bool,
-    /// Post-update generation prompt (token ids, comma-separated); default: the SmolLM2 check
-    /// prompt "The capital of France is".
+    /// The post-update check by default: the expected outputs the version's trainer published
+    /// (greedy tokens of its probe prompts, exact up to a first near-tie); without them, each
+    /// worker's generation of --check-tokens tokens after the SmolLM2 prompt "The capital of
+    /// France is" must only return tokens. Give --prompt-tokens / --expect-tokens (or the
+    /// demo's --golden-model) for a check of your own, --no-check for none.
+    #[arg(long)]
+    pub no_check: bool,
+    /// Post-update generation prompt of a check of your own (token ids, comma-separated).
     #[arg(long, value_delimiter = ',')]
     pub prompt_tokens: Vec<u32>,
-    /// Tokens the post-update generation decodes (0 = no post-update generation).
+    /// The greedy tokens the engines must produce after --prompt-tokens (comma-separated;
+    /// exact match), e.g. computed with your trainer's forward pass.
+    #[arg(long, value_delimiter = ',', requires = "prompt_tokens")]
+    pub expect_tokens: Vec<u32>,
+    /// Tokens a check of your own decodes (0 = no post-update generation).
     #[arg(long, default_value_t = 4)]
     pub check_tokens: u32,
-    /// Compute the golden tokens from this checkpoint (plus `--golden-version - 1` known
-    /// training steps), outside the workers' path.
-    #[arg(long)]
+    /// The demo's golden tokens: computed from this checkpoint plus `--golden-version - 1`
+    /// of mx's deterministic demo training steps (not a real trainer's: see --expect-tokens).
+    #[arg(long, conflicts_with = "expect_tokens")]
     pub golden_model: Option<PathBuf>,
     /// Which demo version the golden tokens are for (1 = the checkpoint itself).
     #[arg(long)]
@@ -169,31 +179,14 @@ pub(crate) async fn run(a: RefitArgs) -> anyhow::Result<()> {
     if workers.is_empty() {
         bail!("no target workers: none connected with engine routes (start `mx worker`)");
     }
-    let check = if a.check_tokens == 0 {
-        None
-    } else {
-        let prompt = if a.prompt_tokens.is_empty() {
-            mx_engine::golden::CHECK_PROMPT.to_vec()
-        } else {
-            a.prompt_tokens.clone()
-        };
-        let expected = match (&a.golden_model, a.golden_version) {
-            (Some(m), Some(v)) => golden(m, v, &prompt, a.check_tokens)?,
-            (None, None) => Vec::new(),
-            _ => bail!("--golden-model and --golden-version go together"),
-        };
-        Some(GenerationCheck {
-            prompt_tokens: prompt,
-            max_new_tokens: a.check_tokens,
-            expected_tokens: expected,
-        })
-    };
+    let (check, no_check) = refit_check(&a, &client).await?;
     let spec = RefitSpec {
         label: a.label.clone(),
         worker_ids: workers,
         pause_mode: a.pause_mode,
         allow_partial: a.allow_partial,
         check,
+        no_check,
         framework_step: a.framework_step,
         stage_timeout_ms: ms(a.stage_timeout_s, "stage-timeout-s")?,
         call_timeout_ms: ms(a.call_timeout_s, "call-timeout-s")?,
@@ -292,6 +285,71 @@ impl std::fmt::Display for NotCommitted {
 }
 
 impl std::error::Error for NotCommitted {}
+
+/// The post-update check `mx refit` asks for, and whether it asks for none (see
+/// [`RefitArgs::no_check`]); says which on stdout.
+async fn refit_check(
+    a: &RefitArgs,
+    client: &ControlClient,
+) -> anyhow::Result<(Option<GenerationCheck>, bool)> {
+    if a.no_check || a.check_tokens == 0 {
+        println!("post-update check: none (--no-check)");
+        return Ok((None, true));
+    }
+    let own = !a.prompt_tokens.is_empty() || a.golden_model.is_some();
+    if !own {
+        let published = client
+            .get_version(&a.label)
+            .await?
+            .expected_outputs
+            .map(|c| c.probes.len());
+        if let Some(n) = published {
+            println!(
+                "post-update check: the {n} probes' expected outputs published with {} by its trainer",
+                a.label
+            );
+            return Ok((None, false));
+        }
+    }
+    let prompt = if a.prompt_tokens.is_empty() {
+        mx_engine::golden::CHECK_PROMPT.to_vec()
+    } else {
+        a.prompt_tokens.clone()
+    };
+    let (expected, source) = match (&a.golden_model, a.golden_version) {
+        (Some(m), Some(v)) => {
+            println!(
+                "post-update check: computing the demo's golden tokens of version {v} from {}",
+                m.display()
+            );
+            let tokens = golden(m, v, &prompt, a.check_tokens)?;
+            let source = format!(
+                "the demo's golden tokens of version {v}, computed by mx refit from {}",
+                m.display()
+            );
+            (tokens, source)
+        }
+        (None, None) if !a.expect_tokens.is_empty() => {
+            (a.expect_tokens.clone(), "given to mx refit".to_string())
+        }
+        (None, None) => (Vec::new(), String::new()),
+        _ => bail!("--golden-model and --golden-version go together"),
+    };
+    let n = if a.expect_tokens.is_empty() {
+        a.check_tokens
+    } else {
+        u32::try_from(a.expect_tokens.len()).context("--expect-tokens: too many")?
+    };
+    if expected.is_empty() {
+        println!(
+            "post-update check: no expected outputs published with {}: each worker's {n}-token generation only has to return tokens",
+            a.label
+        );
+    }
+    let mut check = GenerationCheck::tokens(prompt, n, expected);
+    check.source = source;
+    Ok((Some(check), false))
+}
 
 /// The registered worker ids (`registered`: id and engine addresses) whose engines the
 /// discovered workers (`discovered`: a name for messages and engine addresses) are, in

@@ -187,15 +187,42 @@ pub fn print_refit(r: &Refit) {
             .next_back()
             .map(|x| format!(" {:?}", x.tokens))
             .unwrap_or_default();
+        // A worker whose last call failed (or never answered) has no established version.
+        let last_failed = w
+            .calls
+            .last()
+            .is_some_and(|c| c.result.as_ref().is_none_or(|x| !x.ok));
+        let resulting = if last_failed && r.outcome.is_some() {
+            "unknown (failed)".to_string()
+        } else {
+            short(&w.resident)
+        };
         println!(
             "  {:<10} {:<17} {:<17} {:>8.3} {:>8} {:>8} {:>8}  {tiers}{tokens}",
             id,
             short(&w.previous),
-            short(&w.resident),
+            resulting,
             w.stage_seconds,
             apply,
             verify,
             check
         );
+    }
+    let next = match r.outcome {
+        Some(mx_control::Outcome::Aborted) => Some(format!(
+            "nothing was applied and every worker kept its version: fix the cause above, then `mx refit --label {}` again",
+            r.spec.label
+        )),
+        Some(mx_control::Outcome::RolledBack) => Some(format!(
+            "every worker is back on its previous version: fix the cause above, then `mx refit --label {}` again",
+            r.spec.label
+        )),
+        Some(mx_control::Outcome::Fenced) => Some(
+            "the fenced workers are gated until they register anew (restart them) or a refit of them settles: `mx refit --label <the fleet's version, mx status> --workers <them> --join`".to_string(),
+        ),
+        _ => None,
+    };
+    if let Some(n) = next {
+        println!("  next: {n}");
     }
 }

@@ -11,7 +11,7 @@ use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
 use crate::convert;
 use crate::pb;
 use crate::pb::control_plane_client::ControlPlaneClient;
-use crate::refit::{Refit, RefitSpec, Registration};
+use crate::refit::{GenerationCheck, Refit, RefitSpec, Registration};
 use crate::server::MAX_MESSAGE_BYTES;
 use crate::types::{
     ArtifactRecord, Command, FleetStatus, Release, StagedReport, VersionInfo, VersionState,
@@ -348,13 +348,20 @@ impl ControlClient {
         if addr.contains(',') {
             return ControlClient::connect_leader(addr, auth).await;
         }
-        let channel = endpoint(addr, auth)?
-            .connect()
-            .await
-            .map_err(|source| Error::Transport {
-                addr: addr.to_string(),
-                source,
-            })?;
+        let channel =
+            endpoint(addr, auth)?.connect().await.map_err(
+                |source| match crate::error::tls_failure(&source) {
+                    Some((reason, fix)) => Error::Tls {
+                        rpc: "connect",
+                        reason,
+                        fix,
+                    },
+                    None => Error::Transport {
+                        addr: addr.to_string(),
+                        source,
+                    },
+                },
+            )?;
         Ok(ControlClient::over(channel, auth))
     }
 
@@ -1065,6 +1072,33 @@ impl ControlClient {
                 artifact: Some(convert::artifact_pb(a)),
             },
             |mut rpc, req| async move { rpc.register_artifact(req).await },
+        )
+        .await?;
+        Ok(())
+    }
+
+    /// Publishes the outputs version `label`'s trainer expects of it ([`crate::check`]): greedy
+    /// tokens of each probe prompt from its own forward pass, with its top-two margins. Every
+    /// refit of the version then checks against them unless it brings a check of its own or
+    /// sets `no_check`. A `tie_margin` of 0 with margins given becomes
+    /// [`crate::check::DEFAULT_TIE_MARGIN`]. Journaled; the same outputs again are a no-op.
+    ///
+    /// # Errors
+    /// [`Error::Rpc`]: `NotFound` for an undeclared label, `InvalidArgument` naming the field
+    /// at fault (`outputs.probes[1].margins`), `FailedPrecondition` when other outputs were
+    /// already published for the version.
+    pub async fn publish_expected_outputs(
+        &self,
+        label: &str,
+        outputs: &GenerationCheck,
+    ) -> Result<(), Error> {
+        self.retrying(
+            "PublishExpectedOutputs",
+            pb::PublishExpectedOutputsRequest {
+                label: label.to_string(),
+                outputs: Some(convert::generation_check_pb(outputs)),
+            },
+            |mut rpc, req| async move { rpc.publish_expected_outputs(req).await },
         )
         .await?;
         Ok(())

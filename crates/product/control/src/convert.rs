@@ -443,6 +443,7 @@ pub(crate) fn version_info_pb(v: &VersionInfo) -> pb::VersionInfo {
             })
             .collect(),
         proof: v.proof.as_ref().map(proof_pb),
+        expected_outputs: v.expected_outputs.as_ref().map(generation_check_pb),
     }
 }
 
@@ -698,6 +699,11 @@ pub(crate) fn version_info(p: &pb::VersionInfo) -> Result<VersionInfo, Error> {
             .map(|r| release(r, "release"))
             .transpose()?,
         proof: p.proof.as_ref().map(|x| proof(x, "proof")).transpose()?,
+        expected_outputs: p
+            .expected_outputs
+            .as_ref()
+            .map(|c| generation_check(c, "expected_outputs"))
+            .transpose()?,
     })
 }
 
@@ -829,39 +835,18 @@ pub(crate) fn pause_mode_pb(m: PauseMode) -> i32 {
 
 /// Decodes a refit request into a spec (defaults filled in; checks the check).
 pub(crate) fn refit_spec(p: &pb::RefitRequest) -> Result<RefitSpec, Error> {
-    let check = match &p.check {
-        None => None,
-        Some(c) => {
-            if c.prompt_tokens.is_empty() {
-                return Err(invalid("check.prompt_tokens", "empty prompt"));
-            }
-            if c.max_new_tokens == 0 {
-                return Err(invalid("check.max_new_tokens", "must be >= 1"));
-            }
-            if !c.expected_tokens.is_empty() && c.expected_tokens.len() != c.max_new_tokens as usize
-            {
-                return Err(invalid(
-                    "check.expected_tokens",
-                    format!(
-                        "{} golden tokens for max_new_tokens {}",
-                        c.expected_tokens.len(),
-                        c.max_new_tokens
-                    ),
-                ));
-            }
-            Some(GenerationCheck {
-                prompt_tokens: c.prompt_tokens.clone(),
-                max_new_tokens: c.max_new_tokens,
-                expected_tokens: c.expected_tokens.clone(),
-            })
-        }
-    };
+    let check = p
+        .check
+        .as_ref()
+        .map(|c| generation_check(c, "check"))
+        .transpose()?;
     Ok(RefitSpec {
         label: label(&p.label, "label")?,
         worker_ids: p.worker_ids.clone(),
         pause_mode: pause_mode(p.pause_mode, "pause_mode")?,
         allow_partial: p.allow_partial,
         check,
+        no_check: p.no_check,
         framework_step: p.framework_step,
         stage_timeout_ms: if p.stage_timeout_ms == 0 {
             crate::refit::DEFAULT_STAGE_TIMEOUT_MS
@@ -886,11 +871,8 @@ pub(crate) fn refit_request_pb(s: &RefitSpec) -> pb::RefitRequest {
         worker_ids: s.worker_ids.clone(),
         pause_mode: pause_mode_pb(s.pause_mode),
         allow_partial: s.allow_partial,
-        check: s.check.as_ref().map(|c| pb::GenerationCheck {
-            prompt_tokens: c.prompt_tokens.clone(),
-            max_new_tokens: c.max_new_tokens,
-            expected_tokens: c.expected_tokens.clone(),
-        }),
+        check: s.check.as_ref().map(generation_check_pb),
+        no_check: s.no_check,
         framework_step: s.framework_step,
         stage_timeout_ms: s.stage_timeout_ms,
         call_timeout_ms: s.call_timeout_ms,
@@ -898,6 +880,68 @@ pub(crate) fn refit_request_pb(s: &RefitSpec) -> pb::RefitRequest {
         orchestrator_gated: s.orchestrator_gated,
         verify_from_apply_answer: s.verify_from_apply_answer,
         request_id: 0,
+    }
+}
+
+/// Decodes a post-update check (`field`: where it sits in the request), either form (probes,
+/// or one prompt with its golden tokens), and checks it ([`GenerationCheck::validate`]).
+pub(crate) fn generation_check(
+    c: &pb::GenerationCheck,
+    field: &str,
+) -> Result<GenerationCheck, Error> {
+    let single = !c.prompt_tokens.is_empty() || !c.expected_tokens.is_empty();
+    if single && !c.probes.is_empty() {
+        return Err(invalid(
+            &format!("{field}.probes"),
+            "give probes or prompt_tokens/expected_tokens, not both",
+        ));
+    }
+    let probes = if single {
+        vec![crate::check::Probe {
+            prompt_tokens: c.prompt_tokens.clone(),
+            tokens: c.expected_tokens.clone(),
+            ..crate::check::Probe::default()
+        }]
+    } else {
+        c.probes
+            .iter()
+            .map(|p| crate::check::Probe {
+                prompt_tokens: p.prompt_tokens.clone(),
+                tokens: p.tokens.clone(),
+                margins: p.margins.clone(),
+                logprobs: p.logprobs.clone(),
+            })
+            .collect()
+    };
+    let check = GenerationCheck {
+        probes,
+        max_new_tokens: c.max_new_tokens,
+        tie_margin: c.tie_margin,
+        source: c.source.clone(),
+    };
+    check
+        .validate()
+        .map_err(|(f, reason)| invalid(&format!("{field}.{f}"), reason))?;
+    Ok(check)
+}
+
+/// Encodes a post-update check (always as probes).
+pub(crate) fn generation_check_pb(c: &GenerationCheck) -> pb::GenerationCheck {
+    pb::GenerationCheck {
+        probes: c
+            .probes
+            .iter()
+            .map(|p| pb::Probe {
+                prompt_tokens: p.prompt_tokens.clone(),
+                tokens: p.tokens.clone(),
+                margins: p.margins.clone(),
+                logprobs: p.logprobs.clone(),
+            })
+            .collect(),
+        max_new_tokens: c.max_new_tokens,
+        tie_margin: c.tie_margin,
+        source: c.source.clone(),
+        ..pb::GenerationCheck::default()
     }
 }
 

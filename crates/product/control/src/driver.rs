@@ -12,6 +12,7 @@ use mx_adapters::generate::Generation;
 use mx_adapters::{client_for, Answer, EngineClient};
 use mx_layout::{ResidentVersion, VersionId};
 
+use crate::check::GenerationCheck;
 use crate::observe;
 use crate::record::{WorkerResult, MAX_BATCH_WORKERS};
 use crate::refit::{
@@ -61,17 +62,73 @@ fn no_check() -> CallResult {
     done("no check requested")
 }
 
-/// The answer of a post-update generation.
-fn generated(g: Result<Generation, mx_adapters::Error>) -> CallResult {
-    match g {
-        Ok(g) => CallResult {
-            ok: true,
-            tokens: g.output_ids,
-            version: g.weight_version,
-            ..CallResult::default()
-        },
-        Err(e) => failed(e),
+/// The post-update generation: every probe of `check` in turn on `engine`, each judged by the
+/// rule of `crate::check` (`label`: the target version, for messages). The result holds the
+/// tokens of the first probe that failed, else of the first probe.
+async fn check_generations(
+    engine: &dyn EngineClient,
+    check: &GenerationCheck,
+    label: &str,
+) -> CallResult {
+    use crate::check::{judge, Judged};
+    let mut result = CallResult {
+        ok: true,
+        ..CallResult::default()
+    };
+    let (mut exact, mut ties, mut unchecked) = (0usize, Vec::new(), 0usize);
+    for (i, probe) in check.probes.iter().enumerate() {
+        let g: Generation = match engine
+            .generate(&probe.prompt_tokens, check.max_new_tokens)
+            .await
+        {
+            Ok(g) => g,
+            Err(e) => return failed(format!("probe {i}: {e}")),
+        };
+        if i == 0 {
+            result.tokens.clone_from(&g.output_ids);
+            result.version = g.weight_version.clone();
+        }
+        match judge(probe, &g.output_ids, check.tie_margin) {
+            Ok(Judged::Exact) => exact += 1,
+            Ok(Judged::NearTie { position, margin }) => {
+                ties.push(format!(
+                    "probe {i} at token {position} (margin {margin:.3})"
+                ));
+            }
+            Ok(Judged::Generated) => unchecked += 1,
+            Err(why) => {
+                let of = if check.source.is_empty() {
+                    format!("expected of {label}")
+                } else {
+                    format!("expected of {label}, {}", check.source)
+                };
+                metrics::counter!(observe::VERIFICATION_FAILURES_TOTAL, "check" => "generation")
+                    .increment(1);
+                return CallResult {
+                    tokens: g.output_ids.clone(),
+                    version: g.weight_version,
+                    ..failed(format!(
+                        "post-update generation of probe {i}: {why}: gave {:?}, {of}: {:?}",
+                        g.output_ids, probe.tokens
+                    ))
+                };
+            }
+        }
     }
+    let mut parts = Vec::new();
+    if exact > 0 {
+        parts.push(format!("{exact} exact"));
+    }
+    if !ties.is_empty() {
+        parts.push(format!("near-ties tolerated: {}", ties.join(", ")));
+    }
+    if unchecked > 0 {
+        parts.push(format!(
+            "{unchecked} without expected tokens (tokens returned)"
+        ));
+    }
+    result.message = format!("{} probes: {}", check.probes.len(), parts.join("; "));
+    result
 }
 
 /// One engine call made on behalf of `workers`: the workers (tensor-parallel ranks, each its own
@@ -185,11 +242,8 @@ async fn perform(engine: &dyn EngineClient, action: &Action, spec: &RefitSpec) -
         Action::Resume => answered(engine.resume().await, false),
         Action::Generate => match &spec.check {
             None => no_check(),
-            Some(check) => generated(
-                engine
-                    .generate(&check.prompt_tokens, check.max_new_tokens)
-                    .await,
-            ),
+            // Judged probe by probe, inside.
+            Some(check) => return check_generations(engine, check, &spec.label).await,
         },
     };
     // Judge the values, not only the transport.
@@ -203,27 +257,11 @@ async fn perform(engine: &dyn EngineClient, action: &Action, spec: &RefitSpec) -
                 )),
                 _ => None,
             },
-            Action::Generate => spec.check.as_ref().and_then(|c| {
-                if !c.expected_tokens.is_empty() && r.tokens != c.expected_tokens {
-                    Some(format!(
-                        "post-update generation gave tokens {:?}, golden tokens of {} are {:?}",
-                        r.tokens, spec.label, c.expected_tokens
-                    ))
-                } else if c.expected_tokens.is_empty() && r.tokens.is_empty() {
-                    Some("post-update generation gave no tokens".to_string())
-                } else {
-                    None
-                }
-            }),
             _ => None,
         };
         if let Some(p) = problem {
-            let check = if matches!(action, Action::Generate) {
-                "generation"
-            } else {
-                "version"
-            };
-            metrics::counter!(observe::VERIFICATION_FAILURES_TOTAL, "check" => check).increment(1);
+            metrics::counter!(observe::VERIFICATION_FAILURES_TOTAL, "check" => "version")
+                .increment(1);
             r.ok = false;
             r.error = p;
         }
@@ -623,9 +661,18 @@ impl Ctx<'_> {
     ) -> Result<(), Error> {
         let mut reason = reason;
         if !s.departed.is_empty() {
+            // The version they are to join: the target if it committed, else the fleet's.
+            let label = if done == Outcome::Committed {
+                Some(self.spec.label.clone())
+            } else {
+                self.shared
+                    .read(|st| st.fleet_version().map(|(l, _)| l.clone()))
+            };
+            let ids = s.departed.join(",");
             reason = format!(
-                "{reason}; departed before they could be settled (gated until they register again): {}",
-                s.departed.join(", ")
+                "{reason}; departed before they could be settled (gated, their engines may still be paused): {}; once they are back: `mx refit --label {} --workers {ids} --join`",
+                s.departed.join(", "),
+                label.as_deref().unwrap_or("LABEL"),
             );
         }
         if s.unsettled.is_empty() {
@@ -811,17 +858,7 @@ async fn drive_inner(shared: &Arc<Shared>, id: u64, recovering: bool) -> Result<
     // CHECK: one post-update generation per worker against the golden tokens. Without golden
     // tokens the phase record says that only a non-empty answer was required.
     if let Some(check) = &refit.spec.check {
-        let what = if check.expected_tokens.is_empty() {
-            format!(
-                "no golden tokens given: each worker's {}-token generation only had to return tokens",
-                check.max_new_tokens
-            )
-        } else {
-            format!(
-                "each worker's generation must equal the {} golden tokens",
-                check.expected_tokens.len()
-            )
-        };
+        let what = check_summary(check);
         ctx.phase(Phase::Check, what, false).await?;
         if let Some(reason) = ctx.call_all(&ids, Action::Generate).await? {
             return rollback(&ctx, reason, false).await;
@@ -830,6 +867,28 @@ async fn drive_inner(shared: &Arc<Shared>, id: u64, recovering: bool) -> Result<
     ctx.phase(Phase::Commit, String::new(), false).await?;
     crate::crash::at("end");
     ctx.end(Outcome::Committed, String::new()).await
+}
+
+/// What CHECK requires, for its phase record.
+fn check_summary(check: &GenerationCheck) -> String {
+    let from = if check.source.is_empty() {
+        String::new()
+    } else {
+        format!(" ({})", check.source)
+    };
+    if check.has_expected() {
+        format!(
+            "each worker's greedy generation of {} probes must equal the expected tokens{from}, exact up to a first near-tie below {} nats",
+            check.probes.len(),
+            check.tie_margin
+        )
+    } else {
+        format!(
+            "no expected tokens: each worker's {}-token generation of {} probes only had to return tokens",
+            check.max_new_tokens,
+            check.probes.len()
+        )
+    }
 }
 
 /// APPLY on every worker of `ids`, at most `apply_parallelism` at once (0 = all). After the

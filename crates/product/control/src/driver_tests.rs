@@ -79,15 +79,12 @@ async fn serve() -> (Box<dyn EngineClient>, Shared) {
 
 fn spec(expected_tokens: Vec<u32>) -> RefitSpec {
     RefitSpec {
+        no_check: false,
         label: "step-2".into(),
         worker_ids: vec!["w0".into()],
         pause_mode: PauseMode::Abort,
         allow_partial: false,
-        check: Some(GenerationCheck {
-            prompt_tokens: vec![1, 2, 3],
-            max_new_tokens: 2,
-            expected_tokens,
-        }),
+        check: Some(GenerationCheck::tokens(vec![1, 2, 3], 2, expected_tokens)),
         framework_step: 0,
         stage_timeout_ms: 1000,
         call_timeout_ms: 2000,
@@ -200,7 +197,13 @@ async fn vllm_read_back_of_no_version_and_a_wrong_generation_fail() {
     );
     let r = run(&*engine, Action::Generate, &spec(vec![7, 9])).await;
     assert!(!r.ok);
-    assert!(r.error.contains("golden tokens"), "{}", r.error);
+    assert!(
+        r.error
+            .contains("probe 0: token 1 is 8 where 9 was expected")
+            && r.error.contains("expected of step-2: [7, 9]"),
+        "{}",
+        r.error
+    );
     let mut no_check = spec(vec![]);
     no_check.check = None;
     let r = run(&*engine, Action::Generate, &no_check).await;

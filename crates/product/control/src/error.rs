@@ -174,6 +174,17 @@ pub enum Error {
         /// The transport error.
         source: tonic::transport::Error,
     },
+    /// TLS refused the connection to the control plane (its certificate, or the client's
+    /// trust in it), or one side spoke TLS and the other did not: retrying cannot help.
+    #[error("{rpc}: TLS: {reason}: {fix}")]
+    Tls {
+        /// The call (or `connect`).
+        rpc: &'static str,
+        /// What failed, as the TLS library said it.
+        reason: String,
+        /// What to do.
+        fix: &'static str,
+    },
     /// A call to the control plane returned an error status.
     #[error("{rpc}: {code:?}: {message}")]
     Rpc {
@@ -276,6 +287,7 @@ impl Error {
             Error::WaitNotReached { .. } => Code::DeadlineExceeded,
             Error::Fenced { .. } => Code::Unavailable,
             Error::Transport { .. } => Code::Unavailable,
+            Error::Tls { .. } => Code::FailedPrecondition,
             Error::Rpc { code, .. } => *code,
             Error::JournalIo { .. }
             | Error::JournalCorrupt { .. }
@@ -334,6 +346,18 @@ impl Error {
 
     /// Builds the client-side error from a status returned by `rpc`.
     pub(crate) fn rpc(rpc: &'static str, status: tonic::Status) -> Error {
+        // A TLS refusal reaches a lazily connecting client as UNAVAILABLE (or UNKNOWN); plain
+        // HTTP/2 sent to a TLS port comes back as INTERNAL "h2 protocol error".
+        let transport = match status.code() {
+            tonic::Code::Unavailable | tonic::Code::Unknown => true,
+            tonic::Code::Internal => status.message().contains("h2 protocol error"),
+            _ => false,
+        };
+        if transport {
+            if let Some((reason, fix)) = tls_failure(&status) {
+                return Error::Tls { rpc, reason, fix };
+            }
+        }
         let mut message = status.message().to_string();
         // An HTTP server that is not gRPC (a worker's engine routes, say) answers without a
         // grpc-status header; tonic maps its HTTP status to a code.
@@ -350,6 +374,37 @@ impl Error {
     }
 }
 
+/// What TLS failure, if any, `e` (or a cause of it) is, and what to do about it: a client's
+/// view of a connection the TLS layer refused, or of a TLS and a plain-text side meeting.
+pub(crate) fn tls_failure(e: &(dyn std::error::Error + 'static)) -> Option<(String, &'static str)> {
+    const LEAF: &str = "make a leaf certificate signed by a CA: basicConstraints CA:FALSE, the host name or IP address in subjectAltName, and give clients the CA as MX_CONTROL_CA (README, \"A secured fleet by hand\")";
+    let mut cause = Some(e);
+    while let Some(c) = cause {
+        let text = match c.downcast_ref::<tonic::Status>() {
+            Some(s) => s.message().to_string(),
+            None => c.to_string(),
+        };
+        let found = [
+            ("CaUsedAsEndEntity", "the control plane presents a CA certificate (CA:TRUE, as a one-line `openssl req -x509` makes) as its own", LEAF),
+            ("NotValidForName", "the control plane's certificate does not name the host this client connects to", LEAF),
+            ("UnknownIssuer", "the control plane's certificate is not signed by the CA this client trusts", "set MX_CONTROL_CA to the CA that signed the control plane's certificate"),
+            ("Expired", "the control plane's certificate has expired (or is not yet valid)", LEAF),
+            ("invalid peer certificate", "the control plane's certificate was refused", LEAF),
+            ("InvalidContentType", "the server answered without TLS", "this server does not speak TLS: use http:// (or start it with --tls-cert and --tls-key)"),
+            ("corrupt message", "the server answered without TLS", "this server does not speak TLS: use http:// (or start it with --tls-cert and --tls-key)"),
+            ("h2 protocol error", "the server did not answer plain HTTP/2", "this server speaks TLS: use https:// (and MX_CONTROL_CA)"),
+            ("frame with invalid size", "the server did not answer plain HTTP/2", "this server speaks TLS: use https:// (and MX_CONTROL_CA)"),
+        ]
+        .into_iter()
+        .find(|(needle, _, _)| text.contains(needle));
+        if let Some((_, what, fix)) = found {
+            return Some((format!("{what} ({text})"), fix));
+        }
+        cause = c.source();
+    }
+    None
+}
+
 /// The one place where control-plane errors become gRPC statuses.
 impl From<Error> for tonic::Status {
     fn from(e: Error) -> tonic::Status {
@@ -360,6 +415,35 @@ impl From<Error> for tonic::Status {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tls_failures_are_named_with_their_fix_and_are_not_transient() {
+        let e = Error::rpc(
+            "GetStatus",
+            tonic::Status::new(tonic::Code::Internal, "h2 protocol error: http2 error"),
+        );
+        assert!(
+            matches!(&e, Error::Tls { fix, .. } if fix.contains("speaks TLS: use https://")),
+            "{e}"
+        );
+        assert!(!e.is_transient());
+        let cause = std::io::Error::other("invalid peer certificate: UnknownIssuer");
+        let s = tonic::Status::from_error(Box::new(cause));
+        let e = Error::rpc(
+            "GetStatus",
+            tonic::Status::new(tonic::Code::Unavailable, s.to_string()),
+        );
+        assert!(
+            matches!(&e, Error::Tls { reason, fix, .. } if reason.contains("not signed by the CA") && fix.contains("MX_CONTROL_CA")),
+            "{e}"
+        );
+        // Another server-side INTERNAL error is not taken for TLS.
+        let e = Error::rpc(
+            "GetStatus",
+            tonic::Status::new(tonic::Code::Internal, "Expired lease"),
+        );
+        assert!(matches!(e, Error::Rpc { .. }), "{e}");
+    }
 
     #[test]
     fn a_plain_http_answer_gets_a_hint() {

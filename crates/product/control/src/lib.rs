@@ -44,6 +44,7 @@
 
 pub mod auth;
 pub mod blobs;
+pub mod check;
 pub mod client;
 mod commit;
 mod convert;
@@ -86,7 +87,7 @@ pub use error::{Error, OptionalState};
 pub use identity::engine_addresses;
 pub use refit::{
     model_path, Action, CallResult, EngineApi, EngineEndpoint, GenerationCheck, ModelLimits,
-    Outcome, PauseMode, Phase, Refit, RefitSpec, RefitWorker, Registration, Seen,
+    Outcome, PauseMode, Phase, Probe, Refit, RefitSpec, RefitWorker, Registration, Seen,
 };
 pub use server::{serve, spawn, spawn_ha, ControlPlaneConfig, Security, ServerHandle, TlsIdentity};
 pub use types::{

@@ -67,6 +67,14 @@ pub enum Record {
         /// Where, its manifest's digest, and its base for a delta.
         artifact: ArtifactRecord,
     },
+    /// The outputs a version's trainer expects of it ([`crate::check`]): every refit of the
+    /// version checks against them unless it brings a check of its own or asks for none.
+    ExpectedOutputs {
+        /// Version label.
+        label: String,
+        /// The probes, their expected tokens and margins, and the tolerance.
+        outputs: crate::check::GenerationCheck,
+    },
     /// A worker that holds a version resident serves it from its memory.
     Peer {
         /// Version label.

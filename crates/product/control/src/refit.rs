@@ -94,34 +94,37 @@ impl ModelLimits {
     /// Checks a post-update generation against these limits.
     ///
     /// # Errors
-    /// `(field, reason)`: `check.prompt_tokens[i]` for the first token id outside the vocabulary,
+    /// `(field, reason)`: `check.probes[p].prompt_tokens[i]` for the first token id outside the vocabulary,
     /// `check.max_new_tokens` when prompt plus new tokens exceed the positions.
     pub fn check(&self, c: &GenerationCheck) -> Result<(), (String, String)> {
-        if let Some((i, t)) = c
-            .prompt_tokens
-            .iter()
-            .enumerate()
-            .find(|(_, &t)| u64::from(t) >= self.vocab_size)
-        {
-            return Err((
-                format!("check.prompt_tokens[{i}]"),
-                format!(
-                    "token id {t} is outside the vocabulary of {}",
-                    self.vocab_size
-                ),
-            ));
-        }
-        let need = (c.prompt_tokens.len() as u64).saturating_add(u64::from(c.max_new_tokens));
-        if need > self.max_positions {
-            return Err((
-                "check.max_new_tokens".to_string(),
-                format!(
-                    "{} prompt tokens + {} new exceed max_position_embeddings {}",
-                    c.prompt_tokens.len(),
-                    c.max_new_tokens,
-                    self.max_positions
-                ),
-            ));
+        for (p, probe) in c.probes.iter().enumerate() {
+            if let Some((i, t)) = probe
+                .prompt_tokens
+                .iter()
+                .enumerate()
+                .find(|(_, &t)| u64::from(t) >= self.vocab_size)
+            {
+                return Err((
+                    format!("check.probes[{p}].prompt_tokens[{i}]"),
+                    format!(
+                        "token id {t} is outside the vocabulary of {}",
+                        self.vocab_size
+                    ),
+                ));
+            }
+            let need =
+                (probe.prompt_tokens.len() as u64).saturating_add(u64::from(c.max_new_tokens));
+            if need > self.max_positions {
+                return Err((
+                    "check.max_new_tokens".to_string(),
+                    format!(
+                        "{} prompt tokens of probe {p} + {} new exceed max_position_embeddings {}",
+                        probe.prompt_tokens.len(),
+                        c.max_new_tokens,
+                        self.max_positions
+                    ),
+                ));
+            }
         }
         Ok(())
     }
@@ -134,22 +137,10 @@ pub fn model_path(d: &Digest) -> String {
 
 pub use mx_adapters::PauseMode;
 
-/// The post-update generation: greedy decoding of `prompt_tokens` on every worker after apply.
-#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
-pub struct GenerationCheck {
-    /// Prompt token ids.
-    pub prompt_tokens: Vec<u32>,
-    /// Tokens to generate (>= 1).
-    pub max_new_tokens: u32,
-    /// Golden tokens for the target version, computed outside the workers' path; empty = only
-    /// require that generation succeeds and returns at least one token (an engine may stop
-    /// early at an end-of-sequence token), which catches a dead or erroring engine but not wrong
-    /// weights: give golden tokens for that (`mx refit --golden-model`).
-    pub expected_tokens: Vec<u32>,
-}
+pub use crate::check::{GenerationCheck, Probe};
 
 /// What the orchestrator asks for.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RefitSpec {
     /// Version label (must be READY or already committed once).
     pub label: String,
@@ -159,8 +150,12 @@ pub struct RefitSpec {
     pub pause_mode: PauseMode,
     /// Proceed without workers that are not connected (else a missing worker aborts the refit).
     pub allow_partial: bool,
-    /// The post-update generation.
+    /// The post-update generation (`crate::check`). `None`: the expected outputs published with
+    /// the version, if any, unless `no_check`.
     pub check: Option<GenerationCheck>,
+    /// No post-update generation, even when the version has published expected outputs.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub no_check: bool,
     /// The trainer's step, for the journal (0 = unknown).
     pub framework_step: u64,
     /// Deadline for the whole STAGE phase, milliseconds.

@@ -628,6 +628,30 @@ impl ControlPlane for Service {
         Ok(Response::new(pb::RegisterArtifactResponse {}))
     }
 
+    async fn publish_expected_outputs(
+        &self,
+        req: Request<pb::PublishExpectedOutputsRequest>,
+    ) -> Result<Response<pb::PublishExpectedOutputsResponse>, Status> {
+        let r = req.into_inner();
+        let mut outputs = r
+            .outputs
+            .as_ref()
+            .ok_or_else(|| Error::InvalidField {
+                field: "outputs".into(),
+                reason: "missing".into(),
+            })
+            .and_then(|c| convert::generation_check(c, "outputs"))?;
+        if outputs.tie_margin == 0.0 && outputs.probes.iter().any(|p| !p.margins.is_empty()) {
+            outputs.tie_margin = crate::check::DEFAULT_TIE_MARGIN;
+        }
+        let rec = Record::ExpectedOutputs {
+            label: convert::label(&r.label, "label")?,
+            outputs,
+        };
+        self.shared.mutate(rec).await?;
+        Ok(Response::new(pb::PublishExpectedOutputsResponse {}))
+    }
+
     async fn serve_peer(
         &self,
         req: Request<pb::ServePeerRequest>,
@@ -722,6 +746,17 @@ async fn start_refit(
         });
     }
     spec.worker_ids = seen.into_iter().collect();
+    // Without a check of its own, a refit checks against the outputs the version's trainer
+    // published (`crate::check`), unless it asked for none.
+    if spec.check.is_none() && !spec.no_check {
+        let label = spec.label.clone();
+        spec.check = shared
+            .read(|s| s.expected_outputs(&label).cloned())
+            .map(|mut c| {
+                c.source = format!("published with {label} by its trainer");
+                c
+            });
+    }
     // The post-update check must be one every engine of the set accepts: refused now, before
     // anything pauses, rather than after the fleet applied and must roll back.
     if let Some(check) = &spec.check {

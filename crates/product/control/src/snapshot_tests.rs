@@ -102,6 +102,7 @@ fn refit_with(
         })
         .collect();
     let spec = RefitSpec {
+        no_check: false,
         label: label.into(),
         worker_ids: ids.to_vec(),
         pause_mode: PauseMode::Wait,

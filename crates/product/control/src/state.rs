@@ -91,6 +91,9 @@ struct Version {
     peers: BTreeMap<String, SourceManifest>,
     /// Bumped by every publish into it (a cache over `slots` is stale once it moved).
     revision: u64,
+    /// The outputs its trainer expects of it ([`Record::ExpectedOutputs`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    expected: Option<crate::check::GenerationCheck>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -248,6 +251,21 @@ impl State {
                 })
             }
             Record::Artifact { label, artifact } => self.check_artifact(label, artifact),
+            Record::ExpectedOutputs { label, outputs } => {
+                let v = self.version(label)?;
+                outputs
+                    .validate()
+                    .map_err(|(f, reason)| invalid(format!("outputs.{f}"), reason))?;
+                match &v.expected {
+                    None => Ok(Check::Apply),
+                    Some(had) if had == outputs => Ok(Check::Noop),
+                    Some(_) => Err(Error::VersionState {
+                        label: label.clone(),
+                        state: v.state,
+                        reason: "its expected outputs are already published, and a version's expected outputs do not change: publish the new weights as a new version".into(),
+                    }),
+                }
+            }
             Record::Peer {
                 label,
                 worker_id,
@@ -422,6 +440,12 @@ impl State {
                     if !v.artifacts.iter().any(|a| a.url == artifact.url) {
                         v.artifacts.push(artifact);
                     }
+                }
+                Effects::default()
+            }
+            Record::ExpectedOutputs { label, outputs } => {
+                if let Some(v) = self.versions.get_mut(&label) {
+                    v.expected = Some(outputs);
                 }
                 Effects::default()
             }
@@ -649,17 +673,25 @@ impl State {
             return (false, format!("worker {worker_id} is not registered"));
         };
         let (resident, fenced_by) = (w.resident_id.as_ref(), w.fenced_by);
+        // The command that brings it to the fleet's version (every gated state names it).
+        let join = match &self.fleet_version {
+            Some((label, _)) => format!("mx refit --label {label} --workers {worker_id} --join"),
+            None => format!("mx refit --label LABEL --workers {worker_id}"),
+        };
         if let Some(r) = self.open_refit_of(worker_id) {
             return (
                 false,
-                format!("refit {} to {} in progress", r.id, r.spec.label),
+                format!(
+                    "refit {} to {} in progress (mx status shows its phase)",
+                    r.id, r.spec.label
+                ),
             );
         }
         if let Some(id) = w.departed_from {
             return (
                 false,
                 format!(
-                    "left during refit {id} before it could be settled (its engine may still be paused); admitted again once a refit of it commits or rolls back cleanly"
+                    "left during refit {id} before it could be settled (its engine may still be paused); admitted again once a refit of it commits or rolls back cleanly: `{join}`"
                 ),
             );
         }
@@ -669,9 +701,9 @@ impl State {
                 .get(&s.refit)
                 .is_some_and(|r| r.outcome.is_none())
             {
-                "once the refit ends, the control plane reads its engine's version back"
+                "once the refit ends, the control plane reads its engine's version back".to_string()
             } else {
-                "the control plane reads its engine's version back when the worker registers again; or run a refit of it (mx refit --label L --workers ID)"
+                format!("the control plane reads its engine's version back when the worker registers again; or `{join}`")
             };
             return (
                 false,
@@ -685,23 +717,20 @@ impl State {
             return (
                 false,
                 format!(
-                    "fenced by refit {id}: it could not be brought back, so what is resident is unknown; it is admitted again when it registers anew (restart it) and reports the committed version, or when a later refit of it commits or rolls back cleanly"
+                    "fenced by refit {id}: it could not be brought back, so what is resident is unknown; admitted again when it registers anew (restart it) reporting the committed version, or `{join}`"
                 ),
             );
         }
         match (&self.fleet_version, resident) {
-            (_, None) => (false, "no weights resident".to_string()),
+            (_, None) => (false, format!("no weights resident: `{join}`")),
             (None, Some(v)) => (
                 false,
-                format!("stale: resident {v}, but the fleet has committed no version"),
+                format!("stale: resident {v}, but the fleet has committed no version: `{join}`"),
             ),
-            (Some((label, fleet)), Some(v)) if v.is(*fleet) => {
-                let _ = label;
-                (true, String::new())
-            }
+            (Some((_, fleet)), Some(v)) if v.is(*fleet) => (true, String::new()),
             (Some((label, fleet)), Some(v)) => (
                 false,
-                format!("stale: resident {v}, the fleet committed {label} ({fleet})"),
+                format!("stale: resident {v}, the fleet committed {label} ({fleet}): `{join}`"),
             ),
         }
     }
@@ -1043,6 +1072,11 @@ impl State {
         Some(info)
     }
 
+    /// The outputs `label`'s trainer published for the post-update check, if any.
+    pub fn expected_outputs(&self, label: &str) -> Option<&crate::check::GenerationCheck> {
+        self.versions.get(label)?.expected.as_ref()
+    }
+
     /// [`State::version_info`] with its manifests and peers left empty, and those by
     /// reference, for an answer that selects from them ([`crate::fanout`]).
     pub(crate) fn version_sources(&self, label: &str) -> Option<(VersionInfo, Sources<'_>)> {
@@ -1067,6 +1101,7 @@ impl State {
             artifacts: v.artifacts.clone(),
             peers: Vec::new(),
             proof: None,
+            expected_outputs: v.expected.clone(),
         };
         let sources = Sources {
             revision: v.revision,

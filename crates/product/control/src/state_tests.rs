@@ -253,6 +253,7 @@ fn begin_on(st: &State, label: &str, d: Digest, set: &[(&str, Option<&str>)]) ->
         refit: Box::new(Refit {
             id: st.next_refit_id(),
             spec: crate::refit::RefitSpec {
+                no_check: false,
                 label: label.into(),
                 worker_ids: set.iter().map(|(w, _)| w.to_string()).collect(),
                 pause_mode: crate::refit::PauseMode::Wait,
@@ -732,7 +733,10 @@ fn a_departed_worker_stays_gated_until_a_later_refit_settles_it() {
     st.apply(rec).unwrap();
     let gated = |st: &State| {
         let b = worker(st, "b");
-        !b.admitted && b.admission.contains("left during refit 2")
+        !b.admitted
+            && b.admission.contains("left during refit 2")
+            && b.admission
+                .contains("`mx refit --label v1 --workers b --join`")
     };
     assert!(gated(&st), "{}", worker(&st, "b").admission);
     // Registering again on the committed version does not lift it: its engine may still be
@@ -1247,5 +1251,49 @@ fn an_engine_another_workers_refit_reached_is_read_back_before_its_worker_is_tru
         .unwrap();
     let json = serde_json::to_string(&st).unwrap();
     let back: State = serde_json::from_str(&json).unwrap();
+    assert_eq!(back, st);
+}
+
+#[test]
+fn a_versions_expected_outputs_are_published_once_and_checked() {
+    let (mut st, _) = ready_state();
+    let outputs = |tokens: Vec<u32>| crate::check::GenerationCheck {
+        probes: vec![crate::check::Probe {
+            prompt_tokens: vec![1, 2],
+            margins: vec![1.5; tokens.len()],
+            tokens,
+            logprobs: Vec::new(),
+        }],
+        max_new_tokens: 2,
+        tie_margin: 0.25,
+        source: String::new(),
+    };
+    let rec = |label: &str, o| Record::ExpectedOutputs {
+        label: label.into(),
+        outputs: o,
+    };
+    assert!(st.check(&rec("nope", outputs(vec![3, 4]))).is_err());
+    let mut bad = outputs(vec![3, 4]);
+    bad.probes[0].margins.pop();
+    let e = st.check(&rec("v1", bad)).unwrap_err().to_string();
+    assert!(e.contains("outputs.probes[0].margins"), "{e}");
+    st.apply(rec("v1", outputs(vec![3, 4]))).unwrap();
+    assert_eq!(st.expected_outputs("v1"), Some(&outputs(vec![3, 4])));
+    assert_eq!(
+        st.version_info("v1").unwrap().expected_outputs,
+        Some(outputs(vec![3, 4]))
+    );
+    // The same again changes nothing; others are refused: a version's outputs do not change.
+    assert_eq!(
+        st.check(&rec("v1", outputs(vec![3, 4]))).unwrap(),
+        Check::Noop
+    );
+    let e = st
+        .check(&rec("v1", outputs(vec![3, 5])))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("already published"), "{e}");
+    // A snapshot keeps them.
+    let back: State = serde_json::from_str(&serde_json::to_string(&st).unwrap()).unwrap();
     assert_eq!(back, st);
 }

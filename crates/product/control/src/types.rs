@@ -259,6 +259,9 @@ pub struct VersionInfo {
     /// (or later) version: the Merkle proof of `manifests`' shards against `version_digest`.
     /// `None` in a whole answer (check the root over every manifest instead).
     pub proof: Option<mx_layout::merkle::VersionProof>,
+    /// The outputs its trainer published for the post-update check
+    /// ([`crate::check`]), if any.
+    pub expected_outputs: Option<crate::check::GenerationCheck>,
 }
 
 /// One line of the fleet status per version.

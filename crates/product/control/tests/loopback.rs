@@ -573,6 +573,7 @@ async fn declare_and_publish_step7(c: &ControlClient) -> (Digest, VersionId) {
 /// A full-lifecycle refit of worker `w` to `step-7`, each engine call given `call_timeout_ms`.
 fn step7_on_w(call_timeout_ms: u64) -> RefitSpec {
     RefitSpec {
+        no_check: false,
         label: "step-7".into(),
         worker_ids: vec!["w".into()],
         pause_mode: PauseMode::Wait,
@@ -752,6 +753,7 @@ async fn verify_takes_the_version_from_apply_answers_and_reads_back_the_rest() {
         streams.push(c.watch_commands(w).await.unwrap());
     }
     let spec = RefitSpec {
+        no_check: false,
         label: "step-7".into(),
         worker_ids: vec!["a".into(), "b".into()],
         pause_mode: PauseMode::Keep,
@@ -1021,15 +1023,12 @@ async fn a_post_update_check_the_engines_would_refuse_is_refused_before_anything
     .await
     .unwrap();
     let spec = |prompt: Vec<u32>, new: u32| RefitSpec {
+        no_check: false,
         label: "step-7".into(),
         worker_ids: vec!["w".into()],
         pause_mode: PauseMode::Wait,
         allow_partial: false,
-        check: Some(mx_control::GenerationCheck {
-            prompt_tokens: prompt,
-            max_new_tokens: new,
-            expected_tokens: vec![],
-        }),
+        check: Some(mx_control::GenerationCheck::tokens(prompt, new, vec![])),
         framework_step: 7,
         stage_timeout_ms: 10_000,
         call_timeout_ms: 10_000,
@@ -1040,15 +1039,13 @@ async fn a_post_update_check_the_engines_would_refuse_is_refused_before_anything
     let (code, msg) = rpc_err(c.refit(&spec(vec![1, 99_999_999], 4)).await.unwrap_err());
     assert_eq!(code, tonic::Code::InvalidArgument);
     assert!(
-        msg.contains("invalid field check.prompt_tokens[1]: token id 99999999 is outside the vocabulary of 49152 of worker w; nothing was paused"),
+        msg.contains("invalid field check.probes[0].prompt_tokens[1]: token id 99999999 is outside the vocabulary of 49152 of worker w; nothing was paused"),
         "{msg}"
     );
     let (code, msg) = rpc_err(c.refit(&spec(vec![1, 2], 8191)).await.unwrap_err());
     assert_eq!(code, tonic::Code::InvalidArgument);
     assert!(
-        msg.contains(
-            "check.max_new_tokens: 2 prompt tokens + 8191 new exceed max_position_embeddings 8192"
-        ),
+        msg.contains("check.max_new_tokens: 8191: give 1 to 1024"),
         "{msg}"
     );
     // No refit began and the engine got no call.

@@ -402,16 +402,17 @@ async fn an_engine_with_no_model_is_refitted_and_its_generation_skipped() {
     let v1 = publish(&client, &mut pubs, &specs, "step-1").await;
     let id = client
         .refit(&RefitSpec {
+            no_check: false,
             label: "step-1".into(),
             worker_ids: vec!["bare".into()],
             pause_mode: mx_control::PauseMode::Wait,
             allow_partial: false,
             // A check is asked for; the engine declared no model, so it is recorded as skipped.
-            check: Some(GenerationCheck {
-                prompt_tokens: common::PROMPT.to_vec(),
-                max_new_tokens: 2,
-                expected_tokens: common::PARIS.to_vec(),
-            }),
+            check: Some(GenerationCheck::tokens(
+                common::PROMPT.to_vec(),
+                2,
+                common::PARIS.to_vec(),
+            )),
             framework_step: 0,
             stage_timeout_ms: 180_000,
             call_timeout_ms: 60_000,

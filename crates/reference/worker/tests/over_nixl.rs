@@ -92,15 +92,12 @@ async fn refit(
     let digest = publish(client, pubs, specs, label).await;
     let id = client
         .refit(&RefitSpec {
+            no_check: false,
             label: label.into(),
             worker_ids: vec!["w".into()],
             pause_mode: PauseMode::Wait,
             allow_partial: false,
-            check: Some(GenerationCheck {
-                prompt_tokens: PROMPT.to_vec(),
-                max_new_tokens: 2,
-                expected_tokens: golden.to_vec(),
-            }),
+            check: Some(GenerationCheck::tokens(PROMPT.to_vec(), 2, golden.to_vec())),
             framework_step: 0,
             stage_timeout_ms: 180_000,
             call_timeout_ms: 60_000,
@@ -662,6 +659,7 @@ async fn a_journal_the_fleet_contradicts_stops_the_control_plane_until_an_operat
     let client = ControlClient::connect(&control).await.unwrap();
     let e = client
         .refit(&RefitSpec {
+            no_check: false,
             label: "step-1".into(),
             worker_ids: vec!["w".into()],
             pause_mode: PauseMode::Wait,

@@ -37,6 +37,7 @@ impl State {
                 artifacts: Vec::new(),
                 peers: BTreeMap::new(),
                 revision: 0,
+                expected: None,
             },
         );
         Effects::default()
