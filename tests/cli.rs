@@ -196,3 +196,84 @@ fn a_reader_that_stops_reading_ends_mx_journal_quietly() {
     );
     assert!(String::from_utf8_lossy(&first).starts_with(r#"{"seq":1"#));
 }
+
+#[test]
+fn sighup_reloads_the_token_file_without_a_restart() {
+    // Issue 30, item 5: adding a principal needed a control-plane restart.
+    use std::io::Read;
+    let tmp = tempfile::tempdir().unwrap();
+    let (tokens, journal, addr) = (
+        tmp.path().join("tokens"),
+        tmp.path().join("j.jsonl"),
+        tmp.path().join("addr"),
+    );
+    let (old, new) = (
+        "reader-old-0123456789abcdef01234",
+        "reader-new-0123456789abcdef01234",
+    );
+    std::fs::write(&tokens, format!("{old},reader,dash\n")).unwrap();
+    let log = std::fs::File::create(tmp.path().join("cp.log")).unwrap();
+    let mut cp = Command::new(env!("CARGO_BIN_EXE_mx"))
+        .args(["control", "--listen", "127.0.0.1:0", "--journal"])
+        .arg(&journal)
+        .arg("--tokens")
+        .arg(&tokens)
+        .arg("--addr-file")
+        .arg(&addr)
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    let wait_for = |what: &dyn Fn() -> bool| {
+        let t0 = std::time::Instant::now();
+        while !what() {
+            assert!(t0.elapsed().as_secs() < 30, "timed out");
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+    };
+    wait_for(&|| std::fs::read_to_string(&addr).is_ok_and(|a| !a.is_empty()));
+    let url = format!("http://{}", std::fs::read_to_string(&addr).unwrap());
+    let status = |token: &str| {
+        Command::new(env!("CARGO_BIN_EXE_mx"))
+            .args(["status", "--control", &url])
+            .env("MX_CONTROL_TOKEN", token)
+            .output()
+            .unwrap()
+            .status
+            .code()
+    };
+    let cp_log = || {
+        let mut s = String::new();
+        std::fs::File::open(tmp.path().join("cp.log"))
+            .unwrap()
+            .read_to_string(&mut s)
+            .unwrap();
+        s
+    };
+    let hup = || {
+        let ok = Command::new("kill")
+            .args(["-HUP", &cp.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(ok.success());
+    };
+    assert_eq!((status(old), status(new)), (Some(0), Some(77)));
+    // The new principal replaces the old one.
+    std::fs::write(&tokens, format!("{new},reader,dash\n")).unwrap();
+    hup();
+    wait_for(&|| cp_log().contains("token file reloaded: 1 principals"));
+    assert_eq!((status(old), status(new)), (Some(77), Some(0)));
+    // A file that does not parse changes nothing.
+    std::fs::write(&tokens, "short,reader,dash\n").unwrap();
+    hup();
+    wait_for(&|| cp_log().contains("the tokens in force stay"));
+    assert!(cp_log().contains("line 1"), "{}", cp_log());
+    assert_eq!(status(new), Some(0));
+    cp.kill().unwrap();
+    cp.wait().unwrap();
+    let records = std::fs::read_to_string(&journal).unwrap();
+    assert_eq!(
+        records.matches(r#""op":"tokens_reloaded""#).count(),
+        1,
+        "{records}"
+    );
+}

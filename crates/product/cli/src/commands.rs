@@ -23,7 +23,9 @@ pub struct ControlArgs {
     #[arg(long)]
     pub addr_file: Option<PathBuf>,
     /// Token file: `token,role,name[,scope]` per line (roles: orchestrator, publisher
-    /// SLOTS, worker ID|PREFIX*, reader).
+    /// SLOTS, worker ID|PREFIX*, reader). SIGHUP reads it again: a file that parses takes
+    /// effect for every later call (journaled as `tokens_reloaded`); one that does not changes
+    /// nothing.
     #[arg(long, env = "MX_CONTROL_TOKENS")]
     pub tokens: Option<PathBuf>,
     /// TLS certificate chain (PEM); with --tls-key, the control plane serves https.
@@ -391,7 +393,23 @@ pub(crate) async fn control(args: ControlArgs) -> anyhow::Result<()> {
         }
         None => None,
     };
-    terminated().await?;
+    // SIGHUP reads the token file again (who may call changes without a restart).
+    let mut hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())?;
+    loop {
+        tokio::select! {
+            r = terminated() => {
+                r?;
+                break;
+            }
+            _ = hangup.recv() => match handle.reload_tokens().await {
+                Ok(r) => eprintln!(
+                    "mx control: token file reloaded: {} principals (were {}), blake3 {}",
+                    r.after, r.before, r.file_digest
+                ),
+                Err(e) => eprintln!("mx control: SIGHUP: the tokens in force stay: {e}"),
+            },
+        }
+    }
     handle.shutdown().await?;
     Ok(())
 }

@@ -28,7 +28,7 @@ use std::collections::HashMap;
 use std::future::Future;
 use std::path::Path;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError, RwLock};
 use std::task::{Context, Poll};
 
 use tonic::Status;
@@ -240,10 +240,28 @@ impl std::fmt::Display for Principal {
     }
 }
 
-/// The principals of a token file, by the blake3 hash of their token.
+/// The principals of a token file, by the blake3 hash of their token. Clones share one table:
+/// [`TokenTable::reload`] replaces what every clone (the server's authentication layer, an HA
+/// replica) sees, at once and whole.
 #[derive(Debug, Clone, Default)]
 pub struct TokenTable {
-    by_hash: HashMap<[u8; 32], Principal>,
+    by_hash: Arc<RwLock<Arc<Principals>>>,
+    /// The file it was loaded from (`None`: parsed from text, nothing to reload).
+    source: Option<std::path::PathBuf>,
+}
+
+/// Principals by the blake3 hash of their token.
+type Principals = HashMap<[u8; 32], Principal>;
+
+/// What [`TokenTable::reload`] changed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reloaded {
+    /// Principals before and after.
+    pub before: usize,
+    /// Principals now.
+    pub after: usize,
+    /// blake3 of the file now read (hex): which file took effect, without its secrets.
+    pub file_digest: String,
 }
 
 impl TokenTable {
@@ -252,14 +270,54 @@ impl TokenTable {
     /// # Errors
     /// [`Error::Config`] naming the file (and line) when it cannot be read or a line is bad.
     pub fn load(path: &Path) -> Result<TokenTable, Error> {
+        let (table, _) = TokenTable::read(path)?;
+        Ok(TokenTable {
+            source: Some(path.to_path_buf()),
+            ..table
+        })
+    }
+
+    /// The table of the file at `path` and the file's blake3 (hex).
+    fn read(path: &Path) -> Result<(TokenTable, String), Error> {
         let text = std::fs::read_to_string(path).map_err(|e| Error::Config {
             what: format!("token file {}", path.display()),
             reason: e.to_string(),
         })?;
-        TokenTable::parse(&text).map_err(|reason| Error::Config {
+        let table = TokenTable::parse(&text).map_err(|reason| Error::Config {
             what: format!("token file {}", path.display()),
             reason,
+        })?;
+        Ok((table, blake3::hash(text.as_bytes()).to_hex().to_string()))
+    }
+
+    /// Reads the file this table was loaded from again and, when it parses whole, replaces the
+    /// principals every clone of the table authenticates against (calls in flight keep the
+    /// principal they were admitted with). A file that does not parse changes nothing.
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the file and line (the table in force stays), or saying the
+    /// table was not loaded from a file.
+    pub fn reload(&self) -> Result<Reloaded, Error> {
+        let path = self.source.as_deref().ok_or_else(|| Error::Config {
+            what: "token table".into(),
+            reason: "not loaded from a file: nothing to reload".into(),
+        })?;
+        let (fresh, file_digest) = TokenTable::read(path)?;
+        let now = fresh.current();
+        let before = {
+            let mut held = self.by_hash.write().unwrap_or_else(PoisonError::into_inner);
+            std::mem::replace(&mut *held, now).len()
+        };
+        Ok(Reloaded {
+            before,
+            after: self.len(),
+            file_digest,
         })
+    }
+
+    /// The principals in force now.
+    fn current(&self) -> Arc<Principals> {
+        Arc::clone(&self.by_hash.read().unwrap_or_else(PoisonError::into_inner))
     }
 
     /// Parses a token file's text: `token,role,name[,scope]` per line; `#` starts a comment;
@@ -326,22 +384,27 @@ impl TokenTable {
         if by_hash.is_empty() {
             return Err("no principal listed".into());
         }
-        Ok(TokenTable { by_hash })
+        Ok(TokenTable {
+            by_hash: Arc::new(RwLock::new(Arc::new(by_hash))),
+            source: None,
+        })
     }
 
     /// The principal of `token`, if listed.
-    pub fn find(&self, token: &str) -> Option<&Principal> {
-        self.by_hash.get(blake3::hash(token.as_bytes()).as_bytes())
+    pub fn find(&self, token: &str) -> Option<Principal> {
+        self.current()
+            .get(blake3::hash(token.as_bytes()).as_bytes())
+            .cloned()
     }
 
     /// How many principals are listed.
     pub fn len(&self) -> usize {
-        self.by_hash.len()
+        self.current().len()
     }
 
     /// Whether none is (never true of a parsed table).
     pub fn is_empty(&self) -> bool {
-        self.by_hash.is_empty()
+        self.current().is_empty()
     }
 }
 
@@ -440,7 +503,6 @@ fn authorize(
                     )
                 })?;
             t.find(token.trim())
-                .cloned()
                 .ok_or_else(|| Status::unauthenticated("unknown bearer token"))?
         }
     };

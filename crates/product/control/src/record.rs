@@ -140,6 +140,16 @@ pub enum Record {
         /// Unix ms.
         at_ms: u64,
     },
+    /// The control plane read its token file again (`mx control` on SIGHUP): who may call it
+    /// changed from here on. No secret is journaled.
+    TokensReloaded {
+        /// Principals in the file now in force.
+        principals: u64,
+        /// blake3 of that file (hex, 64 digits).
+        file_digest: String,
+        /// Unix ms.
+        at_ms: u64,
+    },
     /// An operator accepts the journal as it stands after the fleet contradicted it
     /// ([`crate::testimony`]): the versions workers hold that it never declared are taken as
     /// unknown (they contradict it no more), and refit ids go on above `refit_floor`.

@@ -1080,6 +1080,9 @@ pub struct ServerHandle {
     stop: Option<oneshot::Sender<()>>,
     task: tokio::task::JoinHandle<Result<(), Error>>,
     shared: std::sync::Weak<Shared>,
+    /// The token table the server authenticates against (shared with it), for
+    /// [`ServerHandle::reload_tokens`].
+    tokens: Option<Arc<auth::TokenTable>>,
 }
 
 impl ServerHandle {
@@ -1102,12 +1105,53 @@ impl ServerHandle {
             stop: Some(stop),
             task: tokio::spawn(serve(shutdown)),
             shared,
+            tokens: None,
         }
     }
 
     /// The bound address.
     pub fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// Reads the token file again (`mx control` does on SIGHUP): when it parses whole, every
+    /// later call is authenticated against it (added principals get in, removed ones are
+    /// refused; calls in flight keep their principal), and a `tokens_reloaded` record (the
+    /// number of principals and the file's blake3, no secret) is journaled where this replica
+    /// leads. A file that does not parse changes nothing.
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the file and line, or saying the control plane runs without a
+    /// token file.
+    pub async fn reload_tokens(&self) -> Result<auth::Reloaded, Error> {
+        let table = self.tokens.as_ref().ok_or_else(|| Error::Config {
+            what: "token file".into(),
+            reason: "this control plane runs without --tokens: nothing to reload".into(),
+        })?;
+        let r = table.reload()?;
+        if let Some(shared) = self.shared.upgrade() {
+            let rec = Record::TokensReloaded {
+                principals: r.after as u64,
+                file_digest: r.file_digest.clone(),
+                at_ms: crate::refit::now_ms(),
+            };
+            if let Err(e) = shared.mutate(rec).await {
+                tracing::warn!("token file reloaded, but not journaled: {e}");
+            }
+        }
+        tracing::warn!(
+            before = r.before,
+            after = r.after,
+            file = %r.file_digest,
+            "token file reloaded"
+        );
+        Ok(r)
+    }
+
+    /// Sets the token table [`ServerHandle::reload_tokens`] reloads.
+    pub(crate) fn with_tokens(mut self, tokens: Option<Arc<auth::TokenTable>>) -> ServerHandle {
+        self.tokens = tokens;
+        self
     }
 
     /// The control plane's readiness and fleet gauges, for [`observe::router`]: ready while it
@@ -1144,9 +1188,11 @@ pub async fn spawn(cfg: ControlPlaneConfig) -> Result<(SocketAddr, ServerHandle)
     let (svc, shared) = build(&cfg)?;
     let (listener, bound) = bind(cfg.listen).await?;
     log_listening(&cfg, bound);
+    let tokens = cfg.security.tokens.clone();
     let handle = ServerHandle::start(bound, Arc::downgrade(&shared), |shutdown| {
         run(svc, shared, cfg.security, listener, bound, shutdown)
-    });
+    })
+    .with_tokens(tokens);
     Ok((bound, handle))
 }
 

@@ -290,6 +290,13 @@ impl State {
             Record::ReadBack {
                 worker_id, refit, ..
             } => self.check_read_back(worker_id, *refit),
+            Record::TokensReloaded { file_digest, .. } => {
+                if file_digest.len() == 64 && file_digest.bytes().all(|b| b.is_ascii_hexdigit()) {
+                    Ok(Check::Apply)
+                } else {
+                    Err(invalid("file_digest", "not 64 hex digits"))
+                }
+            }
             Record::AcceptJournal {
                 versions, reason, ..
             } => {
@@ -484,6 +491,8 @@ impl State {
                     workers: vec![worker_id],
                 }
             }
+            // Who may call changed; the fleet's state did not (the record is the audit trail).
+            Record::TokensReloaded { .. } => Effects::default(),
             Record::AcceptJournal {
                 versions,
                 refit_floor,

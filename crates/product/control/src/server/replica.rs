@@ -98,9 +98,11 @@ pub async fn spawn_ha(
     let (svc, shared) = serve_shared(shared);
     log_listening(&cfg, bound);
     let conns = ReceiverStream::new(leader_conns);
+    let tokens = cfg.security.tokens.clone();
     let handle = ServerHandle::start(bound, Arc::downgrade(&shared), |shutdown| {
         run_on(svc, shared, cfg.security, conns, bound, shutdown)
-    });
+    })
+    .with_tokens(tokens);
     Ok((bound, handle))
 }
 
