@@ -166,11 +166,14 @@ async fn check_for(
     let expected =
         tokio::task::spawn_blocking(move || mx_cli::refits::golden(&dir, k, &prompt, CHECK_TOKENS))
             .await??;
-    Ok(Some(GenerationCheck::tokens(
-        mx_engine::golden::CHECK_PROMPT.to_vec(),
-        CHECK_TOKENS,
-        expected,
-    )))
+    Ok(Some(GenerationCheck {
+        source: format!("the demo's golden tokens of version {k}"),
+        ..GenerationCheck::tokens(
+            mx_engine::golden::CHECK_PROMPT.to_vec(),
+            CHECK_TOKENS,
+            expected,
+        )
+    }))
 }
 
 /// Runs `mx-lab demo`: starts the fleet, refits it through the versions, checks every worker's

@@ -306,11 +306,14 @@ impl Fleet {
             worker_ids: workers.iter().map(|w| s(w)).collect(),
             pause_mode: PauseMode::Wait,
             allow_partial: false,
-            check: Some(GenerationCheck::tokens(
-                mx_engine::golden::CHECK_PROMPT.to_vec(),
-                CHECK_TOKENS,
-                golden.clone(),
-            )),
+            check: Some(GenerationCheck {
+                source: format!("the demo's golden tokens of {label}"),
+                ..GenerationCheck::tokens(
+                    mx_engine::golden::CHECK_PROMPT.to_vec(),
+                    CHECK_TOKENS,
+                    golden.clone(),
+                )
+            }),
             framework_step: label.trim_start_matches("step-").parse().unwrap_or(0),
             stage_timeout_ms: 120_000,
             call_timeout_ms: CALL_TIMEOUT_MS,

@@ -876,11 +876,17 @@ fn check_summary(check: &GenerationCheck) -> String {
     } else {
         format!(" ({})", check.source)
     };
-    if check.has_expected() {
+    let tolerant = check.tie_margin > 0.0 && check.probes.iter().any(|p| !p.margins.is_empty());
+    if check.has_expected() && tolerant {
         format!(
             "each worker's greedy generation of {} probes must equal the expected tokens{from}, exact up to a first near-tie below {} nats",
             check.probes.len(),
             check.tie_margin
+        )
+    } else if check.has_expected() {
+        format!(
+            "each worker's greedy generation of {} probes must equal the expected tokens{from} exactly",
+            check.probes.len()
         )
     } else {
         format!(
