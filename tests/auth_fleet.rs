@@ -278,7 +278,7 @@ fn an_authenticated_fleet_over_tls_refits_and_refuses_what_each_role_may_not_do(
     }
     wait_until("step-1 READY", 120, || {
         let (_, s) = mx(dir, READ, &["status", "--control", a]);
-        (!s.contains("Ready")).then_some(s)
+        (!s.contains("READY")).then_some(s)
     });
     let refit = [
         "refit",
@@ -306,10 +306,28 @@ fn an_authenticated_fleet_over_tls_refits_and_refuses_what_each_role_may_not_do(
     let (ok, s) = mx(dir, READ, &["status", "--control", a, "--json"]);
     assert!(ok, "{s}");
     let j: serde_json::Value = serde_json::from_str(&s).unwrap();
-    assert_eq!(j["fleet_version"][0], "step-1", "{s}");
+    assert_eq!(j["fleet_version"]["label"], "step-1", "{s}");
     assert_eq!(j["workers"][0]["worker_id"], "w0", "{s}");
     assert_eq!(j["workers"][0]["admitted"], true, "{s}");
     assert_eq!(j["workers"][0]["connected"], true, "{s}");
+    assert_eq!(j["workers"][0]["resident_label"], "step-1", "{s}");
+    assert!(j["workers"][0]["gate"].is_null(), "{s}");
+    // Both trainer ranks still run: their publishers are live.
+    let v1 = j["versions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["label"] == "step-1")
+        .unwrap();
+    let pubs = v1["publishers"].as_array().unwrap();
+    assert_eq!(pubs.len(), 2, "{s}");
+    assert!(pubs.iter().all(|p| p["liveness"] == "live"), "{s}");
+    // Without --digests, no per-tensor digests.
+    assert_eq!(
+        j["workers"][0]["last_staged"]["ranks"],
+        serde_json::json!([]),
+        "{s}"
+    );
 
     // What the control plane counted: one committed refit through every phase, the refusals.
     let (code, page) = http(metrics, "GET", "/metrics", None, "");
@@ -339,6 +357,13 @@ fn an_authenticated_fleet_over_tls_refits_and_refuses_what_each_role_may_not_do(
     );
     assert_eq!(m("mx_workers_connected", &[]), Some(1.0), "{page}");
     assert_eq!(m("mx_workers_admitted", &[]), Some(1.0), "{page}");
+    for reason in ["stale", "fenced", "departed", "disconnected", "in_refit"] {
+        assert_eq!(
+            m("mx_workers_gated", &[("reason", reason)]),
+            Some(0.0),
+            "{reason}: {page}"
+        );
+    }
     assert_eq!(
         m("mx_versions", &[("state", "committed")]),
         Some(1.0),

@@ -202,20 +202,35 @@ fn start_control(dir: &Path) -> (Kids, String) {
     (kids, a)
 }
 
-/// Polls `mx status` until its output contains `needle`.
-fn wait_status(a: &str, needle: &str, secs: u64) {
+/// Polls `mx status --json` until `pred` holds of it (`what` names the wait in the failure).
+fn wait_status(a: &str, what: &str, secs: u64, pred: impl Fn(&serde_json::Value) -> bool) {
     let t = std::time::Instant::now();
     loop {
-        let (_, s) = mx(&["status", "--control", a]);
-        if s.contains(needle) {
+        let (_, s) = mx(&["status", "--control", a, "--json"]);
+        let j: serde_json::Value = serde_json::from_str(&s).unwrap_or_default();
+        if pred(&j) {
             return;
         }
         assert!(
             t.elapsed().as_secs() < secs,
-            "status never showed {needle:?}: {s}"
+            "status never showed {what}: {s}"
         );
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
+}
+
+/// The status's workers (none when absent).
+fn workers(j: &serde_json::Value) -> impl Iterator<Item = &serde_json::Value> {
+    j["workers"].as_array().into_iter().flatten()
+}
+
+/// Whether a version of the status is READY.
+fn any_ready(j: &serde_json::Value) -> bool {
+    j["versions"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .any(|v| v["state"] == "Ready")
 }
 
 #[test]
@@ -237,7 +252,7 @@ fn a_flipped_byte_in_a_source_fails_the_stage_and_the_worker_is_not_admitted() {
         "--id",
         "w",
     ]));
-    wait_status(&a, "worker  w ", 60);
+    wait_status(&a, "worker w", 60, |j| workers(j).any(|w| w["worker_id"] == "w"));
     let (ok, out) = mx(&[
         "declare",
         "--control",
@@ -275,7 +290,7 @@ fn a_flipped_byte_in_a_source_fails_the_stage_and_the_worker_is_not_admitted() {
         "--fault-flip-byte",
         "model.embed_tokens.weight",
     ]));
-    wait_status(&a, "Ready", 120);
+    wait_status(&a, "a READY version", 120, any_ready);
     std::thread::sleep(std::time::Duration::from_millis(200));
     let (ok, out) = mx(&[
         "stage",
@@ -311,8 +326,9 @@ fn a_flipped_byte_in_a_source_fails_the_stage_and_the_worker_is_not_admitted() {
     );
     let (_, s) = mx(&["status", "--control", &a]);
     assert!(
-        s.contains("Failed")
-            && s.contains("gated (no weights resident: `mx refit --label LABEL --workers"),
+        s.contains("FAILED")
+            && s.contains("GATED (no_weights)")
+            && s.contains("no weights resident: `mx refit --label LABEL --workers"),
         "{s}"
     );
 }
@@ -416,7 +432,7 @@ fn individual_commands_complete_a_refit_by_hand() {
     let t = std::time::Instant::now();
     loop {
         let (_, s) = mx(&["status", "--control", &a]);
-        if s.contains("Ready") {
+        if s.contains("READY") {
             break;
         }
         assert!(t.elapsed().as_secs() < 120, "version never READY: {s}");
@@ -459,8 +475,19 @@ fn individual_commands_complete_a_refit_by_hand() {
         "{out}"
     );
     let digest = committed_digest(&out);
+    let (_, s) = mx(&["status", "--control", &a, "--json"]);
+    let j: serde_json::Value = serde_json::from_str(&s).unwrap();
+    let w1 = workers(&j).find(|w| w["worker_id"] == "w1").unwrap();
+    assert_eq!(w1["resident_version"], digest.as_str(), "{s}");
+    assert_eq!(w1["resident_label"], "step-1", "{s}");
+    assert_eq!(w1["admitted"], true, "{s}");
+    assert!(w1["gate"].is_null(), "{s}");
     let (_, s) = mx(&["status", "--control", &a]);
-    assert!(s.contains(&format!("resident {digest} admitted")), "{s}");
+    assert!(
+        s.lines()
+            .any(|l| l.starts_with("w1 ") && l.contains(" step-1 ") && l.ends_with(" admitted")),
+        "{s}"
+    );
     // The journal has every mutating call: declare, 2 publishes, stage, staged, then the refit
     // (its own stage, and each engine call's intent and result), and no record of the retired
     // Commit / ReportApplied path.
@@ -635,7 +662,9 @@ fn nothing_stops_serving_while_the_control_plane_is_away_and_a_live_worker_keeps
         .find(|w| w.starts_with("http://"))
         .unwrap()
         .to_string();
-    wait_status(&a, "resident boot", 60);
+    wait_status(&a, "resident boot", 60, |j| {
+        workers(j).any(|w| w["resident_id"] == "boot")
+    });
     let (ok, out) = mx(&[
         "declare",
         "--control",
@@ -667,7 +696,7 @@ fn nothing_stops_serving_while_the_control_plane_is_away_and_a_live_worker_keeps
             &tmp.path().join(format!("p{r}.log")),
         ));
     }
-    wait_status(&a, "Ready", 120);
+    wait_status(&a, "a READY version", 120, any_ready);
     // Past --wait-s nothing committed: the publishers warn and keep serving.
     wait_log(&tmp.path().join("p0.log"), "still waiting", 30);
     let alive = |kids: &mut Kids, i: usize| kids.0[i].try_wait().unwrap().is_none();
@@ -701,7 +730,10 @@ fn nothing_stops_serving_while_the_control_plane_is_away_and_a_live_worker_keeps
 
     // Back on the same address and journal: the worker re-registers with its resident version.
     cp.0[0] = control_at(&journal, &listen);
-    wait_status(&a, "connected stage Idle resident boot", 30);
+    wait_status(&a, "connected, IDLE, resident boot", 30, |j| {
+        workers(j)
+            .any(|w| w["connected"] == true && w["state"] == "Idle" && w["resident_id"] == "boot")
+    });
 
     // A second process under the live id is refused (status 3) and the id keeps its engine:
     // the refit lands on the original worker, pulling from publishers past their --wait-s.
@@ -750,7 +782,10 @@ fn nothing_stops_serving_while_the_control_plane_is_away_and_a_live_worker_keeps
     let args = worker(false);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     kids.0.push(spawn_logged(&args, &tmp.path().join("w2.log")));
-    wait_status(&a, "connected stage Idle resident -", 60);
+    wait_status(&a, "connected, IDLE, nothing resident", 60, |j| {
+        workers(j)
+            .any(|w| w["connected"] == true && w["state"] == "Idle" && w["resident_id"].is_null())
+    });
     signal(&kids.0[0], "-CONT");
     let t = std::time::Instant::now();
     let status = loop {

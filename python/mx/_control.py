@@ -290,10 +290,12 @@ class Control:
             json.loads(self._inner.wait_version(label, str(state), timeout))
         )
 
-    def status(self, *, timeout: float | None = None) -> FleetStatus:
-        """Every version and every registered worker (its state, resident version, whether
-        rollouts may be sent to it)."""
-        return FleetStatus._from_json(json.loads(self._inner.status(timeout)))
+    def status(self, *, digests: bool = False, timeout: float | None = None) -> FleetStatus:
+        """Every version (with its sources and whether its publishers are alive) and every
+        registered worker (its state, resident version, whether rollouts may be sent to it and,
+        when not, why: :attr:`WorkerStatus.gate`). ``digests``: include each worker's
+        per-tensor digests of its last stage (thousands per worker)."""
+        return FleetStatus._from_json(json.loads(self._inner.status(timeout, digests)))
 
     def accept_journal(self, reason: str, *, timeout: float | None = None) -> dict[str, Any]:
         """Accepts the journal as it stands after the fleet contradicted it

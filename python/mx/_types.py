@@ -109,6 +109,17 @@ class VersionSummary:
     state: VersionState
     #: 64 hex digits (the version's identity) once READY, else None.
     version_digest: str | None
+    #: Slots of its trainer layout.
+    slots: int = 0
+    #: One per published slot: ``{"slot", "agent_name", "retired_by", "last_seen_ms",
+    #: "liveness"}``, liveness ``"live"`` (heard within 3 s), ``"silent"`` or ``"unknown"``.
+    publishers: tuple[Mapping[str, Any], ...] = ()
+    #: Workers serving it from their memory.
+    peers: tuple[str, ...] = ()
+    #: URIs of its artifacts in object storage.
+    artifacts: tuple[str, ...] = ()
+    #: Why its sources may stop serving it, once they may (else None).
+    release: str | None = None
 
 
 @dataclass(frozen=True)
@@ -135,8 +146,14 @@ class WorkerStatus:
     connected: bool
     #: ``{"api": "dynamo"|"sglang", "system_url": ...}`` or None.
     engine: Mapping[str, Any] | None
-    #: Its last stage report (bytes, seconds, digests...) or None.
+    #: Its last stage report (bytes, seconds, source...; per-tensor digests only with
+    #: ``status(digests=True)``) or None.
     last_staged: Mapping[str, Any] | None
+    #: Why it is not admitted, by kind: ``in_refit``, ``departed``, ``engine_unread``,
+    #: ``fenced``, ``no_weights``, ``stale``, ``disconnected`` (None when admitted).
+    gate: str | None = None
+    #: The label of the declared version resident in it, if any has that id.
+    resident_label: str | None = None
 
 
 @dataclass(frozen=True)
@@ -172,7 +189,16 @@ class FleetStatus:
         fv = d.get("fleet_version")
         return cls(
             versions=tuple(
-                VersionSummary(v["label"], VersionState(v["state"]), v["version_digest"])
+                VersionSummary(
+                    v["label"],
+                    VersionState(v["state"]),
+                    v["version_digest"],
+                    slots=v["slots"],
+                    publishers=tuple(v["publishers"]),
+                    peers=tuple(v["peers"]),
+                    artifacts=tuple(v["artifacts"]),
+                    release=v["release"],
+                )
                 for v in d["versions"]
             ),
             workers=tuple(
@@ -191,6 +217,8 @@ class FleetStatus:
                     connected=w["connected"],
                     engine=w["engine"],
                     last_staged=w["last_staged"],
+                    gate=w["gate"],
+                    resident_label=w["resident_label"],
                 )
                 for w in d["workers"]
             ),

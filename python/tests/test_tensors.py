@@ -324,6 +324,33 @@ class _Proxy:
         self._server.close()
 
 
+def test_status_shows_publishers_live_then_silent_once_one_exits(fleet, control, weights):
+    """A trainer rank that exited reads as silent within seconds (its layout watcher stopped
+    naming its NIXL agent), while the one still serving stays live; a worker with nothing
+    resident is gated ``no_weights``."""
+    trainer, _ = fleet
+    _declare(control, "v1", weights)
+    trainer.publish("v1")
+    v = control.status().version("v1")
+    assert v.slots == 2 and [p["slot"] for p in v.publishers] == [0, 1]
+    assert [p["liveness"] for p in v.publishers] == ["live", "live"], v.publishers
+    assert all(p["last_seen_ms"] < 3000 and p["retired_by"] is None for p in v.publishers)
+    assert v.peers == () and v.artifacts == () and v.release is None
+    w = control.status().worker("engine-0")
+    assert (w.admitted, w.gate, w.resident_label) == (False, "no_weights", None)
+
+    trainer.pubs[1].close()
+    deadline = time.monotonic() + 10
+    while True:
+        pubs = control.status().version("v1").publishers
+        if pubs[1]["liveness"] == "silent":
+            break
+        assert time.monotonic() < deadline, pubs
+        time.sleep(0.2)
+    assert pubs[1]["last_seen_ms"] > 3000, pubs
+    assert pubs[0]["liveness"] == "live" and pubs[0]["last_seen_ms"] < 3000, pubs
+
+
 def _get(url: str) -> dict:
     import json
     import urllib.request

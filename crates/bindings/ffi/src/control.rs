@@ -304,9 +304,11 @@ pub unsafe extern "C" fn mx_control_refit(
     })
 }
 
-/// The fleet's status as JSON (versions with state and id; workers with layout, ranks, state,
-/// resident version and admission; the committed version; the open refit), written to
-/// `*json` (free it with `mx_string_free`). Thread-safe.
+/// The fleet's status as JSON (versions with state, id, slots and sources: publishers with
+/// their liveness `live`/`silent`/`unknown`, peers, artifacts, release; workers with layout,
+/// ranks, state, resident version and its label, connection, admission and its `gate`; the
+/// committed version as `{label, version_id}`; the open refit), written to `*json` (free it
+/// with `mx_string_free`). Thread-safe.
 ///
 /// Errors: `MX_ERR_CONTROL`.
 ///
@@ -326,6 +328,11 @@ pub unsafe extern "C" fn mx_control_status(
                 "label": v.label,
                 "state": v.state.to_string(),
                 "version_id": v.version_digest.map(|d| mx_layout::VersionId(d).to_string()),
+                "slots": v.slots,
+                "publishers": v.publishers,
+                "peers": v.peers,
+                "artifacts": v.artifacts,
+                "release": v.release.as_ref().map(ToString::to_string),
             })).collect::<Vec<_>>(),
             "workers": s.workers.iter().map(|w| serde_json::json!({
                 "worker_id": w.worker_id,
@@ -333,11 +340,14 @@ pub unsafe extern "C" fn mx_control_status(
                 "ranks": w.ranks,
                 "state": format!("{:?}", w.state),
                 "resident_id": w.resident_id,
+                "resident_label": w.resident_label,
                 "last_error": w.last_error,
+                "connected": w.connected,
+                "admitted": w.admitted,
+                "gate": w.gate,
+                "admission": w.admission,
             })).collect::<Vec<_>>(),
-            "fleet_version": s.fleet_version.map(|(label, id)| serde_json::json!({
-                "label": label, "version_id": id,
-            })),
+            "fleet_version": s.fleet_version,
             "open_refit": s.open_refit,
         });
         // SAFETY: the caller's contract.

@@ -355,6 +355,11 @@ fn fleet_json(s: &FleetStatus) -> Value {
             "label": v.label,
             "state": v.state.to_string(),
             "version_digest": digest_json(v.version_digest),
+            "slots": v.slots,
+            "publishers": v.publishers,
+            "peers": v.peers,
+            "artifacts": v.artifacts,
+            "release": v.release.as_ref().map(ToString::to_string),
         })).collect::<Vec<_>>(),
         "workers": s.workers.iter().map(|w| json!({
             "worker_id": w.worker_id,
@@ -371,8 +376,10 @@ fn fleet_json(s: &FleetStatus) -> Value {
             "admitted": w.admitted,
             "admission": w.admission,
             "connected": w.connected,
+            "gate": w.gate,
+            "resident_label": w.resident_label,
         })).collect::<Vec<_>>(),
-        "fleet_version": s.fleet_version.as_ref().map(|(l, v)| json!({"label": l, "version_id": v})),
+        "fleet_version": s.fleet_version,
         "open_refit": s.open_refit,
         "halted": s.halted,
     })
@@ -530,11 +537,12 @@ impl ControlClient {
         }
     }
 
-    /// All versions and workers, as JSON text.
-    #[pyo3(signature = (timeout = None))]
-    fn status(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<String> {
+    /// All versions and workers, as JSON text (per-tensor digests of the last stage only
+    /// with `digests`).
+    #[pyo3(signature = (timeout = None, digests = false))]
+    fn status(&self, py: Python<'_>, timeout: Option<f64>, digests: bool) -> PyResult<String> {
         let timeout = self.deadline(timeout)?;
-        let s = self.call(py, "GetStatus", timeout, self.client.get_status())?;
+        let s = self.call(py, "GetStatus", timeout, self.client.get_status_with(digests))?;
         json_text(py, &fleet_json(&s))
     }
 

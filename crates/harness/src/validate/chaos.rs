@@ -192,7 +192,7 @@ pub(super) async fn run(
 /// One refit with one kill; the invariants checked after it.
 async fn one_round(f: &mut Fleet, round: u32, victim: &str, delay: u64) -> anyhow::Result<Round> {
     let status = f.status().await?;
-    let target = match status.fleet_version.as_ref().map(|(l, _)| l.as_str()) {
+    let target = match status.fleet_version.as_ref().map(|f| f.label.as_str()) {
         Some("step-1") => "step-2",
         _ => "step-1",
     };
@@ -325,7 +325,11 @@ async fn recover(f: &Fleet, killed_at: Instant) -> anyhow::Result<Duration> {
 async fn check_engines(f: &Fleet) -> anyhow::Result<Vec<String>> {
     let st = f.status().await?;
     let mut out = Vec::new();
-    let Some((label, fleet)) = st.fleet_version.clone() else {
+    let Some(mx_control::FleetVersion {
+        label,
+        version_id: fleet,
+    }) = st.fleet_version.clone()
+    else {
         if st.workers.iter().any(|w| w.admitted) {
             out.push(s(
                 "a worker is admitted while the fleet has committed no version",

@@ -342,7 +342,7 @@ impl Fleet {
         let there = st
             .fleet_version
             .as_ref()
-            .is_some_and(|(_, v)| v.to_string() == target)
+            .is_some_and(|f| f.version_id.to_string() == target)
             && WORKERS.iter().all(|w| {
                 st.workers
                     .iter()

@@ -207,10 +207,17 @@ pub struct StatusArgs {
     /// Control plane address.
     #[arg(long, default_value = "http://127.0.0.1:7700")]
     pub control: String,
-    /// Print the status as one JSON object (versions, workers, fleet_version, open_refit)
-    /// instead of text.
+    /// Print the status as one JSON object (versions with their sources, workers with their
+    /// gate, fleet_version as {label, version_id}, open_refit, halted) instead of text.
     #[arg(long)]
     pub json: bool,
+    /// With --json: include every worker's per-tensor digests of its last stage
+    /// (last_staged.ranks; thousands of entries per worker).
+    #[arg(long, requires = "json")]
+    pub digests: bool,
+    /// List every version, not only the newest six and the fleet's.
+    #[arg(long)]
+    pub all: bool,
 }
 
 /// Flags of `mx retire`.
@@ -618,55 +625,19 @@ pub(crate) async fn commit(args: CommitArgs) -> anyhow::Result<()> {
 
 /// `mx status`.
 pub(crate) async fn status(args: StatusArgs) -> anyhow::Result<()> {
-    let StatusArgs { control, json } = args;
+    let StatusArgs {
+        control,
+        json,
+        digests,
+        all,
+    } = args;
     let c = mx_control::client::ControlClient::connect(&control).await?;
-    let s = c.get_status().await?;
+    let s = c.get_status_with(digests).await?;
     if json {
         println!("{}", serde_json::to_string_pretty(&s)?);
         return Ok(());
     }
-    if let Some(why) = &s.halted {
-        println!("HALTED: {why}");
-    }
-    if s.versions.is_empty() && s.workers.is_empty() {
-        println!("no versions declared, no workers registered");
-    }
-    for v in &s.versions {
-        let d = v.version_digest.map(|d| d.to_string()).unwrap_or_default();
-        println!(
-            "version {:<12} {:<11} {d}",
-            v.label,
-            format!("{:?}", v.state)
-        );
-    }
-    for w in &s.workers {
-        // The stage state is that of the last stage request (and its label).
-        let stage = match &w.label {
-            Some(l) => format!("{:?} {l}", w.state),
-            None => format!("{:?}", w.state),
-        };
-        println!(
-            "worker  {:<12} {:<9} ranks {:?} {} stage {} resident {} {}",
-            w.worker_id,
-            w.layout.to_string(),
-            w.ranks,
-            if w.connected {
-                "connected"
-            } else {
-                "DISCONNECTED"
-            },
-            stage,
-            w.resident_version
-                .map(|d| d.to_string())
-                .or_else(|| w.resident_id.as_ref().map(ToString::to_string))
-                .unwrap_or_else(|| "-".into()),
-            if w.admitted {
-                "admitted".to_string()
-            } else {
-                format!("gated ({})", w.admission)
-            }
-        );
-    }
+    print!("{}", crate::status_cmd::render(&s, &control, all));
     Ok(())
 }
 

@@ -18,6 +18,7 @@ pub mod exit;
 mod export_cmd;
 mod plan_cmd;
 mod refit_cmd;
+mod status_cmd;
 pub mod refits;
 pub mod report;
 

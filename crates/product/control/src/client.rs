@@ -742,10 +742,23 @@ impl ControlClient {
     /// # Errors
     /// [`Error::Rpc`] when the call fails.
     pub async fn list_layouts(&self) -> Result<Vec<LayoutSpec>, Error> {
+        self.list_layouts_as("").await
+    }
+
+    /// [`ControlClient::list_layouts`] by the publisher with NIXL agent `agent_name`, which the
+    /// control plane then shows live in its status ([`crate::Liveness`]); a serving publisher's
+    /// layout watcher calls it every [`crate::types::PUBLISHER_PING_MS`].
+    ///
+    /// # Errors
+    /// As [`ControlClient::list_layouts`]; [`Error::InvalidField`] for an agent name over the
+    /// limits.
+    pub async fn list_layouts_as(&self, agent_name: &str) -> Result<Vec<LayoutSpec>, Error> {
         let r = self
             .retrying(
                 "ListLayouts",
-                pb::ListLayoutsRequest {},
+                pb::ListLayoutsRequest {
+                    agent_name: agent_name.to_string(),
+                },
                 |mut rpc, req| async move { rpc.list_layouts(req).await },
             )
             .await?
@@ -872,15 +885,26 @@ impl ControlClient {
         convert::version_info(&r)
     }
 
-    /// All versions and workers.
+    /// All versions (with their sources and the publishers' liveness) and workers (with why
+    /// each is not admitted), without per-tensor digests ([`ControlClient::get_status_with`]).
     ///
     /// # Errors
     /// [`Error::Rpc`] when the call fails.
     pub async fn get_status(&self) -> Result<FleetStatus, Error> {
+        self.get_status_with(false).await
+    }
+
+    /// [`ControlClient::get_status`], with each worker's per-tensor digests in
+    /// `last_staged.ranks` when `digests` (without, those are empty: they are most of a status,
+    /// thousands of entries per worker).
+    ///
+    /// # Errors
+    /// As [`ControlClient::get_status`].
+    pub async fn get_status_with(&self, digests: bool) -> Result<FleetStatus, Error> {
         let r = self
             .retrying(
                 "GetStatus",
-                pb::GetStatusRequest {},
+                pb::GetStatusRequest { digests },
                 |mut rpc, req| async move { rpc.get_status(req).await },
             )
             .await?

@@ -17,8 +17,9 @@ use crate::refit::{
     EngineApi, EngineEndpoint, GenerationCheck, ModelLimits, Outcome, PauseMode, Refit, RefitSpec,
 };
 use crate::types::{
-    ArtifactKind, ArtifactRecord, Command, CoverageGap, FleetStatus, PeerSource, Release,
-    StagedReport, VersionInfo, VersionState, VersionSummary, WorkerState, WorkerStatus,
+    ArtifactKind, ArtifactRecord, Command, CoverageGap, FleetStatus, FleetVersion, Gate,
+    Liveness, PeerSource, PublisherStatus, Release, StagedReport, VersionInfo, VersionState,
+    VersionSummary, WorkerState, WorkerStatus,
 };
 use crate::Error;
 
@@ -717,6 +718,21 @@ pub(crate) fn fleet_pb(f: &FleetStatus) -> pb::FleetStatus {
                 label: v.label.clone(),
                 state: version_state_pb(v.state),
                 version_digest: digest_pb(v.version_digest),
+                slots: v.slots,
+                publishers: v
+                    .publishers
+                    .iter()
+                    .map(|p| pb::PublisherStatus {
+                        slot: p.slot,
+                        agent_name: p.agent_name.clone(),
+                        retired_by: p.retired_by.clone().unwrap_or_default(),
+                        last_seen_ms: p.last_seen_ms,
+                        liveness: p.liveness.as_str().to_string(),
+                    })
+                    .collect(),
+                peers: v.peers.clone(),
+                artifacts: v.artifacts.clone(),
+                release: v.release.as_ref().map(release_pb),
             })
             .collect(),
         workers: f
@@ -742,17 +758,19 @@ pub(crate) fn fleet_pb(f: &FleetStatus) -> pb::FleetStatus {
                 admitted: w.admitted,
                 admission: w.admission.clone(),
                 connected: w.connected,
+                gate: w.gate.map(|g| g.as_str().to_string()).unwrap_or_default(),
+                resident_label: w.resident_label.clone().unwrap_or_default(),
             })
             .collect(),
         fleet_label: f
             .fleet_version
             .as_ref()
-            .map(|v| v.0.clone())
+            .map(|v| v.label.clone())
             .unwrap_or_default(),
         fleet_version: f
             .fleet_version
             .as_ref()
-            .map(|v| v.1.to_string())
+            .map(|v| v.version_id.to_string())
             .unwrap_or_default(),
         open_refit: f.open_refit.unwrap_or(0),
         halted: f.halted.clone().unwrap_or_default(),
@@ -982,6 +1000,33 @@ pub(crate) fn fleet(p: &pb::FleetStatus) -> Result<FleetStatus, Error> {
                         &v.version_digest,
                         &format!("versions[{i}].version_digest"),
                     )?,
+                    slots: v.slots,
+                    publishers: v
+                        .publishers
+                        .iter()
+                        .enumerate()
+                        .map(|(k, p)| {
+                            Ok(PublisherStatus {
+                                slot: p.slot,
+                                agent_name: p.agent_name.clone(),
+                                retired_by: opt_string(&p.retired_by),
+                                last_seen_ms: p.last_seen_ms,
+                                liveness: Liveness::parse(&p.liveness).ok_or_else(|| {
+                                    invalid(
+                                        &format!("versions[{i}].publishers[{k}].liveness"),
+                                        format!("unknown liveness {:?}", p.liveness),
+                                    )
+                                })?,
+                            })
+                        })
+                        .collect::<Result<_, Error>>()?,
+                    peers: v.peers.clone(),
+                    artifacts: v.artifacts.clone(),
+                    release: v
+                        .release
+                        .as_ref()
+                        .map(|r| release(r, &format!("versions[{i}].release")))
+                        .transpose()?,
                 })
             })
             .collect::<Result<_, Error>>()?,
@@ -1015,16 +1060,24 @@ pub(crate) fn fleet(p: &pb::FleetStatus) -> Result<FleetStatus, Error> {
                     admitted: w.admitted,
                     admission: w.admission.clone(),
                     connected: w.connected,
+                    gate: match w.gate.as_str() {
+                        "" => None,
+                        g => Some(Gate::parse(g).ok_or_else(|| {
+                            invalid(&f("gate"), format!("unknown gate {g:?}"))
+                        })?),
+                    },
+                    resident_label: opt_string(&w.resident_label),
                 })
             })
             .collect::<Result<_, Error>>()?,
         fleet_version: match p.fleet_version.as_str() {
             "" => None,
-            v => Some((
-                p.fleet_label.clone(),
-                v.parse()
+            v => Some(FleetVersion {
+                label: p.fleet_label.clone(),
+                version_id: v
+                    .parse()
                     .map_err(|e: mx_layout::Error| invalid("fleet_version", e.to_string()))?,
-            )),
+            }),
         },
         open_refit: (p.open_refit != 0).then_some(p.open_refit),
         halted: opt_string(&p.halted),

@@ -91,7 +91,7 @@ pub use refit::{
 };
 pub use server::{serve, spawn, spawn_ha, ControlPlaneConfig, Security, ServerHandle, TlsIdentity};
 pub use types::{
-    ArtifactKind, ArtifactRecord, Command, CoverageGap, FleetStatus, PeerSource, Release,
-    StagedReport, VersionInfo, VersionState, VersionSummary, WorkerBrief, WorkerState,
-    WorkerStatus,
+    ArtifactKind, ArtifactRecord, Command, CoverageGap, FleetStatus, FleetVersion, Gate, Liveness,
+    PeerSource, PublisherStatus, Release, StagedReport, VersionInfo, VersionState, VersionSummary,
+    WorkerBrief, WorkerState, WorkerStatus,
 };

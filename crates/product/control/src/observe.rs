@@ -70,6 +70,14 @@ pub const WORKERS: &str = "mx_workers";
 pub const WORKERS_CONNECTED: &str = "mx_workers_connected";
 /// Connected workers admitted to rollouts (gauge).
 pub const WORKERS_ADMITTED: &str = "mx_workers_admitted";
+/// Registered workers not admitted, by why (gauge; label `reason`: a [`crate::Gate`] name:
+/// in_refit, departed, engine_unread, fenced, no_weights, stale, disconnected). Each worker is
+/// counted once, under the first gate [`crate::state::State::gate`] finds (disconnected only
+/// when nothing else holds it).
+pub const WORKERS_GATED: &str = "mx_workers_gated";
+/// Publishers of the versions not yet released, by liveness (gauge; label `liveness`: live,
+/// silent, unknown; see [`crate::Liveness`]).
+pub const PUBLISHERS: &str = "mx_publishers";
 /// Versions (gauge; label `state`: declared, ready, committed, ...).
 pub const VERSIONS: &str = "mx_versions";
 /// 1 while a refit is open, else 0 (gauge).
@@ -188,6 +196,11 @@ fn describe() {
         "Registered workers with a command stream open"
     );
     describe_gauge!(WORKERS_ADMITTED, "Connected workers admitted to rollouts");
+    describe_gauge!(WORKERS_GATED, "Workers not admitted, by the first reason");
+    describe_gauge!(
+        PUBLISHERS,
+        "Publishers of unreleased versions, by liveness"
+    );
     describe_gauge!(VERSIONS, "Versions by state");
     describe_gauge!(REFIT_OPEN, "1 while a refit is open");
     describe_counter!(
@@ -347,6 +360,8 @@ pub struct Tallies {
     pub connected: usize,
     /// Connected workers admitted to rollouts.
     pub admitted: usize,
+    /// Every other registered worker, by its first gate.
+    pub gated: std::collections::BTreeMap<crate::types::Gate, usize>,
     /// Versions by state.
     pub versions: std::collections::BTreeMap<crate::types::VersionState, usize>,
     /// A refit is open.

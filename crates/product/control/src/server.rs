@@ -135,6 +135,7 @@ impl ControlPlane for Service {
             })
             .and_then(|m| convert::manifest(m, "manifest"))?;
         let label = convert::label(&r.label, "label")?;
+        self.shared.hear(&manifest.agent_name);
         self.shared
             .mutate(Record::Publish {
                 label: label.clone(),
@@ -325,8 +326,11 @@ impl ControlPlane for Service {
 
     async fn list_layouts(
         &self,
-        _req: Request<pb::ListLayoutsRequest>,
+        req: Request<pb::ListLayoutsRequest>,
     ) -> Result<Response<pb::ListLayoutsResponse>, Status> {
+        let r = req.into_inner();
+        crate::limits::name("agent_name", &r.agent_name)?;
+        self.shared.hear(&r.agent_name);
         let layouts = self.shared.read_durable(State::layouts).await;
         Ok(Response::new(pb::ListLayoutsResponse {
             layouts: layouts.iter().map(convert::layout_pb).collect(),
@@ -448,17 +452,26 @@ impl ControlPlane for Service {
 
     async fn get_status(
         &self,
-        _req: Request<pb::GetStatusRequest>,
+        req: Request<pb::GetStatusRequest>,
     ) -> Result<Response<pb::FleetStatus>, Status> {
+        let digests = req.into_inner().digests;
         let mut status = self.shared.read_durable(State::fleet_status).await;
         status.halted = self.shared.halt_reason();
+        self.shared.fill_liveness(&mut status.versions);
         for w in &mut status.workers {
             w.connected = self.shared.connected(&w.worker_id);
             // Admission also needs an open command stream: a worker the control plane cannot
             // reach cannot be gated by the next refit.
             if w.admitted && !w.connected {
                 w.admitted = false;
-                w.admission = "disconnected from the control plane".into();
+                w.gate = Some(crate::Gate::Disconnected);
+                w.admission = "disconnected from the control plane (its process is gone or cut off: restart it, or `mx retire` its id)".into();
+            }
+            if !digests {
+                // Per-tensor digests are most of a status (thousands per worker): on request.
+                for s in &mut w.last_staged {
+                    s.ranks.clear();
+                }
             }
         }
         Ok(Response::new(convert::fleet_pb(&status)))
@@ -1229,6 +1242,25 @@ impl observe::Probe for ControlProbe {
         }
         metrics::gauge!(observe::WORKERS_CONNECTED).set(t.connected as f64);
         metrics::gauge!(observe::WORKERS_ADMITTED).set(t.admitted as f64);
+        for g in crate::Gate::ALL {
+            let n = t.gated.get(&g).copied().unwrap_or(0);
+            metrics::gauge!(observe::WORKERS_GATED, "reason" => g.as_str()).set(n as f64);
+        }
+        // Publishers of versions still served (not released).
+        let mut versions = shared.read(|s| s.version_summaries(|v| v.release.is_none()));
+        shared.fill_liveness(&mut versions);
+        for l in [
+            crate::Liveness::Live,
+            crate::Liveness::Silent,
+            crate::Liveness::Unknown,
+        ] {
+            let n = versions
+                .iter()
+                .flat_map(|v| &v.publishers)
+                .filter(|p| p.liveness == l && p.retired_by.is_none())
+                .count();
+            metrics::gauge!(observe::PUBLISHERS, "liveness" => l.as_str()).set(n as f64);
+        }
         for v in [
             VersionState::Declared,
             VersionState::Publishing,

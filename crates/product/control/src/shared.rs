@@ -117,7 +117,16 @@ pub(crate) struct Shared {
     pub(crate) started: tokio::time::Instant,
     /// The workers the journal held at the start: they come back after a restart or failover.
     pub(crate) returning: std::collections::HashSet<String>,
+    /// NIXL agent name -> when a publisher naming it was last heard (`Publish`, `ListLayouts`
+    /// with `agent_name`): the publishers' liveness in `GetStatus`. Not state (a restarted
+    /// control plane hears every serving publisher again within one ping); self-declared, so
+    /// it is shown, never acted on. Bounded by [`MAX_HEARD`].
+    pub(crate) heard: Mutex<HashMap<String, tokio::time::Instant>>,
 }
+
+/// The most agents [`Shared::heard`] remembers: past it, those not heard within
+/// [`crate::types::SILENT_AFTER_MS`] ten times over are forgotten (they read as unknown).
+pub(crate) const MAX_HEARD: usize = 16_384;
 
 impl Drop for Shared {
     /// Stops the journal thread and waits for it, so the journal file (and its lock) is closed
@@ -201,6 +210,7 @@ impl Shared {
             starting: tokio::sync::Mutex::new(()),
             started: tokio::time::Instant::now(),
             returning,
+            heard: Mutex::new(HashMap::new()),
         })
     }
 
@@ -397,6 +407,35 @@ impl Shared {
     /// True while `worker_id` has an open command stream.
     pub(crate) fn connected(&self, worker_id: &str) -> bool {
         self.mailbox(worker_id).open_streams.load(Ordering::SeqCst) > 0
+    }
+
+    /// Notes that the publisher with NIXL agent `agent_name` was heard from now.
+    pub(crate) fn hear(&self, agent_name: &str) {
+        if agent_name.is_empty() {
+            return;
+        }
+        let now = tokio::time::Instant::now();
+        let mut heard = lock(&self.heard);
+        if heard.len() >= MAX_HEARD && !heard.contains_key(agent_name) {
+            let keep = Duration::from_millis(crate::types::SILENT_AFTER_MS.saturating_mul(10));
+            heard.retain(|_, t| now.duration_since(*t) <= keep);
+            if heard.len() >= MAX_HEARD {
+                return;
+            }
+        }
+        heard.insert(agent_name.to_string(), now);
+    }
+
+    /// Fills in each publisher's liveness from [`Shared::hear`]'s record.
+    pub(crate) fn fill_liveness(&self, versions: &mut [crate::types::VersionSummary]) {
+        let now = tokio::time::Instant::now();
+        let heard = lock(&self.heard);
+        for p in versions.iter_mut().flat_map(|v| v.publishers.iter_mut()) {
+            p.last_seen_ms = heard
+                .get(&p.agent_name)
+                .map(|t| u64::try_from(now.duration_since(*t).as_millis()).unwrap_or(u64::MAX));
+            p.liveness = crate::types::Liveness::of(p.last_seen_ms);
+        }
     }
 
     /// The ids of every worker with an open command stream.

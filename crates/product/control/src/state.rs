@@ -18,8 +18,8 @@ use crate::fanout::Sources;
 use crate::refit::{Action, EngineEndpoint, Outcome, Phase, Refit, Rejoined, WorkerCall};
 use crate::types::{ArtifactKind, ArtifactRecord, PeerSource, Release};
 use crate::types::{
-    Command, CoverageGap, FleetStatus, StagedReport, VersionInfo, VersionState, VersionSummary,
-    WorkerState, WorkerStatus,
+    Command, CoverageGap, FleetStatus, FleetVersion, Gate, PublisherStatus, StagedReport,
+    VersionInfo, VersionState, VersionSummary, WorkerState, WorkerStatus,
 };
 use crate::Error;
 
@@ -673,13 +673,27 @@ impl State {
     }
 
     /// Whether worker `worker_id` may take rollouts as far as the durable state knows, and why
-    /// not: the invariant, recomputed on every read. A worker is admitted only when its resident
-    /// version (as its engine last reported it) is the fleet's committed version, no open refit
-    /// holds it, and no refit fenced it. Connectivity is not state: the server also requires an
-    /// open command stream ([`FleetStatus`] as served).
+    /// not: [`State::gate`] as (admitted, reason).
     pub fn admission(&self, worker_id: &str) -> (bool, String) {
+        match self.gate(worker_id) {
+            None => (true, String::new()),
+            Some((_, why)) => (false, why),
+        }
+    }
+
+    /// Why worker `worker_id` may not take rollouts as far as the durable state knows (`None`
+    /// when it may): the invariant, recomputed on every read. A worker is admitted only when its
+    /// resident version (as its engine last reported it) is the fleet's committed version, no
+    /// open refit holds it, and no refit fenced it. Connectivity is not state: the server also
+    /// requires an open command stream ([`FleetStatus`] as served, [`Gate::Disconnected`]).
+    /// Every reason names the command that clears it. An unregistered id is
+    /// [`Gate::NoWeights`].
+    pub fn gate(&self, worker_id: &str) -> Option<(Gate, String)> {
         let Some(w) = self.workers.get(worker_id) else {
-            return (false, format!("worker {worker_id} is not registered"));
+            return Some((
+                Gate::NoWeights,
+                format!("worker {worker_id} is not registered"),
+            ));
         };
         let (resident, fenced_by) = (w.resident_id.as_ref(), w.fenced_by);
         // The command that brings it to the fleet's version (every gated state names it).
@@ -688,21 +702,21 @@ impl State {
             None => format!("mx refit --label LABEL --workers {worker_id}"),
         };
         if let Some(r) = self.open_refit_of(worker_id) {
-            return (
-                false,
+            return Some((
+                Gate::InRefit,
                 format!(
                     "refit {} to {} in progress (mx status shows its phase)",
                     r.id, r.spec.label
                 ),
-            );
+            ));
         }
         if let Some(id) = w.departed_from {
-            return (
-                false,
+            return Some((
+                Gate::Departed,
                 format!(
                     "left during refit {id} before it could be settled (its engine may still be paused); admitted again once a refit of it commits or rolls back cleanly: `{join}`"
                 ),
-            );
+            ));
         }
         if let Some(s) = &w.shares_engine {
             let when = if self
@@ -714,33 +728,33 @@ impl State {
             } else {
                 format!("the control plane reads its engine's version back when the worker registers again; or `{join}`")
             };
-            return (
-                false,
+            return Some((
+                Gate::EngineUnread,
                 format!(
                     "refit {} called the engine of worker {}, which reaches {} as this worker's engine does: what its engine holds is unknown until it is read back ({when})",
                     s.refit, s.with, s.address
                 ),
-            );
+            ));
         }
         if let Some(id) = fenced_by {
-            return (
-                false,
+            return Some((
+                Gate::Fenced,
                 format!(
                     "fenced by refit {id}: it could not be brought back, so what is resident is unknown; admitted again when it registers anew (restart it) reporting the committed version, or `{join}`"
                 ),
-            );
+            ));
         }
         match (&self.fleet_version, resident) {
-            (_, None) => (false, format!("no weights resident: `{join}`")),
-            (None, Some(v)) => (
-                false,
+            (_, None) => Some((Gate::NoWeights, format!("no weights resident: `{join}`"))),
+            (None, Some(v)) => Some((
+                Gate::Stale,
                 format!("stale: resident {v}, but the fleet has committed no version: `{join}`"),
-            ),
-            (Some((_, fleet)), Some(v)) if v.is(*fleet) => (true, String::new()),
-            (Some((label, fleet)), Some(v)) => (
-                false,
+            )),
+            (Some((_, fleet)), Some(v)) if v.is(*fleet) => None,
+            (Some((label, fleet)), Some(v)) => Some((
+                Gate::Stale,
                 format!("stale: resident {v}, the fleet committed {label} ({fleet}): `{join}`"),
-            ),
+            )),
         }
     }
 
@@ -854,18 +868,24 @@ impl State {
     }
 
     /// Counts for the control plane's gauges: workers by stage state, how many of them
-    /// `connected` says have a command stream open and how many of those are admitted
-    /// ([`State::admission`]), and versions by state. Reads the state only (no copies of
+    /// `connected` says have a command stream open, how many of those are admitted
+    /// ([`State::admission`]) and every other worker by its [`Gate`], and versions by state. Reads the state only (no copies of
     /// records), so a scrape of a 10,000-worker fleet stays cheap.
     pub fn tallies(&self, connected: impl Fn(&str) -> bool) -> Tallies {
         let mut t = Tallies::default();
         for (id, w) in &self.workers {
             *t.workers.entry(w.state).or_default() += 1;
-            if connected(id) {
+            let gate = self.gate(id).map(|(g, _)| g);
+            // As the served status judges it: a gate the state holds first, then the stream.
+            let gate = if connected(id) {
                 t.connected += 1;
-                if self.worker_admitted(id) {
-                    t.admitted += 1;
-                }
+                gate
+            } else {
+                Some(gate.unwrap_or(Gate::Disconnected))
+            };
+            match gate {
+                None => t.admitted += 1,
+                Some(g) => *t.gated.entry(g).or_default() += 1,
             }
         }
         for v in self.versions.values() {
@@ -1138,30 +1158,34 @@ impl State {
             .map(|w| (w.state, w.label.clone(), w.last_error.clone()))
     }
 
-    /// The fleet's status.
-    pub fn fleet_status(&self) -> FleetStatus {
+    /// The fleet status's line of every version `keep` keeps, in declaration order (publishers'
+    /// liveness unknown: not state).
+    pub fn version_summaries(&self, keep: impl Fn(&VersionSummary) -> bool) -> Vec<VersionSummary> {
         let mut versions: Vec<(u64, VersionSummary)> = self
             .versions
             .iter()
-            .map(|(label, v)| {
-                (
-                    v.order,
-                    VersionSummary {
-                        label: label.clone(),
-                        state: v.state,
-                        version_digest: v.digest,
-                    },
-                )
-            })
+            .map(|(label, v)| (v.order, version_summary(label, v)))
+            .filter(|(_, s)| keep(s))
             .collect();
         versions.sort_by_key(|(o, _)| *o);
+        versions.into_iter().map(|(_, s)| s).collect()
+    }
+
+    /// The fleet's status. Publishers' liveness is the server's to fill in (it is not state):
+    /// here every publisher is [`crate::Liveness::Unknown`].
+    pub fn fleet_status(&self) -> FleetStatus {
+        let labels: BTreeMap<Digest, &str> = self
+            .versions
+            .iter()
+            .filter_map(|(l, v)| Some((v.digest?, l.as_str())))
+            .collect();
         FleetStatus {
-            versions: versions.into_iter().map(|(_, s)| s).collect(),
+            versions: self.version_summaries(|_| true),
             workers: self
                 .workers
                 .iter()
-                .map(|(id, w)| (id, w, self.admission(id)))
-                .map(|(id, w, (admitted, admission))| WorkerStatus {
+                .map(|(id, w)| (id, w, self.gate(id)))
+                .map(|(id, w, gate)| WorkerStatus {
                     worker_id: id.clone(),
                     instance: w.instance.clone(),
                     ranks: w.ranks.clone(),
@@ -1178,13 +1202,26 @@ impl State {
                     last_staged: w.last_staged.clone(),
                     engine: w.engine.clone(),
                     resident_id: w.resident_id.clone(),
-                    admitted,
-                    admission,
+                    resident_label: w
+                        .resident_id
+                        .as_ref()
+                        .and_then(ResidentVersion::mx)
+                        .and_then(|v| labels.get(&v.digest()))
+                        .map(|l| (*l).to_string()),
+                    admitted: gate.is_none(),
+                    admission: gate.as_ref().map(|(_, why)| why.clone()).unwrap_or_default(),
+                    gate: gate.map(|(g, _)| g),
                     // Known to the server only (streams are not state).
                     connected: false,
                 })
                 .collect(),
-            fleet_version: self.fleet_version.clone(),
+            fleet_version: self
+                .fleet_version
+                .as_ref()
+                .map(|(label, id)| FleetVersion {
+                    label: label.clone(),
+                    version_id: *id,
+                }),
             open_refit: self.open_refit_id(),
             halted: None,
         }
@@ -1194,6 +1231,30 @@ impl State {
     pub fn layouts(&self) -> Vec<LayoutSpec> {
         let set: BTreeSet<LayoutSpec> = self.workers.values().map(|w| w.layout).collect();
         set.into_iter().collect()
+    }
+}
+
+/// A version's line of the fleet status (its publishers' liveness unknown: not state).
+fn version_summary(label: &str, v: &Version) -> VersionSummary {
+    VersionSummary {
+        label: label.to_string(),
+        state: v.state,
+        version_digest: v.digest,
+        slots: v.trainer_layout.world_size,
+        publishers: v
+            .slots
+            .iter()
+            .map(|(slot, m)| PublisherStatus {
+                slot: *slot,
+                agent_name: m.agent_name.clone(),
+                retired_by: v.retired.get(slot).cloned(),
+                last_seen_ms: None,
+                liveness: crate::types::Liveness::Unknown,
+            })
+            .collect(),
+        peers: v.peers.keys().cloned().collect(),
+        artifacts: v.artifacts.iter().map(|a| a.url.clone()).collect(),
+        release: v.release.clone(),
     }
 }
 

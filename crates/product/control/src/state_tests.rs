@@ -363,7 +363,10 @@ fn refit_commits_admits_and_refuses_illegal_steps() {
     let f = st.fleet_status();
     assert_eq!(
         f.fleet_version,
-        Some(("v1".into(), target.parse().unwrap()))
+        Some(crate::FleetVersion {
+            label: "v1".into(),
+            version_id: target.parse().unwrap()
+        })
     );
     assert!(f
         .workers
@@ -473,6 +476,15 @@ fn a_version_overwritten_in_place_is_retired() {
     publish(&mut st, "v2", 0, 4098, None);
     assert_eq!(st.retired_by("v1"), Some((0, "v2".to_string())));
     assert_eq!(st.retired_by("v2"), None);
+    // The status shows which slot was overwritten, by what.
+    let v1 = &st.fleet_status().versions[0];
+    assert_eq!((v1.label.as_str(), v1.slots), ("v1", 2));
+    let retired: Vec<(u32, Option<&str>)> = v1
+        .publishers
+        .iter()
+        .map(|p| (p.slot, p.retired_by.as_deref()))
+        .collect();
+    assert_eq!(retired, vec![(0, Some("v2")), (1, None)]);
     // Another agent at v2's slot-1 addresses (another process) retires nothing.
     publish(&mut st, "v3", 1, 1 << 20, Some("other"));
     assert_eq!(st.retired_by("v2"), None);
@@ -525,7 +537,15 @@ fn a_fenced_worker_stays_gated_until_it_registers_again() {
         "{}",
         b.admission
     );
+    assert_eq!(b.gate, Some(crate::Gate::Fenced));
     assert!(worker(&st, "a").admitted);
+    // The gauges count it under its gate; a disconnected a is counted as disconnected.
+    let t = st.tallies(|id| id != "a");
+    assert_eq!(
+        t.gated,
+        [(crate::Gate::Fenced, 1), (crate::Gate::Disconnected, 1)].into()
+    );
+    assert_eq!((t.connected, t.admitted), (1, 0));
     // A later refit that aborts before touching b does not lift the fence.
     st.apply(begin(&st, d)).unwrap();
     st.apply(phase(3, Phase::Abort)).unwrap();
@@ -634,6 +654,17 @@ fn regression_a_commit_makes_every_worker_not_on_it_stale() {
         "{}",
         b.admission
     );
+    assert_eq!((a.gate, b.gate), (None, Some(crate::Gate::Stale)));
+    assert_eq!(
+        (a.resident_label.as_deref(), b.resident_label.as_deref()),
+        (Some("v2"), Some("v1"))
+    );
+    assert_eq!(
+        st.fleet_status().fleet_version.map(|f| f.label),
+        Some("v2".to_string())
+    );
+    let t = st.tallies(|_| true);
+    assert_eq!((t.admitted, t.gated), (1, [(crate::Gate::Stale, 1)].into()));
     assert!(!st.worker_admitted("b") && st.worker_admitted("a"));
 }
 

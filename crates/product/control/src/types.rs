@@ -273,6 +273,151 @@ pub struct VersionSummary {
     pub state: VersionState,
     /// Identity, once READY.
     pub version_digest: Option<Digest>,
+    /// Slots of its trainer layout (its world size).
+    pub slots: u32,
+    /// Its publishers, one per published slot, ascending slot.
+    pub publishers: Vec<PublisherStatus>,
+    /// Workers serving it from their memory as peers, by id.
+    pub peers: Vec<String>,
+    /// URIs of its artifacts in object storage, in registration order.
+    pub artifacts: Vec<String>,
+    /// Whether (and why) its sources may stop serving it; see [`Release`].
+    pub release: Option<Release>,
+}
+
+/// How recently a source was heard from: a publisher's layout watcher calls `ListLayouts`
+/// every [`PUBLISHER_PING_MS`] while it serves a version, naming its NIXL agent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Liveness {
+    /// Heard from within [`SILENT_AFTER_MS`].
+    Live,
+    /// Heard from before, not within [`SILENT_AFTER_MS`]: exited, hung or cut off.
+    Silent,
+    /// Not heard from since this control plane started (or an older publisher that does not
+    /// name its agent).
+    Unknown,
+}
+
+/// How often a serving publisher names itself to the control plane, in milliseconds (its layout
+/// watcher's poll interval).
+pub const PUBLISHER_PING_MS: u64 = 300;
+
+/// A source not heard from for this long is [`Liveness::Silent`], in milliseconds (ten of its
+/// pings).
+pub const SILENT_AFTER_MS: u64 = 10 * PUBLISHER_PING_MS;
+
+impl Liveness {
+    /// The liveness of a source last heard from `ago_ms` milliseconds ago (`None`: never).
+    pub fn of(ago_ms: Option<u64>) -> Liveness {
+        match ago_ms {
+            None => Liveness::Unknown,
+            Some(ms) if ms <= SILENT_AFTER_MS => Liveness::Live,
+            Some(_) => Liveness::Silent,
+        }
+    }
+
+    /// `live`, `silent` or `unknown`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Liveness::Live => "live",
+            Liveness::Silent => "silent",
+            Liveness::Unknown => "unknown",
+        }
+    }
+
+    /// Parses [`Liveness::as_str`]'s names.
+    pub fn parse(s: &str) -> Option<Liveness> {
+        [Liveness::Live, Liveness::Silent, Liveness::Unknown]
+            .into_iter()
+            .find(|l| l.as_str() == s)
+    }
+}
+
+/// One published slot of a version: the NIXL agent that published it and whether it still
+/// serves it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PublisherStatus {
+    /// Trainer slot (rank in the trainer layout).
+    pub slot: u32,
+    /// The publishing NIXL agent's name.
+    pub agent_name: String,
+    /// The label of a later version this agent published into the same memory: this slot no
+    /// longer holds this version.
+    pub retired_by: Option<String>,
+    /// Milliseconds since the agent was last heard from (`None`: not since this control plane
+    /// started).
+    pub last_seen_ms: Option<u64>,
+    /// [`Liveness::of`] `last_seen_ms`.
+    pub liveness: Liveness,
+}
+
+/// Why a worker is not admitted to rollouts, by kind: the typed form of
+/// [`WorkerStatus::admission`]'s sentence (the `mx_workers_gated{reason}` gauge counts them).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Gate {
+    /// An open refit holds it.
+    InRefit,
+    /// It left a refit before the refit could settle it (its engine may still be paused).
+    Departed,
+    /// A refit of another worker called an engine it shares an address with: its engine is
+    /// read back before it is trusted.
+    EngineUnread,
+    /// A refit could not bring it back: what is resident is unknown.
+    Fenced,
+    /// No weights resident (or not known).
+    NoWeights,
+    /// Its resident version is not the fleet's.
+    Stale,
+    /// It has no command stream open to the control plane.
+    Disconnected,
+}
+
+impl Gate {
+    /// Every gate, in the order [`crate::state::State::admission`] tests them.
+    pub const ALL: [Gate; 7] = [
+        Gate::InRefit,
+        Gate::Departed,
+        Gate::EngineUnread,
+        Gate::Fenced,
+        Gate::NoWeights,
+        Gate::Stale,
+        Gate::Disconnected,
+    ];
+
+    /// The snake-case name (`in_refit`, `departed`, ...), as in JSON and metrics labels.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Gate::InRefit => "in_refit",
+            Gate::Departed => "departed",
+            Gate::EngineUnread => "engine_unread",
+            Gate::Fenced => "fenced",
+            Gate::NoWeights => "no_weights",
+            Gate::Stale => "stale",
+            Gate::Disconnected => "disconnected",
+        }
+    }
+
+    /// Parses [`Gate::as_str`]'s names.
+    pub fn parse(s: &str) -> Option<Gate> {
+        Gate::ALL.into_iter().find(|g| g.as_str() == s)
+    }
+}
+
+impl std::fmt::Display for Gate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The version a fleet last committed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct FleetVersion {
+    /// Its label.
+    pub label: String,
+    /// Its version id.
+    pub version_id: VersionId,
 }
 
 /// One registered worker (an inference instance holding `ranks` of `layout`).
@@ -308,6 +453,11 @@ pub struct WorkerStatus {
     pub admission: String,
     /// It has a command stream open to this control plane now.
     pub connected: bool,
+    /// Why it is not admitted, by kind (`None` when admitted).
+    pub gate: Option<Gate>,
+    /// The label of the declared version whose id `resident_version` is (`None` when no
+    /// declared version has it).
+    pub resident_label: Option<String>,
 }
 
 /// A worker's state in brief, as `WaitWorkers` answers it.
@@ -330,8 +480,8 @@ pub struct FleetStatus {
     pub versions: Vec<VersionSummary>,
     /// Workers.
     pub workers: Vec<WorkerStatus>,
-    /// The version the fleet last committed: (label, version id).
-    pub fleet_version: Option<(String, VersionId)>,
+    /// The version the fleet last committed.
+    pub fleet_version: Option<FleetVersion>,
     /// The refit in progress.
     pub open_refit: Option<u64>,
     /// Set while the control plane does not act on its fleet: the fleet contradicted the

@@ -66,7 +66,7 @@ pub use spec::{MemoryId, ShardSpec};
 pub const SNAPSHOT_RING: usize = 2;
 
 /// How often the publisher looks for destination layouts registered after its last publish.
-pub const WATCH_INTERVAL: Duration = Duration::from_millis(300);
+pub const WATCH_INTERVAL: Duration = Duration::from_millis(mx_control::types::PUBLISHER_PING_MS);
 
 /// Errors of the publisher; each wraps the failing layer's error or names what is wrong.
 #[derive(Debug, thiserror::Error)]

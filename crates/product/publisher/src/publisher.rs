@@ -116,6 +116,8 @@ struct Served {
 
 struct Shared {
     client: ControlClient,
+    /// The NIXL agent's name (its pings name it).
+    agent_name: String,
     model: ModelInfo,
     served: Mutex<Option<Served>>,
 }
@@ -225,7 +227,8 @@ async fn watch(shared: Arc<Shared>) {
         if lock(&shared.served).is_none() {
             continue;
         }
-        let Ok(layouts) = shared.client.list_layouts().await else {
+        // Naming the agent tells the control plane this publisher is alive (`mx status`).
+        let Ok(layouts) = shared.client.list_layouts_as(&shared.agent_name).await else {
             continue;
         };
         let s = Arc::clone(&shared);
@@ -333,6 +336,7 @@ impl Publisher {
         let progress = agent.spawn_progress(Duration::from_millis(1));
         let shared = Arc::new(Shared {
             client,
+            agent_name: agent.name().to_string(),
             model: cfg.model.clone(),
             served: Mutex::new(None),
         });
