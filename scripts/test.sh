@@ -140,6 +140,13 @@ if ((run_c)); then
     bash "$SCRIPT_DIR/test_ffi_c.sh"
 fi
 
+# The README's secured fleet (TLS, a token per role, two workers, two trainer ranks, a refit),
+# its commands run verbatim: the quickstart cannot drift from what works.
+if ((${#scope[@]})); then
+    begin "scripts/readme-fleet.sh (the README's secured fleet, verbatim)"
+    bash "$SCRIPT_DIR/readme-fleet.sh"
+fi
+
 if ((python_tests)); then
     PY="$REPO/.mx/venv/bin/python"
     # conftest.py turns any skip into a failure; -p no:cacheprovider keeps the tree clean.

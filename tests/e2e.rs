@@ -252,7 +252,9 @@ fn a_flipped_byte_in_a_source_fails_the_stage_and_the_worker_is_not_admitted() {
         "--id",
         "w",
     ]));
-    wait_status(&a, "worker w", 60, |j| workers(j).any(|w| w["worker_id"] == "w"));
+    wait_status(&a, "worker w", 60, |j| {
+        workers(j).any(|w| w["worker_id"] == "w")
+    });
     let (ok, out) = mx(&[
         "declare",
         "--control",

@@ -20,7 +20,8 @@ def test_declare_then_status_shows_the_version(control_plane, control):
     s = control.status()
     assert isinstance(s, mx.FleetStatus)
     v = s.version("v1")
-    assert v == mx.VersionSummary("v1", mx.VersionState.DECLARED, None)
+    assert v == mx.VersionSummary("v1", mx.VersionState.DECLARED, None, slots=2)
+    assert v.publishers == () and v.release is None
     assert s.workers == () and s.admitted == ()
     assert s.fleet_version is None and s.open_refit is None
     info = control.version("v1")

@@ -433,9 +433,11 @@ mx_status mx_control_refit(const mx_control *control,
                            char **result_json);
 
 /**
- * The fleet's status as JSON (versions with state and id; workers with layout, ranks, state,
- * resident version and admission; the committed version; the open refit), written to
- * `*json` (free it with `mx_string_free`). Thread-safe.
+ * The fleet's status as JSON (versions with state, id, slots and sources: publishers with
+ * their liveness `live`/`silent`/`unknown`, peers, artifacts, release; workers with layout,
+ * ranks, state, resident version and its label, connection, admission and its `gate`; the
+ * committed version as `{label, version_id}`; the open refit), written to `*json` (free it
+ * with `mx_string_free`). Thread-safe.
  *
  * Errors: `MX_ERR_CONTROL`.
  *

@@ -542,7 +542,12 @@ impl ControlClient {
     #[pyo3(signature = (timeout = None, digests = false))]
     fn status(&self, py: Python<'_>, timeout: Option<f64>, digests: bool) -> PyResult<String> {
         let timeout = self.deadline(timeout)?;
-        let s = self.call(py, "GetStatus", timeout, self.client.get_status_with(digests))?;
+        let s = self.call(
+            py,
+            "GetStatus",
+            timeout,
+            self.client.get_status_with(digests),
+        )?;
         json_text(py, &fleet_json(&s))
     }
 

@@ -18,9 +18,9 @@ pub mod exit;
 mod export_cmd;
 mod plan_cmd;
 mod refit_cmd;
-mod status_cmd;
 pub mod refits;
 pub mod report;
+mod status_cmd;
 
 pub use commands::{
     AcceptJournalArgs, CommitArgs, ControlArgs, DeclareArgs, JournalArgs, RetireArgs, StageArgs,

@@ -8,9 +8,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
-use mx_control::{
-    FleetStatus, Gate, Liveness, VersionSummary, WorkerState, WorkerStatus,
-};
+use mx_control::{FleetStatus, Gate, Liveness, Release, VersionSummary, WorkerState, WorkerStatus};
 
 /// The versions shown without `--all`: the newest ones, and the fleet's.
 pub(crate) const RECENT_VERSIONS: usize = 6;
@@ -71,8 +69,8 @@ fn sources(v: &VersionSummary, connected: &BTreeMap<&str, bool>) -> String {
     } else if !odd.is_empty() {
         let _ = write!(trainer, " ({})", odd.join(", "));
     }
-    if v.release.is_some() {
-        trainer.push_str(" released");
+    if let Some(r) = &v.release {
+        let _ = write!(trainer, ", released ({})", release(r));
     }
     if published > 0 || v.peers.is_empty() && v.artifacts.is_empty() {
         parts.push(trainer);
@@ -101,6 +99,19 @@ fn sources(v: &VersionSummary, connected: &BTreeMap<&str, bool>) -> String {
         many => parts.push(format!("{} artifacts", many.len())),
     }
     parts.join("; ")
+}
+
+/// Why a version's sources may stop serving it, in brief (the worker list of a stage left out).
+fn release(r: &Release) -> String {
+    match r {
+        Release::Staged {
+            refit: Some(id), ..
+        } => format!("refit {id} staged it"),
+        Release::Staged { refit: None, .. } => "staged".into(),
+        Release::RefitEnded { refit, outcome } => format!("refit {refit} ended {outcome}"),
+        Release::Superseded { by } => format!("superseded by {by}"),
+        Release::Source { slot } => format!("by slot {slot}"),
+    }
 }
 
 /// A worker's resident version: its label where a declared version has that id.
@@ -298,13 +309,20 @@ pub(crate) fn render(s: &FleetStatus, control: &str, all: bool) -> String {
     }
     let lines = table(&rows);
     // Each gated worker's reason (with the command that clears it) under its line.
-    for (line, w) in lines.lines().zip(std::iter::once(None).chain(s.workers.iter().map(Some))) {
+    for (line, w) in lines
+        .lines()
+        .zip(std::iter::once(None).chain(s.workers.iter().map(Some)))
+    {
         let _ = writeln!(out, "{line}");
         if let Some(w) = w {
             if !w.admitted && !w.admission.is_empty() {
                 out.push_str(&wrap(&w.admission, 4));
             }
-            if let Some(e) = w.last_error.as_ref().filter(|_| w.state == WorkerState::Failed) {
+            if let Some(e) = w
+                .last_error
+                .as_ref()
+                .filter(|_| w.state == WorkerState::Failed)
+            {
                 out.push_str(&wrap(&format!("last error: {e}"), 4));
             }
         }
@@ -317,10 +335,15 @@ mod tests {
     #![allow(clippy::unwrap_used)]
 
     use super::*;
-    use mx_control::{FleetVersion, PublisherStatus, Release, VersionState};
+    use mx_control::{FleetVersion, PublisherStatus, VersionState};
     use mx_layout::{Digest, LayoutSpec, ResidentVersion, VersionId};
 
-    fn version(label: &str, state: VersionState, d: u8, pubs: Vec<PublisherStatus>) -> VersionSummary {
+    fn version(
+        label: &str,
+        state: VersionState,
+        d: u8,
+        pubs: Vec<PublisherStatus>,
+    ) -> VersionSummary {
         VersionSummary {
             label: label.into(),
             state,
@@ -343,12 +366,17 @@ mod tests {
         }
     }
 
-    fn worker(id: &str, resident: Option<(u8, &str)>, gate: Option<(Gate, &str)>, connected: bool) -> WorkerStatus {
+    fn worker(
+        id: &str,
+        resident: Option<(u8, &str)>,
+        gate: Option<(Gate, &str)>,
+        connected: bool,
+    ) -> WorkerStatus {
         WorkerStatus {
             worker_id: id.into(),
             instance: id.into(),
             ranks: vec![0, 1],
-            layout: "tp2".parse::<LayoutSpec>().unwrap(),
+            layout: "tp:2".parse::<LayoutSpec>().unwrap(),
             state: WorkerState::Staged,
             label: Some("step-2".into()),
             version_digest: None,
@@ -356,7 +384,8 @@ mod tests {
             last_error: None,
             last_staged: None,
             engine: None,
-            resident_id: resident.map(|(d, _)| ResidentVersion::from(VersionId::from(Digest([d; 32])))),
+            resident_id: resident
+                .map(|(d, _)| ResidentVersion::from(VersionId::from(Digest([d; 32])))),
             admitted: gate.is_none(),
             admission: gate.map(|(_, why)| why.to_string()).unwrap_or_default(),
             connected,
@@ -367,8 +396,15 @@ mod tests {
 
     #[test]
     fn a_status_reads_at_a_glance() {
-        let mut old = version("step-1", VersionState::Committed, 1, vec![publisher(0, Some(50))]);
-        old.release = Some(Release::Superseded { by: "step-2".into() });
+        let mut old = version(
+            "step-1",
+            VersionState::Committed,
+            1,
+            vec![publisher(0, Some(50))],
+        );
+        old.release = Some(Release::Superseded {
+            by: "step-2".into(),
+        });
         let mut silent = publisher(1, Some(42_100));
         silent.liveness = Liveness::Silent;
         let s = FleetStatus {
@@ -396,13 +432,38 @@ mod tests {
         let out = render(&s, "http://127.0.0.1:7700", false);
         let lines: Vec<&str> = out.lines().collect();
         assert_eq!(lines[0], "control  http://127.0.0.1:7700");
-        assert_eq!(lines[1], "fleet    step-2 (020202020202), committed; no refit open");
-        assert_eq!(lines[2], "workers  2 registered, 1 admitted, gated: stale 1");
-        assert!(out.contains("step-1   COMMITTED          010101010101  trainer 1/2 live released"), "{out}");
-        assert!(out.contains("step-2   COMMITTED (fleet)  020202020202  trainer 2/2 live\n"), "{out}");
-        assert!(out.contains("trainer 2/2 (slot 1 SILENT (last heard 42.1 s ago))"), "{out}");
-        assert!(out.contains("w0      tp2     0-1    connected     step-2    STAGED step-2      admitted\n"), "{out}");
-        assert!(out.contains("w1      tp2     0-1    DISCONNECTED  step-1    was STAGED step-2  GATED (stale)\n"), "{out}");
+        assert_eq!(
+            lines[1],
+            "fleet    step-2 (020202020202), committed; no refit open"
+        );
+        assert_eq!(
+            lines[2],
+            "workers  2 registered, 1 admitted, gated: stale 1"
+        );
+        assert!(
+            out.contains("step-1   COMMITTED          010101010101  trainer 1/2 live, released (superseded by step-2)"),
+            "{out}"
+        );
+        assert!(
+            out.contains("step-2   COMMITTED (fleet)  020202020202  trainer 2/2 live\n"),
+            "{out}"
+        );
+        assert!(
+            out.contains("trainer 2/2 (slot 1 SILENT (last heard 42.1 s ago))"),
+            "{out}"
+        );
+        assert!(
+            out.contains(
+                "w0      tp:2    0-1    connected     step-2    STAGED step-2      admitted\n"
+            ),
+            "{out}"
+        );
+        assert!(
+            out.contains(
+                "w1      tp:2    0-1    DISCONNECTED  step-1    was STAGED step-2  GATED (stale)\n"
+            ),
+            "{out}"
+        );
         assert!(out.contains("    stale: resident mx:0101, the fleet committed step-2: `mx refit --label step-2 --workers w1\n    --join`\n"), "{out}");
         for l in &lines {
             assert!(l.len() <= WRAP, "{l}");
@@ -433,7 +494,10 @@ mod tests {
         assert!(out.contains("(3 older versions: mx status --all)"), "{out}");
         assert!(out.contains("refit 4 open"), "{out}");
         let all = render(&s, "c", true);
-        assert!(all.contains("step-0 ") && !all.contains("older versions"), "{all}");
+        assert!(
+            all.contains("step-0 ") && !all.contains("older versions"),
+            "{all}"
+        );
         assert_eq!(ranks(&[0, 1, 2, 5, 7, 8]), "0-2,5,7-8");
     }
 }

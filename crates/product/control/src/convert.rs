@@ -17,9 +17,9 @@ use crate::refit::{
     EngineApi, EngineEndpoint, GenerationCheck, ModelLimits, Outcome, PauseMode, Refit, RefitSpec,
 };
 use crate::types::{
-    ArtifactKind, ArtifactRecord, Command, CoverageGap, FleetStatus, FleetVersion, Gate,
-    Liveness, PeerSource, PublisherStatus, Release, StagedReport, VersionInfo, VersionState,
-    VersionSummary, WorkerState, WorkerStatus,
+    ArtifactKind, ArtifactRecord, Command, CoverageGap, FleetStatus, FleetVersion, Gate, Liveness,
+    PeerSource, PublisherStatus, Release, StagedReport, VersionInfo, VersionState, VersionSummary,
+    WorkerState, WorkerStatus,
 };
 use crate::Error;
 
@@ -1062,9 +1062,11 @@ pub(crate) fn fleet(p: &pb::FleetStatus) -> Result<FleetStatus, Error> {
                     connected: w.connected,
                     gate: match w.gate.as_str() {
                         "" => None,
-                        g => Some(Gate::parse(g).ok_or_else(|| {
-                            invalid(&f("gate"), format!("unknown gate {g:?}"))
-                        })?),
+                        g => {
+                            Some(Gate::parse(g).ok_or_else(|| {
+                                invalid(&f("gate"), format!("unknown gate {g:?}"))
+                            })?)
+                        }
                     },
                     resident_label: opt_string(&w.resident_label),
                 })

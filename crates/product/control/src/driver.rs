@@ -876,23 +876,24 @@ fn check_summary(check: &GenerationCheck) -> String {
     } else {
         format!(" ({})", check.source)
     };
+    let probes = match check.probes.len() {
+        1 => "its probe".to_string(),
+        n => format!("{n} probes"),
+    };
     let tolerant = check.tie_margin > 0.0 && check.probes.iter().any(|p| !p.margins.is_empty());
     if check.has_expected() && tolerant {
         format!(
-            "each worker's greedy generation of {} probes must equal the expected tokens{from}, exact up to a first near-tie below {} nats",
-            check.probes.len(),
+            "each worker's greedy generation of {probes} must equal the expected tokens{from}, exact up to a first near-tie below {} nats",
             check.tie_margin
         )
     } else if check.has_expected() {
         format!(
-            "each worker's greedy generation of {} probes must equal the expected tokens{from} exactly",
-            check.probes.len()
+            "each worker's greedy generation of {probes} must equal the expected tokens{from} exactly"
         )
     } else {
         format!(
-            "no expected tokens: each worker's {}-token generation of {} probes only had to return tokens",
-            check.max_new_tokens,
-            check.probes.len()
+            "no expected tokens: each worker's {}-token generation of {probes} only had to return tokens",
+            check.max_new_tokens
         )
     }
 }

@@ -197,10 +197,7 @@ fn describe() {
     );
     describe_gauge!(WORKERS_ADMITTED, "Connected workers admitted to rollouts");
     describe_gauge!(WORKERS_GATED, "Workers not admitted, by the first reason");
-    describe_gauge!(
-        PUBLISHERS,
-        "Publishers of unreleased versions, by liveness"
-    );
+    describe_gauge!(PUBLISHERS, "Publishers of unreleased versions, by liveness");
     describe_gauge!(VERSIONS, "Versions by state");
     describe_gauge!(REFIT_OPEN, "1 while a refit is open");
     describe_counter!(

@@ -469,7 +469,7 @@ impl ControlPlane for Service {
             }
             if !digests {
                 // Per-tensor digests are most of a status (thousands per worker): on request.
-                for s in &mut w.last_staged {
+                if let Some(s) = &mut w.last_staged {
                     s.ranks.clear();
                 }
             }

@@ -1209,19 +1209,19 @@ impl State {
                         .and_then(|v| labels.get(&v.digest()))
                         .map(|l| (*l).to_string()),
                     admitted: gate.is_none(),
-                    admission: gate.as_ref().map(|(_, why)| why.clone()).unwrap_or_default(),
+                    admission: gate
+                        .as_ref()
+                        .map(|(_, why)| why.clone())
+                        .unwrap_or_default(),
                     gate: gate.map(|(g, _)| g),
                     // Known to the server only (streams are not state).
                     connected: false,
                 })
                 .collect(),
-            fleet_version: self
-                .fleet_version
-                .as_ref()
-                .map(|(label, id)| FleetVersion {
-                    label: label.clone(),
-                    version_id: *id,
-                }),
+            fleet_version: self.fleet_version.as_ref().map(|(label, id)| FleetVersion {
+                label: label.clone(),
+                version_id: *id,
+            }),
             open_refit: self.open_refit_id(),
             halted: None,
         }

@@ -270,7 +270,7 @@ async fn a_new_leader_serves_the_state_the_old_one_journaled() {
             .await
             .unwrap();
     let st = raw
-        .list_layouts(mx_control::pb::ListLayoutsRequest {})
+        .list_layouts(mx_control::pb::ListLayoutsRequest::default())
         .await
         .unwrap_err();
     assert_eq!(st.code(), tonic::Code::Unavailable);

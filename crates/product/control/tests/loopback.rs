@@ -911,7 +911,10 @@ async fn restart_replays_the_journal_to_the_same_state() {
         }
         s
     };
-    assert_eq!(heard_from(c.get_status().await.unwrap()), heard_from(status));
+    assert_eq!(
+        heard_from(c.get_status().await.unwrap()),
+        heard_from(status.clone())
+    );
     assert_eq!(c.get_version("a").await.unwrap(), va);
     assert_eq!(c.get_version("b").await.unwrap(), vb);
     assert_eq!(va.state, VersionState::Ready);

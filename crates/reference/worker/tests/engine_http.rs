@@ -8,11 +8,9 @@
     reason = "tests: panics are failures"
 )]
 
-mod common;
-
 use std::time::{Duration, Instant};
 
-use common::{generate, get, ids, model_dir, post, serve, PARIS, PROMPT};
+use crate::common::{generate, get, ids, model_dir, post, serve, PARIS, PROMPT};
 use mx_adapters::dynamo::{DynamoClient, DynamoWorkerClient};
 use mx_adapters::sglang::SglangClient;
 use mx_adapters::PauseMode as DynPause;

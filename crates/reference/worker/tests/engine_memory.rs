@@ -12,16 +12,15 @@
     reason = "tests: panics are failures"
 )]
 
-mod common;
-#[path = "../../../product/publisher/tests/support/trainer.rs"]
-mod trainer;
+use crate::common;
+use crate::trainer;
 
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{control_plane, disk_reference, model_dir, tp3};
+use crate::common::{control_plane, disk_reference, model_dir, tp3};
 use mx_checkpoint::Checkpoint;
 use mx_control::client::ControlClient;
 use mx_control::{EngineApi, GenerationCheck, Outcome, RefitSpec, VersionState};

@@ -9,15 +9,14 @@
     reason = "tests: panics are failures"
 )]
 
-mod common;
-#[path = "../../../product/publisher/tests/support/trainer.rs"]
-mod trainer;
+use crate::common;
+use crate::trainer;
 
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{control_plane, generate, ids, model_dir, post, tp3, PARIS, PROMPT};
+use crate::common::{control_plane, generate, ids, model_dir, post, tp3, PARIS, PROMPT};
 use mx_control::client::ControlClient;
 use mx_control::{EngineApi, GenerationCheck, Outcome, PauseMode, RefitSpec, VersionState};
 use mx_layout::{Digest, LayoutSpec, RankDigests};
