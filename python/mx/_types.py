@@ -93,6 +93,22 @@ class ExpectedOutputs:
     max_new_tokens: int
     tie_margin: float = 0.0
 
+    @classmethod
+    def _from_json(cls, d: Mapping[str, Any]) -> ExpectedOutputs:
+        return cls(
+            probes=tuple(
+                Probe(
+                    tuple(p["prompt_tokens"]),
+                    tuple(p.get("tokens", ())),
+                    tuple(p.get("margins", ())),
+                    tuple(p.get("logprobs", ())),
+                )
+                for p in d["probes"]
+            ),
+            max_new_tokens=d["max_new_tokens"],
+            tie_margin=d.get("tie_margin", 0.0),
+        )
+
     def _wire(self) -> tuple:
         probes = [
             (list(p.prompt_tokens), list(p.tokens), list(p.margins), list(p.logprobs))
@@ -247,6 +263,9 @@ class VersionInfo:
     manifests: int
     #: The worker set of the refit committing it, once committing.
     commit_workers: tuple[str, ...]
+    #: The outputs its trainer published for the post-update check
+    #: (:meth:`Control.publish_expected_outputs`), or None.
+    expected_outputs: ExpectedOutputs | None = None
     raw: Mapping[str, Any] = field(repr=False, compare=False, default_factory=dict)
 
     @property
@@ -269,6 +288,9 @@ class VersionInfo:
             missing_tensors=tuple(d["missing_tensors"]),
             manifests=d["manifests"],
             commit_workers=tuple(d["commit_workers"]),
+            expected_outputs=ExpectedOutputs._from_json(d["expected_outputs"])
+            if d.get("expected_outputs")
+            else None,
             raw=d,
         )
 

@@ -258,6 +258,17 @@ def test_expected_outputs_are_computed_published_once_and_checked(control):
     control.declare("v1", TENSORS, trainer_layout="fsdp:2")
     control.publish_expected_outputs("v1", out)
     control.publish_expected_outputs("v1", out)  # the same again: a no-op
+    got = control.version("v1").expected_outputs  # as published, read back
+    assert [(p.prompt_tokens, p.tokens) for p in got.probes] == [
+        (p.prompt_tokens, p.tokens) for p in out.probes
+    ]
+    assert got.max_new_tokens == 3
+    pairs = [
+        (a, b)
+        for p, q in zip(got.probes, out.probes, strict=True)
+        for a, b in zip(p.margins, q.margins, strict=True)
+    ]
+    assert len(pairs) == 4 and all(abs(a - b) < 1e-6 for a, b in pairs), pairs
     other = mx.ExpectedOutputs((mx.Probe((3,), (1, 2, 3), (1.0, 1.0, 1.0)),), 3)
     with pytest.raises(mx.MxError, match="already published"):
         control.publish_expected_outputs("v1", other)

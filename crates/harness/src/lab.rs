@@ -12,9 +12,39 @@ use mx_layout::LayoutSpec;
 
 use crate::{bench, demo, runtime, trainer, validate};
 
+/// The fault-injection hooks `mx-lab` arms, as its `--help` lists them (the `mx` binary, the
+/// Python package and the C library arm none).
+const FAULT_INJECTION: &str = "\
+Fault injection (mx-lab only; mx, the Python package and the C library arm none):
+
+  Worker failpoints: with --failpoints, every worker this process runs (mx-lab worker
+  --failpoints ...) serves GET /mx/failpoints (what is set) and POST /mx/failpoints with a JSON
+  object of the failpoints to set (null clears one), e.g.
+    curl -X POST http://127.0.0.1:PORT/mx/failpoints -d '{\"apply.sleep_ms\": 5000}'
+    apply.sleep_ms                    ms    the next apply sleeps this long before installing
+                                            (a worker hung past the caller's deadline); one shot
+    apply.skip_cache_clear            bool  apply installs but leaves every cache tier, reporting
+                                            them cleared (a lying worker)
+    pause.sleep_ms                    ms    the next pause sleeps this long before answering;
+                                            one shot
+    generate.fail                     bool  /generate answers HTTP 500
+    stage.sleep_between_sources_ms    ms    stage pulls one source at a time, sleeping after each
+
+  Control-plane crash points: a control plane this process runs (mx-lab control) SIGKILLs
+  itself (kill -9) where MX_CONTROL_CRASH_AT says:
+    stage|prepare|apply|verify|resume|check|commit   right after that phase is journaled
+    end                                              right after the refit's end is journaled
+    apply:N                                          after N apply calls finished
+    apply-sent:N                                     after apply call N's intent is journaled,
+                                                     before it is sent
+  e.g. MX_CONTROL_CRASH_AT=apply:1 mx-lab control --insecure-loopback --journal j.jsonl
+
+  mx-lab validate runs every such scenario (and process kills, SIGSTOP, corrupted bytes) and
+  prints the table (docs/operator.md, \"The fault matrix and chaos\", names each; --only picks some).";
+
 /// mx-lab: mx's commands plus its demo, fault matrix and benchmarks.
 #[derive(Parser)]
-#[command(name = "mx-lab", version)]
+#[command(name = "mx-lab", version, after_long_help = FAULT_INJECTION)]
 pub struct LabCli {
     /// Workers this process runs serve POST/GET /mx/failpoints (fault injection for tests;
     /// `mx-lab worker --failpoints ...`).

@@ -433,6 +433,27 @@ mx_status mx_control_refit(const mx_control *control,
                            char **result_json);
 
 /**
+ * Publishes the outputs version `label`'s trainer expects of it, for the post-update check of
+ * every later refit of it: `json` is `{"probes": [{"prompt_tokens": [u32], "tokens": [u32],
+ * "margins": [f32], "logprobs": [f32]}], "max_new_tokens": u32, "tie_margin": f32}` (1 to 16
+ * probes; `tokens` the trainer's greedy continuation of `prompt_tokens`, at most
+ * `max_new_tokens`; `margins` per token `log p(top1) - log p(top2)` in nats, where a first
+ * difference below `tie_margin` is accepted (0 with margins: 0.25); `logprobs` per token,
+ * reported only; `margins` and `logprobs` may be omitted). Journaled once per version: the same
+ * outputs again are a no-op. Thread-safe.
+ *
+ * Errors: `MX_ERR_INVALID_ARGUMENT` (NULL, JSON that does not parse, unknown or duplicate keys,
+ * a field out of its bounds, named), `MX_ERR_UNKNOWN_VERSION`, `MX_ERR_CONTROL` (other outputs
+ * were published for it already, or refused).
+ *
+ * # Safety
+ * `control` is NULL or live; `label` and `json` are NULL or NUL-terminated.
+ */
+mx_status mx_control_publish_expected_outputs(const mx_control *control,
+                                              const char *label,
+                                              const char *json);
+
+/**
  * The fleet's status as JSON (versions with state, id, slots and sources: publishers with
  * their liveness `live`/`silent`/`unknown`, peers, artifacts, release; workers with layout,
  * ranks, state, resident version and its label, connection, admission and its `gate`; the

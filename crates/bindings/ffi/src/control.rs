@@ -304,6 +304,44 @@ pub unsafe extern "C" fn mx_control_refit(
     })
 }
 
+/// Publishes the outputs version `label`'s trainer expects of it, for the post-update check of
+/// every later refit of it: `json` is `{"probes": [{"prompt_tokens": [u32], "tokens": [u32],
+/// "margins": [f32], "logprobs": [f32]}], "max_new_tokens": u32, "tie_margin": f32}` (1 to 16
+/// probes; `tokens` the trainer's greedy continuation of `prompt_tokens`, at most
+/// `max_new_tokens`; `margins` per token `log p(top1) - log p(top2)` in nats, where a first
+/// difference below `tie_margin` is accepted (0 with margins: 0.25); `logprobs` per token,
+/// reported only; `margins` and `logprobs` may be omitted). Journaled once per version: the same
+/// outputs again are a no-op. Thread-safe.
+///
+/// Errors: `MX_ERR_INVALID_ARGUMENT` (NULL, JSON that does not parse, unknown or duplicate keys,
+/// a field out of its bounds, named), `MX_ERR_UNKNOWN_VERSION`, `MX_ERR_CONTROL` (other outputs
+/// were published for it already, or refused).
+///
+/// # Safety
+/// `control` is NULL or live; `label` and `json` are NULL or NUL-terminated.
+#[no_mangle]
+pub unsafe extern "C" fn mx_control_publish_expected_outputs(
+    control: *const Control,
+    label: *const c_char,
+    json: *const c_char,
+) -> Status {
+    call("mx_control_publish_expected_outputs", || {
+        // SAFETY: the caller's contract (this and the calls below).
+        let c = unsafe { util::handle(control, "control") }?;
+        // SAFETY: as above.
+        let label = unsafe { cstr(label, "label") }?;
+        // SAFETY: as above.
+        let text = unsafe { cstr(json, "json") }?;
+        let outputs: GenerationCheck =
+            serde_json::from_str(text).map_err(|e| FfiError::arg("json", e))?;
+        if let Err((field, reason)) = outputs.validate() {
+            return Err(FfiError::arg(&format!("json.{field}"), reason));
+        }
+        runtime()?.block_on(c.client.publish_expected_outputs(label, &outputs))?;
+        Ok(())
+    })
+}
+
 /// The fleet's status as JSON (versions with state, id, slots and sources: publishers with
 /// their liveness `live`/`silent`/`unknown`, peers, artifacts, release; workers with layout,
 /// ranks, state, resident version and its label, connection, admission and its `gate`; the

@@ -476,3 +476,74 @@ fn puller_registrations_are_checked_against_the_layout() {
         mx_puller_free(p);
     }
 }
+
+#[test]
+fn expected_outputs_are_published_from_json_and_bad_json_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let listen = CString::new("127.0.0.1:0").unwrap();
+    let journal = CString::new(dir.path().join("j.jsonl").to_str().unwrap()).unwrap();
+    let (mut plane, mut url, mut c) = (null_mut(), null_mut(), null_mut());
+    let m = model();
+    let (v1, nope) = (CString::new("v1").unwrap(), CString::new("nope").unwrap());
+    let layout = CString::new("fsdp:2").unwrap();
+    let json = |s: &str| CString::new(s).unwrap();
+    let good = json(
+        r#"{"probes": [{"prompt_tokens": [1, 2], "tokens": [5, 6], "margins": [1.5, 0.1]}],
+            "max_new_tokens": 2}"#,
+    );
+    unsafe {
+        assert_eq!(
+            mx_control_plane_start(listen.as_ptr(), journal.as_ptr(), &mut plane, &mut url),
+            MX_OK,
+            "{}",
+            last_error()
+        );
+        assert_eq!(mx_control_connect(url, &mut c), MX_OK, "{}", last_error());
+        assert_eq!(
+            mx_control_declare(c, v1.as_ptr(), layout.as_ptr(), m),
+            MX_OK,
+            "{}",
+            last_error()
+        );
+        let publish = |label: &CString, j: &CString| {
+            mx_control_publish_expected_outputs(c, label.as_ptr(), j.as_ptr())
+        };
+        for (bad, needles) in [
+            (
+                r#"{"probes": [], "max_new_tokens": 2, "bogus": 1}"#,
+                &["json", "bogus"][..],
+            ),
+            (
+                r#"{"probes": [{"prompt_tokens": [1], "tokens": [5, 6], "margins": [1.5]}], "max_new_tokens": 2}"#,
+                &["json.probes[0].margins", "1 values for 2 tokens"][..],
+            ),
+            (
+                r#"{"probes": [{"prompt_tokens": [1]}], "max_new_tokens": 2, "max_new_tokens": 3}"#,
+                &["duplicate field"][..],
+            ),
+            ("not json", &["json"][..]),
+        ] {
+            refused(publish(&v1, &json(bad)), MX_ERR_INVALID_ARGUMENT, needles);
+        }
+        refused(
+            mx_control_publish_expected_outputs(c, v1.as_ptr(), null()),
+            MX_ERR_INVALID_ARGUMENT,
+            &["json: NULL string"],
+        );
+        refused(publish(&nope, &good), MX_ERR_UNKNOWN_VERSION, &["nope"]);
+        assert_eq!(publish(&v1, &good), MX_OK, "{}", last_error());
+        assert_eq!(
+            publish(&v1, &good),
+            MX_OK,
+            "the same again: {}",
+            last_error()
+        );
+        let other =
+            json(r#"{"probes": [{"prompt_tokens": [1, 2], "tokens": [7]}], "max_new_tokens": 2}"#);
+        refused(publish(&v1, &other), MX_ERR_CONTROL, &["already published"]);
+        mx_control_free(c);
+        mx_control_plane_free(plane);
+        mx_string_free(url);
+        mx_model_free(m);
+    }
+}

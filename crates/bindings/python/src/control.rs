@@ -400,6 +400,7 @@ fn version_json(v: &VersionInfo) -> Value {
         "coverage_gaps": v.coverage_gaps,
         "manifests": v.manifests.len(),
         "commit_workers": v.commit_workers,
+        "expected_outputs": v.expected_outputs,
         "artifacts": v.artifacts.iter().map(|a| json!({
             "url": a.url,
             "manifest_digest": a.manifest_digest.to_string(),

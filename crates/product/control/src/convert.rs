@@ -88,6 +88,7 @@ pub(crate) fn layout(p: &pb::LayoutSpec, field: &str) -> Result<LayoutSpec, Erro
         Ok(pb::Scheme::Replicated) => Scheme::Replicated,
         Ok(pb::Scheme::Fsdp) => Scheme::Fsdp,
         Ok(pb::Scheme::VllmTp) => Scheme::VllmTp,
+        Ok(pb::Scheme::VllmTpEp) => Scheme::VllmTpEp,
         Ok(pb::Scheme::Unspecified) | Err(_) => {
             return Err(invalid(
                 &format!("{field}.scheme"),
@@ -113,6 +114,7 @@ pub(crate) fn layout_pb(l: &LayoutSpec) -> pb::LayoutSpec {
         Scheme::Replicated => pb::Scheme::Replicated,
         Scheme::Fsdp => pb::Scheme::Fsdp,
         Scheme::VllmTp => pb::Scheme::VllmTp,
+        Scheme::VllmTpEp => pb::Scheme::VllmTpEp,
     };
     pb::LayoutSpec {
         scheme: scheme as i32,

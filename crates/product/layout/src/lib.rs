@@ -22,6 +22,7 @@ pub mod frontier;
 mod manifest;
 pub mod merkle;
 pub mod model;
+pub mod moe;
 pub mod plan;
 #[cfg(test)]
 mod plan_reference;

@@ -47,6 +47,9 @@ pub struct ModelInfo {
     pub vocab_size: u64,
     /// Every checkpoint tensor, sorted by name.
     pub tensors: Vec<TensorSpec>,
+    /// Its routed experts, for a mixture-of-experts family ([`crate::moe`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub moe: Option<crate::moe::MoeInfo>,
 }
 
 fn cfg_u64(cfg: &serde_json::Value, field: &str) -> Result<u64, Error> {
@@ -76,12 +79,16 @@ impl ModelInfo {
                 reason: "missing".into(),
             })?;
         let family = match model_type {
-            "llama" | "mistral" | "qwen2" | "qwen3" => Family::Llama,
+            "llama" | "mistral" | "qwen2" | "qwen3" | "qwen3_moe" | "qwen2_moe" | "mixtral" => {
+                Family::Llama
+            }
             "bert" => Family::Bert,
             other => {
                 return Err(Error::BadConfig {
                     field: "model_type".into(),
-                    reason: format!("{other:?} is not supported (llama family or bert)"),
+                    reason: format!(
+                        "{other:?} is not supported (llama, mistral, qwen2, qwen3, qwen3_moe, qwen2_moe, mixtral or bert)"
+                    ),
                 })
             }
         };
@@ -133,6 +140,7 @@ impl ModelInfo {
             head_dim,
             vocab_size,
             tensors,
+            moe: crate::moe::MoeInfo::from_hf_config(model_type, config)?,
         };
         if let Ok(layers) = cfg_u64(config, "num_hidden_layers") {
             info.check_architecture(config, hidden, layers)?;
@@ -152,6 +160,7 @@ impl ModelInfo {
             head_dim: 0,
             vocab_size: 0,
             tensors,
+            moe: None,
         }
     }
 
@@ -198,9 +207,33 @@ impl ModelInfo {
                     want.push((format!("{l}.self_attn.k_proj.weight"), vec![kv, hidden]));
                     want.push((format!("{l}.self_attn.v_proj.weight"), vec![kv, hidden]));
                     want.push((format!("{l}.self_attn.o_proj.weight"), vec![hidden, q]));
-                    want.push((format!("{l}.mlp.gate_proj.weight"), vec![inter, hidden]));
-                    want.push((format!("{l}.mlp.up_proj.weight"), vec![inter, hidden]));
-                    want.push((format!("{l}.mlp.down_proj.weight"), vec![hidden, inter]));
+                    // An MoE layer has a router (its experts are checked where they are placed,
+                    // crate::moe); any other layer a dense MLP.
+                    let router = self
+                        .moe
+                        .as_ref()
+                        .map(|m| (format!("{l}.{}.gate.weight", m.naming.block()), m));
+                    match router {
+                        Some((name, m)) if self.tensor(&name).is_some() => {
+                            want.push((name, vec![m.num_experts, hidden]));
+                            if m.shared_intermediate > 0 {
+                                let (s, si) =
+                                    (format!("{l}.mlp.shared_expert"), m.shared_intermediate);
+                                want.push((format!("{s}.gate_proj.weight"), vec![si, hidden]));
+                                want.push((format!("{s}.up_proj.weight"), vec![si, hidden]));
+                                want.push((format!("{s}.down_proj.weight"), vec![hidden, si]));
+                                want.push((format!("{s}_gate.weight"), vec![1, hidden]));
+                            }
+                        }
+                        Some((name, m)) if m.naming == crate::moe::ExpertNaming::Mixtral => {
+                            want.push((name, vec![m.num_experts, hidden]));
+                        }
+                        _ => {
+                            want.push((format!("{l}.mlp.gate_proj.weight"), vec![inter, hidden]));
+                            want.push((format!("{l}.mlp.up_proj.weight"), vec![inter, hidden]));
+                            want.push((format!("{l}.mlp.down_proj.weight"), vec![hidden, inter]));
+                        }
+                    }
                     want.push((format!("{l}.input_layernorm.weight"), vec![hidden]));
                     want.push((format!("{l}.post_attention_layernorm.weight"), vec![hidden]));
                 }
@@ -408,12 +441,15 @@ fn role(family: Family, name: &str) -> Role {
                 .or_else(|| fused("self_attn.v_proj.", "self_attn.qkv_proj.", 2))
                 .or_else(|| fused("mlp.gate_proj.", "mlp.gate_up_proj.", 0))
                 .or_else(|| fused("mlp.up_proj.", "mlp.gate_up_proj.", 1))
+                .or_else(|| fused("shared_expert.gate_proj.", "shared_expert.gate_up_proj.", 0))
+                .or_else(|| fused("shared_expert.up_proj.", "shared_expert.gate_up_proj.", 1))
             {
                 return r;
             }
             if is_weight
                 && (name.ends_with("self_attn.o_proj.weight")
-                    || name.ends_with("mlp.down_proj.weight"))
+                    || name.ends_with("mlp.down_proj.weight")
+                    || name.ends_with("mlp.shared_expert.down_proj.weight"))
             {
                 return Role::Row;
             }
@@ -501,6 +537,63 @@ struct Builder {
 }
 
 impl Builder {
+    /// A parameter of explicit `shape` whose pieces lie back to back in row-major order (a
+    /// fused expert parameter: `[experts, rows, cols]` from 2-D or 3-D boxes).
+    fn stacked(
+        &mut self,
+        name: String,
+        dtype: DType,
+        shape: Vec<u64>,
+        pieces: Vec<(TensorSpec, TensorBox)>,
+    ) -> Result<(), Error> {
+        let overflow = |what| Error::Overflow {
+            what,
+            tensor: name.clone(),
+        };
+        let mut placed = Vec::with_capacity(pieces.len());
+        let mut off = self.offset;
+        let mut elements = 0u64;
+        for (spec, region) in pieces {
+            let n = region.numel().ok_or_else(|| overflow("piece elements"))?;
+            let bytes = n
+                .checked_mul(dtype.size_bytes())
+                .ok_or_else(|| overflow("piece bytes"))?;
+            elements = elements
+                .checked_add(n)
+                .ok_or_else(|| overflow("elements"))?;
+            placed.push(Piece {
+                tensor: spec.name.clone(),
+                dtype: spec.dtype,
+                global_shape: spec.shape.clone(),
+                region,
+                offset: off,
+            });
+            off = off.checked_add(bytes).ok_or_else(|| overflow("offset"))?;
+        }
+        let want = shape
+            .iter()
+            .try_fold(1u64, |a, &d| a.checked_mul(d))
+            .ok_or_else(|| overflow("shape"))?;
+        if want != elements {
+            return Err(Error::ImpossibleLayout {
+                layout: self.layout.to_string(),
+                tensor: name,
+                reason: format!("its pieces hold {elements} elements, its shape {shape:?} {want}"),
+            });
+        }
+        self.params.push(Param {
+            name,
+            dtype,
+            shape,
+            offset: self.offset,
+            len: off - self.offset,
+            pieces: placed,
+            zero_fill: None,
+        });
+        self.offset = off;
+        Ok(())
+    }
+
     fn single(&mut self, name: String, t: &TensorSpec, region: TensorBox) -> Result<(), Error> {
         let shape = region.local_shape.clone();
         self.push(name, t.dtype, &shape, vec![(t, region)], 0)
@@ -715,12 +808,12 @@ pub fn rank_layout(model: &ModelInfo, layout: LayoutSpec, rank: u32) -> Result<R
                 }
             }
         }
-        Scheme::VllmTp if model.family == Family::Generic => {
+        Scheme::VllmTp | Scheme::VllmTpEp if model.family == Family::Generic => {
             return Err(Error::NoModelConfig {
                 layout: layout.to_string(),
             })
         }
-        Scheme::VllmTp => vllm_tp(model, layout, rank, &mut b)?,
+        Scheme::VllmTp | Scheme::VllmTpEp => vllm_tp(model, layout, rank, &mut b)?,
     }
     Ok(RankLayout {
         layout,
@@ -734,7 +827,25 @@ fn vllm_tp(model: &ModelInfo, layout: LayoutSpec, rank: u32, b: &mut Builder) ->
     // Fused params collect their parts; emitted at the position of their first part.
     let mut fused: BTreeMap<String, Vec<Option<&TensorSpec>>> = BTreeMap::new();
     let mut order: Vec<(String, Option<&TensorSpec>)> = Vec::new();
+    // MoE blocks collect their experts; emitted at the position of their first expert tensor.
+    let mut blocks: BTreeMap<String, crate::moe::Block<'_>> = BTreeMap::new();
     for t in &model.tensors {
+        if let Some(moe) = &model.moe {
+            if let Some(x) = moe.expert_tensor(&t.name)? {
+                let block = blocks.entry(x.block.clone()).or_insert_with(|| {
+                    order.push((x.block.clone(), None));
+                    crate::moe::Block::default()
+                });
+                match (x.expert, x.part) {
+                    (Some(e), part) => {
+                        block.per_expert.insert((e, part), t);
+                    }
+                    (None, crate::moe::Part::Down) => block.down = Some(t),
+                    (None, _) => block.gate_up = Some(t),
+                }
+                continue;
+            }
+        }
         match role(model.family, &t.name) {
             Role::Fused(param, part) => {
                 let parts = fused.entry(param.clone()).or_insert_with(|| {
@@ -789,6 +900,10 @@ fn vllm_tp(model: &ModelInfo, layout: LayoutSpec, rank: u32, b: &mut Builder) ->
             }
             continue;
         }
+        if let (Some(moe), Some(block)) = (&model.moe, blocks.get(&name)) {
+            experts(moe, layout, rank, &name, block, b)?;
+            continue;
+        }
         let parts = fused.get(&name).cloned().unwrap_or_default();
         let expected = if name.contains("qkv_proj") { 3 } else { 2 };
         let mut pieces = Vec::with_capacity(expected);
@@ -829,4 +944,73 @@ fn vllm_tp(model: &ModelInfo, layout: LayoutSpec, rank: u32, b: &mut Builder) ->
         b.push(name, dtype, &template, pieces, 0)?;
     }
     Ok(())
+}
+
+/// A block's routed experts on one rank of `tp:N` or `tp-ep:N`: its `w13_weight` and
+/// `w2_weight` ([`crate::moe`]).
+fn experts(
+    moe: &crate::moe::MoeInfo,
+    layout: LayoutSpec,
+    rank: u32,
+    block_name: &str,
+    block: &crate::moe::Block<'_>,
+    b: &mut Builder,
+) -> Result<(), Error> {
+    let n = u64::from(layout.world_size);
+    let bad = |reason: String| Error::ImpossibleLayout {
+        layout: layout.to_string(),
+        tensor: format!("{block_name}.experts"),
+        reason,
+    };
+    if n > moe.num_experts {
+        return Err(bad(format!(
+            "{n} ranks over {} experts: vLLM refuses a tensor-parallel size above the expert count",
+            moe.num_experts
+        )));
+    }
+    let slice = if layout.scheme == Scheme::VllmTpEp {
+        let (first, count) = moe.ep_experts(layout.world_size, rank);
+        crate::moe::Slice {
+            first,
+            count,
+            rows: moe.intermediate,
+            row0: 0,
+        }
+    } else {
+        if !moe.intermediate.is_multiple_of(n) {
+            return Err(bad(format!(
+                "the expert intermediate size {} is not divisible by tp={n}",
+                moe.intermediate
+            )));
+        }
+        let rows = moe.intermediate / n;
+        crate::moe::Slice {
+            first: 0,
+            count: moe.num_experts,
+            rows,
+            row0: rows * u64::from(rank),
+        }
+    };
+    let [w13, w2] = crate::moe::block_pieces(moe, block_name, block, slice)?;
+    let dtype = w13
+        .first()
+        .map(|(t, _)| t.dtype)
+        .ok_or_else(|| bad("no experts on this rank".into()))?;
+    let prefix = format!("{block_name}.experts.routed_experts");
+    let rows2 = slice
+        .rows
+        .checked_mul(2)
+        .ok_or_else(|| bad("intermediate size overflows".into()))?;
+    b.stacked(
+        format!("{prefix}.w13_weight"),
+        dtype,
+        vec![slice.count, rows2, moe.hidden],
+        w13,
+    )?;
+    b.stacked(
+        format!("{prefix}.w2_weight"),
+        dtype,
+        vec![slice.count, moe.hidden, slice.rows],
+        w2,
+    )
 }

@@ -275,9 +275,14 @@ pub enum Scheme {
     /// lm_head (VocabParallelEmbedding: vocab padded to a multiple of 64, split evenly), norms
     /// replicated.
     VllmTp,
+    /// vLLM tensor parallelism with `--enable-expert-parallel` (data parallel 1): as
+    /// [`Scheme::VllmTp`], except that a mixture-of-experts model's routed experts are whole
+    /// and spread over the ranks by vLLM's linear placement ([`crate::moe`]). Written `tp-ep:N`.
+    VllmTpEp,
 }
 
-/// A layout: a scheme over `world_size` ranks. Written `fsdp:4`, `tp:3`, `replicated:1`.
+/// A layout: a scheme over `world_size` ranks. Written `fsdp:4`, `tp:3`, `tp-ep:2`,
+/// `replicated:1`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct LayoutSpec {
     /// The split scheme.
@@ -297,6 +302,7 @@ impl fmt::Display for LayoutSpec {
             Scheme::Replicated => "replicated",
             Scheme::Fsdp => "fsdp",
             Scheme::VllmTp => "tp",
+            Scheme::VllmTpEp => "tp-ep",
         };
         write!(f, "{s}:{}", self.world_size)
     }
@@ -305,7 +311,8 @@ impl fmt::Display for LayoutSpec {
 impl FromStr for LayoutSpec {
     type Err = Error;
 
-    /// Parses `fsdp:N`, `tp:N` (vLLM tensor parallel) or `replicated:N`.
+    /// Parses `fsdp:N`, `tp:N` (vLLM tensor parallel), `tp-ep:N` (with expert parallelism) or
+    /// `replicated:N`.
     ///
     /// # Errors
     /// [`Error::BadLayoutSpec`] naming the input.
@@ -318,8 +325,9 @@ impl FromStr for LayoutSpec {
         let scheme = match name {
             "fsdp" => Scheme::Fsdp,
             "tp" | "vllm-tp" => Scheme::VllmTp,
+            "tp-ep" => Scheme::VllmTpEp,
             "replicated" | "identity" => Scheme::Replicated,
-            _ => return Err(bad("scheme must be fsdp, tp or replicated")),
+            _ => return Err(bad("scheme must be fsdp, tp, tp-ep or replicated")),
         };
         let world_size: u32 = match n.parse::<u64>() {
             Ok(v) => u32::try_from(v).unwrap_or(u32::MAX),
