@@ -1247,7 +1247,7 @@ impl observe::Probe for ControlProbe {
             metrics::gauge!(observe::WORKERS_GATED, "reason" => g.as_str()).set(n as f64);
         }
         // Publishers of versions still served (not released).
-        let mut versions = shared.read(|s| s.version_summaries(|v| v.release.is_none()));
+        let mut versions = shared.read(|s| s.version_summaries(true));
         shared.fill_liveness(&mut versions);
         for l in [
             crate::Liveness::Live,

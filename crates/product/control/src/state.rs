@@ -1158,14 +1158,15 @@ impl State {
             .map(|w| (w.state, w.label.clone(), w.last_error.clone()))
     }
 
-    /// The fleet status's line of every version `keep` keeps, in declaration order (publishers'
-    /// liveness unknown: not state).
-    pub fn version_summaries(&self, keep: impl Fn(&VersionSummary) -> bool) -> Vec<VersionSummary> {
+    /// The fleet status's line of every version (only those not yet released when
+    /// `unreleased_only`: what the publisher gauges count), in declaration order; publishers'
+    /// liveness unknown (not state).
+    pub fn version_summaries(&self, unreleased_only: bool) -> Vec<VersionSummary> {
         let mut versions: Vec<(u64, VersionSummary)> = self
             .versions
             .iter()
+            .filter(|(_, v)| !unreleased_only || v.release.is_none())
             .map(|(label, v)| (v.order, version_summary(label, v)))
-            .filter(|(_, s)| keep(s))
             .collect();
         versions.sort_by_key(|(o, _)| *o);
         versions.into_iter().map(|(_, s)| s).collect()
@@ -1180,7 +1181,7 @@ impl State {
             .filter_map(|(l, v)| Some((v.digest?, l.as_str())))
             .collect();
         FleetStatus {
-            versions: self.version_summaries(|_| true),
+            versions: self.version_summaries(false),
             workers: self
                 .workers
                 .iter()

@@ -544,31 +544,18 @@ impl Builder {
         name: String,
         dtype: DType,
         shape: Vec<u64>,
-        pieces: Vec<(TensorSpec, TensorBox)>,
+        pieces: Vec<(&TensorSpec, TensorBox)>,
     ) -> Result<(), Error> {
         let overflow = |what| Error::Overflow {
             what,
             tensor: name.clone(),
         };
-        let mut placed = Vec::with_capacity(pieces.len());
-        let mut off = self.offset;
         let mut elements = 0u64;
-        for (spec, region) in pieces {
+        for (_, region) in &pieces {
             let n = region.numel().ok_or_else(|| overflow("piece elements"))?;
-            let bytes = n
-                .checked_mul(dtype.size_bytes())
-                .ok_or_else(|| overflow("piece bytes"))?;
             elements = elements
                 .checked_add(n)
                 .ok_or_else(|| overflow("elements"))?;
-            placed.push(Piece {
-                tensor: spec.name.clone(),
-                dtype: spec.dtype,
-                global_shape: spec.shape.clone(),
-                region,
-                offset: off,
-            });
-            off = off.checked_add(bytes).ok_or_else(|| overflow("offset"))?;
         }
         let want = shape
             .iter()
@@ -581,6 +568,7 @@ impl Builder {
                 reason: format!("its pieces hold {elements} elements, its shape {shape:?} {want}"),
             });
         }
+        let (placed, off) = self.place(&name, dtype, pieces)?;
         self.params.push(Param {
             name,
             dtype,
@@ -592,6 +580,36 @@ impl Builder {
         });
         self.offset = off;
         Ok(())
+    }
+
+    /// Lays `pieces` back to back from the current offset: the pieces and the offset after them.
+    fn place(
+        &self,
+        name: &str,
+        dtype: DType,
+        pieces: Vec<(&TensorSpec, TensorBox)>,
+    ) -> Result<(Vec<Piece>, u64), Error> {
+        let overflow = |what| Error::Overflow {
+            what,
+            tensor: name.to_string(),
+        };
+        let mut placed = Vec::with_capacity(pieces.len());
+        let mut off = self.offset;
+        for (spec, region) in pieces {
+            let bytes = region
+                .numel()
+                .and_then(|n| n.checked_mul(dtype.size_bytes()))
+                .ok_or_else(|| overflow("piece bytes"))?;
+            placed.push(Piece {
+                tensor: spec.name.clone(),
+                dtype: spec.dtype,
+                global_shape: spec.shape.clone(),
+                region,
+                offset: off,
+            });
+            off = off.checked_add(bytes).ok_or_else(|| overflow("offset"))?;
+        }
+        Ok((placed, off))
     }
 
     fn single(&mut self, name: String, t: &TensorSpec, region: TensorBox) -> Result<(), Error> {
@@ -613,9 +631,7 @@ impl Builder {
         };
         let mut shape = template.to_vec();
         let mut rows = 0u64;
-        let mut placed = Vec::with_capacity(pieces.len());
-        let mut off = self.offset;
-        for (spec, region) in pieces {
+        for (spec, region) in &pieces {
             if region.local_shape.get(1..) != shape.get(1..) {
                 return Err(Error::ImpossibleLayout {
                     layout: self.layout.to_string(),
@@ -623,20 +639,9 @@ impl Builder {
                     reason: format!("cannot fuse into {name}: trailing dims differ"),
                 });
             }
-            let bytes = region
-                .numel()
-                .and_then(|n| n.checked_mul(dtype.size_bytes()))
-                .ok_or_else(|| overflow("piece bytes"))?;
             rows = rows.saturating_add(region.local_shape.first().copied().unwrap_or(1));
-            placed.push(Piece {
-                tensor: spec.name.clone(),
-                dtype: spec.dtype,
-                global_shape: spec.shape.clone(),
-                region,
-                offset: off,
-            });
-            off = off.checked_add(bytes).ok_or_else(|| overflow("offset"))?;
         }
+        let (placed, mut off) = self.place(&name, dtype, pieces)?;
         let mut zero_fill = None;
         if zero_rows > 0 {
             let row_bytes = shape

@@ -165,10 +165,10 @@ impl MoeInfo {
         };
         if let Some((e, proj)) = rest.split_once('.') {
             if let Ok(expert) = e.parse::<u64>() {
-                let part = match proj {
-                    p if p == format!("{gate}.weight") => Part::Gate,
-                    p if p == format!("{up}.weight") => Part::Up,
-                    p if p == format!("{down}.weight") => Part::Down,
+                let part = match proj.strip_suffix(".weight") {
+                    Some(p) if p == gate => Part::Gate,
+                    Some(p) if p == up => Part::Up,
+                    Some(p) if p == down => Part::Down,
                     _ => return Err(refuse("not an expert projection's weight")),
                 };
                 if expert >= self.num_experts {
@@ -231,21 +231,21 @@ pub(crate) struct Slice {
 
 /// The `[I, H]`-form box of expert `e`'s gate (`up` = false) or up rows `[row0, row0 + rows)`:
 /// from its own tensor, or from the stacked `[E, 2I, H]` one (a `[1, rows, H]` box).
-fn gate_up_box(
-    block: &Block<'_>,
+fn gate_up_box<'a>(
+    block: &Block<'a>,
     moe: &MoeInfo,
     e: u64,
     up: bool,
     s: Slice,
     want_name: impl Fn(Part) -> String,
-) -> Result<(TensorSpec, TensorBox), Error> {
+) -> Result<(&'a TensorSpec, TensorBox), Error> {
     let part = if up { Part::Up } else { Part::Gate };
     if let Some(t) = block.per_expert.get(&(e, part)) {
         let b = TensorBox {
             global_offset: vec![s.row0, 0],
             local_shape: vec![s.rows, t.shape.get(1).copied().unwrap_or(0)],
         };
-        return Ok(((*t).clone(), b));
+        return Ok((*t, b));
     }
     if let Some(t) = block.gate_up {
         let off = if up { moe.intermediate } else { 0 };
@@ -253,7 +253,7 @@ fn gate_up_box(
             global_offset: vec![e, off + s.row0, 0],
             local_shape: vec![1, s.rows, t.shape.get(2).copied().unwrap_or(0)],
         };
-        return Ok((t.clone(), b));
+        return Ok((t, b));
     }
     Err(Error::MissingTensor {
         tensor: want_name(part),
@@ -263,16 +263,16 @@ fn gate_up_box(
 
 /// Expert `e`'s down columns `[row0, row0 + rows)`: `[H, rows]` of its own tensor, or a
 /// `[1, H, rows]` box of the stacked `[E, H, I]` one.
-fn down_box(
-    block: &Block<'_>,
+fn down_box<'a>(
+    block: &Block<'a>,
     e: u64,
     s: Slice,
     want_name: impl Fn(Part) -> String,
-) -> Result<(TensorSpec, TensorBox), Error> {
+) -> Result<(&'a TensorSpec, TensorBox), Error> {
     if let Some(t) = block.per_expert.get(&(e, Part::Down)) {
         let h = t.shape.first().copied().unwrap_or(0);
         return Ok((
-            (*t).clone(),
+            *t,
             TensorBox {
                 global_offset: vec![0, s.row0],
                 local_shape: vec![h, s.rows],
@@ -282,7 +282,7 @@ fn down_box(
     if let Some(t) = block.down {
         let h = t.shape.get(1).copied().unwrap_or(0);
         return Ok((
-            t.clone(),
+            t,
             TensorBox {
                 global_offset: vec![e, 0, s.row0],
                 local_shape: vec![1, h, s.rows],
@@ -297,12 +297,12 @@ fn down_box(
 
 /// The pieces of a block's `w13_weight` and `w2_weight` on one rank, in local-expert order
 /// (see the module docs), each checked to lie inside its tensor.
-pub(crate) fn block_pieces(
+pub(crate) fn block_pieces<'a>(
     moe: &MoeInfo,
     block_name: &str,
-    block: &Block<'_>,
+    block: &Block<'a>,
     s: Slice,
-) -> Result<[Vec<(TensorSpec, TensorBox)>; 2], Error> {
+) -> Result<[Vec<(&'a TensorSpec, TensorBox)>; 2], Error> {
     let [gate, up, down] = moe.naming.parts();
     let [gate_up, stacked_down] = moe.naming.stacked();
     let (e_, i_, h_) = (moe.num_experts, moe.intermediate, moe.hidden);

@@ -15,17 +15,23 @@ use crate::{rank_layout, DType, Error, LayoutSpec, ModelInfo, RankLayout, Tensor
 /// (tensor name, row-major index in it): what an element of a rank buffer came from.
 type Tag = (String, u64);
 
-/// A Qwen3-MoE (or Mixtral) with `experts` experts of intermediate `inter`, hidden `hidden`,
-/// one layer; experts per-expert or stacked.
-fn model(kind: &str, experts: u64, inter: u64, hidden: u64, stacked: bool) -> ModelInfo {
-    let (block, names, stack) = match kind {
+/// A family's MoE block, per-expert projection names (gate, up, down) and stacked names
+/// (gate/up, down), as vLLM 0.32.0's loaders accept them.
+fn names(kind: &str) -> (&'static str, [&'static str; 3], [&'static str; 2]) {
+    match kind {
         "mixtral" => ("block_sparse_moe", ["w1", "w3", "w2"], ["w13", "w2"]),
         _ => (
             "mlp",
             ["gate_proj", "up_proj", "down_proj"],
             ["gate_up_proj", "down_proj"],
         ),
-    };
+    }
+}
+
+/// A Qwen3-MoE (or Mixtral) with `experts` experts of intermediate `inter`, hidden `hidden`,
+/// one layer; experts per-expert or stacked.
+fn model(kind: &str, experts: u64, inter: u64, hidden: u64, stacked: bool) -> ModelInfo {
+    let (block, names, stack) = names(kind);
     let mut t = Vec::new();
     let mut add = |name: String, shape: Vec<u64>| {
         t.push(TensorSpec {
@@ -138,14 +144,7 @@ fn oracle(
     r: u64,
     tp: u64,
 ) -> (Vec<Tag>, Vec<Tag>) {
-    let (block, names, stack) = match kind {
-        "mixtral" => ("block_sparse_moe", ["w1", "w3", "w2"], ["w13", "w2"]),
-        _ => (
-            "mlp",
-            ["gate_proj", "up_proj", "down_proj"],
-            ["gate_up_proj", "down_proj"],
-        ),
-    };
+    let (block, names, stack) = names(kind);
     let l = "model.layers.0";
     let ip = inter / tp;
     // Element (row, col) of expert e's gate (half 0) or up (half 1), shape [I, H].
