@@ -169,7 +169,15 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
             raise ValueError(
                 f"mx: pipeline parallelism ({pc.pipeline_parallel_size} stages) is not supported"
             )
+        if pc.data_parallel_size != 1:
+            raise ValueError(
+                f"mx: data parallelism ({pc.data_parallel_size} replicas in one server) is not "
+                "supported: run one server per replica"
+            )
         tp, rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
+        # With --enable-expert-parallel the routed experts are whole and spread over the ranks
+        # (vLLM's linear placement); everything else is split as under tp.
+        layout = f"tp-ep:{tp}" if getattr(pc, "enable_expert_parallel", False) else f"tp:{tp}"
         model_dir = str(self.model_config.model)
         if not os.path.isdir(model_dir):
             raise ValueError(f"mx: vLLM's model {model_dir!r} is not a local checkpoint directory")
@@ -179,7 +187,7 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
         puller = Puller(
             init_info.control_url,
             model=mx_model,
-            layout=f"tp:{tp}",
+            layout=layout,
             ranks=[rank],
             retain=init_info.retain,
         )
@@ -216,10 +224,10 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
         self._view = _layout.CheckpointView(infos, params, checkpoint)
         self._mode, self._fill_nan = mode, init_info.fill_nan
         logger.info(
-            "mx: rank %d of tp:%d follows %s as %s (install %s; %d parameters, %d bytes; "
+            "mx: rank %d of %s follows %s as %s (install %s; %d parameters, %d bytes; "
             "layout checked in %.2f s, set up in %.2f s)",
             rank,
-            tp,
+            layout,
             init_info.control_url,
             worker_id,
             mode,
@@ -287,6 +295,7 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
                 from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
                 self._reloading = True
+                _reset_cpu_moe_kernels(self.model)
                 initialize_layerwise_reload(self.model)
             self._into_vllm(failpoint=True)
         except BaseException as e:
@@ -370,6 +379,7 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
             if previous is not None and v.resident != previous and v.retained == previous:
                 puller.rollback()
             if self._reloading:
+                _reset_cpu_moe_kernels(self.model)
                 initialize_layerwise_reload(self.model)
                 self._into_vllm(failpoint=False)
                 finalize_layerwise_reload(self.model, self.model_config)
@@ -424,6 +434,37 @@ def _fail_after(tensors, failpoint: tuple[str, int]):
                 os.killpg(os.getpgrp(), signal.SIGKILL)
             raise RuntimeError(f"mx failpoint {name}:{limit}: failing the install")
         yield item
+
+
+def _reset_cpu_moe_kernels(model: Any) -> int:
+    """Makes vLLM rebuild every CPU mixture-of-experts kernel when the reload processes its
+    layer; returns how many it reset.
+
+    vLLM's CPU experts pad each expert's intermediate size to a multiple of 32 and prepack w13
+    and w2 into the kernel's own blocked format, but only on the first load: on a weight update
+    (``UnquantizedFusedMoEMethod._setup_kernel`` with ``moe_kernel`` set) it skips both, and the
+    layerwise reload then copies the freshly loaded, unpacked experts into the packed storage,
+    so the experts compute with scrambled weights (or the copy fails where padding changed the
+    shape). With ``moe_kernel`` cleared the reload takes the first-load path (pad, prepack,
+    kernel rebuilt) before the processed tensors are copied back into the original storage.
+    GPU backends are left alone: they copy the update into the kernel's tensors themselves.
+    """
+    try:
+        from vllm.model_executor.layers.fused_moe.oracle.unquantized import (
+            UnquantizedMoeBackend,
+        )
+    except ImportError:  # a vLLM without this backend oracle
+        return 0
+    n = 0
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if (
+            getattr(method, "unquantized_backend", None) == UnquantizedMoeBackend.CPU
+            and getattr(method, "moe_kernel", None) is not None
+        ):
+            method.moe_kernel = None
+            n += 1
+    return n
 
 
 def _refresh_tied_heads(model: Any) -> None:

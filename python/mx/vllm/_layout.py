@@ -14,6 +14,7 @@ checkpoint tensors, 8 bytes per element, at a time.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from collections.abc import Iterator, Sequence
@@ -162,6 +163,30 @@ def _dematerialize(param: torch.nn.Parameter) -> None:
     param.data = torch.empty(0, dtype=param.dtype)
 
 
+@contextlib.contextmanager
+def _expert_maps_on_host() -> Iterator[None]:
+    """Builds vLLM's expert maps (which global expert is which local one under expert
+    parallelism: small int32 tensors the expert loaders read by value) on the host while the
+    shadow model is built on the meta device, where they would have no values."""
+    try:
+        from vllm.model_executor.layers.fused_moe import expert_map_manager as emm
+    except ImportError:  # a vLLM without expert maps
+        yield
+        return
+    cls = emm.ExpertMapManager
+    original = cls.__init__
+
+    def on_host(self, *args, **kwargs):
+        with torch.device("cpu"):
+            original(self, *args, **kwargs)
+
+    cls.__init__ = on_host
+    try:
+        yield
+    finally:
+        cls.__init__ = original
+
+
 def derive(
     vllm_config, checkpoint: Sequence[tuple[str, str, tuple[int, ...]]]
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -179,7 +204,11 @@ def derive(
     ctx = vllm_config.compilation_config.static_forward_context
     before = set(ctx)
     try:
-        with set_current_vllm_config(vllm_config), torch.device("meta"):
+        with (
+            set_current_vllm_config(vllm_config),
+            torch.device("meta"),
+            _expert_maps_on_host(),
+        ):
             shadow = initialize_model(vllm_config, prefix="mx_placeholder")
     finally:
         # The shadow's attention layers registered themselves for the forward context.

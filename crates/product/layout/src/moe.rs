@@ -107,15 +107,9 @@ impl MoeInfo {
         model_type: &str,
         config: &serde_json::Value,
     ) -> Result<Option<MoeInfo>, Error> {
-        let (naming, experts_field, inter_field) = match model_type {
-            "qwen3_moe" | "qwen2_moe" => {
-                (ExpertNaming::Qwen, "num_experts", "moe_intermediate_size")
-            }
-            "mixtral" => (
-                ExpertNaming::Mixtral,
-                "num_local_experts",
-                "intermediate_size",
-            ),
+        let (naming, inter_field) = match model_type {
+            "qwen3_moe" | "qwen2_moe" => (ExpertNaming::Qwen, "moe_intermediate_size"),
+            "mixtral" => (ExpertNaming::Mixtral, "intermediate_size"),
             _ => return Ok(None),
         };
         let field = |name: &str| -> Result<u64, Error> {
@@ -131,8 +125,26 @@ impl MoeInfo {
             .get("shared_expert_intermediate_size")
             .and_then(serde_json::Value::as_u64)
             .unwrap_or(0);
+        // The expert count under either name transformers maps onto the other
+        // (`attribute_map = {"num_experts": "num_local_experts"}` in Qwen3-MoE's and Mixtral's
+        // configs; released Qwen checkpoints write `num_experts`, transformers 5 writes
+        // `num_local_experts`); both present must agree.
+        let num_experts = match (config.get("num_experts"), config.get("num_local_experts")) {
+            (Some(_), None) => field("num_experts")?,
+            (None, Some(_)) | (None, None) => field("num_local_experts")?,
+            (Some(_), Some(_)) => {
+                let (a, b) = (field("num_experts")?, field("num_local_experts")?);
+                if a != b {
+                    return Err(Error::BadConfig {
+                        field: "num_experts".into(),
+                        reason: format!("{a} disagrees with num_local_experts {b}"),
+                    });
+                }
+                a
+            }
+        };
         Ok(Some(MoeInfo {
-            num_experts: field(experts_field)?,
+            num_experts,
             intermediate: field(inter_field)?,
             shared_intermediate,
             hidden: field("hidden_size")?,

@@ -10,6 +10,7 @@
 
 use std::collections::BTreeMap;
 
+use crate::moe::MoeInfo;
 use crate::{rank_layout, DType, Error, LayoutSpec, ModelInfo, RankLayout, TensorSpec};
 
 /// (tensor name, row-major index in it): what an element of a rank buffer came from.
@@ -468,4 +469,30 @@ fn qwen2_moe_shared_experts_are_a_tensor_parallel_mlp_in_both_layouts() {
         let g = r.param(&format!("{l}.shared_expert_gate.weight")).unwrap();
         assert_eq!(g.shape, vec![1, 8]);
     }
+}
+
+#[test]
+fn the_expert_count_is_read_under_either_name_transformers_writes() {
+    let cfg = |extra: serde_json::Value| {
+        let mut c = serde_json::json!({"hidden_size": 64, "moe_intermediate_size": 32});
+        for (k, v) in extra.as_object().unwrap() {
+            c[k] = v.clone();
+        }
+        MoeInfo::from_hf_config("qwen3_moe", &c)
+    };
+    let n = |r: Result<Option<MoeInfo>, Error>| r.unwrap().unwrap().num_experts;
+    assert_eq!(n(cfg(serde_json::json!({"num_experts": 8}))), 8);
+    // transformers 5 saves Qwen3-MoE with num_local_experts (its attribute_map's target).
+    assert_eq!(n(cfg(serde_json::json!({"num_local_experts": 6}))), 6);
+    assert_eq!(
+        n(cfg(
+            serde_json::json!({"num_experts": 4, "num_local_experts": 4})
+        )),
+        4
+    );
+    let err = cfg(serde_json::json!({"num_experts": 4, "num_local_experts": 8})).unwrap_err();
+    assert!(err.to_string().contains("num_experts"), "{err}");
+    assert!(err.to_string().contains("disagrees"), "{err}");
+    let err = cfg(serde_json::json!({})).unwrap_err();
+    assert!(err.to_string().contains("num_local_experts"), "{err}");
 }
