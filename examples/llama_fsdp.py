@@ -153,7 +153,10 @@ class Llama(nn.Module):
             self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        hd, theta = self.cfg["head_dim"], float(self.cfg.get("rope_theta", 10000.0))
+        # transformers 5 writes rope_parameters {rope_type, rope_theta}; older ones rope_theta.
+        rope = self.cfg.get("rope_parameters") or {}
+        theta = float(rope.get("rope_theta", self.cfg.get("rope_theta", 10000.0)))
+        hd = self.cfg["head_dim"]
         inv = 1.0 / theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd)
         ang = torch.outer(torch.arange(ids.shape[1], dtype=torch.float32), inv)
         ang = torch.cat((ang, ang), dim=-1)

@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import _mx
 from ._types import TensorSpec
+
+if TYPE_CHECKING:
+    from ._puller import ParamInfo
 
 
 class Model:
@@ -66,6 +69,24 @@ class Model:
             if t.name == name:
                 return t
         raise KeyError(f"the model has no tensor {name!r}")
+
+    def rank_layout(self, layout: str, rank: int) -> list[ParamInfo]:
+        """Rank ``rank`` of ``layout``: its parameters as that layout names and fuses them
+        (checkpoint names for ``fsdp:N``; vLLM's ``qkv_proj``/``gate_up_proj`` and fused
+        experts for ``tp:N``/``tp-ep:N``; Megatron-Core's ``linear_qkv``/``linear_fc1``/
+        ``local_experts`` for ``megatron:tp=T,pp=P,ep=E``), each with the checkpoint boxes it
+        is made of, in layout order. Pure: nothing is connected or allocated.
+
+        Raises:
+            MxError: ``InvalidArgument`` for a malformed layout or a rank outside it; the
+                layout's refusal naming the tensor it cannot cut (e.g. 3 query groups under
+                tp=2).
+        """
+        from ._puller import _param_infos
+
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < 2**32:
+            raise ValueError(f"rank must be an int in 0..2**32, got {rank!r}")
+        return _param_infos([json.loads(self._inner.rank_layout(str(layout), rank))], None)
 
     def __repr__(self) -> str:
         return repr(self._inner)

@@ -53,6 +53,8 @@ def _shards(shards: Any) -> list[Shard]:
 
 
 _MAX_INDEX = 2**63 - 1
+_TORCH_NAMES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "float64": "F64"}
+"""torch dtype names -> the safetensors names layouts use (the float types trainers publish)."""
 
 
 def _offset(offset: Any, ndim: int, what: str) -> list[int]:
@@ -198,6 +200,7 @@ class Publisher:
         if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < 2**32:
             raise ValueError(f"slot must be an int in 0..2**32, got {slot!r}")
         self._model = model
+        self._layout = str(layout)
         self._inner = _mx.Publisher(control, layout, int(slot), model._inner, pack)
         self._slot = int(slot)
         # registered span (address, bytes) -> (memory id, a region inside it)
@@ -259,6 +262,68 @@ class Publisher:
             regions.append(region)
         self._inner.set_shards(specs)
         self._regions = regions
+
+    def set_params(self, params: Mapping[str, Any]) -> None:
+        """Sets the shards this rank holds from its parameters as its layout names them, e.g.
+        a Megatron-Core rank's ``decoder.layers.0.self_attention.linear_qkv.weight`` under
+        ``megatron:tp=2,pp=2,ep=2`` (see :meth:`Model.rank_layout`): each checkpoint box of
+        each parameter becomes a :class:`Shard` viewing the parameter's memory (no copy), so
+        after an in-place optimizer step the next :meth:`publish` sends the new bytes, as with
+        :meth:`set_shards` (whose contract applies). Replaces any shards set before.
+
+        Args:
+            params: ``layout name -> torch.Tensor`` for every parameter the layout gives this
+                slot: host, contiguous, of the layout's dtype and shape (vocabulary padding
+                rows are not read).
+
+        Raises:
+            MxError: ``InvalidArgument`` naming the parameter: one the layout does not give
+                this slot, one missing, a dtype or shape other than the layout's, a
+                non-contiguous tensor.
+        """
+        if not isinstance(params, Mapping):
+            raise TypeError(f"params must be a mapping name -> tensor, not {type(params).__name__}")
+        infos = self._model.rank_layout(self._layout, self._slot)
+        want = {p.name: p for p in infos}
+        where = f"slot {self._slot} of {self._layout}"
+        extra = sorted(set(params) - set(want))
+        if extra:
+            raise _memory._error(
+                f"params[{extra[0]!r}]: the layout gives {where} no such parameter "
+                f"({len(extra)} unknown; it has e.g. {sorted(want)[:3]})",
+                "InvalidArgument",
+            )
+        missing = [n for n in want if n not in params]
+        if missing:
+            raise _memory._error(
+                f"params: {where} holds {missing[0]!r} ({len(missing)} missing)",
+                "InvalidArgument",
+            )
+        shards = []
+        for info in infos:
+            t = params[info.name]
+            what = f"params[{info.name!r}] ({where})"
+            if not hasattr(t, "reshape") or not hasattr(t, "element_size"):
+                raise TypeError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
+            dtype = str(t.dtype).removeprefix("torch.")
+            if tuple(t.shape) != info.shape or _TORCH_NAMES.get(dtype) != info.dtype:
+                raise _memory._error(
+                    f"{what}: {dtype} {list(t.shape)}, the layout's is {info.dtype} "
+                    f"{list(info.shape)}",
+                    "InvalidArgument",
+                )
+            if not t.is_contiguous():
+                raise _memory._error(f"{what}: not contiguous", "InvalidArgument")
+            flat = t.detach().reshape(-1)
+            size = t.element_size()
+            for pc in info.pieces:
+                start = pc.offset // size
+                n = 1
+                for d in pc.box_shape:
+                    n *= d
+                view = flat[start : start + n].view(pc.box_shape)
+                shards.append(Shard(pc.tensor, view, pc.box_offset))
+        self.set_shards(shards)
 
     def _box_shape(self, spec: Any, s: Shard, region: _memory.Region) -> tuple[int, ...]:
         """The box of an untyped byte buffer: the tensor's trailing dims, and as many rows of

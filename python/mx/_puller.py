@@ -41,6 +41,30 @@ class ParamInfo:
     pieces: tuple[Piece, ...]
 
 
+def _param_infos(layouts: Sequence[Mapping[str, Any]], rank: int | None) -> list[ParamInfo]:
+    """The parameters of the rank layouts (JSON as the extension writes them) of ``rank``
+    (None: every rank), in layout order."""
+    out = []
+    for rl in layouts:
+        if rank is not None and rl["rank"] != rank:
+            continue
+        for p in rl["params"]:
+            pieces = tuple(
+                Piece(
+                    pc["tensor"],
+                    pc["dtype"],
+                    tuple(pc["global_shape"]),
+                    tuple(pc["box_offset"]),
+                    tuple(pc["box_shape"]),
+                    pc["offset"],
+                )
+                for pc in p["pieces"]
+            )
+            shape = tuple(p["shape"])
+            out.append(ParamInfo(rl["rank"], p["name"], p["dtype"], shape, p["nbytes"], pieces))
+    return out
+
+
 @dataclass(frozen=True)
 class StageReport:
     """What a stage did: seconds planning, pulling and verifying (after the last READ), READ
@@ -189,24 +213,7 @@ class Puller:
 
     def params(self, rank: int | None = None) -> list[ParamInfo]:
         """The parameters of held rank ``rank`` (None: of every held rank), in layout order."""
-        out = []
-        for rl in self._layouts:
-            if rank is not None and rl["rank"] != rank:
-                continue
-            for p in rl["params"]:
-                pieces = tuple(
-                    Piece(
-                        pc["tensor"],
-                        pc["dtype"],
-                        tuple(pc["global_shape"]),
-                        tuple(pc["box_offset"]),
-                        tuple(pc["box_shape"]),
-                        pc["offset"],
-                    )
-                    for pc in p["pieces"]
-                )
-                shape = tuple(p["shape"])
-                out.append(ParamInfo(rl["rank"], p["name"], p["dtype"], shape, p["nbytes"], pieces))
+        out = _param_infos(self._layouts, rank)
         if rank is not None and not out:
             held = [rl["rank"] for rl in self._layouts]
             raise _memory._error(f"rank {rank} is not held (held: {held})", "InvalidArgument")

@@ -2,9 +2,10 @@
 
 use std::path::PathBuf;
 
-use mx_layout::{DType, ModelInfo, TensorSpec};
+use mx_layout::{DType, LayoutSpec, ModelInfo, RankLayout, TensorSpec};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
+use serde_json::{json, Value};
 
 use crate::errors::{chain, layout_error, mx_error};
 
@@ -13,6 +14,31 @@ use crate::errors::{chain, layout_error, mx_error};
 #[pyclass(module = "mx._mx", frozen)]
 pub(crate) struct Model {
     pub(crate) info: ModelInfo,
+}
+
+/// A rank's layout as JSON: `{"rank", "bytes", "params": [{"name", "dtype", "shape", "offset",
+/// "nbytes", "pieces": [{"tensor", "dtype", "global_shape", "box_offset", "box_shape",
+/// "offset"}]}]}` (piece offsets are within the parameter, bytes).
+pub(crate) fn rank_layout_json(rl: &RankLayout) -> Value {
+    json!({
+        "rank": rl.rank,
+        "bytes": rl.total_bytes,
+        "params": rl.params.iter().map(|pa| json!({
+            "name": pa.name,
+            "dtype": pa.dtype.to_string(),
+            "shape": pa.shape,
+            "offset": pa.offset,
+            "nbytes": pa.len,
+            "pieces": pa.pieces.iter().map(|pc| json!({
+                "tensor": pc.tensor,
+                "dtype": pc.dtype.to_string(),
+                "global_shape": pc.global_shape,
+                "box_offset": pc.region.global_offset,
+                "box_shape": pc.region.local_shape,
+                "offset": pc.offset.saturating_sub(pa.offset),
+            })).collect::<Vec<_>>(),
+        })).collect::<Vec<_>>(),
+    })
 }
 
 /// Parses `(name, dtype, shape)` triples strictly: a bad dtype names the tensor, a name given
@@ -92,6 +118,16 @@ impl Model {
     fn dims(&self) -> (u64, u64, u64, u64) {
         let m = &self.info;
         (m.num_heads, m.num_kv_heads, m.head_dim, m.vocab_size)
+    }
+
+    /// Rank `rank` of `layout` for this model as JSON text ([`rank_layout_json`]): its
+    /// parameters under the layout's names and the checkpoint boxes each is made of. Pure: no
+    /// control plane.
+    fn rank_layout(&self, py: Python<'_>, layout: &str, rank: u32) -> PyResult<String> {
+        let spec: LayoutSpec = layout.parse().map_err(|e| layout_error(py, "layout", &e))?;
+        let rl = mx_layout::rank_layout(&self.info, spec, rank)
+            .map_err(|e| layout_error(py, &format!("layout {spec} rank {rank}"), &e))?;
+        Ok(rank_layout_json(&rl).to_string())
     }
 
     fn __repr__(&self) -> String {

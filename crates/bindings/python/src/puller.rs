@@ -208,27 +208,7 @@ impl Puller {
                 Ok(Value::Array(
                     p.rank_layouts()
                         .iter()
-                        .map(|rl| {
-                            json!({
-                                "rank": rl.rank,
-                                "bytes": rl.total_bytes,
-                                "params": rl.params.iter().map(|pa| json!({
-                                    "name": pa.name,
-                                    "dtype": pa.dtype.to_string(),
-                                    "shape": pa.shape,
-                                    "offset": pa.offset,
-                                    "nbytes": pa.len,
-                                    "pieces": pa.pieces.iter().map(|pc| json!({
-                                        "tensor": pc.tensor,
-                                        "dtype": pc.dtype.to_string(),
-                                        "global_shape": pc.global_shape,
-                                        "box_offset": pc.region.global_offset,
-                                        "box_shape": pc.region.local_shape,
-                                        "offset": pc.offset.saturating_sub(pa.offset),
-                                    })).collect::<Vec<_>>(),
-                                })).collect::<Vec<_>>(),
-                            })
-                        })
+                        .map(crate::model::rank_layout_json)
                         .collect(),
                 ))
             }),

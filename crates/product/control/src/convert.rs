@@ -89,6 +89,20 @@ pub(crate) fn layout(p: &pb::LayoutSpec, field: &str) -> Result<LayoutSpec, Erro
         Ok(pb::Scheme::Fsdp) => Scheme::Fsdp,
         Ok(pb::Scheme::VllmTp) => Scheme::VllmTp,
         Ok(pb::Scheme::VllmTpEp) => Scheme::VllmTpEp,
+        Ok(pb::Scheme::Megatron) => {
+            let l = LayoutSpec::megatron(p.tp, p.pp, p.ep)
+                .map_err(|e| invalid(&format!("{field}.tp"), e.to_string()))?;
+            if l.world_size != p.world_size {
+                return Err(invalid(
+                    &format!("{field}.world_size"),
+                    format!(
+                        "{} is not tp x pp x ep = {} of {l}",
+                        p.world_size, l.world_size
+                    ),
+                ));
+            }
+            return Ok(l);
+        }
         Ok(pb::Scheme::Unspecified) | Err(_) => {
             return Err(invalid(
                 &format!("{field}.scheme"),
@@ -110,15 +124,19 @@ pub(crate) fn req_layout(p: &Option<pb::LayoutSpec>, field: &str) -> Result<Layo
 
 /// Encodes a layout spec.
 pub(crate) fn layout_pb(l: &LayoutSpec) -> pb::LayoutSpec {
-    let scheme = match l.scheme {
-        Scheme::Replicated => pb::Scheme::Replicated,
-        Scheme::Fsdp => pb::Scheme::Fsdp,
-        Scheme::VllmTp => pb::Scheme::VllmTp,
-        Scheme::VllmTpEp => pb::Scheme::VllmTpEp,
+    let (scheme, [tp, pp, ep]) = match l.scheme {
+        Scheme::Replicated => (pb::Scheme::Replicated, [0; 3]),
+        Scheme::Fsdp => (pb::Scheme::Fsdp, [0; 3]),
+        Scheme::VllmTp => (pb::Scheme::VllmTp, [0; 3]),
+        Scheme::VllmTpEp => (pb::Scheme::VllmTpEp, [0; 3]),
+        Scheme::Megatron(d) => (pb::Scheme::Megatron, [d.tp, d.pp, d.ep]),
     };
     pb::LayoutSpec {
         scheme: scheme as i32,
         world_size: l.world_size,
+        tp,
+        pp,
+        ep,
     }
 }
 

@@ -20,6 +20,7 @@ mod dtype;
 mod error;
 pub mod frontier;
 mod manifest;
+pub mod megatron;
 pub mod merkle;
 pub mod model;
 pub mod moe;
@@ -27,6 +28,8 @@ pub mod plan;
 #[cfg(test)]
 mod plan_reference;
 pub mod strict_json;
+#[cfg(test)]
+mod test_util;
 mod types;
 pub mod update;
 pub mod want;
@@ -39,5 +42,5 @@ pub use manifest::{
 };
 pub use model::{rank_layout, rank_layouts, ModelInfo, Param, Piece, RankLayout};
 pub use strict_json::JsonError;
-pub use types::{Digest, LayoutSpec, ResidentVersion, Scheme, TensorBox, VersionId};
+pub use types::{Digest, LayoutSpec, MegatronDims, ResidentVersion, Scheme, TensorBox, VersionId};
 pub use want::Want;

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use crate::{DType, Digest, LayoutSpec, TensorBox};
+use crate::{DType, Digest, LayoutSpec, Scheme, TensorBox};
 
 /// Where a registered buffer lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -238,7 +238,20 @@ pub fn geometry_digest(sources: &[SourceManifest]) -> Digest {
             }
         }
         fn layout(&mut self, l: LayoutSpec) {
-            self.u64(l.scheme as u64);
+            // The declaration-order codes the scheme had as a field-less enum (digests of
+            // existing layouts unchanged); a Megatron layout adds its sizes.
+            match l.scheme {
+                Scheme::Replicated => self.u64(0),
+                Scheme::Fsdp => self.u64(1),
+                Scheme::VllmTp => self.u64(2),
+                Scheme::VllmTpEp => self.u64(3),
+                Scheme::Megatron(d) => {
+                    self.u64(4);
+                    for x in [d.tp, d.pp, d.ep] {
+                        self.u64(u64::from(x));
+                    }
+                }
+            }
             self.u64(u64::from(l.world_size));
         }
     }

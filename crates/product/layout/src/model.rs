@@ -530,16 +530,16 @@ fn drop_tied_lm_head(tensors: &mut Vec<TensorSpec>) -> Result<(), Error> {
     Ok(())
 }
 
-struct Builder {
-    layout: LayoutSpec,
-    params: Vec<Param>,
-    offset: u64,
+pub(crate) struct Builder {
+    pub(crate) layout: LayoutSpec,
+    pub(crate) params: Vec<Param>,
+    pub(crate) offset: u64,
 }
 
 impl Builder {
     /// A parameter of explicit `shape` whose pieces lie back to back in row-major order (a
     /// fused expert parameter: `[experts, rows, cols]` from 2-D or 3-D boxes).
-    fn stacked(
+    pub(crate) fn stacked(
         &mut self,
         name: String,
         dtype: DType,
@@ -612,12 +612,17 @@ impl Builder {
         Ok((placed, off))
     }
 
-    fn single(&mut self, name: String, t: &TensorSpec, region: TensorBox) -> Result<(), Error> {
+    pub(crate) fn single(
+        &mut self,
+        name: String,
+        t: &TensorSpec,
+        region: TensorBox,
+    ) -> Result<(), Error> {
         let shape = region.local_shape.clone();
         self.push(name, t.dtype, &shape, vec![(t, region)], 0)
     }
 
-    fn push(
+    pub(crate) fn push(
         &mut self,
         name: String,
         dtype: DType,
@@ -674,7 +679,7 @@ impl Builder {
     }
 }
 
-fn rows_box(spec: &TensorSpec, start: u64, end: u64) -> TensorBox {
+pub(crate) fn rows_box(spec: &TensorSpec, start: u64, end: u64) -> TensorBox {
     let mut b = TensorBox::full(&spec.shape);
     if let (Some(o), Some(s)) = (b.global_offset.first_mut(), b.local_shape.first_mut()) {
         *o = start;
@@ -819,6 +824,7 @@ pub fn rank_layout(model: &ModelInfo, layout: LayoutSpec, rank: u32) -> Result<R
             })
         }
         Scheme::VllmTp | Scheme::VllmTpEp => vllm_tp(model, layout, rank, &mut b)?,
+        Scheme::Megatron(dims) => crate::megatron::rank(model, dims, rank, &mut b)?,
     }
     Ok(RankLayout {
         layout,

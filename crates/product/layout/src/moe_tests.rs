@@ -11,10 +11,9 @@
 use std::collections::BTreeMap;
 
 use crate::moe::MoeInfo;
-use crate::{rank_layout, DType, Error, LayoutSpec, ModelInfo, RankLayout, TensorSpec};
+use crate::{rank_layout, DType, Error, LayoutSpec, ModelInfo, TensorSpec};
 
-/// (tensor name, row-major index in it): what an element of a rank buffer came from.
-type Tag = (String, u64);
+use crate::test_util::{assembled, Tag};
 
 /// A family's MoE block, per-expert projection names (gate, up, down) and stacked names
 /// (gate/up, down), as vLLM 0.32.0's loaders accept them.
@@ -99,38 +98,6 @@ fn model(kind: &str, experts: u64, inter: u64, hidden: u64, stacked: bool) -> Mo
         cfg["intermediate_size"] = (inter * 3).into();
     }
     ModelInfo::from_hf_config(&cfg, t).unwrap()
-}
-
-/// Every element of parameter `name` on `r`, tagged with its source, read from the pieces.
-fn assembled(r: &RankLayout, name: &str) -> Vec<Tag> {
-    let p = r
-        .param(name)
-        .unwrap_or_else(|| panic!("no {name} on rank {}", r.rank));
-    let mut out = Vec::new();
-    for pc in &p.pieces {
-        let g = &pc.global_shape;
-        let b = &pc.region;
-        // Row-major walk over the box.
-        let n = b.numel().unwrap();
-        for k in 0..n {
-            let mut rem = k;
-            let mut idx = vec![0u64; g.len()];
-            for d in (0..g.len()).rev() {
-                idx[d] = b.global_offset[d] + rem % b.local_shape[d];
-                rem /= b.local_shape[d];
-            }
-            let lin = idx.iter().zip(g).fold(0u64, |a, (&i, &s)| a * s + i);
-            out.push((pc.tensor.clone(), lin));
-        }
-    }
-    let numel: u64 = p.shape.iter().product();
-    assert_eq!(
-        out.len() as u64,
-        numel,
-        "{name}: pieces vs shape {:?}",
-        p.shape
-    );
-    out
 }
 
 /// The oracle: vLLM's w13 and w2 of (MoE-)tp rank `r` of `tp` for the global experts `ids`,

@@ -279,6 +279,31 @@ pub enum Scheme {
     /// [`Scheme::VllmTp`], except that a mixture-of-experts model's routed experts are whole
     /// and spread over the ranks by vLLM's linear placement ([`crate::moe`]). Written `tp-ep:N`.
     VllmTpEp,
+    /// A Megatron-Core trainer's ranks, under Megatron-Core's own parameter names: tensor,
+    /// pipeline and expert parallel ([`crate::megatron`]). Written `megatron:tp=T,pp=P,ep=E`.
+    Megatron(MegatronDims),
+}
+
+/// The parallel sizes of a Megatron-Core layout; its world is `tp * pp * ep` ranks, rank
+/// `(pp_rank * ep + ep_rank) * tp + tp_rank` (Megatron-Core's order `tp-cp-ep-dp-pp`, context
+/// parallel 1, data parallel = `ep`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct MegatronDims {
+    /// Tensor-parallel size (also the expert tensor-parallel size, Megatron-Core's default).
+    pub tp: u32,
+    /// Pipeline-parallel size (stages).
+    pub pp: u32,
+    /// Expert-parallel size.
+    pub ep: u32,
+}
+
+impl MegatronDims {
+    /// `(tp_rank, pp_rank, ep_rank)` of layout rank `rank`.
+    pub fn coords(self, rank: u32) -> (u32, u32, u32) {
+        let tp = self.tp.max(1);
+        let ep = self.ep.max(1);
+        (rank % tp, rank / tp / ep, rank / tp % ep)
+    }
 }
 
 /// A layout: a scheme over `world_size` ranks. Written `fsdp:4`, `tp:3`, `tp-ep:2`,
@@ -294,17 +319,56 @@ pub struct LayoutSpec {
 impl LayoutSpec {
     /// The largest world size accepted (65536 ranks).
     pub const MAX_WORLD_SIZE: u32 = 1 << 16;
+
+    /// A Megatron-Core layout of `tp * pp * ep` ranks.
+    ///
+    /// # Errors
+    /// [`Error::BadLayoutSpec`] for a size of 0 or a world above [`Self::MAX_WORLD_SIZE`].
+    pub fn megatron(tp: u32, pp: u32, ep: u32) -> Result<LayoutSpec, Error> {
+        let dims = MegatronDims { tp, pp, ep };
+        let bad = |reason: &str| Error::BadLayoutSpec {
+            spec: Scheme::Megatron(dims).name_with(0),
+            reason: reason.to_string(),
+        };
+        if tp == 0 || pp == 0 || ep == 0 {
+            return Err(bad("tp, pp and ep must be at least 1"));
+        }
+        let world = u64::from(tp) * u64::from(pp) * u64::from(ep);
+        if world > u64::from(Self::MAX_WORLD_SIZE) {
+            return Err(bad("tp x pp x ep must be at most 65536 ranks"));
+        }
+        Ok(LayoutSpec {
+            scheme: Scheme::Megatron(dims),
+            world_size: world as u32,
+        })
+    }
+
+    /// Whether `scheme` and `world_size` agree (a Megatron layout's world is `tp * pp * ep`).
+    pub fn is_consistent(&self) -> bool {
+        match self.scheme {
+            Scheme::Megatron(d) => {
+                u64::from(d.tp) * u64::from(d.pp) * u64::from(d.ep) == u64::from(self.world_size)
+            }
+            _ => true,
+        }
+    }
+}
+
+impl Scheme {
+    fn name_with(self, world_size: u32) -> String {
+        match self {
+            Scheme::Replicated => format!("replicated:{world_size}"),
+            Scheme::Fsdp => format!("fsdp:{world_size}"),
+            Scheme::VllmTp => format!("tp:{world_size}"),
+            Scheme::VllmTpEp => format!("tp-ep:{world_size}"),
+            Scheme::Megatron(d) => format!("megatron:tp={},pp={},ep={}", d.tp, d.pp, d.ep),
+        }
+    }
 }
 
 impl fmt::Display for LayoutSpec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let s = match self.scheme {
-            Scheme::Replicated => "replicated",
-            Scheme::Fsdp => "fsdp",
-            Scheme::VllmTp => "tp",
-            Scheme::VllmTpEp => "tp-ep",
-        };
-        write!(f, "{s}:{}", self.world_size)
+        f.write_str(&self.scheme.name_with(self.world_size))
     }
 }
 
@@ -322,12 +386,19 @@ impl FromStr for LayoutSpec {
             reason: why.to_string(),
         };
         let (name, n) = s.split_once(':').ok_or_else(|| bad("expected SCHEME:N"))?;
+        if name == "megatron" {
+            return parse_megatron(s, n);
+        }
         let scheme = match name {
             "fsdp" => Scheme::Fsdp,
             "tp" | "vllm-tp" => Scheme::VllmTp,
             "tp-ep" => Scheme::VllmTpEp,
             "replicated" | "identity" => Scheme::Replicated,
-            _ => return Err(bad("scheme must be fsdp, tp, tp-ep or replicated")),
+            _ => {
+                return Err(bad(
+                    "scheme must be fsdp, tp, tp-ep, replicated or megatron",
+                ))
+            }
         };
         let world_size: u32 = match n.parse::<u64>() {
             Ok(v) => u32::try_from(v).unwrap_or(u32::MAX),
@@ -338,6 +409,44 @@ impl FromStr for LayoutSpec {
         }
         Ok(LayoutSpec { scheme, world_size })
     }
+}
+
+/// `tp=T,pp=P,ep=E` (each at most once, any order, a missing one 1) of `megatron:...`.
+fn parse_megatron(spec: &str, fields: &str) -> Result<LayoutSpec, Error> {
+    let bad = |reason: String| Error::BadLayoutSpec {
+        spec: spec.to_string(),
+        reason,
+    };
+    let mut sizes: [Option<u32>; 3] = [None; 3];
+    for field in fields.split(',') {
+        let (key, value) = field
+            .split_once('=')
+            .ok_or_else(|| bad(format!("{field:?} is not KEY=N (tp, pp, ep)")))?;
+        let slot = match key {
+            "tp" => 0,
+            "pp" => 1,
+            "ep" => 2,
+            _ => {
+                return Err(bad(format!(
+                    "unknown key {key:?}: megatron takes tp, pp and ep"
+                )))
+            }
+        };
+        if sizes[slot].is_some() {
+            return Err(bad(format!("{key} given twice")));
+        }
+        let v = value
+            .parse::<u32>()
+            .ok()
+            .filter(|v| (1..=LayoutSpec::MAX_WORLD_SIZE).contains(v))
+            .ok_or_else(|| bad(format!("{key}={value:?} is not an integer in 1..=65536")))?;
+        sizes[slot] = Some(v);
+    }
+    let [tp, pp, ep] = sizes.map(|v| v.unwrap_or(1));
+    LayoutSpec::megatron(tp, pp, ep).map_err(|e| match e {
+        Error::BadLayoutSpec { reason, .. } => bad(reason),
+        other => other,
+    })
 }
 
 /// An N-dimensional box inside a tensor's global shape: `global_offset[d] .. global_offset[d] +
