@@ -38,7 +38,7 @@ from . import _nixl
 # Before the extension is loaded, so nothing can have loaded NIXL from elsewhere yet.
 _nixl.configure()
 
-from . import _mx  # noqa: E402
+from . import _mx, fp8  # noqa: E402
 from ._control import Control, ControlPlane  # noqa: E402
 from ._expected import expected_outputs  # noqa: E402
 from ._model import Model  # noqa: E402
@@ -138,6 +138,7 @@ __all__ = [
     "Versions",
     "WorkerOutcome",
     "WorkerStatus",
+    "fp8",
     "expected_outputs",
     "__version__",
     "nixl_available",

@@ -130,6 +130,36 @@ impl Model {
         Ok(rank_layout_json(&rl).to_string())
     }
 
+    /// The FP8 block-quantized parameters of rank `rank` of `layout` as JSON text
+    /// ([`mx_layout::fp8::fp8_params`]): `[{"name", "shape", "scale_name", "scale_shape",
+    /// "pieces": [{"tensor", "grid_shape", "grid_offset", "grid_box", "offset"}]}]`.
+    fn fp8_layout(&self, py: Python<'_>, layout: &str, rank: u32) -> PyResult<String> {
+        let spec: LayoutSpec = layout.parse().map_err(|e| layout_error(py, "layout", &e))?;
+        let what = format!("layout {spec} rank {rank}");
+        let rl = mx_layout::rank_layout(&self.info, spec, rank)
+            .map_err(|e| layout_error(py, &what, &e))?;
+        let params = mx_layout::fp8::fp8_params(&rl).map_err(|e| layout_error(py, &what, &e))?;
+        let out: Vec<Value> = params
+            .iter()
+            .map(|p| {
+                json!({
+                    "name": p.name,
+                    "shape": p.shape,
+                    "scale_name": p.scale_name,
+                    "scale_shape": p.scale_shape,
+                    "pieces": p.pieces.iter().map(|pc| json!({
+                        "tensor": pc.tensor,
+                        "grid_shape": pc.grid_shape,
+                        "grid_offset": pc.grid.global_offset,
+                        "grid_box": pc.grid.local_shape,
+                        "offset": pc.offset,
+                    })).collect::<Vec<_>>(),
+                })
+            })
+            .collect();
+        Ok(Value::Array(out).to_string())
+    }
+
     fn __repr__(&self) -> String {
         format!(
             "Model(family={:?}, tensors={}, heads={}, kv_heads={}, head_dim={}, vocab={})",

@@ -18,6 +18,7 @@
 
 mod dtype;
 mod error;
+pub mod fp8;
 pub mod frontier;
 mod manifest;
 pub mod megatron;
