@@ -65,7 +65,8 @@ from vllm.logger import init_logger
 from .._memory import _error
 from .._model import Model
 from .._puller import Puller
-from . import _layout
+from ..fp8 import quantize_rank
+from . import _fp8, _layout
 
 logger = init_logger("vllm.mx")
 
@@ -150,6 +151,9 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
         self._infos: list = []
         self._params: dict[str, torch.Tensor] = {}
         self._view: _layout.CheckpointView | None = None
+        self._served: list = []
+        self._checkpoint: list = []
+        self._fp8: tuple[Model, str] | None = None
         self._mode = "reload"
         self._fill_nan = False
         self._reloading = False
@@ -182,8 +186,13 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
         if not os.path.isdir(model_dir):
             raise ValueError(f"mx: vLLM's model {model_dir!r} is not a local checkpoint directory")
         t0 = time.perf_counter()
-        mx_model = Model.from_dir(model_dir)
-        checkpoint = [(t.name, t.dtype, tuple(t.shape)) for t in mx_model.tensors]
+        fp8 = _fp8.is_block_fp8(self.vllm_config)
+        if fp8:
+            checkpoint = _fp8.checkpoint_tensors(model_dir)
+            mx_model = _fp8.source_model(model_dir, checkpoint)
+        else:
+            mx_model = Model.from_dir(model_dir)
+            checkpoint = [(t.name, t.dtype, tuple(t.shape)) for t in mx_model.tensors]
         puller = Puller(
             init_info.control_url,
             model=mx_model,
@@ -193,21 +202,27 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
         )
         try:
             infos = puller.params(rank)
+            # The parameters as the server holds them: FP8 ones in e4m3 plus their scales.
+            served = _fp8.engine_infos(mx_model, layout, rank, infos) if fp8 else infos
             t1 = time.perf_counter()
             if init_info.check_layout:
-                self._check_layout(rank, infos, checkpoint)
+                self._check_layout(rank, served, checkpoint)
             t2 = time.perf_counter()
             mode = init_info.install
             if mode == "auto":
                 mode = "inplace" if self.device.type == "cuda" else "reload"
             if mode == "inplace":
-                self._check_in_place(infos)
+                self._check_in_place(served)
             params = {
                 p.name: torch.empty(p.shape, dtype=_layout.torch_dtype(p.dtype)) for p in infos
             }
-            _layout.read_rank(model_dir, infos, params)
+            if not fp8:
+                # The server's start-up weights, resident until the first refit (an FP8 server's
+                # are e4m3 only: no bf16 version to serve or roll back to).
+                _layout.read_rank(model_dir, infos, params)
             puller.register(rank, params)
-            puller.set_resident(f"disk:{model_dir}")
+            if not fp8:
+                puller.set_resident(f"disk:{model_dir}")
             worker_id = f"{init_info.instance_id}-tp{rank}"
             limits = (self.model_config.get_vocab_size(), self.model_config.max_model_len)
             puller.follow(
@@ -221,6 +236,8 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
             puller.close()
             raise
         self._puller, self._rank, self._infos, self._params = puller, rank, infos, params
+        self._served, self._checkpoint = served, checkpoint
+        self._fp8 = (mx_model, layout) if fp8 else None
         self._view = _layout.CheckpointView(infos, params, checkpoint)
         self._mode, self._fill_nan = mode, init_info.fill_nan
         logger.info(
@@ -346,15 +363,21 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
         return puller.apply(version).kind
 
     def _into_vllm(self, failpoint: bool) -> None:
+        params, view = self._params, self._view
+        if self._fp8 is not None:
+            # The host bf16 parameters quantized for the FP8 server, at every install.
+            model, layout = self._fp8
+            params = quantize_rank(model, layout, self._rank, self._params)
+            view = _layout.CheckpointView(self._served, params, self._checkpoint)
         if self._mode == "inplace":
             named = dict(self.model.named_parameters())
             with torch.no_grad():
-                for name, src in self._params.items():
-                    named[name].data.copy_(src, non_blocking=True)
+                for p in self._served:
+                    named[p.name].data.copy_(params[p.name], non_blocking=True)
             return
-        assert self._view is not None
+        assert view is not None
         armed = _take_failpoint() if failpoint else None
-        tensors = self._view.tensors(fill_nan=self._fill_nan)
+        tensors = view.tensors(fill_nan=self._fill_nan)
         if armed is not None:
             tensors = _fail_after(tensors, armed)
         with torch.no_grad():

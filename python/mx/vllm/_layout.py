@@ -25,6 +25,8 @@ import torch
 from .._memory import _error
 from .._puller import ParamInfo, Piece
 
+_SHADOW = "mx_placeholder"
+"""The module-name prefix of the placeholder pass's shadow model."""
 _ELEM_BITS = 33
 """Flat indices of a checkpoint tensor take the low 33 bits of a placeholder element (8.6 G
 elements per tensor); the tensor's index the bits above (float64 is exact to 2**53)."""
@@ -40,6 +42,7 @@ TORCH_DTYPES = {
     "I32": torch.int32,
     "I64": torch.int64,
     "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
 }
 
 
@@ -164,6 +167,23 @@ def _dematerialize(param: torch.nn.Parameter) -> None:
 
 
 @contextlib.contextmanager
+def _skips_under_prefix(vllm_config, prefix: str) -> Iterator[None]:
+    """Makes the quantization config skip the same layers in the shadow model (whose module
+    names start with ``prefix.``) as in the live one: e.g. an FP8 checkpoint's
+    ``modules_to_not_convert`` routers, which would otherwise be built quantized."""
+    qc = getattr(vllm_config, "quant_config", None)
+    ignored = getattr(qc, "ignored_layers", None)
+    if not isinstance(ignored, list) or not ignored:
+        yield
+        return
+    qc.ignored_layers = ignored + [f"{prefix}.{n}" for n in ignored]
+    try:
+        yield
+    finally:
+        qc.ignored_layers = ignored
+
+
+@contextlib.contextmanager
 def _expert_maps_on_host() -> Iterator[None]:
     """Builds vLLM's expert maps (which global expert is which local one under expert
     parallelism: small int32 tensors the expert loaders read by value) on the host while the
@@ -208,8 +228,9 @@ def derive(
             set_current_vllm_config(vllm_config),
             torch.device("meta"),
             _expert_maps_on_host(),
+            _skips_under_prefix(vllm_config, _SHADOW),
         ):
-            shadow = initialize_model(vllm_config, prefix="mx_placeholder")
+            shadow = initialize_model(vllm_config, prefix=_SHADOW)
     finally:
         # The shadow's attention layers registered themselves for the forward context.
         for k in set(ctx) - before:
@@ -262,6 +283,10 @@ def check(vllm_config, rank: int, infos: Sequence[ParamInfo], checkpoint) -> lis
         seen.add(name)
         info = want.get(name)
         if info is None:
+            # A parameter no checkpoint element loads into (an FP8 server's attention q/k/v
+            # scales, defaults kept) is nothing mx installs either.
+            if not bool((ids >= 0).any()):
+                continue
             out.append(Disagreement(name, f"vLLM's rank {rank} has it, mx's layout does not"))
             continue
         why = compare(ids, info, names, index_of)
