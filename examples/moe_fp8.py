@@ -8,11 +8,13 @@ pulled over NIXL by one worker holding both ranks of vLLM's ``tp:2`` layout, qua
 with ``mx.fp8.quantize_rank``, and compared byte for byte with the reference: vLLM 0.32.0's own
 ``per_block_cast_to_fp8`` (``vllm/utils/deep_gemm.py``; its Python run eagerly) applied to each
 whole checkpoint tensor, then sliced as vLLM's loaders slice a DeepSeek-V3-style FP8 checkpoint
-(weights by the rank's boxes, ``weight_scale_inv`` by the boxes' block grids). Then a real vLLM
-is started on that FP8 checkpoint (``quant_method: fp8``, ``weight_block_size: [128, 128]``,
-routers and ``lm_head`` left bf16) and asked for greedy tokens: ``ran_in_vllm`` says whether
-vLLM's CPU build served it here (it needs AMX tiles: ``CPUFp8BlockScaledMMKernel``). mx's vLLM
-backend does not install FP8 parameters into a running server yet; that path is for a GPU.
+(weights by the rank's boxes, ``weight_scale_inv`` by the boxes' block grids). Then the engine
+path: a real vLLM started on that FP8 checkpoint (``quant_method: fp8``, ``weight_block_size:
+[128, 128]``, routers and ``lm_head`` left bf16) with mx's backend is refitted to a new bf16
+version (mx quantizes the rank's pulled bytes and installs e4m3 weights and scales through
+vLLM's loaders), and its greedy tokens are compared with a cold start of vLLM on the reference
+FP8 checkpoint of that version. ``ran_in_vllm`` is false, with the error, where vLLM's CPU build
+cannot serve block FP8 (its CPU kernels need AMX tiles).
 
 Run alone: ``.mx/venv/bin/python examples/moe_fp8.py`` (prints the report).
 """
@@ -20,7 +22,6 @@ Run alone: ``.mx/venv/bin/python examples/moe_fp8.py`` (prints the report).
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import tempfile
@@ -192,52 +193,86 @@ def _write_fp8_checkpoint(
         json.dump(cfg, f, indent=1)
 
 
+def _engine_path(
+    model_dir: str, full: dict, reference: dict, work: str, timeout: float
+) -> dict[str, Any]:
+    """A real vLLM serving the FP8 checkpoint of ``full``, refitted by mx to a new bf16 version
+    (``full`` after one perturbation of every matrix): its tokens against a cold start of vLLM on
+    the reference FP8 checkpoint of that version."""
+    from engines import VllmServer
+
+    import mx
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    start_dir, cold_dir = os.path.join(work, "fp8-start"), os.path.join(work, "fp8-cold")
+    _write_fp8_checkpoint(model_dir, full, reference, start_dir, config)
+    g = torch.Generator().manual_seed(11)
+    new = {
+        n: (t + 0.2 * torch.randn(t.shape, generator=g).to(t.dtype)) if t.dim() > 1 else t.clone()
+        for n, t in full.items()
+    }
+    vllm_q = _vllm_block_quantizer()
+    _write_fp8_checkpoint(model_dir, new, {n: vllm_q(new[n]) for n in reference}, cold_dir, config)
+    out: dict[str, Any] = {"tokens": None, "cold_tokens": None}
+    server = pub = None
+    with mx.ControlPlane(journal=os.path.join(work, "fp8-engine.jsonl")) as cp:
+        control = mx.Control(cp.url)
+        try:
+            server = VllmServer(
+                os.path.join(work, "fp8-vllm"), model=start_dir, startup_timeout=timeout
+            )
+            server.init_mx(cp.url, "fp8")
+            pub = mx.Publisher(cp.url, model=mx.Model.from_dir(model_dir), layout="fsdp:1", slot=0)
+            pub.set_shards({n: (t, [0] * t.dim()) for n, t in new.items()})
+            control.declare("fp8-v2", new, trainer_layout="fsdp:1")
+            pub.publish("fp8-v2", timeout=timeout)
+            r = control.refit(
+                "fp8-v2", ["fp8-tp0"], no_check=True, stage_timeout=timeout, call_timeout=timeout
+            )
+            out.update(outcome=str(r.outcome), refit_s=r.seconds)
+            out["tokens"] = server.generate(PROMPT, 8)
+        finally:
+            if pub is not None:
+                pub.close()
+            if server is not None:
+                out["log_tail"] = server.tail(600)
+                server.stop()
+    cold = VllmServer(os.path.join(work, "fp8-vllm"), model=cold_dir, startup_timeout=timeout)
+    try:
+        out["cold_tokens"] = cold.generate(PROMPT, 8)
+    finally:
+        cold.stop()
+    out["tokens_match_cold_start"] = out["tokens"] == out["cold_tokens"]
+    if out["tokens_match_cold_start"]:
+        out.pop("log_tail", None)
+    return out
+
+
 def fp8_report(work: str, *, serve: bool = True, timeout: float = 300.0) -> dict[str, Any]:
     """The ``fp8`` section of examples/moe_refit.py's report (see the module docs): ``tensors``,
-    ``blocks``, ``bytes_equal_reference``, ``ran_in_vllm`` (and ``vllm_error``,
-    ``vllm_tokens``, the pull's ``wire_bytes``)."""
+    ``blocks``, ``bytes_equal_reference``, ``ran_in_vllm`` (mx refitted a real FP8 vLLM) with
+    ``engine`` (its tokens against a cold start's) or ``vllm_error``, the pull's
+    ``wire_bytes``."""
     import moe_fsdp
-    from engines import VllmServer
     from safetensors.torch import load_file
 
     model_dir = os.path.join(work, "fp8-bf16")
-    moe_fsdp.make_checkpoint(
-        model_dir,
-        hidden=SIZES["hidden"],
-        layers=SIZES["layers"],
-        experts=SIZES["experts"],
-        top_k=SIZES["top_k"],
-        moe_intermediate=SIZES["moe_intermediate"],
-        heads=SIZES["heads"],
-        kv_heads=SIZES["kv_heads"],
-        head_dim=SIZES["head_dim"],
-        vocab=SIZES["vocab"],
-        seed=7,
-    )
+    moe_fsdp.make_checkpoint(model_dir, seed=7, **{k: SIZES[k] for k in SIZES})
     full: dict[str, torch.Tensor] = {}
     for name in sorted(os.listdir(model_dir)):
         if name.endswith(".safetensors"):
             full.update(load_file(os.path.join(model_dir, name)))
     report, reference = _pull_and_compare(model_dir, full, work)
-    report.update(model=dict(SIZES), ran_in_vllm=False, vllm_error=None, vllm_tokens=None)
+    report.update(model=dict(SIZES), ran_in_vllm=False, vllm_error=None, engine=None)
     if not serve:
         report["vllm_error"] = "not tried (serve=False)"
         return report
-    fp8_dir = os.path.join(work, "fp8-e4m3")
-    with open(os.path.join(model_dir, "config.json")) as f:
-        config = json.load(f)
-    _write_fp8_checkpoint(model_dir, full, reference, fp8_dir, config)
-    server = None
     try:
-        server = VllmServer(os.path.join(work, "fp8-vllm"), model=fp8_dir, startup_timeout=timeout)
-        report["vllm_tokens"] = server.generate(PROMPT, 8)
+        report["engine"] = _engine_path(model_dir, full, reference, work, timeout)
         report["ran_in_vllm"] = True
     except Exception as e:  # noqa: BLE001 - reported: vLLM's CPU FP8 kernels need AMX tiles
-        tail = server.tail(800) if server is not None else ""
-        report["vllm_error"] = f"{type(e).__name__}: {e}"[-1200:] + tail[-400:]
-    finally:
-        if server is not None:
-            server.stop()
+        report["vllm_error"] = f"{type(e).__name__}: {e}"[-1500:]
     return report
 
 
@@ -249,7 +284,8 @@ def main() -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(json.dumps(r, indent=1))
-    return 0 if r["bytes_equal_reference"] and math.isfinite(r["quantize_s"]) else 1
+    engine_ok = not r["ran_in_vllm"] or r["engine"]["tokens_match_cold_start"]
+    return 0 if r["bytes_equal_reference"] and engine_ok else 1
 
 
 if __name__ == "__main__":
