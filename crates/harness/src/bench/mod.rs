@@ -181,6 +181,7 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
             let plan = plan::run(&plan::PlanArgs {
                 trainer_ranks: 256,
                 trainer_ep: 64,
+                trainer_layout: None,
                 tp: 8,
                 ep: 8,
                 instances: 16,

@@ -4,7 +4,8 @@
 
 use std::path::PathBuf;
 
-use mx_layout::frontier::{fleet_plan_report, FleetPlanReport, FrontierModel};
+use mx_layout::frontier::{fleet_plan_report, FleetPlanReport, FrontierModel, FrontierTrainer};
+use mx_layout::{LayoutSpec, Scheme};
 use serde::Serialize;
 
 /// `mx-lab bench plan` arguments.
@@ -16,6 +17,10 @@ pub struct PlanArgs {
     /// Trainer expert parallelism (experts of an EP group are FSDP-sharded over its ranks).
     #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..))]
     pub trainer_ep: u32,
+    /// A Megatron-Core trainer instead of torchtitan FSDP2 + EP: `megatron:tp=T,pp=P,ep=E`
+    /// (`--trainer-ranks` and `--trainer-ep` are then unused).
+    #[arg(long, value_parser = parse_megatron)]
+    pub trainer_layout: Option<FrontierTrainer>,
     /// Inference tensor parallelism per instance.
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..))]
     pub tp: u32,
@@ -45,6 +50,19 @@ pub struct PlanArgs {
     /// Write the result as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
+}
+
+/// `megatron:tp=T,pp=P,ep=E` as a frontier trainer.
+fn parse_megatron(s: &str) -> Result<FrontierTrainer, String> {
+    let l: LayoutSpec = s.parse().map_err(|e: mx_layout::Error| e.to_string())?;
+    match l.scheme {
+        Scheme::Megatron(d) => Ok(FrontierTrainer::Megatron {
+            tp: d.tp,
+            pp: d.pp,
+            ep: d.ep,
+        }),
+        _ => Err(format!("{s}: expected megatron:tp=T,pp=P,ep=E")),
+    }
 }
 
 /// The projection of one refit onto real hardware, for one weight format.
@@ -99,14 +117,11 @@ pub(crate) fn run(a: &PlanArgs) -> anyhow::Result<PlanReport> {
     let mut reports = Vec::new();
     for m in &models {
         eprintln!("planning {} ...", m.name);
-        reports.push(fleet_plan_report(
-            m,
-            a.trainer_ranks,
-            a.trainer_ep,
-            a.tp,
-            a.ep,
-            a.instances,
-        )?);
+        let trainer = a.trainer_layout.unwrap_or(FrontierTrainer::Fsdp {
+            world: a.trainer_ranks,
+            ep: a.trainer_ep,
+        });
+        reports.push(fleet_plan_report(m, trainer, a.tp, a.ep, a.instances)?);
     }
     let kimi = &reports[0];
     let line = a.nic_gbit / 8.0 * 1e9; // bytes per second per NIC

@@ -65,6 +65,52 @@ pub struct FrontierModel {
     pub vocab: u64,
 }
 
+/// The trainer a frontier fleet refits from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FrontierTrainer {
+    /// torchtitan FSDP2 over `world` ranks with `ep`-way expert parallelism
+    /// ([`FrontierModel::trainer_layouts`]).
+    Fsdp {
+        /// Ranks.
+        world: u32,
+        /// Expert-parallel groups.
+        ep: u32,
+    },
+    /// Megatron-Core ([`FrontierModel::megatron_layouts`]).
+    Megatron {
+        /// Tensor-parallel size.
+        tp: u32,
+        /// Pipeline stages.
+        pp: u32,
+        /// Expert-parallel size.
+        ep: u32,
+    },
+}
+
+impl FrontierTrainer {
+    /// Every rank's layout for `model`.
+    ///
+    /// # Errors
+    /// As [`FrontierModel::trainer_layouts`] or [`FrontierModel::megatron_layouts`].
+    pub fn layouts(self, model: &FrontierModel) -> Result<Vec<RankLayout>, Error> {
+        match self {
+            FrontierTrainer::Fsdp { world, ep } => model.trainer_layouts(world, ep),
+            FrontierTrainer::Megatron { tp, pp, ep } => model.megatron_layouts(tp, pp, ep),
+        }
+    }
+}
+
+impl std::fmt::Display for FrontierTrainer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            FrontierTrainer::Fsdp { world, ep } => write!(f, "fsdp:{world} ep={ep}"),
+            FrontierTrainer::Megatron { tp, pp, ep } => {
+                write!(f, "megatron:tp={tp},pp={pp},ep={ep}")
+            }
+        }
+    }
+}
+
 /// How a tensor is placed under vLLM tensor parallelism.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Kind {
@@ -456,6 +502,114 @@ impl FrontierModel {
             .collect()
     }
 
+    /// A Megatron-Core trainer's layout, `megatron:tp=T,pp=P,ep=E` ([`crate::megatron`]'s rank
+    /// order and rules, each checkpoint tensor its own parameter as everywhere in this module):
+    /// stage `s` holds layers `[s L / P, (s+1) L / P)` (integer division: DeepSeek-V3's 61 layers
+    /// do not divide, so stages differ by one layer, as Megatron-Core's uneven first and last
+    /// stages allow), the embedding on stage 0 and the final norm and `lm_head` on the last;
+    /// MLA's `q_a_proj`/`kv_a_proj_with_mqa` and their norms replicated (Megatron-Core builds
+    /// them duplicated), `q_b_proj`/`kv_b_proj`, dense and shared-expert `gate_proj`/`up_proj`
+    /// split along dim 0 and `o_proj`/`down_proj`s along dim 1 over the tensor-parallel ranks;
+    /// embedding and `lm_head` vocab parallel (padded to 128 x tp); EP rank `s` holding
+    /// routed experts `[s E/ep, (s+1) E/ep)`, each split over the tensor-parallel ranks (expert
+    /// tensor parallel = tp); the router and its bias replicated.
+    ///
+    /// # Errors
+    /// [`Error::BadLayoutSpec`] for sizes of 0 or a world over 65536; [`Error::ImpossibleLayout`]
+    /// naming the tensor when `pp` exceeds the layers, `ep` does not divide the experts or `tp` a
+    /// split dim.
+    pub fn megatron_layouts(&self, tp: u32, pp: u32, ep: u32) -> Result<Vec<RankLayout>, Error> {
+        let layout = LayoutSpec::megatron(tp, pp, ep)?;
+        let entries = self.entries();
+        let first_expert = entries
+            .iter()
+            .find(|e| matches!(e.kind, Kind::Expert { .. }))
+            .map_or("*", |e| e.spec.name.as_str());
+        if !self.n_routed_experts.is_multiple_of(u64::from(ep)) {
+            return Err(impossible(
+                layout,
+                first_expert,
+                format!(
+                    "field `n_routed_experts`: {} experts are not divisible by ep={ep}",
+                    self.n_routed_experts
+                ),
+            ));
+        }
+        if u64::from(pp) > self.layers {
+            return Err(impossible(
+                layout,
+                "model.layers",
+                format!("pp={pp} stages over {} layers", self.layers),
+            ));
+        }
+        let per_rank = self.n_routed_experts / u64::from(ep);
+        let dims = match layout.scheme {
+            Scheme::Megatron(d) => d,
+            _ => unreachable!("LayoutSpec::megatron builds a Megatron layout"),
+        };
+        // Each entry's stage, once: layer l is on the last stage s with s L / P <= l.
+        let (layers, stages) = (self.layers, u64::from(pp));
+        let stage_of: Vec<u32> = entries
+            .iter()
+            .map(|e| {
+                let layer = e
+                    .spec
+                    .name
+                    .strip_prefix("model.layers.")
+                    .and_then(|r| r.split('.').next())
+                    .and_then(|n| n.parse::<u64>().ok());
+                match layer {
+                    Some(l) => (0..stages)
+                        .rev()
+                        .find(|&s| s * layers / stages <= l)
+                        .unwrap_or(0),
+                    None if e.spec.name == "model.embed_tokens.weight" => 0,
+                    None => stages - 1,
+                }
+            })
+            .map(|s| u32::try_from(s).unwrap_or(0))
+            .collect();
+        (0..layout.world_size)
+            .map(|rank| {
+                let (r, stage, e_rank) = dims.coords(rank);
+                let mut boxes = Vec::new();
+                for (e, &s) in entries.iter().zip(&stage_of) {
+                    let t = &e.spec;
+                    if s != stage {
+                        continue;
+                    }
+                    let bx = match e.kind {
+                        Kind::Replicated => TensorBox::full(&t.shape),
+                        Kind::Column => split_even(layout, t, 0, r, tp)?,
+                        Kind::Row => split_even(layout, t, 1, r, tp)?,
+                        Kind::Vocab => {
+                            let vocab = t.shape.first().copied().unwrap_or(0);
+                            let padded =
+                                crate::megatron::padded_vocab(vocab, tp).ok_or_else(|| {
+                                    impossible(layout, &t.name, "vocab overflows".into())
+                                })?;
+                            let per = padded / u64::from(tp);
+                            let start = (per * u64::from(r)).min(vocab);
+                            let end = (per * (u64::from(r) + 1)).min(vocab);
+                            if end == start {
+                                continue;
+                            }
+                            rows_box(&t.shape, start, end)
+                        }
+                        Kind::Expert { expert, down } => {
+                            if expert / per_rank != u64::from(e_rank) {
+                                continue;
+                            }
+                            split_even(layout, t, usize::from(down), r, tp)?
+                        }
+                    };
+                    boxes.push((t.clone(), bx));
+                }
+                RankLayout::from_boxes(layout, rank, &boxes)
+            })
+            .collect()
+    }
+
     /// One inference instance's layout over `tp` ranks (label `tp:tp`), vLLM conventions (see the
     /// module doc), routed experts expert parallel when `ep == tp` (rank `r` holds experts
     /// `[r*E/ep, (r+1)*E/ep)` whole) or tensor parallel when `ep == 1`. The vocab must be a
@@ -737,8 +891,8 @@ fn fresh_memory_ms(bytes: u64) -> f64 {
 }
 
 /// Measures planning a refit of `instances` identical inference instances (vLLM `tp:tp` with
-/// `ep_inf`-way expert parallelism) from a trainer of `world` ranks with `ep`-way expert
-/// parallelism, for `model`, under [`CostModel::default`], on the calling thread
+/// `ep_inf`-way expert parallelism) from `trainer` (torchtitan FSDP2 + EP, or Megatron-Core
+/// tp x pp x ep), for `model`, under [`CostModel::default`], on the calling thread
 /// ([`std::time::Instant`] wall time, so run it on an otherwise idle core).
 ///
 /// What is measured: building the layouts; synthesizing every trainer rank's manifest
@@ -763,8 +917,7 @@ fn fresh_memory_ms(bytes: u64) -> f64 {
 /// [`Error::ImpossibleLayout`] when `instances` is 0.
 pub fn fleet_plan_report(
     model: &FrontierModel,
-    world: u32,
-    ep: u32,
+    trainer: FrontierTrainer,
     tp: u32,
     ep_inf: u32,
     instances: u32,
@@ -778,7 +931,8 @@ pub fn fleet_plan_report(
     }
     let cost = CostModel::default();
     let t0 = Instant::now();
-    let trainer = model.trainer_layouts(world, ep)?;
+    let trainer_label = trainer.to_string();
+    let trainer = trainer.layouts(model)?;
     let dest = model.inference_layouts(tp, ep_inf)?;
     let layouts_seconds = t0.elapsed().as_secs_f64();
     let t0 = Instant::now();
@@ -887,7 +1041,7 @@ pub fn fleet_plan_report(
         params: model.param_count(),
         tensors: table.len() as u64,
         model_bytes: model.bytes(),
-        trainer: format!("fsdp:{world} ep={ep}"),
+        trainer: trainer_label,
         inference: format!("tp:{tp} ep={ep_inf}"),
         instances,
         cost_model: cost,
@@ -1139,7 +1293,7 @@ mod tests {
     #[test]
     fn tiny_fleet_report_is_consistent() {
         let m = tiny();
-        let r = fleet_plan_report(&m, 16, 4, 4, 4, 3).unwrap();
+        let r = fleet_plan_report(&m, FrontierTrainer::Fsdp { world: 16, ep: 4 }, 4, 4, 3).unwrap();
         assert_eq!(r.ranks.len(), 4);
         assert_eq!(r.trainer, "fsdp:16 ep=4");
         let dest = m.inference_layouts(4, 4).unwrap();
@@ -1188,7 +1342,63 @@ mod tests {
         assert!(r.projected_all_ranks_seconds >= r.whole_fleet_seconds);
         assert!(r.manifest_bytes_estimate > 0 && r.index_bytes_estimate > 0);
         assert!(serde_json::to_string(&r).is_ok());
-        assert!(fleet_plan_report(&m, 16, 4, 4, 4, 0).is_err());
+        assert!(
+            fleet_plan_report(&m, FrontierTrainer::Fsdp { world: 16, ep: 4 }, 4, 4, 0).is_err()
+        );
+    }
+
+    #[test]
+    fn megatron_trainers_cover_every_byte_and_plan_into_vllm_ep() {
+        let m = tiny();
+        let trainer = FrontierTrainer::Megatron {
+            tp: 2,
+            pp: 2,
+            ep: 2,
+        };
+        let ranks = trainer.layouts(&m).unwrap();
+        assert_eq!(ranks.len(), 8);
+        // Every element of every tensor is held, replicas aside, by exactly the ranks whose
+        // (stage, ep rank) own it: count bytes per tensor over one ep rank's replicas.
+        let mut held: HashMap<String, u64> = HashMap::new();
+        for rl in &ranks {
+            for p in &rl.params {
+                for pc in &p.pieces {
+                    *held.entry(pc.tensor.clone()).or_default() += pc.region.numel().unwrap();
+                }
+            }
+        }
+        // Per stage, 2 tp ranks x 2 EP replicas: a replicated tensor is held 4 times, a
+        // tensor-parallel one twice (once per EP replica), an expert once (its EP rank's 2 tp
+        // halves).
+        for e in m.entries() {
+            let copies = match e.kind {
+                Kind::Replicated => 4,
+                Kind::Column | Kind::Row | Kind::Vocab => 2,
+                Kind::Expert { .. } => 1,
+            };
+            let got = held.get(&e.spec.name).copied().unwrap_or(0);
+            assert_eq!(got, numel(&e.spec) * copies, "{}", e.spec.name);
+        }
+        // The stages split the layers: layer 0 on stage 0 only, layer 1 on stage 1 only.
+        for rl in &ranks {
+            let (_, stage, _) = match rl.layout.scheme {
+                Scheme::Megatron(d) => d.coords(rl.rank),
+                _ => unreachable!(),
+            };
+            let other = format!("model.layers.{}.", 1 - stage);
+            assert!(rl.params.iter().all(|p| !p.name.starts_with(&other)));
+        }
+        let r = fleet_plan_report(&m, trainer, 4, 4, 2).unwrap();
+        assert_eq!(r.trainer, "megatron:tp=2,pp=2,ep=2");
+        assert_eq!(r.ranks.len(), 4);
+        let err = FrontierTrainer::Megatron {
+            tp: 2,
+            pp: 2,
+            ep: 3,
+        }
+        .layouts(&m)
+        .unwrap_err();
+        assert!(err.to_string().contains("not divisible by ep=3"), "{err}");
     }
 
     #[test]
@@ -1242,7 +1452,9 @@ mod tests {
                 continue;
             }
             let before = vm_hwm_kib();
-            let mut r = fleet_plan_report(&m, 256, 64, 8, 8, 16).unwrap();
+            let mut r =
+                fleet_plan_report(&m, FrontierTrainer::Fsdp { world: 256, ep: 64 }, 8, 8, 16)
+                    .unwrap();
             let after = vm_hwm_kib();
             let ranks = std::mem::take(&mut r.ranks);
             println!("{}", serde_json::to_string_pretty(&r).unwrap());

@@ -1,6 +1,7 @@
 //! The coverage proof: every live byte of every destination rank is written exactly once, by one
 //! apply copy or one zero fill.
 
+use super::index::FxMap;
 use super::output::{Copy, ZeroFill};
 use crate::{Error, RankLayout};
 
@@ -52,8 +53,9 @@ fn chains_tile(dest: &[RankLayout], copies: &[Copy], zero_fills: &[ZeroFill]) ->
         }
         true
     };
-    for c in copies {
-        if c.rank_index >= dest.len() || c.count == 0 {
+    let (bands, banded) = bands(copies);
+    for (i, c) in copies.iter().enumerate() {
+        if c.rank_index >= dest.len() || c.count == 0 || banded[i] {
             continue;
         }
         if c.live_contiguous() {
@@ -77,6 +79,11 @@ fn chains_tile(dest: &[RankLayout], copies: &[Copy], zero_fills: &[ZeroFill]) ->
     if let Some((r, s, e)) = cur {
         per_rank[r].push((s, e));
     }
+    for (r, s, e) in bands {
+        if let Some(v) = per_rank.get_mut(r) {
+            v.push((s, e));
+        }
+    }
     for z in zero_fills {
         if let Some(v) = per_rank.get_mut(z.rank_index) {
             let Some(e) = z.live_offset.checked_add(z.len) else {
@@ -96,6 +103,53 @@ fn chains_tile(dest: &[RankLayout], copies: &[Copy], zero_fills: &[ZeroFill]) ->
         }
         cursor == rl.total_bytes
     })
+}
+
+/// Strided copies of one rank whose rows, side by side, fill their common stride exactly: a
+/// destination's whole rows assembled from column slices of several sources (a row-parallel
+/// weight, or an expert's down projection, gathered whole from tensor-parallel shards). Each such
+/// group is one contiguous span `first offset .. + count * stride` of `(rank, start, end)`, and
+/// `banded[i]` marks the copies it stands for; every other copy is left to the rows.
+fn bands(copies: &[Copy]) -> (Vec<(usize, u64, u64)>, Vec<bool>) {
+    let mut banded = vec![false; copies.len()];
+    let mut groups: FxMap<(usize, u64, u64), Vec<usize>> = FxMap::default();
+    for (i, c) in copies.iter().enumerate() {
+        if c.count > 1 && !c.live_contiguous() && c.len > 0 && c.len < c.live_stride {
+            groups
+                .entry((c.rank_index, c.count, c.live_stride))
+                .or_default()
+                .push(i);
+        }
+    }
+    let mut out = Vec::new();
+    for ((rank, count, stride), mut members) in groups {
+        members.sort_unstable_by_key(|&i| copies[i].live_offset);
+        let mut run_start = 0;
+        while run_start < members.len() {
+            // Extend a run of abutting row segments until it spans the stride exactly.
+            let first = copies[members[run_start]].live_offset;
+            let mut end = first;
+            let mut k = run_start;
+            while k < members.len() && copies[members[k]].live_offset == end && end - first < stride
+            {
+                end = end.saturating_add(copies[members[k]].len);
+                k += 1;
+            }
+            if end - first == stride {
+                if let Some(span_end) = count.checked_mul(stride).and_then(|n| first.checked_add(n))
+                {
+                    out.push((rank, first, span_end));
+                    for &i in &members[run_start..k] {
+                        banded[i] = true;
+                    }
+                }
+                run_start = k;
+            } else {
+                run_start += 1;
+            }
+        }
+    }
+    (out, banded)
 }
 
 /// Sorts `(start, end)` spans by start (spans with equal starts in no particular order): a

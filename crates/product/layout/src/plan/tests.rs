@@ -816,3 +816,64 @@ fn geometry_digest_ignores_digests_and_sees_every_planned_field() {
         assert_ne!(crate::geometry_digest(&c), g, "{what}");
     }
 }
+
+proptest! {
+    /// Whole rows assembled from column slices of several sources (a row-parallel weight
+    /// gathered whole, an expert's down projection from tensor-parallel shards): the quick proof
+    /// takes each band of strided copies as one span and agrees with sorting every row, tilings
+    /// and broken ones alike (a slice missing, shifted, widened, or the bands overlapping).
+    #[test]
+    fn column_slices_filling_whole_rows_prove_as_bands(
+        widths in proptest::collection::vec(1..9u64, 2..6),
+        rows in 2..40u64,
+        bands in 1..4u64,
+        perturb in proptest::option::of((0..6usize, 0..4u8)),
+        order in proptest::collection::vec(0..1000u32, 24),
+    ) {
+        let stride: u64 = widths.iter().sum();
+        let mut copies = vec![];
+        for b in 0..bands {
+            let base = b * rows * stride;
+            let mut col = 0;
+            for &w in &widths {
+                copies.push(Copy {
+                    rank_index: 0,
+                    staging_offset: 0,
+                    live_offset: base + col,
+                    len: w,
+                    count: rows,
+                    staging_stride: w,
+                    live_stride: stride,
+                });
+                col += w;
+            }
+        }
+        if let Some((i, how)) = perturb {
+            let n = copies.len();
+            match how {
+                0 => { copies.remove(i % n); }
+                1 => copies[i % n].live_offset += 1,
+                2 => copies[i % n].len += 1,
+                _ => copies[i % n].count += 1,
+            }
+        }
+        let n = copies.len();
+        let mut idx: Vec<usize> = (0..n).collect();
+        idx.sort_by_key(|&i| order[i % order.len()]);
+        let copies: Vec<Copy> = idx.into_iter().map(|i| copies[i]).collect();
+        let dest = [RankLayout {
+            layout: LayoutSpec { scheme: Scheme::VllmTp, world_size: 1 },
+            rank: 0,
+            params: vec![],
+            total_bytes: bands * rows * stride,
+        }];
+        let rows_of: Vec<Copy> = copies
+            .iter()
+            .flat_map(|c| c.rows().map(move |(s, l)| Copy::single(c.rank_index, s, l, c.len)))
+            .collect();
+        let fast = prove_coverage(&dest, &copies, &[]).map_err(|e| e.to_string());
+        let slow = prove_coverage_sorted(&dest, &rows_of, &[]).map_err(|e| e.to_string());
+        prop_assert_eq!(&fast, &slow);
+        prop_assert_eq!(fast.is_ok(), perturb.is_none());
+    }
+}
