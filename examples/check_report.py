@@ -4,7 +4,8 @@ Run it::
 
     .mx/venv/bin/python examples/check_report.py KIND REPORT.json
 
-``KIND`` is the example that wrote the report (``python_refit``, ``rl_loop``). Exit status 0
+``KIND`` is the example that wrote the report (``python_refit``, ``rl_loop``,
+``moe_refit``). Exit status 0
 when every check holds; otherwise 1 and one line per failed check.
 
 The report schema every example writes (extra keys are allowed):
@@ -24,7 +25,8 @@ The report schema every example writes (extra keys are allowed):
 Per kind, on top: ``python_refit``: at least 2 versions and the example's checks
 (``all_verified``, ``addresses_unchanged``, ``loss_fell``, ``rollback_verified``,
 ``staging_within_rank_bytes``); ``rl_loop``: ``config.steps`` steps, each path of
-``config.paths`` with one row per step whose ``stall_s`` and ``end_to_end_s`` are positive.
+``config.paths`` with one row per step whose ``stall_s`` and ``end_to_end_s`` are positive;
+``moe_refit``: see :func:`moe_refit`.
 """
 
 from __future__ import annotations
@@ -99,7 +101,110 @@ def rl_loop(r: dict[str, Any]) -> list[str]:
     return bad
 
 
-KINDS = {"python_refit": python_refit, "rl_loop": rl_loop}
+MOE_KEYS = (
+    "model",
+    "experts",
+    "trainer_layouts",
+    "engine_layouts",
+    "steps",
+    "rollback_verified",
+    "fp8",
+    "all_checks_hold",
+    "failed_checks",
+)
+MOE_INSTANCE_KEYS = (
+    "id",
+    "source",
+    "engine_layout",
+    "tokens",
+    "cold_tokens",
+    "tokens_match_cold_start",
+    "tokens_changed",
+    "rank_bytes",
+    "wire_bytes",
+)
+
+
+def moe_refit(r: dict[str, Any]) -> list[str]:
+    """At least 3 steps alternating ``fsdp:2`` (odd) and ``megatron:tp=2,pp=2,ep=2`` (even),
+    every refit COMMITTED, every instance's tokens equal to its cold start and different from
+    its tokens at the previous step, bytes pulled per rank in (0, rank bytes]; tp:1 ran; a layout
+    that did not run says why; the rollback verified; fp8's keys."""
+    bad = [f"missing key {k}" for k in MOE_KEYS if k not in r]
+    if bad:
+        return bad
+    m = r["model"]
+    if m.get("model_type") != "qwen3_moe" or r["experts"] != 8 or m.get("experts") != 8:
+        bad.append(f"model: a qwen3_moe with 8 experts, got {m} / experts {r['experts']}")
+    if r["trainer_layouts"] != ["fsdp:2", "megatron:tp=2,pp=2,ep=2"]:
+        bad.append(f"trainer_layouts: {r['trainer_layouts']}")
+    ran = {}
+    for e in r["engine_layouts"]:
+        ran[e["layout"]] = e["ran"]
+        if not e["ran"] and not e.get("error"):
+            bad.append(f"engine_layouts: {e['layout']} did not run and says no error")
+    if ran.get("tp:1") is not True:
+        bad.append("engine_layouts: tp:1 did not run")
+    steps = r["steps"]
+    if len(steps) < 3:
+        bad.append(f"at least 3 steps, got {len(steps)}")
+    seen: dict[str, list[int]] = {}  # instance id -> its tokens at the previous step
+    ids = []
+    for k, s in enumerate(steps, start=1):
+        want = "fsdp:2" if k % 2 else "megatron:tp=2,pp=2,ep=2"
+        if s["source"] != want:
+            bad.append(f"{s['label']}: source {s['source']}, expected {want}")
+        if s["outcome"] != "COMMITTED":
+            bad.append(f"{s['label']}: outcome {s['outcome']}")
+        ids.append(s["version_id"])
+        for i in s["instances"]:
+            missing = [x for x in MOE_INSTANCE_KEYS if x not in i]
+            if missing:
+                bad.append(f"{s['label']}: instance without {missing}")
+                continue
+            where = f"{s['label']} {i['id']} ({i['engine_layout']})"
+            if ran.get(i["engine_layout"]) is not True:
+                bad.append(f"{where}: its engine layout is not listed as ran")
+            if not i["tokens"] or i["tokens"] != i["cold_tokens"]:
+                bad.append(f"{where}: tokens {i['tokens']} != cold start {i['cold_tokens']}")
+            if i["tokens_match_cold_start"] is not (i["tokens"] == i["cold_tokens"]):
+                bad.append(f"{where}: tokens_match_cold_start disagrees with the tokens")
+            if i["tokens"] == seen.get(i["id"]) or i["tokens_changed"] is not True:
+                bad.append(f"{where}: the tokens did not change since the previous step")
+            seen[i["id"]] = i["tokens"]
+            ranks = i["rank_bytes"]
+            if set(i["wire_bytes"]) != set(ranks) or not all(
+                0 < b <= ranks[rank] for rank, b in i["wire_bytes"].items()
+            ):
+                bad.append(f"{where}: wire_bytes {i['wire_bytes']} vs rank_bytes {ranks}")
+    if len(set(ids)) != len(ids) or not all(str(v).startswith("mx:") for v in ids):
+        bad.append(f"steps: version ids not distinct mx ids: {ids}")
+    sources = {s["source"] for s in steps}
+    if sources != set(r["trainer_layouts"]):
+        bad.append(f"steps: sources {sorted(sources)}, not both trainer layouts")
+    if steps and not any(i["engine_layout"] == "tp:1" for i in steps[-1]["instances"]):
+        bad.append("the last step has no tp:1 instance")
+    if r["rollback_verified"] is not True:
+        bad.append("rollback_verified is not true")
+    fp8 = r["fp8"]
+    fp8_keys = ("tensors", "blocks", "bytes_equal_reference", "ran_in_vllm", "vllm_error")
+    if not isinstance(fp8, dict) or any(k not in fp8 for k in fp8_keys):
+        bad.append(f"fp8: missing keys of {fp8_keys}")
+        return bad
+    if fp8["bytes_equal_reference"] is not True or not fp8["tensors"] or not fp8["blocks"]:
+        bad.append(f"fp8: bytes {fp8['bytes_equal_reference']} over {fp8['tensors']} tensors")
+    engine = fp8.get("engine") or {}
+    if fp8["ran_in_vllm"]:
+        if engine.get("outcome") != "COMMITTED" or not engine.get("tokens"):
+            bad.append(f"fp8: the FP8 vLLM's refit: {engine.get('outcome')}")
+        elif engine["tokens"] != engine.get("cold_tokens"):
+            bad.append(f"fp8: tokens {engine['tokens']} != cold start {engine.get('cold_tokens')}")
+    elif not fp8["vllm_error"]:
+        bad.append("fp8: did not run in vLLM and says no error")
+    return bad
+
+
+KINDS = {"python_refit": python_refit, "rl_loop": rl_loop, "moe_refit": moe_refit}
 
 
 def check(kind: str, report: dict[str, Any]) -> list[str]:

@@ -12,8 +12,9 @@
 # against the package scripts/setup-python.sh installs); a skipped Python test fails the suite;
 # then examples/python_refit.py (trainers and engines in Python processes, a real checkpoint) and
 # examples/rl_loop.py --ci (an FSDP2 trainer refitting a real vLLM server, 2 steps, the mx path;
-# the full side-by-side run with the disk and broadcast paths is `scripts/bench.sh --rl-loop`),
-# each with a check of its report. Python tests and the examples are left out when arguments
+# the full side-by-side run with the disk and broadcast paths is `scripts/bench.sh --rl-loop`)
+# and examples/moe_refit.py --ci (a Qwen3-MoE from FSDP2 and Megatron-Core layouts into a real
+# vLLM, and FP8), each with a check of its report. Python tests and the examples are left out when arguments
 # select Rust packages (`-p ...`), or with MX_PYTHON_TESTS=0.
 #
 # Each crate is compiled once per profile and feature set: clippy runs in the release profile
@@ -165,5 +166,14 @@ if ((python_tests)); then
     begin "examples/rl_loop.py --ci"
     "$PY" examples/rl_loop.py --ci --report "$report_dir/rl.json"
     "$PY" examples/check_report.py rl_loop "$report_dir/rl.json"
+
+    # Mixture of experts into a real vLLM, CI size: a random Qwen3-MoE (8 experts, top-2), an
+    # FSDP2 trainer whose steps alternate its own publication and a Megatron-Core cut
+    # (tp=2, pp=2, ep=2), 3 refits checked against cold starts, a rollback; and FP8: a bf16
+    # version quantized per rank into 128x128 blocks, byte-equal to vLLM's own quantizer, and a
+    # real FP8 vLLM refitted by mx (where vLLM's CPU build serves FP8).
+    begin "examples/moe_refit.py --ci"
+    "$PY" examples/moe_refit.py --ci --report "$report_dir/moe.json"
+    "$PY" examples/check_report.py moe_refit "$report_dir/moe.json"
     rm -rf "$report_dir"
 fi
