@@ -257,7 +257,8 @@ class Control:
                 numpy arrays) or ``name -> (dtype, shape)``, or a sequence of
                 :class:`TensorSpec` or ``(name, dtype, shape)``. Dtypes are safetensors names
                 (``"BF16"``, ``"F32"``), torch dtypes or numpy dtypes.
-            trainer_layout: ``"fsdp:N"``, ``"tp:N"`` or ``"replicated:N"``.
+            trainer_layout: ``"fsdp:N"``, ``"tp:N"``, ``"replicated:N"`` or
+                ``"megatron:tp=T,pp=P,ep=E"`` (Megatron-Core's ranks and names).
             timeout: deadline in seconds (default: the client's).
 
         Raises:

@@ -174,7 +174,9 @@ class Publisher:
         control: the control plane's URL (``http://HOST:PORT``).
         model: the :class:`Model` shards are checked against.
         layout: the trainer layout (``"fsdp:N"``: slot ``r`` holds rows of every tensor's dim
-            0; ``"replicated:N"``, ``"tp:N"``); the version's declaration must name the same.
+            0; ``"replicated:N"``, ``"tp:N"``; ``"megatron:tp=T,pp=P,ep=E"``: Megatron-Core's
+            ranks, published with :meth:`set_params`); the version's declaration must name
+            the same.
         slot: this rank's slot in ``layout`` (its rank).
         pack: pack strided destination regions contiguously on the source side.
 

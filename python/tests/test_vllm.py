@@ -116,6 +116,7 @@ def test_refit_installs_the_version_and_rolls_back(fleet, server):
     cold = _publish(fleet, "cold", 1.0)
     r = _refit(fleet, "cold", COLD_TOKENS)
     assert str(r.outcome) == "COMMITTED", r.reason
+    assert r.reason == ""  # committed: no reason (the check's summary is a phase note)
     assert server.generate(PROMPT) == COLD_TOKENS
     assert server.call("GET", "/weight_info") == (200, {"weight_version": cold})
     # Scaled weights: other tokens, committed; the long prompt is cached under them.
@@ -131,6 +132,7 @@ def test_refit_installs_the_version_and_rolls_back(fleet, server):
     # prompt's blocks of `hot`; the refit cleared it, so the cold tokens come back.
     r = _refit(fleet, "cold", COLD_TOKENS)
     assert str(r.outcome) == "COMMITTED", r.reason
+    assert r.reason == ""  # committed: no reason (the check's summary is a phase note)
     assert server.generate(PROMPT) == COLD_TOKENS
     assert server.generate(LONG_PROMPT) == fleet["cold_long"]
 
@@ -185,6 +187,7 @@ def test_a_session_left_open_by_a_dead_caller_does_not_block_the_next_refit(flee
     assert r.target != current
     r = _refit(fleet, "cold", COLD_TOKENS)
     assert str(r.outcome) == "COMMITTED", r.reason
+    assert r.reason == ""  # committed: no reason (the check's summary is a phase note)
     assert server.generate(PROMPT) == COLD_TOKENS
 
 

@@ -15,10 +15,12 @@ pub struct PlanArgs {
     /// HF checkpoint directory (only config.json and the safetensors headers are read).
     #[arg(long)]
     model: PathBuf,
-    /// Trainer (source) layout.
+    /// Trainer (source) layout: fsdp:N, replicated:N, tp:N, tp-ep:N or megatron:tp=T,pp=P,ep=E
+    /// (Megatron-Core's ranks and names).
     #[arg(long, default_value = "fsdp:4")]
     trainer_layout: LayoutSpec,
-    /// Inference (destination) layout.
+    /// Inference (destination) layout: tp:N (vLLM tensor parallel), tp-ep:N (with
+    /// --enable-expert-parallel), fsdp:N or replicated:N.
     #[arg(long, default_value = "tp:3")]
     inference_layout: LayoutSpec,
     /// Ranks the worker holds (default: all).

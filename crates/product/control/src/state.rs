@@ -584,7 +584,9 @@ impl State {
                 r.outcome = Some(outcome);
                 r.recovered |= recovered;
                 r.ended_ms = Some(at_ms);
-                if !reason.is_empty() {
+                // A committed refit has no reason (the phases' notes, such as its check's
+                // summary, were progress, not why it ended).
+                if outcome == Outcome::Committed || !reason.is_empty() {
                     r.reason = reason;
                 }
                 let label = r.spec.label.clone();
