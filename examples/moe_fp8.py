@@ -25,11 +25,11 @@ import json
 import os
 import shutil
 import tempfile
-import threading
 import time
 from typing import Any
 
 import torch
+from procs import publish_all
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIZES = {
@@ -56,26 +56,6 @@ def _vllm_block_quantizer():
 
 def _box(offset: tuple[int, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
     return tuple(slice(o, o + e) for o, e in zip(offset, shape, strict=True))
-
-
-def _publish(pubs: list[Any], label: str) -> str:
-    ids: list[Any] = [None] * len(pubs)
-
-    def run(i: int) -> None:
-        try:
-            ids[i] = pubs[i].publish(label, timeout=120)
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            ids[i] = e
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(pubs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(180)
-    for r in ids:
-        if isinstance(r, BaseException):
-            raise r
-    return str(ids[0])
 
 
 def _pull_and_compare(
@@ -114,7 +94,7 @@ def _pull_and_compare(
             for r, ps in params.items():
                 puller.register(r, ps)
             control.declare("fp8-v1", full, trainer_layout="fsdp:2")
-            vid = _publish(pubs, "fp8-v1")
+            vid = publish_all(pubs, "fp8-v1", 120.0)
             staged = puller.stage("fp8-v1")
             puller.apply()
             t0 = time.perf_counter()

@@ -67,12 +67,11 @@ import sys
 import tempfile
 import time
 import traceback
-from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
 from engines import ColdStartCache, VllmServer, vllm_cold_tokens, vllm_version
-from procs import Child, ChildFailed, commands, free_port
+from procs import Child, ChildFailed, commands, free_port, publish_all
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FSDP = "fsdp:2"
@@ -97,15 +96,6 @@ def source_of(step: int) -> str:
 
 # --------------------------------------------------------------------------------------------
 # Trainer ranks.
-
-
-def _publish_all(pubs: list[Any], label: str, timeout: float) -> str:
-    """Publishes ``label`` from every publisher at once (each returns once all slots did)."""
-    with ThreadPoolExecutor(len(pubs)) as ex:
-        ids = list(ex.map(lambda p: p.publish(label, timeout=timeout), pubs))
-    if len(set(ids)) != 1:
-        raise RuntimeError(f"{label}: the Megatron slots disagree on the version id: {ids}")
-    return ids[0]
 
 
 def _dump(full: dict[str, Any], model_dir: str, out_dir: str) -> dict[str, Any]:
@@ -185,7 +175,7 @@ def trainer_main(conn: Connection, url: str, model_dir: str, slot: int, init_met
                     for own, new in zip(bufs, cut, strict=True):
                         for n, t in own.items():
                             t.copy_(new[n])
-                vid = _publish_all(megs, label, timeout)
+                vid = publish_all(megs, label, timeout)
                 last[MEGATRON] = label
                 del cut
             del full

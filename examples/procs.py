@@ -7,6 +7,7 @@ from __future__ import annotations
 import socket
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -98,3 +99,14 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def publish_all(pubs: list[Any], label: str, timeout: float) -> str:
+    """Publishes ``label`` from every ``mx.Publisher`` of one process at once (each returns
+    once every slot published) and returns the version id they agree on; the first error of
+    any of them is raised."""
+    with ThreadPoolExecutor(len(pubs)) as ex:
+        ids = list(ex.map(lambda p: p.publish(label, timeout=timeout), pubs))
+    if len(set(ids)) != 1:
+        raise RuntimeError(f"{label}: the slots disagree on the version id: {ids}")
+    return ids[0]

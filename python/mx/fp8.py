@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._memory import _error
 from ._model import Model
+
+if TYPE_CHECKING:
+    from ._puller import ParamInfo
 
 BLOCK = 128
 """The block edge (``weight_block_size: [128, 128]``)."""
@@ -123,21 +126,35 @@ def quantize_rank(
         MxError: ``InvalidArgument`` for a layout that cuts a block, or a parameter missing or
             not in the layout's shape.
     """
+    infos = model.rank_layout(layout, rank)
+    return quantize_params(infos, fp8_layout(model, layout, rank), params)
+
+
+def quantize_params(
+    infos: Sequence[ParamInfo], quantized: Sequence[Fp8Param], params: Mapping[str, Any]
+) -> dict[str, Any]:
+    """:func:`quantize_rank` with the rank's layout (``infos``, :meth:`Model.rank_layout`) and
+    FP8 parameters (``quantized``, :func:`fp8_layout`) looked up once by the caller, e.g. at an
+    engine's init rather than at every install.
+
+    Raises:
+        MxError: ``InvalidArgument`` for a parameter missing or not in the layout's shape.
+    """
     import torch
 
-    infos = {p.name: p for p in model.rank_layout(layout, rank)}
+    by_name = {p.name: p for p in quantized}
     out: dict[str, Any] = {}
-    quantized = {p.name: p for p in fp8_layout(model, layout, rank)}
-    for name, info in infos.items():
+    for info in infos:
+        name = info.name
         src = params.get(name)
         if src is None or tuple(src.shape) != info.shape or not src.is_contiguous():
             got = None if src is None else tuple(src.shape)
             raise _error(
                 f"params[{name!r}]: expected a contiguous {info.dtype} {list(info.shape)} "
-                f"tensor of rank {rank} of {layout}, got {got}",
+                f"tensor of rank {info.rank}, got {got}",
                 "InvalidArgument",
             )
-        f8 = quantized.get(name)
+        f8 = by_name.get(name)
         if f8 is None:
             out[name] = src
             continue

@@ -7,11 +7,10 @@ the Megatron tensors published again. Bad parameter sets are refused naming the 
 
 from __future__ import annotations
 
-import threading
-
 import megatron_cut
 import pytest
 import torch
+from procs import publish_all
 
 import mx
 
@@ -70,27 +69,6 @@ def model(weights) -> mx.Model:
     return mx.Model.from_config(CONFIG, weights)
 
 
-def _publish(pubs: list[mx.Publisher], label: str) -> str:
-    ids: list[object] = [None] * len(pubs)
-
-    def run(i: int) -> None:
-        try:
-            ids[i] = pubs[i].publish(label, timeout=60)
-        except BaseException as e:  # noqa: BLE001 - handed to the test thread
-            ids[i] = e
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(pubs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(90)
-    for r in ids:
-        if isinstance(r, BaseException):
-            raise r
-    assert len(set(ids)) == 1, ids
-    return str(ids[0])
-
-
 def _mismatches(puller: mx.Puller, params, ref: dict[str, torch.Tensor]) -> list[str]:
     bad = []
     for p in puller.params():
@@ -132,7 +110,7 @@ def test_megatron_ranks_publish_in_place_into_vllm_tp_and_ep_layouts(control, mo
                 puller.register(r, ps)
             engines.append((puller, params))
         control.declare("m1", weights, trainer_layout=LAYOUT)
-        v1 = _publish(pubs, "m1")
+        v1 = publish_all(pubs, "m1", 60.0)
         for puller, params in engines:
             assert puller.stage("m1").version_id == v1
             assert puller.apply().kind == "staged"
@@ -152,7 +130,7 @@ def test_megatron_ranks_publish_in_place_into_vllm_tp_and_ep_layouts(control, mo
                     t.mul_(0.5).add_(0.25)
         full2 = megatron_cut.uncut(ranks, CONFIG, TP, PP, EP)
         control.declare("m2", weights, trainer_layout=LAYOUT)
-        v2 = _publish(pubs, "m2")
+        v2 = publish_all(pubs, "m2", 60.0)
         assert v2 != v1
         for puller, params in engines:
             assert puller.stage("m2").version_id == v2

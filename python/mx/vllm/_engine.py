@@ -65,7 +65,7 @@ from vllm.logger import init_logger
 from .._memory import _error
 from .._model import Model
 from .._puller import Puller
-from ..fp8 import quantize_rank
+from ..fp8 import Fp8Param, fp8_layout, quantize_params
 from . import _fp8, _layout
 
 logger = init_logger("vllm.mx")
@@ -153,7 +153,7 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
         self._view: _layout.CheckpointView | None = None
         self._served: list = []
         self._checkpoint: list = []
-        self._fp8: tuple[Model, str] | None = None
+        self._fp8: list[Fp8Param] | None = None
         self._mode = "reload"
         self._fill_nan = False
         self._reloading = False
@@ -203,7 +203,9 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
         try:
             infos = puller.params(rank)
             # The parameters as the server holds them: FP8 ones in e4m3 plus their scales.
-            served = _fp8.engine_infos(mx_model, layout, rank, infos) if fp8 else infos
+            # Its FP8 parameters (a slice that cuts a block is refused here, naming it).
+            quantized = fp8_layout(mx_model, layout, rank) if fp8 else None
+            served = _fp8.engine_infos(infos, quantized) if quantized is not None else infos
             t1 = time.perf_counter()
             if init_info.check_layout:
                 self._check_layout(rank, served, checkpoint)
@@ -237,7 +239,8 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
             raise
         self._puller, self._rank, self._infos, self._params = puller, rank, infos, params
         self._served, self._checkpoint = served, checkpoint
-        self._fp8 = (mx_model, layout) if fp8 else None
+        # Looked up once here rather than inside every install.
+        self._fp8 = quantized
         self._view = _layout.CheckpointView(infos, params, checkpoint)
         self._mode, self._fill_nan = mode, init_info.fill_nan
         logger.info(
@@ -366,8 +369,7 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
         params, view = self._params, self._view
         if self._fp8 is not None:
             # The host bf16 parameters quantized for the FP8 server, at every install.
-            model, layout = self._fp8
-            params = quantize_rank(model, layout, self._rank, self._params)
+            params = quantize_params(self._infos, self._fp8, self._params)
             view = _layout.CheckpointView(self._served, params, self._checkpoint)
         if self._mode == "inplace":
             named = dict(self.model.named_parameters())

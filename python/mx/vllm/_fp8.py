@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from .._memory import _error
 from .._model import Model
 from .._puller import ParamInfo, Piece
-from ..fp8 import fp8_layout
+from ..fp8 import Fp8Param
 
 FP8 = "F8_E4M3"
 SCALE_SUFFIX = "_scale_inv"
@@ -78,20 +78,20 @@ def _scale_piece(sp) -> Piece:
     return Piece(name, "F32", sp.grid_shape, sp.grid_offset, sp.grid_box, sp.offset)
 
 
-def engine_infos(
-    model: Model, layout: str, rank: int, infos: Sequence[ParamInfo]
-) -> list[ParamInfo]:
+def engine_infos(infos: Sequence[ParamInfo], quantized: Sequence[Fp8Param]) -> list[ParamInfo]:
     """The rank's parameters as the FP8 server holds them: each quantized parameter in e4m3
     (its pieces at the same elements, 1 byte each) followed by its f32 scale parameter (pieces:
     boxes of the checkpoint's ``{tensor}_scale_inv`` grids); the others as in ``infos``.
 
+    ``quantized``: the rank's FP8 parameters (:func:`mx.fp8.fp8_layout`).
+
     Raises:
-        MxError: ``InvalidArgument`` naming the tensor and block a rank's slice cuts.
+        MxError: ``InvalidArgument`` for a quantized parameter that is not a float type.
     """
-    quantized = {p.name: p for p in fp8_layout(model, layout, rank)}
+    by_name = {p.name: p for p in quantized}
     out: list[ParamInfo] = []
     for info in infos:
-        f8 = quantized.get(info.name)
+        f8 = by_name.get(info.name)
         if f8 is None:
             out.append(info)
             continue

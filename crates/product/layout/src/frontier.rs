@@ -240,6 +240,35 @@ impl FrontierModel {
         }
     }
 
+    /// The first routed-expert tensor's name (`*` without experts): where an expert-parallel
+    /// error points.
+    fn first_expert(entries: &[Entry]) -> &str {
+        entries
+            .iter()
+            .find(|e| matches!(e.kind, Kind::Expert { .. }))
+            .map_or("*", |e| e.spec.name.as_str())
+    }
+
+    /// `ep` divides the routed experts, or an error naming the first expert tensor.
+    fn check_experts_divide(
+        &self,
+        layout: LayoutSpec,
+        entries: &[Entry],
+        ep: u32,
+    ) -> Result<(), Error> {
+        if self.n_routed_experts.is_multiple_of(u64::from(ep)) {
+            return Ok(());
+        }
+        Err(impossible(
+            layout,
+            Self::first_expert(entries),
+            format!(
+                "field `n_routed_experts`: {} experts are not divisible by ep={ep}",
+                self.n_routed_experts
+            ),
+        ))
+    }
+
     fn entries(&self) -> Vec<Entry> {
         let bf16 = DType::BF16;
         let h = self.hidden;
@@ -454,10 +483,7 @@ impl FrontierModel {
         };
         check_world(layout, "world")?;
         let entries = self.entries();
-        let first_expert = entries
-            .iter()
-            .find(|e| matches!(e.kind, Kind::Expert { .. }))
-            .map_or("*", |e| e.spec.name.as_str());
+        let first_expert = Self::first_expert(&entries);
         if ep == 0 || !world.is_multiple_of(ep) {
             return Err(impossible(
                 layout,
@@ -465,16 +491,7 @@ impl FrontierModel {
                 format!("field `ep`: ep={ep} does not divide the world size {world}"),
             ));
         }
-        if !self.n_routed_experts.is_multiple_of(u64::from(ep)) {
-            return Err(impossible(
-                layout,
-                first_expert,
-                format!(
-                    "field `n_routed_experts`: {} experts are not divisible by ep={ep}",
-                    self.n_routed_experts
-                ),
-            ));
-        }
+        self.check_experts_divide(layout, &entries, ep)?;
         let per_group = self.n_routed_experts / u64::from(ep);
         let dp_in_ep = world / ep;
         (0..world)
@@ -521,20 +538,7 @@ impl FrontierModel {
     pub fn megatron_layouts(&self, tp: u32, pp: u32, ep: u32) -> Result<Vec<RankLayout>, Error> {
         let layout = LayoutSpec::megatron(tp, pp, ep)?;
         let entries = self.entries();
-        let first_expert = entries
-            .iter()
-            .find(|e| matches!(e.kind, Kind::Expert { .. }))
-            .map_or("*", |e| e.spec.name.as_str());
-        if !self.n_routed_experts.is_multiple_of(u64::from(ep)) {
-            return Err(impossible(
-                layout,
-                first_expert,
-                format!(
-                    "field `n_routed_experts`: {} experts are not divisible by ep={ep}",
-                    self.n_routed_experts
-                ),
-            ));
-        }
+        self.check_experts_divide(layout, &entries, ep)?;
         if u64::from(pp) > self.layers {
             return Err(impossible(
                 layout,
@@ -626,10 +630,7 @@ impl FrontierModel {
         };
         check_world(layout, "tp")?;
         let entries = self.entries();
-        let first_expert = entries
-            .iter()
-            .find(|e| matches!(e.kind, Kind::Expert { .. }))
-            .map_or("*", |e| e.spec.name.as_str());
+        let first_expert = Self::first_expert(&entries);
         if ep != 1 && ep != tp {
             return Err(impossible(
                 layout,
@@ -637,16 +638,7 @@ impl FrontierModel {
                 format!("field `ep`: ep={ep} must be 1 (tensor-parallel experts) or tp={tp}"),
             ));
         }
-        if ep > 1 && !self.n_routed_experts.is_multiple_of(u64::from(ep)) {
-            return Err(impossible(
-                layout,
-                first_expert,
-                format!(
-                    "field `n_routed_experts`: {} experts are not divisible by ep={ep}",
-                    self.n_routed_experts
-                ),
-            ));
-        }
+        self.check_experts_divide(layout, &entries, ep)?;
         let per_rank = self.n_routed_experts / u64::from(ep);
         (0..tp)
             .map(|r| {
