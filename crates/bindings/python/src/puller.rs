@@ -9,7 +9,7 @@
 
 use std::net::SocketAddr;
 
-use mx_control::{EngineApi, EngineEndpoint, ModelLimits};
+use mx_control::{EngineApi, EngineEndpoint, EngineFrontend, ModelLimits};
 use mx_follower::embedded::{EmbeddedConfig, EmbeddedPuller};
 use mx_layout::{DType, LayoutSpec, SourceManifest, VersionId};
 use mx_puller::{
@@ -448,8 +448,11 @@ impl Puller {
 
     /// Follows the control plane as worker `worker_id` of `instance`, whose engine serves the
     /// `engine_api` routes itself at `engine_url` (see `EmbeddedPuller::follow`); `limits` is
-    /// `(vocab_size, max_positions)` of the engine's model when it generates. Returns the URL.
-    #[pyo3(signature = (worker_id, instance, engine_url, engine_api, limits=None))]
+    /// `(vocab_size, max_positions)` of the engine's model when it generates; `frontend` is
+    /// `(url, served model, instance id)` of a Dynamo worker's frontend, where it generates.
+    /// Returns the URL.
+    #[pyo3(signature = (worker_id, instance, engine_url, engine_api, limits=None, frontend=None))]
+    #[allow(clippy::too_many_arguments)]
     fn follow(
         &self,
         py: Python<'_>,
@@ -458,6 +461,7 @@ impl Puller {
         engine_url: String,
         engine_api: &str,
         limits: Option<(u64, u64)>,
+        frontend: Option<(String, String, u64)>,
     ) -> PyResult<String> {
         let api = match engine_api {
             "vllm" => EngineApi::Vllm,
@@ -473,6 +477,11 @@ impl Puller {
             api,
             system_url: engine_url,
             no_model: false,
+            frontend: frontend.map(|(url, model, instance_id)| EngineFrontend {
+                url,
+                model,
+                instance_id,
+            }),
         };
         let limits = limits.map(|(vocab_size, max_positions)| ModelLimits {
             vocab_size,

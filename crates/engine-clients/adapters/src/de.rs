@@ -24,6 +24,23 @@ pub(crate) fn text<'de, D: Deserializer<'de>>(d: D) -> Result<String, D::Error> 
     })
 }
 
+/// A required field read as text: a string or a number as [`text`]; an object or array as its
+/// compact JSON (Dynamo 1.6.1 lists a worker's `transport` as `{"tcp": "<host:port>/..."}`).
+pub(crate) fn text_or_json<'de, D: Deserializer<'de>>(d: D) -> Result<String, D::Error> {
+    let v = Value::deserialize(d)?;
+    match v {
+        Value::Object(_) | Value::Array(_) => Ok(v.to_string()),
+        other => {
+            let shown = other.to_string();
+            as_text(other).ok_or_else(|| {
+                serde::de::Error::custom(format!(
+                    "{shown} is neither a string, a number nor an object"
+                ))
+            })
+        }
+    }
+}
+
 /// An optional text field: a string or a number; anything else (null included) is absent.
 pub(crate) fn opt_text<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
     Ok(as_text(Value::deserialize(d)?))

@@ -1,11 +1,12 @@
 //! mx-adapters: clients for the inference engines' weight-update contracts.
 //!
-//! - [`dynamo`]: the Dynamo vLLM RL listener. Discovery with `GET {base}/v1/rl/workers`
-//!   (`protocol_version` must be 1; the worker list is `workers`, or `system_routes` in older
-//!   releases; a discovery failure is HTTP 500 `{error: "discovery_failed", message}`), then per
-//!   worker `POST {system_url}/engine/{route}` for `pause_generation` (`{mode, clear_cache}`),
-//!   `update_weights_from_disk` (`{model_path, weight_version}`), `get_weight_version` and
-//!   `resume_generation`; every response is `{status: ok|error, message, version}`.
+//! - [`dynamo`]: a Dynamo vLLM worker (ai-dynamo 1.6.1). Discovery with `GET
+//!   {listener}/v1/rl/workers` (`protocol_version` must be 1; workers that cannot be refitted
+//!   are left out with the reason), then per worker `POST {system_url}/engine/{route}` for
+//!   `pause_generation` (`{mode, clear_cache}`), `update_weights_from_distributed` (mx's
+//!   `mx_install` rpc), `get_weight_version` and `resume_generation`, every answer HTTP 200
+//!   `{status: ok|error, ...}`; generation through the frontend's `/v1/completions` pinned to
+//!   the worker.
 //! - [`sglang`]: SGLang's fixed routes (no discovery, no version read-back):
 //!   `POST {system_url}/engine/control/update_weights_from_disk` with `{model_path,
 //!   weight_version, flush_cache, keep_pause}` answering `{success, message,
@@ -55,15 +56,20 @@ use vllm::VllmClient;
 
 /// The client for the engine at `url` (its system server or base URL) speaking `api`, over
 /// `http` (shared: connections are kept alive across calls and engines), every call with
-/// `timeout` as its deadline.
+/// `timeout` as its deadline; a Dynamo worker generates through `frontend` when given (the
+/// other kinds ignore it).
 pub fn client_for(
     api: EngineApi,
     http: &reqwest::Client,
     url: &str,
+    frontend: Option<&dynamo::Frontend>,
     timeout: Duration,
 ) -> Box<dyn EngineClient> {
     match api {
-        EngineApi::Dynamo => Box::new(DynamoWorkerClient::with_client(http.clone(), url, timeout)),
+        EngineApi::Dynamo => Box::new(
+            DynamoWorkerClient::with_client(http.clone(), url, timeout)
+                .with_frontend(frontend.cloned()),
+        ),
         EngineApi::Sglang => Box::new(SglangClient::with_client(http.clone(), url, timeout)),
         EngineApi::Vllm => Box::new(VllmClient::with_client(http.clone(), url, timeout)),
     }

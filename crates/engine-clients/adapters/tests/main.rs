@@ -9,4 +9,5 @@
 )]
 
 mod contracts;
+mod dynamo;
 mod vllm;

@@ -19,7 +19,7 @@ use anyhow::{bail, Context};
 use axum::extract::{Path as UrlPath, State};
 use axum::routing::post;
 use axum::{Json, Router};
-use mx_adapters::dynamo::wire::{EngineResponse, UpdateWeightsRequest};
+use mx_adapters::dynamo::wire::{EngineResponse, UpdateFromDistributedRequest};
 use mx_control::client::ControlClient;
 use mx_control::refit::{EngineApi, EngineEndpoint, Outcome, RefitSpec, Registration};
 use mx_control::{Command, PauseMode, StagedReport, WorkerState};
@@ -82,7 +82,7 @@ pub struct SimArgs {
     /// Written once every worker registered and holds its command stream.
     #[arg(long)]
     ready_file: PathBuf,
-    /// The first simulated worker (`sim-00000`) fails `update_weights_from_disk` of the version
+    /// The first simulated worker (`sim-00000`) fails `update_weights_from_distributed` of the version
     /// id this file holds, while it exists.
     #[arg(long)]
     fail_file: Option<PathBuf>,
@@ -635,14 +635,14 @@ async fn engine_route(
     body: axum::body::Bytes,
 ) -> (axum::http::StatusCode, Json<EngineResponse>) {
     use axum::http::StatusCode;
-    let update = serde_json::from_slice::<UpdateWeightsRequest>(&body).unwrap_or_default();
+    let update = serde_json::from_slice::<UpdateFromDistributedRequest>(&body).unwrap_or_default();
     let mut resident = st
         .resident
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
     match route.as_str() {
         "pause_generation" | "resume_generation" => (StatusCode::OK, ok(None)),
-        "update_weights_from_disk" => match update.weight_version.as_deref() {
+        "update_weights_from_distributed" => match update.weight_version.as_deref() {
             Some(v)
                 if id == worker_id(0)
                     && st
@@ -651,10 +651,8 @@ async fn engine_route(
                         .and_then(|f| std::fs::read_to_string(f).ok())
                         .is_some_and(|f| f == v) =>
             {
-                (
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    refused("simulated apply failure"),
-                )
+                // Dynamo answers a failed install HTTP 200 with status "error".
+                (StatusCode::OK, refused("simulated apply failure"))
             }
             Some(v) => {
                 resident.insert(id, v.to_string());
@@ -725,6 +723,7 @@ pub(crate) async fn sim_workers(a: SimArgs) -> anyhow::Result<()> {
                     api: EngineApi::Dynamo,
                     system_url: format!("http://{addr}/w/{id}"),
                     no_model: false,
+                    frontend: None,
                 }),
                 resident_version: None,
                 model_limits: None,

@@ -51,7 +51,7 @@ pub(crate) struct DiskPair {
     version: u32,
     /// Disk path: writing the checkpoint (s).
     disk_write_s: f64,
-    /// Disk path: every rank's update_weights_from_disk (s).
+    /// Disk path: every rank's pause, update_weights_from_disk and resume (s).
     disk_load_s: f64,
     /// Disk path end to end (s).
     disk_s: f64,
@@ -184,8 +184,13 @@ pub(crate) async fn run(a: &DiskArgs) -> anyhow::Result<DiskReport> {
             );
             let path = dir.display().to_string();
             async move {
-                c.update_weights_from_disk(&path, &format!("disk:step-{k}"))
-                    .await
+                // Dynamo refuses an update of a worker that is not paused.
+                c.pause(mx_adapters::PauseMode::Keep, false).await?;
+                let r = c
+                    .update_weights_from_disk(&path, &format!("disk:step-{k}"))
+                    .await;
+                c.resume().await?;
+                r
             }
         });
         for r in futures_util::future::join_all(calls).await {

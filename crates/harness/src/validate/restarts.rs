@@ -52,18 +52,39 @@ pub(super) async fn restart_worker(f: &mut Fleet, id: &str) -> anyhow::Result<()
 }
 
 /// `update_weights_from_disk` of the checkpoint on worker `id`'s Dynamo route, resident as
-/// `weight_version`: (HTTP status, body).
-async fn disk_load(f: &Fleet, id: &str, weight_version: &str) -> anyhow::Result<(u16, String)> {
-    let url = format!(
-        "{}/engine/update_weights_from_disk",
-        f.system_url(id).await?
-    );
+/// `weight_version`, inside a `pause_generation` / `resume_generation` (Dynamo refuses an
+/// update of a worker that is not paused): whether the update answered `status: "ok"`, and
+/// its body (Dynamo answers HTTP 200 either way).
+async fn disk_load(f: &Fleet, id: &str, weight_version: &str) -> anyhow::Result<(bool, String)> {
+    let base = f.system_url(id).await?;
+    let route = |r: &str| format!("{base}/engine/{r}");
+    f.http
+        .post(route("pause_generation"))
+        .json(&serde_json::json!({}))
+        .send()
+        .await?
+        .error_for_status()?;
     let body = UpdateWeightsRequest {
         model_path: Some(f.model.display().to_string()),
         weight_version: Some(weight_version.to_string()),
     };
-    let r = f.http.post(&url).json(&body).send().await?;
-    Ok((r.status().as_u16(), r.text().await?))
+    let r = f
+        .http
+        .post(route("update_weights_from_disk"))
+        .json(&body)
+        .send()
+        .await?;
+    let (status, text) = (r.status().as_u16(), r.text().await?);
+    f.http
+        .post(route("resume_generation"))
+        .json(&serde_json::json!({}))
+        .send()
+        .await?
+        .error_for_status()?;
+    let ok = status == 200
+        && serde_json::from_str::<mx_adapters::dynamo::wire::EngineResponse>(&text)
+            .is_ok_and(|a| a.status == mx_adapters::dynamo::wire::ReplyStatus::Ok);
+    Ok((ok, text))
 }
 
 /// w0 is killed while it applies step-1 and comes back empty: its pinned step-2 is gone, so the
@@ -106,8 +127,8 @@ pub(super) async fn engine_changed(
 ) -> anyhow::Result<(String, String, bool, String)> {
     f.ensure("step-2").await?;
     let v2 = f.versions["step-2"].0.clone();
-    let (claim, body) = disk_load(f, "w0", &v2).await?;
-    let refused = claim == 400 && body.contains("weight_version");
+    let (claimed, body) = disk_load(f, "w0", &v2).await?;
+    let refused = !claimed && body.contains("weight_version");
     let (plain, _) = disk_load(f, "w0", "disk:behind-the-back").await?;
     let r = f.refit("step-2").await?;
     print_refit(&r);
@@ -120,15 +141,15 @@ pub(super) async fn engine_changed(
     let gated = !w0.admitted && w0.admission.contains("disk:behind-the-back");
     let again = f.refit("step-2").await?;
     let ok = refused
-        && plain == 200
+        && plain
         && r.outcome == Some(Outcome::Aborted)
         && r.reason.contains("disk:behind-the-back")
         && gated
         && again.outcome == Some(Outcome::Committed);
     Ok((
-        s("mx: disk load refused (400); verify-only refit ABORTED naming w0's real version, w0 gated; then COMMITTED"),
+        s("mx: disk load refused (status error); verify-only refit ABORTED naming w0's real version, w0 gated; then COMMITTED"),
         format!(
-            "mx: load HTTP {claim}, plain load HTTP {plain}; verify-only {}; w0 gated {gated}; refit again {}",
+            "mx: load ok {claimed}, plain load ok {plain}; verify-only {}; w0 gated {gated}; refit again {}",
             outcome_str(&r),
             outcome_str(&again)
         ),

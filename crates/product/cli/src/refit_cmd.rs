@@ -26,7 +26,8 @@ pub struct RefitArgs {
     #[arg(long, value_delimiter = ',')]
     pub workers: Vec<String>,
     /// Dynamo discovery URL (`GET {url}/v1/rl/workers`): the target set is every discovered
-    /// worker, matched to registered workers by the socket addresses of their engine URLs
+    /// worker that can be refitted (the others are listed with the reason and left out),
+    /// matched to registered workers by the socket addresses of their engine URLs
     /// (every spelling of one address matches; every rank registered with a discovered engine
     /// is included).
     #[arg(long, conflicts_with = "workers")]
@@ -116,6 +117,13 @@ pub(crate) async fn run(a: RefitArgs) -> anyhow::Result<()> {
         let d = mx_adapters::dynamo::DynamoClient::with_client(http, url, Duration::from_secs(10))
             .discover()
             .await?;
+        for (w, why) in &d.left_out {
+            println!(
+                "left out (discovered, cannot be refitted): worker {} ({}): {why}",
+                w.instance_id,
+                w.system_url.as_deref().unwrap_or("no system_url")
+            );
+        }
         let mut registered = Vec::new();
         for w in &status.workers {
             if let Some(e) = &w.engine {

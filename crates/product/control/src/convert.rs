@@ -807,6 +807,11 @@ pub(crate) fn engine_pb(e: &EngineEndpoint) -> pb::EngineEndpoint {
         },
         system_url: e.system_url.clone(),
         no_model: e.no_model,
+        frontend: e.frontend.as_ref().map(|f| pb::EngineFrontend {
+            url: f.url.clone(),
+            model: f.model.clone(),
+            instance_id: f.instance_id,
+        }),
     }
 }
 
@@ -845,10 +850,33 @@ pub(crate) fn engine(p: &pb::EngineEndpoint, field: &str) -> Result<EngineEndpoi
             format!("{:?} is not an http(s) URL", p.system_url),
         ));
     }
+    let frontend = match &p.frontend {
+        None => None,
+        Some(f) => {
+            if !(f.url.starts_with("http://") || f.url.starts_with("https://")) {
+                return Err(invalid(
+                    &format!("{field}.frontend.url"),
+                    format!("{:?} is not an http(s) URL", f.url),
+                ));
+            }
+            if f.model.is_empty() {
+                return Err(invalid(
+                    &format!("{field}.frontend.model"),
+                    "empty: the frontend routes by the served model name".to_string(),
+                ));
+            }
+            Some(mx_adapters::dynamo::Frontend {
+                url: f.url.clone(),
+                model: f.model.clone(),
+                instance_id: f.instance_id,
+            })
+        }
+    };
     Ok(EngineEndpoint {
         api,
         system_url: p.system_url.clone(),
         no_model: p.no_model,
+        frontend,
     })
 }
 

@@ -439,7 +439,13 @@ impl Ctx<'_> {
                 ..CallResult::default()
             },
             Some(ep) => {
-                let engine = client_for(ep.api, &self.http, &ep.system_url, timeout);
+                let engine = client_for(
+                    ep.api,
+                    &self.http,
+                    &ep.system_url,
+                    ep.frontend.as_ref(),
+                    timeout,
+                );
                 // Every request carries the refit's id (mx_adapters::REFIT_HEADER).
                 mx_adapters::for_refit(self.id, async {
                     match self.prove(&workers, &ep.system_url, &*engine).await {

@@ -67,11 +67,13 @@ async fn serve() -> (Box<dyn EngineClient>, Shared) {
         api: EngineApi::Vllm,
         system_url: format!("http://{addr}"),
         no_model: false,
+        frontend: None,
     };
     let engine = client_for(
         ep.api,
         &reqwest::Client::new(),
         &ep.system_url,
+        None,
         Duration::from_secs(2),
     );
     (engine, shared)
@@ -215,6 +217,7 @@ fn endpoint(api: EngineApi, url: &str) -> Option<EngineEndpoint> {
         api,
         system_url: url.into(),
         no_model: false,
+        frontend: None,
     })
 }
 

@@ -86,8 +86,9 @@ pub mod pb {
 pub use error::{Error, OptionalState};
 pub use identity::engine_addresses;
 pub use refit::{
-    model_path, Action, CallResult, EngineApi, EngineEndpoint, GenerationCheck, ModelLimits,
-    Outcome, PauseMode, Phase, Probe, Refit, RefitSpec, RefitWorker, Registration, Seen,
+    model_path, Action, CallResult, EngineApi, EngineEndpoint, EngineFrontend, GenerationCheck,
+    ModelLimits, Outcome, PauseMode, Phase, Probe, Refit, RefitSpec, RefitWorker, Registration,
+    Seen,
 };
 pub use server::{serve, spawn, spawn_ha, ControlPlaneConfig, Security, ServerHandle, TlsIdentity};
 pub use types::{

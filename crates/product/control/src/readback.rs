@@ -100,6 +100,7 @@ async fn read(shared: &Shared, worker_id: &str) -> Result<Option<ResidentVersion
         endpoint.api,
         &shared.http,
         &endpoint.system_url,
+        endpoint.frontend.as_ref(),
         READ_BACK_TIMEOUT,
     );
     match engine.read_version().await {

@@ -31,6 +31,10 @@ use serde::{Deserialize, Serialize};
 /// defined beside the clients that speak them.
 pub use mx_adapters::EngineApi;
 
+/// Where a Dynamo worker generates (its frontend, pinned to the worker); defined beside the
+/// client that calls it.
+pub use mx_adapters::dynamo::Frontend as EngineFrontend;
+
 /// Where a worker's engine routes live.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct EngineEndpoint {
@@ -43,6 +47,10 @@ pub struct EngineEndpoint {
     /// post-update generation as skipped instead of calling it.
     #[serde(default)]
     pub no_model: bool,
+    /// Where the engine generates when not at `system_url` (a Dynamo worker: the frontend's
+    /// `/v1/completions`, pinned to the worker); `None`: at `system_url`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub frontend: Option<EngineFrontend>,
 }
 
 /// What a worker says about itself when it (re-)registers.

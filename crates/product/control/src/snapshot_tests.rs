@@ -229,6 +229,7 @@ fn history_with(rounds: usize, workers: usize, batched: bool) -> (Vec<Record>, S
             api: EngineApi::Dynamo,
             system_url: format!("http://127.0.0.1:{}", 9000 + i),
             no_model: false,
+            frontend: None,
         };
         let reg = Record::Register {
             worker_id: w.clone(),

@@ -142,14 +142,14 @@ fn staged(worker: &str, label: &str, rank: u32) -> StagedReport {
 }
 
 /// A fake engine answering the Dynamo routes like the contract says: it records every call,
-/// installs whatever `update_weights_from_disk` names, and holds `pause_generation` while
-/// `hold_pause` is set.
+/// installs whatever `update_weights_from_distributed` names, and holds `pause_generation`
+/// while `hold_pause` is set.
 #[derive(Default)]
 struct FakeEngine {
     version: String,
     calls: Vec<(String, serde_json::Value)>,
     hold_pause: bool,
-    /// Answer `update_weights_from_disk` without the `version` field (older releases).
+    /// Answer `update_weights_from_distributed` without the `version` field (older releases).
     versionless_update: bool,
 }
 
@@ -169,11 +169,13 @@ async fn fake_route(
     }
     let mut e = f.lock().unwrap();
     let mut reply = serde_json::json!({"status": "ok", "message": route});
-    if route == "update_weights_from_disk" {
+    if route == "update_weights_from_distributed" {
+        assert_eq!(body["engine_rpc"], "mx_install", "{body}");
+        assert_eq!(body["version_id"], body["weight_version"], "{body}");
         e.version = body["weight_version"].as_str().unwrap().to_string();
         reply["cache_tiers_cleared"] = serde_json::json!(["kv_cache"]);
     }
-    if !(route == "update_weights_from_disk" && e.versionless_update) {
+    if !(route == "update_weights_from_distributed" && e.versionless_update) {
         reply["version"] = serde_json::Value::String(e.version.clone());
     }
     axum::Json(reply)
@@ -556,6 +558,7 @@ async fn register_dynamo(c: &ControlClient, id: &str, url: &str) {
             api: EngineApi::Dynamo,
             system_url: url.to_string(),
             no_model: false,
+            frontend: None,
         }),
         resident_version: Some(ResidentVersion::parse("disk:/ckpt")),
         model_limits: None,
@@ -662,8 +665,13 @@ async fn a_refit_is_the_only_commit_and_a_stage_waits_for_it_to_end() {
         ]
     );
     let calls = fake.lock().unwrap().calls.clone();
-    assert_eq!(calls[1].0, "update_weights_from_disk");
-    assert_eq!(calls[1].1["model_path"], format!("mx://{digest}"));
+    assert_eq!(calls[1].0, "update_weights_from_distributed");
+    let id = mx_layout::VersionId(digest).to_string();
+    assert_eq!(
+        calls[1].1,
+        serde_json::json!({"engine_rpc": "mx_install", "version_id": id, "weight_version": id,
+                           "reset_prefix_cache": true})
+    );
 
     // The version is COMMITTED, the worker runs it and is admitted.
     let info = c.get_version("step-7").await.unwrap();
@@ -815,10 +823,10 @@ async fn verify_takes_the_version_from_apply_answers_and_reads_back_the_rest() {
             .map(|c| c.0.clone())
             .collect()
     };
-    assert_eq!(routes(&fake_a), ["update_weights_from_disk"]);
+    assert_eq!(routes(&fake_a), ["update_weights_from_distributed"]);
     assert_eq!(
         routes(&fake_b),
-        ["update_weights_from_disk", "get_weight_version"]
+        ["update_weights_from_distributed", "get_weight_version"]
     );
     h.shutdown().await.unwrap();
     // The VERIFY phase says where the versions came from.
@@ -1040,6 +1048,7 @@ async fn a_post_update_check_the_engines_would_refuse_is_refused_before_anything
             api: EngineApi::Dynamo,
             system_url: url.clone(),
             no_model: false,
+            frontend: None,
         }),
         resident_version: Some(ResidentVersion::parse("disk:/ckpt")),
         model_limits: Some(mx_control::ModelLimits {
@@ -1099,6 +1108,7 @@ async fn register_as(c: &ControlClient, id: &str, inc: u64, url: &str) -> Result
                 api: EngineApi::Dynamo,
                 system_url: url.to_string(),
                 no_model: false,
+                frontend: None,
             }),
             resident_version: Some(ResidentVersion::parse("disk:/ckpt")),
             model_limits: None,
@@ -1221,6 +1231,7 @@ async fn register_rank(
                 api: EngineApi::Vllm,
                 system_url: url.to_string(),
                 no_model: false,
+                frontend: None,
             }),
             resident_version: Some(ResidentVersion::parse("disk:/ckpt")),
             model_limits: None,

@@ -42,8 +42,15 @@ use crate::gate::PauseMode;
 use crate::instance::{ApplySource, FinishReason, GenerateRequest, Instance};
 use crate::Error;
 
-/// Routes every Dynamo worker lists in discovery (those mx's client requires).
-pub const DYNAMO_ROUTES: [&str; 4] = mx_adapters::dynamo::REQUIRED_ROUTES;
+/// Routes this worker lists in discovery: the Dynamo vLLM routes it serves (those mx's client
+/// requires, and `update_weights_from_disk`), sorted as Dynamo lists them.
+pub const DYNAMO_ROUTES: [&str; 5] = [
+    "get_weight_version",
+    "pause_generation",
+    "resume_generation",
+    "update_weights_from_disk",
+    "update_weights_from_distributed",
+];
 
 /// `max_new_tokens` when a `/generate` request leaves it out (SGLang's default).
 pub const DEFAULT_MAX_NEW_TOKENS: usize = 128;
@@ -135,6 +142,10 @@ pub async fn serve(
         .route("/v1/rl/workers", get(discovery))
         .route("/engine/pause_generation", post(dynamo_pause))
         .route("/engine/update_weights_from_disk", post(dynamo_update))
+        .route(
+            "/engine/update_weights_from_distributed",
+            post(dynamo_update_distributed),
+        )
         .route(
             "/engine/get_weight_version",
             post(dynamo_version).get(dynamo_version),
@@ -409,7 +420,7 @@ fn instance_id(worker_id: &str) -> u64 {
 async fn discovery(State(ctx): State<Ctx>) -> Response {
     let cfg = ctx.inst.config();
     let worker = WorkerInfo {
-        namespace: "mx".into(),
+        namespace: "dynamo".into(),
         component: "worker".into(),
         endpoint: "generate".into(),
         instance_id: InstanceId::Number(instance_id(&cfg.worker_id).into()),
@@ -424,32 +435,57 @@ async fn discovery(State(ctx): State<Ctx>) -> Response {
     };
     let answer = WorkersResponse {
         protocol_version: Some(1),
-        namespace: "mx".into(),
+        namespace: "dynamo".into(),
         workers: Some(vec![worker]),
         system_routes: None,
     };
     reply(StatusCode::OK, &answer)
 }
 
-/// A Dynamo answer, `{status, message, version}` with the resident version (empty when none),
-/// and its HTTP status.
-fn dynamo_answer(inst: &Instance, res: Result<String, Error>) -> (StatusCode, EngineResponse) {
-    let version = Some(
-        inst.resident_version()
-            .map(|v| v.to_string())
-            .unwrap_or_default(),
-    );
-    match res {
-        Ok(message) => (StatusCode::OK, EngineResponse::ok(message, version)),
-        Err(e) => (status_of(&e), EngineResponse::error(e.to_string(), version)),
+/// A Dynamo answer as ai-dynamo 1.6.1 gives it: HTTP 200 with `{"status": "ok", "message",
+/// "version", "version_declared"}` or `{"status": "error", "message", ...}` (the version is
+/// `null` with `version_declared: false` while none is resident). Only mx's own refusals keep
+/// their status: a displaced worker (410), a fenced leader (409).
+fn dynamo_answer(inst: &Instance, res: Result<String, Error>) -> Response {
+    let version = inst.resident_version().map(|v| v.to_string());
+    let answer = match res {
+        Ok(message) => EngineResponse::ok(message, version),
+        Err(e @ Error::Displaced { .. }) => {
+            return reply(
+                status_of(&e),
+                &EngineResponse::error(e.to_string(), version),
+            )
+        }
+        Err(e) => EngineResponse::error(e.to_string(), version),
+    };
+    reply(StatusCode::OK, &with_declared(answer))
+}
+
+/// `version_declared`: whether the answer names a version.
+fn with_declared(mut a: EngineResponse) -> EngineResponse {
+    a.version_declared = Some(a.version.is_some());
+    a
+}
+
+/// Dynamo refuses an update unless the worker is paused (`allow_unpaused` aside).
+fn require_paused(inst: &Instance, allow_unpaused: bool) -> Result<(), Error> {
+    if inst.paused().is_some() || allow_unpaused {
+        return Ok(());
     }
+    Err(Error::BadRequest {
+        field: "pause_generation".into(),
+        reason: "Worker must be paused via pause_generation() before updating weights. Call \
+                 pause_generation() first, then update, then resume_generation()."
+            .into(),
+    })
 }
 
 async fn dynamo_pause(State(ctx): State<Ctx>, body: Bytes) -> Response {
     let res = async {
         let r: dynamo_wire::PauseRequest = parse(&body)?;
-        let mode = r.mode.unwrap_or(PauseMode::Abort);
-        let clear = r.clear_cache.unwrap_or(true);
+        // Dynamo 1.6.1's defaults.
+        let mode = r.mode.unwrap_or(PauseMode::Keep);
+        let clear = r.clear_cache.unwrap_or(false);
         let out = ctx.inst.pause(mode, clear).await?;
         Ok::<_, Error>(format!(
             "generation paused (mode {}): {} request(s) were in flight, {} held{}",
@@ -460,36 +496,92 @@ async fn dynamo_pause(State(ctx): State<Ctx>, body: Bytes) -> Response {
         ))
     }
     .await;
-    let (status, answer) = dynamo_answer(&ctx.inst, res);
-    reply(status, &answer)
+    dynamo_answer(&ctx.inst, res)
+}
+
+/// The answer of an update: [`dynamo_answer`] plus mx's `cache_tiers_cleared` and
+/// `apply_seconds`.
+async fn dynamo_apply(ctx: &Ctx, source: Result<ApplySource, Error>) -> Response {
+    let t0 = Instant::now();
+    let res = match source {
+        Ok(source) => ctx.inst.apply(source).await,
+        Err(e) => Err(e),
+    };
+    let version = ctx.inst.resident_version().map(|v| v.to_string());
+    let mut answer = match res {
+        Ok(out) => {
+            let mut a = EngineResponse::ok(
+                format!("weights updated to {} ({:?})", out.version, out.kind),
+                version,
+            );
+            a.cache_tiers_cleared = Some(out.cache_tiers_cleared);
+            a.apply_seconds = Some(out.seconds);
+            a
+        }
+        Err(e @ Error::Displaced { .. }) => {
+            return reply(
+                status_of(&e),
+                &EngineResponse::error(e.to_string(), version),
+            )
+        }
+        Err(e) => {
+            let mut a = EngineResponse::error(e.to_string(), version);
+            a.cache_tiers_cleared = Some(Vec::new());
+            a.apply_seconds = Some(t0.elapsed().as_secs_f64());
+            a
+        }
+    };
+    answer = with_declared(answer);
+    reply(StatusCode::OK, &answer)
 }
 
 async fn dynamo_update(State(ctx): State<Ctx>, body: Bytes) -> Response {
-    let t0 = Instant::now();
-    let res = async {
-        let r: dynamo_wire::UpdateWeightsRequest = parse(&body)?;
-        let source = ApplySource::from_model_path(
+    let source = parse::<dynamo_wire::UpdateWeightsRequest>(&body).and_then(|r| {
+        require_paused(&ctx.inst, false)?;
+        ApplySource::from_model_path(
             r.model_path.as_deref().unwrap_or_default(),
             r.weight_version.as_deref().unwrap_or_default(),
-        )?;
-        ctx.inst.apply(source).await
-    }
-    .await;
-    let (res, tiers, seconds) = match res {
-        Ok(out) => (
-            Ok(format!(
-                "weights updated to {} ({:?})",
-                out.version, out.kind
-            )),
-            out.cache_tiers_cleared,
-            out.seconds,
-        ),
-        Err(e) => (Err(e), Vec::new(), t0.elapsed().as_secs_f64()),
-    };
-    let (status, mut answer) = dynamo_answer(&ctx.inst, res);
-    answer.cache_tiers_cleared = Some(tiers);
-    answer.apply_seconds = Some(seconds);
-    reply(status, &answer)
+        )
+    });
+    dynamo_apply(&ctx, source).await
+}
+
+/// `update_weights_from_distributed` with `engine_rpc: "mx_install"` (the only rpc this worker
+/// has): installs `version_id`, as mx's vLLM plugin does inside a Dynamo worker.
+async fn dynamo_update_distributed(State(ctx): State<Ctx>, body: Bytes) -> Response {
+    let source = parse::<Map<String, Value>>(&body).and_then(|mut o| {
+        let allow_unpaused = match o.remove("allow_unpaused") {
+            None => false,
+            Some(Value::Bool(b)) => b,
+            Some(_) => {
+                return Err(Error::BadRequest {
+                    field: "allow_unpaused".into(),
+                    reason: "'allow_unpaused' must be a boolean".into(),
+                })
+            }
+        };
+        require_paused(&ctx.inst, allow_unpaused)?;
+        let r: dynamo_wire::UpdateFromDistributedRequest = serde_json::from_value(Value::Object(o))
+            .map_err(|e| Error::BadRequest {
+                field: "body".into(),
+                reason: e.to_string(),
+            })?;
+        let rpc = r
+            .engine_rpc
+            .as_deref()
+            .unwrap_or("update_weights_from_path");
+        if rpc != dynamo_wire::MX_INSTALL_RPC {
+            return Err(Error::BadRequest {
+                field: "engine_rpc".into(),
+                reason: format!(
+                    "Call to collective_rpc method failed: Method {rpc} is not implemented."
+                ),
+            });
+        }
+        let id = r.version_id.unwrap_or_default();
+        ApplySource::from_version_id(&id, r.weight_version.as_deref().unwrap_or_default())
+    });
+    dynamo_apply(&ctx, source).await
 }
 
 async fn dynamo_version(State(ctx): State<Ctx>) -> Response {
@@ -497,14 +589,12 @@ async fn dynamo_version(State(ctx): State<Ctx>) -> Response {
         Some(v) => format!("resident version {v}"),
         None => "no weights resident".to_string(),
     };
-    let (status, answer) = dynamo_answer(&ctx.inst, Ok(message));
-    reply(status, &answer)
+    dynamo_answer(&ctx.inst, Ok(message))
 }
 
 async fn dynamo_resume(State(ctx): State<Ctx>) -> Response {
     ctx.inst.resume();
-    let (status, answer) = dynamo_answer(&ctx.inst, Ok("generation resumed".into()));
-    reply(status, &answer)
+    dynamo_answer(&ctx.inst, Ok("generation resumed".into()))
 }
 
 // ---- SGLang -------------------------------------------------------------------------------

@@ -94,6 +94,42 @@ impl ApplySource {
     }
 }
 
+impl ApplySource {
+    /// From an `mx_install` call's `version_id`: `mx:<64 hex>` names a version mx staged (or
+    /// the resident or retained one), `disk:<dir>` a checkpoint directory, resident as
+    /// `weight_version` when non-empty and as `version_id` otherwise.
+    ///
+    /// # Errors
+    /// [`Error::BadRequest`] naming `version_id` when it is empty, a malformed mx id, or
+    /// neither kind.
+    pub fn from_version_id(version_id: &str, weight_version: &str) -> Result<ApplySource, Error> {
+        let bad = |reason: String| Error::BadRequest {
+            field: "version_id".into(),
+            reason,
+        };
+        if let Some(dir) = version_id.strip_prefix("disk:") {
+            if dir.is_empty() {
+                return Err(bad("disk: names no directory".into()));
+            }
+            let version = if weight_version.is_empty() {
+                version_id
+            } else {
+                weight_version
+            };
+            return Ok(ApplySource::Disk {
+                path: PathBuf::from(dir),
+                version: version.to_string(),
+            });
+        }
+        match ResidentVersion::parse(version_id).mx() {
+            Some(v) => Ok(ApplySource::Version(v.digest())),
+            None => Err(bad(format!(
+                "{version_id:?} is neither an mx version id (mx:<64 hex>) nor disk:<dir>"
+            ))),
+        }
+    }
+}
+
 /// How an apply installed its version.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ApplyKind {

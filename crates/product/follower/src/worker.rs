@@ -81,6 +81,7 @@ enum Routes {
     External {
         url: String,
         no_model: bool,
+        frontend: Option<mx_adapters::dynamo::Frontend>,
         model_limits: Option<mx_control::ModelLimits>,
     },
 }
@@ -219,6 +220,7 @@ impl Worker {
         let routes = Routes::External {
             url: engine.system_url,
             no_model: engine.no_model,
+            frontend: engine.frontend,
             model_limits,
         };
         let incarnation = mx_control::client::random_u64();
@@ -321,6 +323,10 @@ impl Worker {
                     no_model: match &self.routes {
                         Routes::Served(_) => self.inst.no_model(),
                         Routes::External { no_model, .. } => *no_model,
+                    },
+                    frontend: match &self.routes {
+                        Routes::Served(_) => None,
+                        Routes::External { frontend, .. } => frontend.clone(),
                     },
                 }),
                 resident_version: self.inst.resident_version(),

@@ -190,7 +190,7 @@ mod tests {
     use crate::{rank_layout, LayoutSpec, ModelInfo, TensorSpec};
 
     /// A Qwen3-MoE with FP8-sized dimensions: hidden 256, 4 heads of 128 in 2 groups, 4 experts
-    /// of intermediate 256, a dense intermediate 384 (its last block short at tp=1).
+    /// of intermediate 256 (no dense MLP), and a vocabulary of 300.
     fn model() -> ModelInfo {
         let mut t = Vec::new();
         let mut add = |name: &str, shape: Vec<u64>| {

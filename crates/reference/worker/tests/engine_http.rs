@@ -10,7 +10,9 @@
 
 use std::time::{Duration, Instant};
 
-use crate::common::{generate, get, ids, model_dir, post, serve, PARIS, PROMPT};
+use crate::common::{
+    generate, get, ids, load, model_dir, paused_update, post, serve, PARIS, PROMPT,
+};
 use mx_adapters::dynamo::{DynamoClient, DynamoWorkerClient};
 use mx_adapters::sglang::SglangClient;
 use mx_adapters::PauseMode as DynPause;
@@ -40,7 +42,7 @@ async fn disk_load_generates_paris_on_tp3_and_every_apply_clears_the_caches() {
     let base = http.url();
     let dynamo = DynamoWorkerClient::new(&base, T);
 
-    // No weights yet: generation is 503, the resident version is "".
+    // No weights yet: generation is 503, the worker reports no version (null).
     let (status, body) = generate(&base, &PROMPT, 2).await;
     assert_eq!(status, 503, "{body}");
     assert!(
@@ -50,7 +52,16 @@ async fn disk_load_generates_paris_on_tp3_and_every_apply_clears_the_caches() {
             .contains("no weights"),
         "{body}"
     );
-    assert_eq!(dynamo.get_weight_version().await.unwrap(), "");
+    assert!(matches!(
+        dynamo.get_weight_version().await,
+        Err(mx_adapters::Error::NoVersion { .. })
+    ));
+    let (status, raw) = post(&format!("{base}/engine/get_weight_version"), json!({})).await;
+    assert_eq!(status, 200, "{raw}");
+    assert_eq!(
+        raw,
+        json!({"status": "ok", "message": "no weights resident", "version_declared": false})
+    );
     let (status, body) = get(&format!("{base}/mx/live_digests")).await;
     assert_eq!(status, 503, "{body}");
     assert!(
@@ -60,8 +71,9 @@ async fn disk_load_generates_paris_on_tp3_and_every_apply_clears_the_caches() {
 
     // Discovery lists this worker with every route the refit needs.
     let d = DynamoClient::new(&base, T).discover().await.unwrap();
-    assert_eq!(d.namespace, "mx");
+    assert_eq!(d.namespace, "dynamo");
     assert_eq!(d.workers.len(), 1);
+    assert!(d.left_out.is_empty());
     let w = &d.workers[0];
     assert_eq!(w.system_url.as_deref(), Some(base.as_str()));
     assert_eq!(
@@ -80,16 +92,24 @@ async fn disk_load_generates_paris_on_tp3_and_every_apply_clears_the_caches() {
     assert_eq!(
         raw["workers"][0]["routes"],
         json!([
-            "pause_generation",
-            "update_weights_from_disk",
             "get_weight_version",
-            "resume_generation"
+            "pause_generation",
+            "resume_generation",
+            "update_weights_from_disk",
+            "update_weights_from_distributed"
         ])
     );
 
-    // Disk load through the Dynamo contract.
+    // Disk load through the Dynamo contract: refused unless paused (HTTP 200, status error).
     let path = dir.to_str().unwrap();
-    let r = dynamo.update_weights_from_disk(path, "v1").await.unwrap();
+    match dynamo.update_weights_from_disk(path, "v1").await {
+        Err(mx_adapters::Error::Engine { message, .. }) => {
+            assert!(message.contains("must be paused"), "{message}")
+        }
+        other => panic!("an update without a pause: {other:?}"),
+    }
+    assert_eq!(inst.resident_version(), None);
+    let r = load(&dynamo, path, "v1").await.unwrap();
     assert_eq!(r.version.as_deref(), Some("v1"));
     assert_eq!(r.cache_tiers_cleared, ["kv_cache", "prefix_cache"]);
     assert_eq!(dynamo.get_weight_version().await.unwrap(), "v1");
@@ -119,8 +139,9 @@ async fn disk_load_generates_paris_on_tp3_and_every_apply_clears_the_caches() {
 
     // A second disk load (no weight_version: the id is disk:<path>) clears every tier; the old
     // live version is pinned.
-    let (status, raw) = post(
-        &format!("{base}/engine/update_weights_from_disk"),
+    let (status, raw) = paused_update(
+        &base,
+        "update_weights_from_disk",
         json!({"model_path": path, "weight_version": ""}),
     )
     .await;
@@ -176,7 +197,7 @@ async fn failpoints_lie_about_the_cache_fail_generation_and_hang_apply() {
     let fp = format!("{base}/mx/failpoints");
     let path = dir.to_str().unwrap();
     let dynamo = DynamoWorkerClient::new(&base, T);
-    dynamo.update_weights_from_disk(path, "v1").await.unwrap();
+    load(&dynamo, path, "v1").await.unwrap();
     let (_, body) = generate(&base, &PROMPT, 2).await;
     assert_eq!(ids(&body), PARIS);
     let cached = inst.cached_positions().unwrap();
@@ -186,7 +207,7 @@ async fn failpoints_lie_about_the_cache_fail_generation_and_hang_apply() {
     let (status, raw) = post(&fp, json!({"apply.skip_cache_clear": true})).await;
     assert_eq!(status, 200, "{raw}");
     assert_eq!(get(&fp).await.1["apply.skip_cache_clear"], true);
-    let r = dynamo.update_weights_from_disk(path, "v2").await.unwrap();
+    let r = load(&dynamo, path, "v2").await.unwrap();
     assert_eq!(r.version.as_deref(), Some("v2"));
     assert_eq!(
         r.cache_tiers_cleared,
@@ -222,6 +243,7 @@ async fn failpoints_lie_about_the_cache_fail_generation_and_hang_apply() {
     post(&fp, json!({"generate.fail": null, "apply.sleep_ms": 400})).await;
     assert_eq!(get(&fp).await.1["apply.sleep_ms"], 400);
     let short = DynamoWorkerClient::new(&base, Duration::from_millis(100));
+    dynamo.pause(DynPause::Keep, false).await.unwrap();
     let e = short
         .update_weights_from_disk(path, "v3")
         .await
@@ -234,10 +256,11 @@ async fn failpoints_lie_about_the_cache_fail_generation_and_hang_apply() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert!(t.elapsed() >= Duration::from_millis(250));
+    dynamo.resume().await.unwrap();
     let listed = get(&fp).await.1;
     assert_eq!(listed["apply.sleep_ms"], serde_json::Value::Null);
     assert_eq!(listed["generate.fail"], serde_json::Value::Null);
-    dynamo.update_weights_from_disk(path, "v4").await.unwrap();
+    load(&dynamo, path, "v4").await.unwrap();
     assert_eq!(inst.cached_positions(), Some(0), "caches cleared again");
 
     // Unknown names and wrong types are refused, naming them; nothing changes.
@@ -264,10 +287,7 @@ async fn pause_modes_abort_hold_and_wait_for_requests() {
     let (inst, http) = serve(&dir, &[0, 1, 2], false).await;
     let base = http.url();
     let dynamo = DynamoWorkerClient::new(&base, T);
-    dynamo
-        .update_weights_from_disk(dir.to_str().unwrap(), "v1")
-        .await
-        .unwrap();
+    load(&dynamo, dir.to_str().unwrap(), "v1").await.unwrap();
     const N: usize = 64;
     let (_, body) = generate(&base, &PROMPT, N).await;
     let full = ids(&body);
@@ -476,10 +496,7 @@ async fn a_worker_without_every_rank_loads_but_refuses_generation_with_409() {
     let (inst, http) = serve(&dir, &[1], false).await;
     let base = http.url();
     let dynamo = DynamoWorkerClient::new(&base, T);
-    let r = dynamo
-        .update_weights_from_disk(dir.to_str().unwrap(), "v1")
-        .await
-        .unwrap();
+    let r = load(&dynamo, dir.to_str().unwrap(), "v1").await.unwrap();
     assert!(
         r.cache_tiers_cleared.is_empty(),
         "no engine: no cache tier to clear, none reported: {:?}",

@@ -16,7 +16,9 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::common::{control_plane, generate, ids, model_dir, post, tp3, PARIS, PROMPT};
+use crate::common::{
+    control_plane, generate, ids, model_dir, paused_update, post, tp3, PARIS, PROMPT,
+};
 use mx_control::client::ControlClient;
 use mx_control::{EngineApi, GenerationCheck, Outcome, PauseMode, RefitSpec, VersionState};
 use mx_layout::{Digest, LayoutSpec, RankDigests};
@@ -232,15 +234,21 @@ async fn staged_pinned_and_live_versions_apply_swap_and_refuse_byte_exactly() {
     let out2 = ids(&body);
     assert_eq!(body["meta_info"]["weight_version"], id2);
 
-    // Rollback over the Dynamo route: the retained copy of step-1 is written back in place,
-    // byte-exact, at the same addresses.
+    // Rollback over the Dynamo route (mx_install, as mx's plugin inside a Dynamo worker): the
+    // retained copy of step-1 is written back in place, byte-exact, at the same addresses.
     let addrs = inst.live_addresses().await;
-    let update = format!("{base}/engine/update_weights_from_disk");
-    let (status, r) = post(
-        &update,
-        json!({"model_path": format!("mx://{d1}"), "weight_version": "step-1"}),
-    )
-    .await;
+    let update = |id: String| {
+        let base = base.clone();
+        async move {
+            paused_update(
+                &base,
+                "update_weights_from_distributed",
+                json!({"engine_rpc": "mx_install", "version_id": id}),
+            )
+            .await
+        }
+    };
+    let (status, r) = update(id1.clone()).await;
     assert_eq!(status, 200, "{r}");
     assert_eq!(r["version"], id1);
     assert_eq!(
@@ -264,13 +272,13 @@ async fn staged_pinned_and_live_versions_apply_swap_and_refuse_byte_exactly() {
     assert_eq!(ids(&body), PARIS);
 
     // Applying the live version again is a no-op success.
-    let (status, r) = post(&update, json!({"model_path": format!("mx://{d1}")})).await;
+    let (status, r) = update(mx_layout::VersionId(d1).to_string()).await;
     assert_eq!(status, 200, "{r}");
     assert_eq!(r["version"], id1);
     assert_eq!(digests(&inst).await, (id1.clone(), v1.clone()));
 
     // And forward again, from staging (step-1 is retained).
-    let (status, r) = post(&update, json!({"model_path": format!("mx://{d2}")})).await;
+    let (status, r) = update(mx_layout::VersionId(d2).to_string()).await;
     assert_eq!(status, 200, "{r}");
     assert_eq!(digests(&inst).await, (id2.clone(), v2.clone()));
     assert_eq!(
@@ -287,8 +295,8 @@ async fn staged_pinned_and_live_versions_apply_swap_and_refuse_byte_exactly() {
 
     // An unknown version is refused, naming what is staged, retained and live; nothing changes.
     let unknown = Digest([7u8; 32]);
-    let (status, r) = post(&update, json!({"model_path": format!("mx://{unknown}")})).await;
-    assert_eq!(status, 404, "{r}");
+    let (status, r) = update(mx_layout::VersionId(unknown).to_string()).await;
+    assert_eq!(status, 200, "{r}");
     assert_eq!(r["status"], "error");
     assert_eq!(r["version"], id2);
     let msg = r["message"].as_str().unwrap();
@@ -321,7 +329,7 @@ async fn staged_pinned_and_live_versions_apply_swap_and_refuse_byte_exactly() {
         inst.versions().staged.map(|v| v.to_string()),
         Some(id2.clone())
     );
-    let (status, r) = post(&update, json!({"model_path": format!("mx://{d1}")})).await;
+    let (status, r) = update(mx_layout::VersionId(d1).to_string()).await;
     assert_eq!(status, 200, "{r}");
     assert_eq!(digests(&inst).await, (id1.clone(), v1.clone()));
 
@@ -339,7 +347,7 @@ async fn staged_pinned_and_live_versions_apply_swap_and_refuse_byte_exactly() {
     let rank_bytes: u64 = mem.rank_bytes.iter().map(|r| r.1).sum();
     assert!(mem.staging_bytes_peak <= rank_bytes, "{mem:?}");
     assert_eq!(mem.retained_bytes, rank_bytes, "{mem:?}");
-    let (status, r) = post(&update, json!({"model_path": format!("mx://{d3}")})).await;
+    let (status, r) = update(mx_layout::VersionId(d3).to_string()).await;
     assert_eq!(status, 200, "{r}");
     let (id3, v3) = digests(&inst).await;
     assert_eq!(id3, mx_layout::VersionId(d3).to_string());

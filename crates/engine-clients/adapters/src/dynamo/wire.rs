@@ -1,6 +1,7 @@
 //! The Dynamo vLLM RL contract's wire values, for both sides: mx's client sends the requests
 //! and reads the answers; mx's reference worker (and every fake engine of the tests and
-//! benchmarks) reads the requests and sends the answers.
+//! benchmarks) reads the requests and sends the answers. The exact bodies, read from ai-dynamo
+//! 1.6.1 and checked against a running worker, are in [`crate::dynamo`]'s docs.
 //!
 //! Field names are Dynamo's, exactly. Conventions:
 //! - A request field left out (or null) takes the engine's default; mx's client always sends
@@ -21,19 +22,48 @@ use crate::de;
 /// Body of `POST {system_url}/engine/pause_generation`: `{mode, clear_cache}`.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PauseRequest {
-    /// What happens to in-flight requests (`keep`, `wait`, `abort`; SGLang's `in_place` and
-    /// `retract` read as `keep`); absent: the engine's default (mx's worker: `abort`).
+    /// What happens to in-flight requests (`keep`, `wait`, `abort`); absent: Dynamo's default,
+    /// `keep`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mode: Option<PauseMode>,
-    /// Whether the engine clears its caches; absent: the engine's default (mx's worker: true).
+    /// Whether the engine clears its prefix cache while pausing; absent: Dynamo's default,
+    /// `false`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub clear_cache: Option<bool>,
+}
+
+/// The worker method mx's vLLM plugin adds (`mx.vllm.INSTALL_METHOD`): one vLLM
+/// `collective_rpc` that opens a weight-update session, installs `version_id` through mx's
+/// weight-transfer backend and closes the session, on every rank.
+pub const MX_INSTALL_RPC: &str = "mx_install";
+
+/// Body of `POST {system_url}/engine/update_weights_from_distributed`. Dynamo strips its own
+/// keys (`engine_rpc`, `weight_version`, `reset_prefix_cache`, `allow_unpaused`) and calls
+/// vLLM's `collective_rpc(engine_rpc, kwargs=<the rest>)`: mx sends
+/// `{"engine_rpc": "mx_install", "version_id": V, "weight_version": V, "reset_prefix_cache":
+/// true}`, so the rest is `{"version_id": V}`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UpdateFromDistributedRequest {
+    /// The worker method to call (Dynamo's default: `update_weights_from_path`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub engine_rpc: Option<String>,
+    /// The version the worker records once the call succeeds (absent: it keeps the one it had
+    /// and answers `"version": "unknown"`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weight_version: Option<String>,
+    /// Whether Dynamo resets vLLM's prefix cache after the call (Dynamo's default: true).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reset_prefix_cache: Option<bool>,
+    /// `mx_install`'s argument: the mx version id (or a retained id) to install.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub version_id: Option<String>,
 }
 
 /// Body of `POST {system_url}/engine/update_weights_from_disk`: `{model_path, weight_version}`.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct UpdateWeightsRequest {
-    /// What to load: a checkpoint directory, or `mx://<64 hex>` for a version mx staged.
+    /// What to load: a checkpoint directory (mx's reference worker also resolves `mx://<64
+    /// hex>`, a version mx staged; a real Dynamo worker reads it as a path and fails).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model_path: Option<String>,
     /// The version the engine reports once loaded (an `mx:<64 hex>` id for mx versions).
@@ -72,6 +102,14 @@ pub struct EngineResponse {
         skip_serializing_if = "Option::is_none"
     )]
     pub version: Option<String>,
+    /// Whether the version was declared (Dynamo 1.6.1: `false` for the start-up version, which
+    /// it reports as `null`, and for an update sent without `weight_version`).
+    #[serde(
+        default,
+        deserialize_with = "de::lenient",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub version_declared: Option<bool>,
     /// Cache tiers the engine cleared (mx extension; `update_weights_from_disk` only).
     #[serde(
         default,
@@ -94,6 +132,7 @@ impl EngineResponse {
         EngineResponse {
             status: ReplyStatus::Ok,
             message: message.into(),
+            version_declared: version.as_ref().map(|_| true),
             version,
             cache_tiers_cleared: None,
             apply_seconds: None,
@@ -143,8 +182,9 @@ pub struct WorkerInfo {
     pub endpoint: String,
     /// Instance id.
     pub instance_id: InstanceId,
-    /// Request-plane transport.
-    #[serde(deserialize_with = "de::text")]
+    /// Request-plane transport: a string, or Dynamo 1.6.1's object
+    /// (`{"tcp": "<host:port>/<hex id>/<ns>/<component>/<endpoint>"}`) kept as its JSON text.
+    #[serde(deserialize_with = "de::text_or_json")]
     pub transport: String,
     /// Request-plane URL.
     #[serde(deserialize_with = "de::text")]
@@ -232,4 +272,58 @@ pub struct DiscoveryError {
 impl DiscoveryError {
     /// The `error` value of a failed discovery.
     pub const DISCOVERY_FAILED: &'static str = "discovery_failed";
+}
+
+/// Body of the frontend's `POST {frontend}/v1/completions` as mx sends it for a post-update
+/// check: greedy, token ids in, pinned to one worker, the token ids asked back.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CompletionRequest {
+    /// The served model name (the frontend routes by it).
+    pub model: String,
+    /// Prompt token ids.
+    pub prompt: Vec<u32>,
+    /// Tokens to generate.
+    pub max_tokens: u32,
+    /// 0: greedy.
+    #[serde(serialize_with = "de::number")]
+    pub temperature: f64,
+    /// Generate `max_tokens` even past an end-of-sequence token.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ignore_eos: Option<bool>,
+    /// Dynamo's extension: the worker and the extra answer fields.
+    pub nvext: NvextRequest,
+}
+
+/// `nvext` of a completion request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NvextRequest {
+    /// The worker that must serve the request (its `instance_id` in `/v1/rl/workers`, a u64
+    /// above 2^53: never through a float). An unknown id is HTTP 400.
+    pub backend_instance_id: u64,
+    /// `["engine_data"]`: the answer's `nvext.engine_data` carries the token ids.
+    pub extra_fields: Vec<String>,
+}
+
+/// The part of the frontend's completion answer mx reads: `nvext.engine_data`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CompletionResponse {
+    /// Dynamo's extension (present when `extra_fields` asked for it).
+    pub nvext: NvextResponse,
+}
+
+/// `nvext` of a completion answer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NvextResponse {
+    /// What the engine reports about the request.
+    pub engine_data: EngineData,
+}
+
+/// `nvext.engine_data`: the request's token ids as the worker saw and produced them.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EngineData {
+    /// Generated token ids.
+    pub completion_token_ids: Vec<u32>,
+    /// Prompt token ids (when reported).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_token_ids: Option<Vec<u32>>,
 }

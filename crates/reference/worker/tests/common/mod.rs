@@ -121,6 +121,38 @@ pub(crate) async fn post(url: &str, body: Value) -> (u16, Value) {
 }
 
 /// GETs `url` and returns (status, JSON body).
+/// `POST {base}/engine/{route}` with `body` the way Dynamo requires an update: inside a
+/// `pause_generation` (mode keep), followed by `resume_generation`; the update's answer.
+pub(crate) async fn paused_update(base: &str, route: &str, body: Value) -> (u16, Value) {
+    let (status, r) = post(
+        &format!("{base}/engine/pause_generation"),
+        serde_json::json!({"mode": "keep"}),
+    )
+    .await;
+    assert_eq!((status, &r["status"]), (200, &Value::from("ok")), "{r}");
+    let answer = post(&format!("{base}/engine/{route}"), body).await;
+    let (status, r) = post(
+        &format!("{base}/engine/resume_generation"),
+        serde_json::json!({}),
+    )
+    .await;
+    assert_eq!((status, &r["status"]), (200, &Value::from("ok")), "{r}");
+    answer
+}
+
+/// Dynamo's `update_weights_from_disk` of `path` as `version`, inside a pause (as
+/// [`paused_update`]), through mx-adapters' client; its answer.
+pub(crate) async fn load(
+    dynamo: &mx_adapters::dynamo::DynamoWorkerClient,
+    path: &str,
+    version: &str,
+) -> Result<mx_adapters::dynamo::EngineReply, mx_adapters::Error> {
+    dynamo.pause(mx_adapters::PauseMode::Keep, false).await?;
+    let r = dynamo.update_weights_from_disk(path, version).await;
+    dynamo.resume().await?;
+    r
+}
+
 pub(crate) async fn get(url: &str) -> (u16, Value) {
     let r = reqwest::get(url).await.expect("request sent");
     let status = r.status().as_u16();
