@@ -8,8 +8,10 @@ Run it (from the repository root)::
 Options: ``--model DIR`` (default ``.mx/models/smollm2-135m``), ``--steps N`` (default 3),
 ``--instances N`` (vLLM servers, default 2), ``--paths mx,disk,broadcast`` (the refit paths to
 run side by side, default all three; mx always runs), ``--ci`` (what CI must prove, at CI's
-size: ``--steps 2 --instances 1 --paths mx``; the full side-by-side run is
-``scripts/bench.sh --rl-loop``),
+size: ``--steps 1 --instances 1 --paths mx``, then the perturbed step, whose refit rolls back:
+two in-place publications and refits of one server, one cold start; consecutive committed
+refits from in-place FSDP2 publishers are examples/moe_refit.py's, also in CI; the full
+side-by-side run is ``scripts/bench.sh --rl-loop``),
 ``--tp3`` (also try one vLLM instance at tensor parallel 3 once; off by default: it needs ~5 GiB
 more and a few minutes), ``--timeout S`` (every wait, default 600), ``--keep`` (keep the work
 directory: dumps, server logs, journal). Exit status 0 only when every check holds.
@@ -680,7 +682,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--instances", type=int, default=None)
     ap.add_argument("--paths", default=None, help="comma-separated: mx,disk,broadcast")
-    ap.add_argument("--ci", action="store_true", help="--steps 2 --instances 1 --paths mx")
+    ap.add_argument("--ci", action="store_true", help="--steps 1 --instances 1 --paths mx")
     ap.add_argument("--tp3", action="store_true")
     ap.add_argument(
         "--perturbed-check",
@@ -692,7 +694,7 @@ def main() -> int:
     ap.add_argument("--report", required=True)
     ap.add_argument("--keep", action="store_true")
     args = ap.parse_args()
-    ci = {"steps": 2, "instances": 1, "paths": "mx", "perturbed_check": True}
+    ci = {"steps": 1, "instances": 1, "paths": "mx", "perturbed_check": True}
     full = {"steps": 3, "instances": 2, "paths": ",".join(PATHS), "perturbed_check": True}
     for k, v in (ci if args.ci else full).items():
         if getattr(args, k) is None:

@@ -17,6 +17,11 @@
 #                                                 trainer, two real vLLM servers, 3 steps, mx side
 #                                                 by side with the disk and broadcast paths; about
 #                                                 10 minutes): its report goes under "rl_loop"
+#   scripts/bench.sh --exhaustive                 also every variant that CI samples (--full
+#                                                 implies it): MX_EXHAUSTIVE=1 cargo test --release
+#                                                 --test lifecycle, the HA leader killed at all 9
+#                                                 refit transitions and 3 points of `mx refit`,
+#                                                 chaos over 10 refits (about 4 minutes more)
 set -euo pipefail
 
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -32,12 +37,15 @@ report="bench.json"
 args=()
 criterion=0
 rl_loop=0
+exhaustive=0
 while (($#)); do
     case "$1" in
         --report) report="$2"; shift 2 ;;
         --report=*) report="${1#--report=}"; shift ;;
         --criterion) criterion=1; shift ;;
         --rl-loop) rl_loop=1; shift ;;
+        --exhaustive) exhaustive=1; shift ;;
+        --full) args+=("$1"); exhaustive=1; shift ;;
         *) args+=("$1"); shift ;;
     esac
 done
@@ -90,6 +98,13 @@ with open(report_path, "w") as f:
     json.dump(report, f, indent=2)
 PY
     rm -f "$rl_json"
+fi
+
+if ((exhaustive)); then
+    # What CI runs as a fixed sample (scripts/test.sh), every variant: MX_EXHAUSTIVE=1.
+    printf 'bench: %s\n' "MX_EXHAUSTIVE=1 cargo test --release --test lifecycle" >&2
+    MX_EXHAUSTIVE=1 MX_REQUIRE_NIXL="${MX_REQUIRE_NIXL:-1}" MX_REQUIRE_ETCD="${MX_REQUIRE_ETCD:-1}" \
+        cargo test --release --manifest-path "$REPO/Cargo.toml" --test lifecycle
 fi
 
 if ((criterion)); then

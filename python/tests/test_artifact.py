@@ -7,6 +7,7 @@ not READY are refused, and every artifact is recorded with the version."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -87,8 +88,9 @@ def _http(method: str, url: str) -> int | None:
 
 @pytest.fixture(scope="module")
 def moto_endpoint(tmp_path_factory):
-    """A moto S3 server on a free loopback port, for this module."""
-    binary = Path(sys.executable).with_name("moto_server")
+    """A moto S3 server on a free loopback port, for this module: ``MX_MOTO_SERVER`` when set
+    (scripts/test.sh: python/tests/moto_ranged.py, as for the Rust tests), else the venv's."""
+    binary = Path(os.environ.get("MX_MOTO_SERVER") or Path(sys.executable).with_name("moto_server"))
     assert binary.exists(), f"{binary} is missing (scripts/setup-python.sh installs moto)"
     port = _free_port()
     log = open(tmp_path_factory.mktemp("moto") / "moto.log", "wb")  # noqa: SIM115
