@@ -89,9 +89,15 @@ def rl_loop(r: dict[str, Any]) -> list[str]:
     steps = r["steps"]
     if len(steps) != cfg["steps"]:
         bad.append(f"{cfg['steps']} steps, got {len(steps)}")
+    engines = cfg.get("engines", ["vllm"])
+    want = cfg["instances"] + len([k for k in engines if k != "vllm"])
     for s in steps:
-        if len(s["instances"]) != cfg["instances"]:
-            bad.append(f"step {s['step']}: {cfg['instances']} instances")
+        if len(s["instances"]) != want:
+            bad.append(f"step {s['step']}: {want} instances")
+        kinds = {i.get("kind") for i in s["instances"]}
+        if kinds != set(engines):
+            bad.append(f"step {s['step']}: instances of kinds {sorted(engines)}, got {kinds}")
+
     for name in cfg["paths"]:
         rows = r["paths"].get(name, [])
         if len(rows) != len(steps) or any(

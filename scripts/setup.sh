@@ -14,10 +14,8 @@
 #   - NVIDIA Dynamo 1.6.1 (ai-dynamo) in the same venv, on that vLLM, and the model directory of its
 #     worker (.mx/models/smollm2-135m-dynamo): setup-dynamo.sh (~30 s and ~0.35 GB the first time;
 #     MX_SETUP_DYNAMO=0, or MX_SETUP_VLLM=0, skips it);
-#   - with MX_SETUP_SGLANG=1 only: SGLang 0.5.23 (its own server) in a venv of its own,
-#     $REPO/.mx/venv-sglang (it pins torch 2.14.1), with the package mx: setup-sglang.sh (~5
-#     minutes and ~8.5 GB the first time). Not in CI yet: its test (python/tests/
-#     test_sglang_harness.py) joins CI with mx's SGLang refit path (issue 32), within CI's budget.
+#   - SGLang 0.5.23 (its own server) in an overlay venv on .mx/venv's torch, $REPO/.mx/venv-sglang:
+#     setup-sglang.sh (~1.5 minutes and ~1 GB the first time; MX_SETUP_SGLANG=0 skips it).
 # apt-get runs only when something is missing. A second run changes nothing and takes seconds.
 #
 #   scripts/setup.sh          everything (scripts/test.sh, the examples, the benchmarks)
@@ -102,11 +100,9 @@ if [[ "${MX_SETUP_VLLM:-1}" != 0 && "${MX_SETUP_DYNAMO:-1}" != 0 ]]; then  # Dyn
     log "Dynamo: scripts/setup-dynamo.sh" && bash "$SCRIPT_DIR/setup-dynamo.sh"
 fi
 
-# --- SGLang (its own server) in .mx/venv-sglang ---------------------------------------------------
-# The real engine of python/tests/test_sglang_harness.py; opt-in (MX_SETUP_SGLANG=1) until mx's
-# SGLang refit path lands (its ~5 minutes of install would not fit CI's budget for a harness test).
-if [[ "${MX_SETUP_SGLANG:-0}" == 1 ]]; then
+# --- SGLang (its own server) in .mx/venv-sglang, an overlay on .mx/venv -----------------------------
+if [[ "${MX_SETUP_VLLM:-1}" != 0 && "${MX_SETUP_SGLANG:-1}" != 0 ]]; then
     log "SGLang: scripts/setup-sglang.sh" && bash "$SCRIPT_DIR/setup-sglang.sh"
 fi
 
-log "ready: models in $REPO/.mx/models, NIXL in $REPO/.mx/nixl, the package mx, vLLM and Dynamo in $REPO/.mx/venv$([[ "${MX_SETUP_SGLANG:-0}" == 1 ]] && echo ", SGLang in $REPO/.mx/venv-sglang")"
+log "ready: models in $REPO/.mx/models, NIXL in $REPO/.mx/nixl, the package mx, vLLM and Dynamo in $REPO/.mx/venv, SGLang in $REPO/.mx/venv-sglang"

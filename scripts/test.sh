@@ -169,13 +169,7 @@ if ((python_tests)); then
     PY="$REPO/.mx/venv/bin/python"
     # conftest.py turns any skip into a failure; -p no:cacheprovider keeps the tree clean.
     begin "pytest python/tests"
-    ignore=()
-    if [[ "${MX_SETUP_SGLANG:-0}" != 1 ]]; then
-        # SGLang's venv is opt-in until mx's SGLang refit path lands (scripts/setup.sh).
-        log "not run: python/tests/test_sglang_harness.py (MX_SETUP_SGLANG=1 installs SGLang and runs it)"
-        ignore=(--ignore=python/tests/test_sglang_harness.py)
-    fi
-    "$PY" -m pytest python/tests "${ignore[@]}" -q -rs -p no:cacheprovider --durations=8
+    "$PY" -m pytest python/tests -q -rs -p no:cacheprovider --durations=8
 
     # The Python example end to end (2 trainer processes, 2 engine processes, 3 versions of
     # SmolLM2-135M, a rollback); it exits 1 when a check fails, and its report is checked here.

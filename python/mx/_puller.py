@@ -363,10 +363,10 @@ class Puller:
     ) -> str:
         """Serves the puller as worker ``worker_id`` of its control plane and returns the URL
         of its engine routes: the HTTP contract of ``engine_api`` (``"dynamo"``: Dynamo's vLLM
-        RL routes; ``"sglang"``: SGLang's) for pause, resume, apply (of staged or retained
-        versions) and version read-back; no generation: the engine declares no model, so
-        refits skip their post-update generation. Staging follows the control plane's command
-        stream in the background. Every parameter must be registered.
+        RL routes; ``"dynamo_sglang"``: a Dynamo SGLang worker's) for pause, resume, apply (of
+        staged or retained versions) and version read-back; no generation: the engine declares
+        no model, so refits skip their post-update generation. Staging follows the control
+        plane's command stream in the background. Every parameter must be registered.
 
         Raises:
             MxError: ``FailedPrecondition`` (no control plane, served already, a parameter
@@ -415,6 +415,21 @@ class Puller:
         lim = None if limits is None else (int(limits[0]), int(limits[1]))
         fe = None if frontend is None else (str(frontend[0]), str(frontend[1]), int(frontend[2]))
         return self._inner.follow(worker_id, instance, engine_url, engine_api, lim, fe)
+
+    def report_resident(self, error: str = "") -> None:
+        """Tells the control plane what this rank holds in the engine's live weights now (its
+        resident version), after an install the engine ran through mx; ``error`` says why the
+        install failed and what was restored (empty when it succeeded). Blocks until the
+        control plane recorded it (at most 10 s). For engines that answer every install with
+        success whatever happened, so the control plane learns the outcome from the rank
+        itself: mx's SGLang loader (:mod:`mx.sglang`) calls it before it returns.
+
+        Raises:
+            MxError: ``Control`` when the control plane refused (another process holds the
+                worker id) or did not answer; before :meth:`follow` or :meth:`serve`.
+        """
+        self._check()
+        self._inner.report_resident(str(error))
 
     def engine_identity(self) -> dict[str, str] | None:
         """Whose engine this is once :meth:`serve` or :meth:`follow` started a worker, else

@@ -160,7 +160,7 @@ class WorkerStatus:
     admission: str
     #: It has a command stream open to the control plane now.
     connected: bool
-    #: ``{"api": "dynamo"|"sglang", "system_url": ...}`` or None.
+    #: ``{"api": "vllm"|"dynamo"|"dynamo_sglang"|"sglang", "system_url": ...}`` or None.
     engine: Mapping[str, Any] | None
     #: Its last stage report (bytes, seconds, source...; per-tensor digests only with
     #: ``status(digests=True)``) or None.

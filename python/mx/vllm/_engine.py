@@ -49,7 +49,6 @@ the server in a session of its own).
 from __future__ import annotations
 
 import os
-import signal
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -62,6 +61,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.logger import init_logger
 
+from .. import _failpoints
 from .._memory import _error
 from .._model import Model
 from .._puller import Puller
@@ -418,10 +418,10 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
                     named[p.name].data.copy_(params[p.name], non_blocking=True)
             return
         assert view is not None
-        armed = _take_failpoint() if failpoint else None
+        armed = _failpoints.take("MX_VLLM_FAILPOINT_FILE") if failpoint else None
         tensors = view.tensors(fill_nan=self._fill_nan)
         if armed is not None:
-            tensors = _fail_after(tensors, armed)
+            tensors = _failpoints.fail_after(tensors, armed)
         with torch.no_grad():
             self.model.load_weights(tensors)
 
@@ -470,35 +470,6 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
         if self._puller is not None:
             self._puller.close()
             self._puller = None
-
-
-def _take_failpoint() -> tuple[str, int] | None:
-    path = os.environ.get("MX_VLLM_FAILPOINT_FILE")
-    if not path:
-        return None
-    try:
-        with open(path) as f:
-            spec = f.read().strip()
-        os.unlink(path)
-    except FileNotFoundError:
-        return None
-    name, _, n = spec.partition(":")
-    if name not in ("install_after", "die_after") or not n.isdigit():
-        raise ValueError(f"{path}: {spec!r} is not install_after:<N> or die_after:<N>")
-    logger.warning("mx: failpoint %s armed for this install", spec)
-    return name, int(n)
-
-
-def _fail_after(tensors, failpoint: tuple[str, int]):
-    name, limit = failpoint
-    for i, item in enumerate(tensors):
-        if i == limit:
-            if name == "die_after":
-                # The whole server: its process group (API server, engine core, workers).
-                logger.warning("mx: failpoint %s: SIGKILL of process group %d", name, os.getpgrp())
-                os.killpg(os.getpgrp(), signal.SIGKILL)
-            raise RuntimeError(f"mx failpoint {name}:{limit}: failing the install")
-        yield item
 
 
 def _reset_cpu_moe_kernels(model: Any) -> int:

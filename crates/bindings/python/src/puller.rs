@@ -422,7 +422,7 @@ impl Puller {
     }
 
     /// Serves the puller as worker `worker_id` on `listen` with `engine_api` ("dynamo" or
-    /// "sglang"); returns the routes' URL.
+    /// "dynamo_sglang": mx's reference routes in that contract's shape); returns the routes' URL.
     #[pyo3(signature = (worker_id, listen = "127.0.0.1:0", engine_api = "dynamo"))]
     fn serve(
         &self,
@@ -436,10 +436,10 @@ impl Puller {
         })?;
         let api = match engine_api {
             "dynamo" => EngineApi::Dynamo,
-            "sglang" => EngineApi::Sglang,
+            "dynamo_sglang" => EngineApi::DynamoSglang,
             other => {
                 return Err(PyValueError::new_err(format!(
-                    "engine_api must be \"dynamo\" or \"sglang\", got {other:?}"
+                    "engine_api must be \"dynamo\" or \"dynamo_sglang\", got {other:?}"
                 )))
             }
         };
@@ -463,16 +463,9 @@ impl Puller {
         limits: Option<(u64, u64)>,
         frontend: Option<(String, String, u64)>,
     ) -> PyResult<String> {
-        let api = match engine_api {
-            "vllm" => EngineApi::Vllm,
-            "dynamo" => EngineApi::Dynamo,
-            "sglang" => EngineApi::Sglang,
-            other => {
-                return Err(PyValueError::new_err(format!(
-                    "engine_api must be \"vllm\", \"dynamo\" or \"sglang\", got {other:?}"
-                )))
-            }
-        };
+        let api: EngineApi = engine_api
+            .parse()
+            .map_err(|e: String| PyValueError::new_err(format!("engine_api: {e}")))?;
         let engine = EngineEndpoint {
             api,
             system_url: engine_url,
@@ -490,6 +483,20 @@ impl Puller {
         self.with(py, move |p, rt| {
             rt.block_on(p.follow(&worker_id, &instance, engine, limits))
         })
+    }
+
+    /// Reports to the control plane what this rank holds in its engine's live weights now (its
+    /// resident version), after an install the engine ran through mx: `error` says why the
+    /// install failed and what was restored (empty when it succeeded). Blocks until the control
+    /// plane recorded it (at most 10 s). mx's SGLang loader calls it before it returns, since
+    /// SGLang answers every custom load with success.
+    ///
+    /// Raises `MxError` (`Control`) when the control plane refused or did not answer, or before
+    /// `follow` / `serve`.
+    #[pyo3(signature = (error = ""))]
+    fn report_resident(&self, py: Python<'_>, error: &str) -> PyResult<()> {
+        let error = error.to_string();
+        self.with(py, move |p, rt| rt.block_on(p.report_resident(&error)))
     }
 
     /// Whose engine this is once `serve` or `follow` started a worker, else `None`: a dict

@@ -402,7 +402,7 @@ impl DynamoWorkerClient {
     /// [`Error::Timeout`], [`Error::Http`].
     pub async fn pause(&self, mode: PauseMode, clear_cache: bool) -> Result<EngineReply, Error> {
         let body = PauseRequest {
-            mode: Some(mode),
+            mode: Some(mode.keep_wait_abort()),
             clear_cache: Some(clear_cache),
         };
         self.call("pause_generation", &body).await

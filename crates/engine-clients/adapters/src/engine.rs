@@ -1,11 +1,12 @@
 //! One client over every engine contract: [`EngineClient`], the calls a refit makes on one
 //! engine (pause, apply, read the version back, resume, generate), and the types every contract
 //! shares ([`PauseMode`], [`Answer`]); each engine kind's module implements it
-//! (`crate::dynamo::DynamoWorkerClient`, `crate::sglang::SglangClient`,
+//! (`crate::dynamo::DynamoWorkerClient`, `crate::dynamo_sglang::DynamoSglangClient`,
+//! `crate::sglang::SglangClient`,
 //! `crate::vllm::VllmClient`) and `crate::client_for` picks the one an [`EngineApi`] names.
-//! This module imports no engine kind, and no kind imports another. What each contract lacks is answered, not failed: SGLang has no version
-//! read-back and may not allowlist pause/continue (the framework then gates generation itself),
-//! and its answers say so. Judging the answers (the version after apply, golden tokens) is the
+//! This module imports no engine kind, and no kind imports another. What each contract lacks is
+//! answered, not failed: a Dynamo SGLang worker has no version read-back and may not serve
+//! pause/continue (the framework then gates generation itself), and its answers say so. Judging the answers (the version after apply, golden tokens) is the
 //! caller's.
 
 use std::fmt;
@@ -21,11 +22,20 @@ use crate::Error;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum EngineApi {
-    /// Dynamo vLLM RL routes `POST {system_url}/engine/{route}` (pause_generation,
-    /// update_weights_from_disk, get_weight_version, resume_generation).
+    /// A Dynamo vLLM worker's RL routes `POST {system_url}/engine/{route}` (pause_generation,
+    /// update_weights_from_distributed into mx's backend, get_weight_version,
+    /// resume_generation), found through the frontend's RL listener (`crate::dynamo`).
     Dynamo,
-    /// SGLang `POST {system_url}/engine/control/{route}` (update_weights_from_disk; pause and
-    /// continue only where allowlisted; no version read-back).
+    /// A Dynamo SGLang worker: `POST {system_url}/engine/control/{route}`
+    /// (update_weights_from_disk) and the default `/engine/pause_generation`,
+    /// `/engine/continue_generation`; no version read-back (`crate::dynamo_sglang`). Spelled
+    /// `sglang` before SGLang's own server had a kind of its own (proto value 2 is unchanged).
+    DynamoSglang,
+    /// SGLang's own server (`python -m sglang.launch_server`, 0.5.23): `/pause_generation`
+    /// with its modes, the weight-update session (`/begin_weight_update`,
+    /// `/update_weights_from_tensor` into mx's loader, `/end_weight_update`), `/flush_cache`,
+    /// `GET /model_info` (the version), `/continue_generation`, `/generate`
+    /// (`crate::sglang`).
     Sglang,
     /// vLLM's native RL routes on its OpenAI-compatible server (`VLLM_SERVER_DEV_MODE=1`):
     /// `POST {system_url}/pause`, `/start_weight_update`, `/update_weights`,
@@ -34,10 +44,30 @@ pub enum EngineApi {
     Vllm,
 }
 
+impl EngineApi {
+    /// Whether a rollback can restore any version the worker held by its id (the start-up
+    /// checkpoint `disk:<dir>` included), not only an mx version: vLLM (mx's backend) and
+    /// SGLang's own server (mx's loader), which keep what they held. A Dynamo vLLM worker's
+    /// route installs mx versions only; a Dynamo SGLang worker loads from disk.
+    pub fn restores_any_version(self) -> bool {
+        matches!(self, EngineApi::Vllm | EngineApi::Sglang)
+    }
+
+    /// Whether the engine's own version read-back only echoes the version a request named, so
+    /// the resident version is taken from what mx's code in each rank reports
+    /// (`ReportResident`): SGLang's own server, whose custom weight loader cannot fail a
+    /// request (an exception there kills the server), so mx's loader restores the previous
+    /// version itself and SGLang still answers success.
+    pub fn resident_from_ranks(self) -> bool {
+        matches!(self, EngineApi::Sglang)
+    }
+}
+
 impl fmt::Display for EngineApi {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
             EngineApi::Dynamo => "dynamo",
+            EngineApi::DynamoSglang => "dynamo_sglang",
             EngineApi::Sglang => "sglang",
             EngineApi::Vllm => "vllm",
         })
@@ -49,9 +79,12 @@ impl std::str::FromStr for EngineApi {
     fn from_str(s: &str) -> Result<Self, String> {
         match s {
             "dynamo" => Ok(EngineApi::Dynamo),
+            "dynamo_sglang" => Ok(EngineApi::DynamoSglang),
             "sglang" => Ok(EngineApi::Sglang),
             "vllm" => Ok(EngineApi::Vllm),
-            other => Err(format!("unknown engine api {other:?} (dynamo|sglang|vllm)")),
+            other => Err(format!(
+                "unknown engine api {other:?} (dynamo|dynamo_sglang|sglang|vllm)"
+            )),
         }
     }
 }
@@ -142,34 +175,48 @@ pub(crate) fn mx_model_path(version: &ResidentVersion) -> Result<String, Error> 
         })
 }
 
-/// `pause_generation` modes: what happens to in-flight requests (Dynamo's spelling; the one
-/// type mx uses for it, in the control plane, the journal and the reference worker).
+/// Pause modes: what happens to in-flight requests while the engine is paused (the one type mx
+/// uses for it, in the control plane, the journal and the reference worker). Each contract
+/// spells them its own way: [`PauseMode::as_str`] is mx's (and Dynamo's) spelling;
+/// [`SglangPause::of`] maps to SGLang's.
 ///
-/// Written as Dynamo spells it; read through [`FromStr`](std::str::FromStr), so SGLang's
-/// spellings are accepted too.
+/// Read through [`FromStr`](std::str::FromStr): `keep`, `wait`, `abort`, `retract`,
+/// `in_place`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum PauseMode {
-    /// Keep them paused in place and resume them after.
+    /// Hold them and let them go on after the install, recomputing what they had computed
+    /// with the old weights (vLLM and Dynamo: `keep`, with mx's cache reset preempting the
+    /// held requests; SGLang: `retract`).
     Keep,
-    /// Wait for them to finish.
+    /// Wait for them to finish (vLLM and Dynamo; SGLang has no such mode).
     #[default]
     Wait,
     /// Abort them.
     Abort,
+    /// SGLang's `retract`: held requests go back to the queue, their KV freed; elsewhere as
+    /// [`PauseMode::Keep`].
+    Retract,
+    /// SGLang's `in_place`: held requests keep their KV and batch slots. A cache flush is then
+    /// refused, so mx retracts them after the install before it flushes; and an update that
+    /// fails may have changed the weights: the worker is reinstalled on its previous version
+    /// before it resumes. Elsewhere as [`PauseMode::Keep`].
+    InPlace,
 }
 
 impl std::str::FromStr for PauseMode {
     type Err = String;
 
-    /// Dynamo's `keep`, `wait`, `abort`, and SGLang's `in_place` / `retract` (both hold the
-    /// request: `keep`).
     fn from_str(s: &str) -> Result<PauseMode, String> {
         match s {
-            "keep" | "in_place" | "retract" => Ok(PauseMode::Keep),
+            "keep" => Ok(PauseMode::Keep),
             "wait" => Ok(PauseMode::Wait),
             "abort" => Ok(PauseMode::Abort),
-            other => Err(format!("{other:?} is not one of keep, wait, abort")),
+            "retract" => Ok(PauseMode::Retract),
+            "in_place" => Ok(PauseMode::InPlace),
+            other => Err(format!(
+                "{other:?} is not one of keep, wait, abort, retract, in_place"
+            )),
         }
     }
 }
@@ -183,12 +230,63 @@ impl<'de> Deserialize<'de> for PauseMode {
 }
 
 impl PauseMode {
-    /// The contract's spelling.
+    /// mx's spelling (`keep`, `wait`, `abort`, `retract`, `in_place`).
     pub fn as_str(self) -> &'static str {
         match self {
             PauseMode::Keep => "keep",
             PauseMode::Wait => "wait",
             PauseMode::Abort => "abort",
+            PauseMode::Retract => "retract",
+            PauseMode::InPlace => "in_place",
+        }
+    }
+
+    /// The mode among vLLM's and Dynamo's (`keep`, `wait`, `abort`): SGLang's `retract` and
+    /// `in_place` hold the requests, as `keep` does.
+    pub fn keep_wait_abort(self) -> PauseMode {
+        match self {
+            PauseMode::Retract | PauseMode::InPlace => PauseMode::Keep,
+            other => other,
+        }
+    }
+}
+
+/// SGLang's pause modes (`PauseGenerationReqInput.mode` at sglang 0.5.21 and 0.5.23, default
+/// `abort`), for both SGLang kinds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SglangPause {
+    /// Abort in-flight requests (the tokenizer manager then waits for the model-update lock).
+    Abort,
+    /// Move running requests back to the waiting queue, freeing their KV.
+    Retract,
+    /// Stop the scheduler where it is; requests keep their KV and batch slots.
+    InPlace,
+}
+
+impl SglangPause {
+    /// SGLang's spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SglangPause::Abort => "abort",
+            SglangPause::Retract => "retract",
+            SglangPause::InPlace => "in_place",
+        }
+    }
+
+    /// mx's `mode` as SGLang spells it: `keep` and `retract` are `retract`, `in_place` and
+    /// `abort` themselves.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] for `wait` (SGLang has no mode that lets requests finish).
+    pub fn of(mode: PauseMode) -> Result<SglangPause, Error> {
+        match mode {
+            PauseMode::Keep | PauseMode::Retract => Ok(SglangPause::Retract),
+            PauseMode::InPlace => Ok(SglangPause::InPlace),
+            PauseMode::Abort => Ok(SglangPause::Abort),
+            PauseMode::Wait => Err(Error::Unsupported {
+                what: "pause mode wait: SGLang pauses with abort, retract or in_place (mx's keep is retract)".into(),
+            }),
         }
     }
 }

@@ -7,20 +7,25 @@
 //!   `mx_install` rpc), `get_weight_version` and `resume_generation`, every answer HTTP 200
 //!   `{status: ok|error, ...}`; generation through the frontend's `/v1/completions` pinned to
 //!   the worker.
-//! - [`sglang`]: SGLang's fixed routes (no discovery, no version read-back):
-//!   `POST {system_url}/engine/control/update_weights_from_disk` with `{model_path,
+//! - [`dynamo_sglang`]: a Dynamo SGLang worker's fixed routes (no discovery, no version
+//!   read-back): `POST {system_url}/engine/control/update_weights_from_disk` with `{model_path,
 //!   weight_version, flush_cache, keep_pause}` answering `{success, message,
-//!   num_paused_requests}`; `pause_generation` / `continue_generation` (`{torch_empty_cache}`)
-//!   exist only where the deployment allowlists them, so their absence is detected and reported
-//!   as "the framework must gate generation itself".
+//!   num_paused_requests}`; `/engine/pause_generation` (`{mode}`) and
+//!   `/engine/continue_generation` (`{torch_empty_cache}`) where the deployment serves them
+//!   (else reported as "the framework must gate generation itself").
+//! - [`sglang`]: SGLang's own server: `/pause_generation` with SGLang's modes, the weight-update
+//!   session (`/begin_weight_update`, `/update_weights_from_tensor` naming the version to mx's
+//!   loader, `/end_weight_update`), `/flush_cache`, `GET /model_info` (the version),
+//!   `/continue_generation`, `/generate`.
 //! - [`vllm`]: vLLM's own RL routes on its OpenAI-compatible server (`VLLM_SERVER_DEV_MODE=1`):
 //!   `POST /pause`, `/start_weight_update`, `/update_weights`, `/finish_weight_update`,
 //!   `/reset_prefix_cache`, `/resume`, `GET /weight_info` (the read-back), `GET /is_paused`, and
 //!   `POST /v1/completions` for generation. Requests and answers are typed serde structs.
 //!
 //! Each contract's requests and answers are typed serde values in its `wire` module
-//! ([`dynamo::wire`], [`sglang::wire`], [`generate::wire`], [`vllm::wire`]), shared by every
-//! side: these clients, mx's reference worker that serves the Dynamo and SGLang routes, and the
+//! ([`dynamo::wire`], [`dynamo_sglang::wire`], [`sglang::wire`], [`generate::wire`],
+//! [`vllm::wire`]), shared by every
+//! side: these clients, mx's reference worker that serves the Dynamo and Dynamo SGLang routes, and the
 //! fake engines of the tests and benchmarks. Field names follow the contracts exactly; each
 //! module's docs say which fields are optional and how leniently answers are read.
 //!
@@ -35,22 +40,24 @@
 //! (mx-control) and the engines.
 //!
 //! Map: [`engine`] (the one trait a refit speaks, [`engine::EngineClient`], and `PauseMode`) ·
-//! [`vllm`] · [`sglang`] · [`dynamo`] (one client per contract, each with its `wire` types) ·
+//! [`vllm`] · [`sglang`] · [`dynamo`] · [`dynamo_sglang`] (one client per contract, each with its `wire` types) ·
 //! [`generate`] (greedy `/generate`) · `de` (lenient readings of engine answers).
 #![forbid(unsafe_code)]
 
 mod de;
 pub mod dynamo;
+pub mod dynamo_sglang;
 pub mod engine;
 pub mod generate;
 pub mod identity;
 pub mod sglang;
 pub mod vllm;
 
-pub use engine::{Answer, ApplyAnswer, EngineApi, EngineClient, PauseMode};
+pub use engine::{Answer, ApplyAnswer, EngineApi, EngineClient, PauseMode, SglangPause};
 pub use identity::{incarnation_digest, EngineIdentity, Proof};
 
 use dynamo::DynamoWorkerClient;
+use dynamo_sglang::DynamoSglangClient;
 use sglang::SglangClient;
 use vllm::VllmClient;
 
@@ -70,6 +77,9 @@ pub fn client_for(
             DynamoWorkerClient::with_client(http.clone(), url, timeout)
                 .with_frontend(frontend.cloned()),
         ),
+        EngineApi::DynamoSglang => {
+            Box::new(DynamoSglangClient::with_client(http.clone(), url, timeout))
+        }
         EngineApi::Sglang => Box::new(SglangClient::with_client(http.clone(), url, timeout)),
         EngineApi::Vllm => Box::new(VllmClient::with_client(http.clone(), url, timeout)),
     }
@@ -232,6 +242,12 @@ pub enum Error {
     NoVersion {
         /// The URL called.
         url: String,
+    },
+    /// What the engine's contract cannot do (e.g. a `wait` pause on SGLang); nothing was sent.
+    #[error("the engine's contract has no {what}")]
+    Unsupported {
+        /// What was asked, and what the contract offers instead.
+        what: String,
     },
     /// A route the deployment did not allowlist (SGLang pause/continue).
     #[error("{url}: route {route} is not allowlisted by this deployment: the framework must gate generation itself")]

@@ -123,6 +123,7 @@ impl VllmClient {
     /// engine fails), [`Error::BadResponse`] unless the body is `{"status": "paused"}`,
     /// [`Error::Timeout`], [`Error::Http`].
     pub async fn pause(&self, mode: PauseMode) -> Result<(), Error> {
+        let mode = mode.keep_wait_abort();
         let url = self.url(&format!("pause?mode={}&clear_cache=false", mode.as_str()));
         self.post_status(&url, "paused").await
     }
@@ -337,7 +338,7 @@ impl EngineClient for VllmClient {
     async fn pause(&self, mode: PauseMode) -> Result<Answer, Error> {
         VllmClient::pause(self, mode).await?;
         Ok(Answer {
-            message: format!("paused ({})", mode.as_str()),
+            message: format!("paused ({})", mode.keep_wait_abort().as_str()),
             version: None,
         })
     }

@@ -1,7 +1,7 @@
-//! The SGLang adapter against an HTTP server on loopback that follows the contract exactly:
+//! The Dynamo SGLang adapter against an HTTP server on loopback that follows the contract exactly:
 //! field names, status codes and bodies as in DESIGN.md (the Dynamo client's tests, on bodies
 //! captured from a real Dynamo, are in `dynamo.rs`). Every call's request body is recorded and asserted; the fake engines answer with
-//! the contracts' wire values (`mx_adapters::{dynamo, sglang}::wire`), and bodies off the
+//! the contracts' wire values (`mx_adapters::{dynamo, dynamo_sglang}::wire`), and bodies off the
 //! contract are written out by hand.
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)] // tests: panics are failures
 
@@ -13,9 +13,9 @@ use axum::http::StatusCode;
 use axum::routing::post;
 use axum::{Json, Router};
 use mx_adapters::dynamo::DynamoWorkerClient;
-use mx_adapters::sglang::wire::{ControlResponse, UpdateWeightsResponse};
-use mx_adapters::sglang::SglangClient;
-use mx_adapters::Error;
+use mx_adapters::dynamo_sglang::wire::UpdateWeightsResponse;
+use mx_adapters::dynamo_sglang::DynamoSglangClient;
+use mx_adapters::{Error, SglangPause};
 use serde_json::{json, Value};
 
 #[derive(Default)]
@@ -24,7 +24,7 @@ struct Engine {
     calls: Vec<(String, Value)>,
     /// Fail update_weights_from_disk with this message.
     fail_update: Option<String>,
-    /// SGLang: pause/continue allowlisted.
+    /// Dynamo SGLang: pause/continue served (a deployment may replace them).
     allowlisted: bool,
     /// Dynamo routes never answer (a hung worker).
     hang: bool,
@@ -32,13 +32,36 @@ struct Engine {
 
 type Shared = Arc<Mutex<Engine>>;
 
-/// A Dynamo route that answers only after 5 s while `hang` is set (a hung worker).
-async fn hung_route(State(s): State<Shared>) -> (StatusCode, Json<Value>) {
-    let hang = s.lock().unwrap().hang;
-    if hang {
-        tokio::time::sleep(Duration::from_secs(5)).await;
+/// A worker's native `/engine/{route}`: Dynamo SGLang's pause/continue where served (`{"status":
+/// "ok"}`); any other route answers only after 5 s while `hang` is set (a hung worker).
+async fn native_route(
+    State(s): State<Shared>,
+    Path(route): Path<String>,
+    Json(body): Json<Value>,
+) -> (StatusCode, Json<Value>) {
+    let (hang, allowlisted) = {
+        let mut e = s.lock().unwrap();
+        e.calls.push((route.clone(), body.clone()));
+        (e.hang, e.allowlisted)
+    };
+    match route.as_str() {
+        "pause_generation" | "continue_generation" if allowlisted => {
+            (StatusCode::OK, Json(json!({"status": "ok"})))
+        }
+        // What a system server answers for a route it does not serve (S0.1 of the plan).
+        "pause_generation" | "continue_generation" => (
+            StatusCode::NOT_FOUND,
+            Json(
+                json!({"error": "Route not found", "message": format!("Route /engine/{route} not found")}),
+            ),
+        ),
+        _ => {
+            if hang {
+                tokio::time::sleep(Duration::from_secs(5)).await;
+            }
+            (StatusCode::OK, Json(json!({"status": "ok"})))
+        }
     }
-    (StatusCode::OK, Json(json!({"status": "ok"})))
 }
 
 async fn sglang_route(
@@ -52,20 +75,16 @@ async fn sglang_route(
         num_paused_requests: Some(paused),
         ..UpdateWeightsResponse::new(success, message)
     };
+    // Dynamo's control routes answer 200 also when `success` is false.
     let (status, answer) = match route.as_str() {
         "update_weights_from_disk" => match e.fail_update.clone() {
-            Some(m) => (StatusCode::BAD_REQUEST, json!(update(false, m, 0))),
+            Some(m) => (StatusCode::OK, json!(update(false, m, 0))),
             None => (StatusCode::OK, json!(update(true, "ok".into(), 3))),
         },
-        "pause_generation" | "continue_generation" if e.allowlisted => (
-            StatusCode::OK,
-            json!(ControlResponse {
-                success: Some(true),
-                message: String::new(),
-            }),
+        _ => (
+            StatusCode::NOT_FOUND,
+            json!({"error": "Route not found", "message": format!("Route /engine/control/{route} not found")}),
         ),
-        // FastAPI's answer to a route it does not serve (off the contract: written out).
-        _ => (StatusCode::NOT_FOUND, json!({"detail": "Not Found"})),
     };
     (status, Json(answer))
 }
@@ -74,7 +93,7 @@ async fn serve(engine: Engine) -> (String, Shared) {
     let shared = Arc::new(Mutex::new(engine));
     let app = Router::new()
         .route("/engine/control/{route}", post(sglang_route))
-        .route("/engine/{route}", post(hung_route))
+        .route("/engine/{route}", post(native_route))
         .with_state(shared.clone());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -83,9 +102,9 @@ async fn serve(engine: Engine) -> (String, Shared) {
 }
 
 #[tokio::test]
-async fn sglang_update_pause_and_allowlist_detection() {
+async fn dynamo_sglang_update_pause_and_allowlist_detection() {
     let (url, eng) = serve(Engine::default()).await;
-    let s = SglangClient::new(&url, Duration::from_secs(2));
+    let s = DynamoSglangClient::new(&url, Duration::from_secs(2));
     let r = s
         .update_weights_from_disk("/ckpt/step-2", "step-2", true, false)
         .await
@@ -98,8 +117,8 @@ async fn sglang_update_pause_and_allowlist_detection() {
             json!({"model_path": "/ckpt/step-2", "weight_version": "step-2", "flush_cache": true, "keep_pause": false})
         )
     );
-    // Not allowlisted: the framework must gate generation itself.
-    let err = s.pause_generation().await.unwrap_err();
+    // Not served: the framework must gate generation itself.
+    let err = s.pause_generation(SglangPause::Retract).await.unwrap_err();
     assert!(
         matches!(
             err,
@@ -112,7 +131,11 @@ async fn sglang_update_pause_and_allowlist_detection() {
     );
     assert!(err.to_string().contains("must gate generation itself"));
     eng.lock().unwrap().allowlisted = true;
-    s.pause_generation().await.unwrap();
+    s.pause_generation(SglangPause::InPlace).await.unwrap();
+    assert_eq!(
+        eng.lock().unwrap().calls.last().unwrap(),
+        &("pause_generation".to_string(), json!({"mode": "in_place"}))
+    );
     s.continue_generation(true).await.unwrap();
     assert_eq!(
         eng.lock().unwrap().calls.last().unwrap().1,

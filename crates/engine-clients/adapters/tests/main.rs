@@ -10,4 +10,5 @@
 
 mod contracts;
 mod dynamo;
+mod sglang;
 mod vllm;

@@ -175,7 +175,7 @@ impl Fleet {
         let (layout, ranks, api) = if id == "w0" {
             ("tp:3", "0,1,2", "dynamo")
         } else {
-            ("tp:1", "0", "sglang")
+            ("tp:1", "0", "dynamo_sglang")
         };
         let mut a = vec![
             s("worker"),
@@ -278,15 +278,19 @@ impl Fleet {
                         Err(err) => format!("(error: {err})"),
                     }
                 }
-                mx_control::EngineApi::Sglang => match self.rollout(w).await {
-                    Ok(tokens) => self
-                        .versions
-                        .iter()
-                        .find(|(_, (_, g))| *g == tokens)
-                        .map(|(_, (id, _))| id.clone())
-                        .unwrap_or_else(|| format!("(unknown: tokens {tokens:?})")),
-                    Err(err) => format!("(error: {err})"),
-                },
+                // No read-back in this contract (SGLang's own server has one, but mx validate
+                // runs mx's reference worker, which speaks Dynamo's two contracts).
+                mx_control::EngineApi::DynamoSglang | mx_control::EngineApi::Sglang => {
+                    match self.rollout(w).await {
+                        Ok(tokens) => self
+                            .versions
+                            .iter()
+                            .find(|(_, (_, g))| *g == tokens)
+                            .map(|(_, (id, _))| id.clone())
+                            .unwrap_or_else(|| format!("(unknown: tokens {tokens:?})")),
+                        Err(err) => format!("(error: {err})"),
+                    }
+                }
             };
             out.insert(s(w), v);
         }

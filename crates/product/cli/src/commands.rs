@@ -126,8 +126,8 @@ pub struct WorkerArgs {
     /// free port. The bound URL is printed and registered with the control plane.
     #[arg(long, default_value = "127.0.0.1:0", value_parser = parse_listen)]
     pub http: std::net::SocketAddr,
-    /// Engine contract the control plane should speak to this worker: dynamo or sglang
-    /// (both are always served).
+    /// Engine contract the control plane should speak to this worker: dynamo or dynamo_sglang
+    /// (a Dynamo vLLM or Dynamo SGLang worker's routes; both are always served).
     #[arg(long, default_value = "dynamo")]
     pub engine_api: mx_control::EngineApi,
     /// Exit (status 69) after the control plane stayed unreachable this many seconds. 0,

@@ -96,6 +96,7 @@ pub const METHODS: &[&str] = &[
     "AcceptJournal",
     "WatchCommands",
     "ReportStaged",
+    "ReportResident",
     "ServePeer",
     "WithdrawPeer",
     "Stage",
@@ -118,7 +119,8 @@ pub fn allowed(method: &str) -> &'static [Role] {
     match method {
         "DeclareVersion" => &[O, P],
         "Publish" | "ReleaseVersion" => &[P],
-        "RegisterWorker" | "WatchCommands" | "ReportStaged" | "ServePeer" | "WithdrawPeer" => &[W],
+        "RegisterWorker" | "WatchCommands" | "ReportStaged" | "ReportResident" | "ServePeer"
+        | "WithdrawPeer" => &[W],
         "Stage" | "Refit" | "AcceptJournal" => &[O],
         "RetireWorker" => &[O, W],
         "RegisterArtifact" | "PublishExpectedOutputs" => &[O, P],

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use mx_layout::{Digest, LayoutSpec, SourceManifest, TensorSpec};
+use mx_layout::{Digest, LayoutSpec, ResidentVersion, SourceManifest, TensorSpec};
 use tonic::metadata::{Ascii, MetadataValue};
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
@@ -834,6 +834,34 @@ impl ControlClient {
             convert::staged_pb(report),
             |mut rpc, req| async move { rpc.report_staged(req).await },
         )
+        .await?;
+        Ok(())
+    }
+
+    /// Reports what the rank of worker `worker_id` (registered as `incarnation`) holds in its
+    /// engine's live weights after an install (`error`: why it failed and what was restored;
+    /// empty when it succeeded). See `ResidentReport` in the protocol.
+    ///
+    /// # Errors
+    /// [`Error::Rpc`] with `FailedPrecondition` when `incarnation` is not the worker's last
+    /// registration, `InvalidArgument` for an error that is not printable ASCII of at most
+    /// 1024 bytes.
+    pub async fn report_resident(
+        &self,
+        worker_id: &str,
+        incarnation: u64,
+        resident: Option<&ResidentVersion>,
+        error: &str,
+    ) -> Result<(), Error> {
+        let req = pb::ResidentReport {
+            worker_id: worker_id.to_string(),
+            incarnation,
+            resident_version: resident.map(ToString::to_string).unwrap_or_default(),
+            error: error.to_string(),
+        };
+        self.retrying("ReportResident", req, |mut rpc, req| async move {
+            rpc.report_resident(req).await
+        })
         .await?;
         Ok(())
     }

@@ -802,6 +802,7 @@ pub(crate) fn engine_pb(e: &EngineEndpoint) -> pb::EngineEndpoint {
     pb::EngineEndpoint {
         api: match e.api {
             EngineApi::Dynamo => pb::EngineApi::Dynamo as i32,
+            EngineApi::DynamoSglang => pb::EngineApi::DynamoSglang as i32,
             EngineApi::Sglang => pb::EngineApi::Sglang as i32,
             EngineApi::Vllm => pb::EngineApi::Vllm as i32,
         },
@@ -835,6 +836,7 @@ pub(crate) fn model_limits(p: &pb::ModelLimits) -> ModelLimits {
 pub(crate) fn engine(p: &pb::EngineEndpoint, field: &str) -> Result<EngineEndpoint, Error> {
     let api = match pb::EngineApi::try_from(p.api) {
         Ok(pb::EngineApi::Dynamo) => EngineApi::Dynamo,
+        Ok(pb::EngineApi::DynamoSglang) => EngineApi::DynamoSglang,
         Ok(pb::EngineApi::Sglang) => EngineApi::Sglang,
         Ok(pb::EngineApi::Vllm) => EngineApi::Vllm,
         _ => {
@@ -886,6 +888,8 @@ pub(crate) fn pause_mode(v: i32, field: &str) -> Result<PauseMode, Error> {
         Ok(pb::PauseMode::Unspecified | pb::PauseMode::Wait) => Ok(PauseMode::Wait),
         Ok(pb::PauseMode::Keep) => Ok(PauseMode::Keep),
         Ok(pb::PauseMode::Abort) => Ok(PauseMode::Abort),
+        Ok(pb::PauseMode::Retract) => Ok(PauseMode::Retract),
+        Ok(pb::PauseMode::InPlace) => Ok(PauseMode::InPlace),
         Err(_) => Err(invalid(field, format!("unknown pause mode {v}"))),
     }
 }
@@ -896,6 +900,8 @@ pub(crate) fn pause_mode_pb(m: PauseMode) -> i32 {
         PauseMode::Keep => pb::PauseMode::Keep as i32,
         PauseMode::Wait => pb::PauseMode::Wait as i32,
         PauseMode::Abort => pb::PauseMode::Abort as i32,
+        PauseMode::Retract => pb::PauseMode::Retract as i32,
+        PauseMode::InPlace => pb::PauseMode::InPlace as i32,
     }
 }
 

@@ -455,7 +455,9 @@ impl Ctx<'_> {
                         },
                         Err(Refusal::Unanswered(why)) => failed(why),
                         Ok(()) => tokio::select! {
-                            r = perform(&*engine, &action, &self.spec) => r,
+                            r = perform(&*engine, &action, &self.spec) => {
+                                self.judged_by_ranks(ep.api, &workers, &action, r)
+                            }
                             why = self.reregistration(&first, seen) => failed(why),
                         },
                     }
@@ -489,6 +491,38 @@ impl Ctx<'_> {
                 (w, r)
             })
             .collect()
+    }
+
+    /// A read-back of an engine whose ranks report what they hold
+    /// ([`EngineApi::resident_from_ranks`]): the version is the ranks' (`crate::ranks`), and a
+    /// rank whose install failed, ranks that disagree, or an engine naming another mx version
+    /// than its ranks hold fail the call.
+    fn judged_by_ranks(
+        &self,
+        api: EngineApi,
+        workers: &[String],
+        action: &Action,
+        mut r: CallResult,
+    ) -> CallResult {
+        if !(r.ok && matches!(action, Action::ReadVersion) && api.resident_from_ranks()) {
+            return r;
+        }
+        match self.shared.ranks.resident(workers, r.version.as_ref()) {
+            Ok(v) => {
+                r.message = format!(
+                    "the ranks hold {} (the engine says {})",
+                    shown(v.as_ref()),
+                    shown(r.version.as_ref())
+                );
+                r.version = v;
+                r
+            }
+            Err(why) => {
+                metrics::counter!(observe::VERIFICATION_FAILURES_TOTAL, "check" => "version")
+                    .increment(1);
+                failed(why)
+            }
+        }
     }
 
     /// Asks the engine at `url` whose it is before the first call to it for `workers` (once per
@@ -1296,12 +1330,12 @@ async fn settle_one(
         return Ok(Attempt::Fence("not in the refit's set".into()));
     };
     // A version not installed by mx (`disk:…`) cannot be applied again by mx: like no version;
-    // except on a vLLM running mx's backend, which retains whatever it held (its start-up
-    // checkpoint included) and restores it by id.
+    // except on an engine running mx inside (vLLM's backend, SGLang's loader), which retains
+    // whatever it held (its start-up checkpoint included) and restores it by id.
     let restores_any = ctx.shared.read(|s| {
         s.worker_engine(w)
             .and_then(|(e, _)| e)
-            .is_some_and(|e| e.api == EngineApi::Vllm)
+            .is_some_and(|e| e.api.restores_any_version())
     });
     let Some(prev) = previous.filter(|p| restores_any || p.mx().is_some()) else {
         // It held nothing before the refit: there is nothing to go back to, and nothing to

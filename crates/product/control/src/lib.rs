@@ -59,6 +59,7 @@ pub mod journal;
 pub mod limits;
 pub mod local_etcd;
 pub mod observe;
+mod ranks;
 mod readback;
 pub mod record;
 pub mod refit;

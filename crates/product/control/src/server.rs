@@ -184,6 +184,12 @@ impl ControlPlane for Service {
             None => Vec::new(),
         };
         let (instance, ranks) = (r.instance.clone(), r.ranks.clone());
+        let rank_report = crate::ranks::RankReport {
+            incarnation,
+            resident: (!r.resident_version.is_empty())
+                .then(|| ResidentVersion::parse(&r.resident_version)),
+            error: String::new(),
+        };
         let testimony = crate::testimony::Testimony {
             worker_id: id.clone(),
             resident: (!r.resident_version.is_empty())
@@ -240,6 +246,7 @@ impl ControlPlane for Service {
                 None => map.remove(&id),
             };
         }
+        self.shared.ranks.record(&id, rank_report);
         self.shared.testify(&testimony);
         crate::readback::after_registration(&self.shared, &id);
         Ok(Response::new(pb::RegisterWorkerResponse {}))
@@ -422,6 +429,55 @@ impl ControlPlane for Service {
         let report = convert::staged(&r, "")?;
         self.shared.mutate(Record::Staged { report }).await?;
         Ok(Response::new(pb::ReportStagedResponse {}))
+    }
+
+    async fn report_resident(
+        &self,
+        req: Request<pb::ResidentReport>,
+    ) -> Result<Response<pb::ReportResidentResponse>, Status> {
+        let who = auth::principal(&req)?;
+        let r = req.into_inner();
+        check_worker_id(&r.worker_id)?;
+        who.check_worker(&r.worker_id)?;
+        if r.error.len() > crate::ranks::MAX_ERROR_BYTES
+            || !r.error.bytes().all(|b| b == b' ' || b.is_ascii_graphic())
+        {
+            return Err(Error::InvalidField {
+                field: "error".into(),
+                reason: format!(
+                    "printable ASCII of at most {} bytes",
+                    crate::ranks::MAX_ERROR_BYTES
+                ),
+            }
+            .into());
+        }
+        // Looked up, not created: a report names a registered worker.
+        let owner = lock(&self.shared.mail)
+            .get(&r.worker_id)
+            .map_or(0, |m| lock(&m.owner).incarnation);
+        if r.incarnation == 0 || r.incarnation != owner {
+            return Err(Status::failed_precondition(format!(
+                "worker {}: incarnation {:#x} is not the one of its last registration ({owner:#x})",
+                r.worker_id, r.incarnation
+            )));
+        }
+        let resident =
+            (!r.resident_version.is_empty()).then(|| ResidentVersion::parse(&r.resident_version));
+        tracing::info!(
+            worker = %r.worker_id,
+            resident = %resident.as_ref().map_or_else(|| "none".to_string(), ToString::to_string),
+            error = %r.error,
+            "the engine's rank reported what it holds"
+        );
+        self.shared.ranks.record(
+            &r.worker_id,
+            crate::ranks::RankReport {
+                incarnation: r.incarnation,
+                resident,
+                error: r.error,
+            },
+        );
+        Ok(Response::new(pb::ReportResidentResponse {}))
     }
 
     async fn get_version(

@@ -122,6 +122,8 @@ pub(crate) struct Shared {
     /// control plane hears every serving publisher again within one ping); self-declared, so
     /// it is shown, never acted on. Bounded by [`MAX_HEARD`].
     pub(crate) heard: Mutex<HashMap<String, tokio::time::Instant>>,
+    /// What mx's code in each engine rank says the rank holds (`crate::ranks`).
+    pub(crate) ranks: crate::ranks::RankReports,
 }
 
 /// The most agents [`Shared::heard`] remembers: past it, those not heard within
@@ -211,6 +213,7 @@ impl Shared {
             started: tokio::time::Instant::now(),
             returning,
             heard: Mutex::new(HashMap::new()),
+            ranks: crate::ranks::RankReports::default(),
         })
     }
 
@@ -310,6 +313,7 @@ impl Shared {
         lock(&self.engines).set(worker_id, &previous.addresses, &[]);
         lock(&self.limits).remove(worker_id);
         lock(&self.proven).remove(worker_id);
+        self.ranks.forget(worker_id);
     }
 
     /// Evaluates `check` now and after every change that concerns `worker_id` (its

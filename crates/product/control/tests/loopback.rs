@@ -1411,3 +1411,35 @@ async fn worker_ids_are_retired_by_their_process_an_orchestrator_or_retention() 
         .count();
     assert_eq!(retired, 2 + 9, "{retired} retire records");
 }
+
+/// `ReportResident` is accepted only from the process of the worker's last registration, with
+/// a printable error of bounded size.
+#[tokio::test]
+async fn a_rank_reports_what_it_holds_only_as_its_own_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let (c, h) = start(&dir.path().join("journal.jsonl")).await;
+    register_as(&c, "w", 7, "http://127.0.0.1:9").await.unwrap();
+    let v = ResidentVersion::parse(&format!("mx:{}", "ab".repeat(32)));
+    c.report_resident("w", 7, Some(&v), "").await.unwrap();
+    c.report_resident("w", 7, None, "installing x failed; restored none")
+        .await
+        .unwrap();
+    let (code, msg) = rpc_err(c.report_resident("w", 8, Some(&v), "").await.unwrap_err());
+    assert_eq!(code, tonic::Code::FailedPrecondition, "{msg}");
+    assert!(msg.contains("incarnation 0x8"), "{msg}");
+    let (code, _) = rpc_err(
+        c.report_resident("w", 7, Some(&v), "a\nb")
+            .await
+            .unwrap_err(),
+    );
+    assert_eq!(code, tonic::Code::InvalidArgument);
+    let (code, _) = rpc_err(
+        c.report_resident("w", 7, Some(&v), &"x".repeat(1025))
+            .await
+            .unwrap_err(),
+    );
+    assert_eq!(code, tonic::Code::InvalidArgument);
+    let (code, _) = rpc_err(c.report_resident("nobody", 7, None, "").await.unwrap_err());
+    assert_eq!(code, tonic::Code::FailedPrecondition);
+    h.shutdown().await.unwrap();
+}

@@ -446,6 +446,25 @@ impl EmbeddedPuller {
         }
     }
 
+    /// Reports to the control plane what this rank holds now, after an install the engine ran
+    /// through mx ([`Worker::report_resident`]; `error`: why it failed and what was restored).
+    ///
+    /// # Errors
+    /// [`Error::Task`] before [`EmbeddedPuller::follow`] or [`EmbeddedPuller::serve`] started a
+    /// worker or when the control plane did not answer; [`Error::Control`] when it refused.
+    pub async fn report_resident(&self, error: &str) -> Result<(), Error> {
+        match &self.state {
+            State::Served {
+                worker: Some((w, _)),
+                ..
+            } => w.report_resident(error).await,
+            _ => Err(Error::Task(
+                "report_resident: the puller follows no control plane yet (call follow first)"
+                    .into(),
+            )),
+        }
+    }
+
     /// True once [`EmbeddedPuller::serve`] started a worker.
     pub fn served(&self) -> bool {
         matches!(

@@ -128,7 +128,8 @@ impl Gate {
     pub(crate) fn step(&self) -> Step {
         match self.tx.borrow().paused {
             None | Some(PauseMode::Wait) => Step::Go,
-            Some(PauseMode::Keep) => Step::Hold,
+            // Never stored: `pause` keeps only keep, wait and abort.
+            Some(PauseMode::Keep | PauseMode::Retract | PauseMode::InPlace) => Step::Hold,
             Some(PauseMode::Abort) => Step::Abort,
         }
     }
@@ -154,6 +155,8 @@ impl Gate {
 
     /// Pauses generation with `mode` and returns once no admitted request is running.
     pub(crate) async fn pause(&self, mode: PauseMode) -> PauseOutcome {
+        // SGLang's retract and in_place hold requests as keep does (this gate has no KV).
+        let mode = mode.keep_wait_abort();
         let mut rx = self.tx.subscribe();
         let mut in_flight = 0;
         self.tx.send_modify(|s| {

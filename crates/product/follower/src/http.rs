@@ -1,7 +1,7 @@
 //! The HTTP server: both engine weight-update contracts (Dynamo vLLM RL and SGLang), SGLang-style
 //! `/generate`, the read-only `GET /mx/live_digests`, and the failpoints. Field names follow the
 //! contracts exactly: requests are parsed into, and answers written from, the same wire values
-//! mx's clients use (`mx_adapters::{dynamo, sglang, generate}::wire`), and a bad field is
+//! mx's clients use (`mx_adapters::{dynamo, dynamo_sglang, generate}::wire`), and a bad field is
 //! answered with a JSON error naming its path.
 //!
 //! `GET /mx/live_digests` (mx's own, not an engine contract) answers what is live, hashed from
@@ -27,11 +27,11 @@ use axum::{Json, Router};
 use mx_adapters::dynamo::wire::{
     self as dynamo_wire, EngineResponse, InstanceId, WorkerInfo, WorkersResponse,
 };
+use mx_adapters::dynamo_sglang::wire::{self as sglang_wire, UpdateWeightsResponse};
 use mx_adapters::generate::wire::{
     self as generate_wire, ErrorBody, ErrorResponse, GenerateResponse, MetaInfo,
 };
 use mx_adapters::identity::wire::IdentityResponse;
-use mx_adapters::sglang::wire::{self as sglang_wire, UpdateWeightsResponse};
 use mx_adapters::EngineIdentity;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -155,8 +155,9 @@ pub async fn serve(
             "/engine/control/update_weights_from_disk",
             post(sglang_update),
         )
-        .route("/engine/control/pause_generation", post(sglang_pause))
-        .route("/engine/control/continue_generation", post(sglang_continue))
+        // A Dynamo SGLang worker's default native routes (its pause is Dynamo's route above,
+        // which takes SGLang's modes too).
+        .route("/engine/continue_generation", post(sglang_continue))
         .route("/generate", post(generate))
         .route("/mx/live_digests", get(live_digests))
         .route("/mx/identity", get(identity_route));
@@ -599,12 +600,18 @@ async fn dynamo_resume(State(ctx): State<Ctx>) -> Response {
 
 // ---- SGLang -------------------------------------------------------------------------------
 
-/// An SGLang answer: the success given, or `{success: false, message}` with the error's status.
+/// A Dynamo SGLang answer as ai-dynamo 1.6.1 gives it: HTTP 200 with the success given, or
+/// with `{success: false, message}` (SGLang's failures are in the body); only mx's own refusal
+/// keeps its status: a displaced worker (410).
 fn sglang_reply(res: Result<UpdateWeightsResponse, Error>) -> Response {
     match res {
         Ok(answer) => reply(StatusCode::OK, &answer),
-        Err(e) => reply(
+        Err(e @ Error::Displaced { .. }) => reply(
             status_of(&e),
+            &UpdateWeightsResponse::new(false, e.to_string()),
+        ),
+        Err(e) => reply(
+            StatusCode::OK,
             &UpdateWeightsResponse::new(false, e.to_string()),
         ),
     }
@@ -650,33 +657,15 @@ async fn sglang_update(State(ctx): State<Ctx>, body: Bytes) -> Response {
     sglang_reply(res)
 }
 
-async fn sglang_pause(State(ctx): State<Ctx>, body: Bytes) -> Response {
-    let res = async {
-        let r: sglang_wire::PauseRequest = parse(&body)?;
-        let mode = r.mode.unwrap_or(PauseMode::Abort);
-        let out = ctx.inst.pause(mode, false).await?;
-        Ok::<_, Error>(UpdateWeightsResponse::new(
-            true,
-            format!(
-                "generation paused (mode {}): {} request(s) were in flight, {} held",
-                mode.as_str(),
-                out.in_flight,
-                out.held
-            ),
-        ))
-    }
-    .await;
-    sglang_reply(res)
-}
-
+/// `POST /engine/continue_generation` (a Dynamo SGLang worker's): `{"status": "ok"}`.
 async fn sglang_continue(State(ctx): State<Ctx>, body: Bytes) -> Response {
     // No GPU allocator here: torch_empty_cache is accepted (and type-checked) and has nothing
     // to free.
     let res = parse::<sglang_wire::ContinueRequest>(&body).map(|_| {
         ctx.inst.resume();
-        UpdateWeightsResponse::new(true, "generation continued")
+        "generation continued".to_string()
     });
-    sglang_reply(res)
+    dynamo_answer(&ctx.inst, res)
 }
 
 // ---- generation ---------------------------------------------------------------------------
@@ -911,7 +900,7 @@ mod tests {
         );
         let r: dynamo_wire::PauseRequest =
             parse(&obj(json!({"mode": "in_place", "unknown": 1}))).unwrap();
-        assert_eq!(r.mode, Some(PauseMode::Keep));
+        assert_eq!(r.mode, Some(PauseMode::InPlace));
     }
 
     #[test]

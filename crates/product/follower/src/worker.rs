@@ -295,6 +295,33 @@ impl Worker {
         }
     }
 
+    /// Reports to the control plane what this worker's rank holds in its engine's live weights
+    /// ([`Instance::resident_version`]) after an install its engine ran through mx (`error`:
+    /// why the install failed and what was restored; empty when it succeeded), within 10 s.
+    /// Where the engine cannot fail the request that installs (SGLang's custom weight loader),
+    /// this is how the control plane learns the outcome, so it is sent before the engine's
+    /// route returns.
+    ///
+    /// # Errors
+    /// [`Error::Control`] when the control plane refused the report, [`Error::Task`] when it did
+    /// not answer in time.
+    pub async fn report_resident(&self, error: &str) -> Result<(), Error> {
+        let id = &self.cfg.worker_id;
+        let resident = self.inst.resident_version();
+        let client = self.client();
+        match tokio::time::timeout(
+            Duration::from_secs(10),
+            client.report_resident(id, self.incarnation, resident.as_ref(), error),
+        )
+        .await
+        {
+            Ok(r) => r.map_err(Error::Control),
+            Err(_) => Err(Error::Task(
+                "ReportResident: the control plane did not answer within 10 s".into(),
+            )),
+        }
+    }
+
     /// What this worker's engine answers when asked whose it is ([`mx_adapters::identity`]):
     /// an engine serving its own routes (vLLM) returns it from its identity route.
     pub fn identity(&self) -> EngineIdentity {

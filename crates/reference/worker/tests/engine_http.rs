@@ -14,8 +14,9 @@ use crate::common::{
     generate, get, ids, load, model_dir, paused_update, post, serve, PARIS, PROMPT,
 };
 use mx_adapters::dynamo::{DynamoClient, DynamoWorkerClient};
-use mx_adapters::sglang::SglangClient;
+use mx_adapters::dynamo_sglang::DynamoSglangClient;
 use mx_adapters::PauseMode as DynPause;
+use mx_adapters::SglangPause;
 use mx_worker::ResidentVersion;
 use serde_json::json;
 
@@ -418,13 +419,13 @@ async fn pause_modes_abort_hold_and_wait_for_requests() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sglang_contract_updates_pauses_and_continues() {
+async fn dynamo_sglang_contract_updates_pauses_and_continues() {
     let Some(dir) = model_dir("sglang_contract") else {
         return;
     };
     let (inst, http) = serve(&dir, &[0, 1, 2], false).await;
     let base = http.url();
-    let sg = SglangClient::new(&base, T);
+    let sg = DynamoSglangClient::new(&base, T);
     let path = dir.to_str().unwrap();
 
     // update_weights_from_disk: success, no paused requests, not left paused.
@@ -458,15 +459,16 @@ async fn sglang_contract_updates_pauses_and_continues() {
     sg.continue_generation(true).await.unwrap();
     assert!(inst.paused().is_none());
 
-    // pause_generation (default mode abort) refuses new requests until continue_generation.
-    sg.pause_generation().await.unwrap();
+    // pause_generation with abort refuses new requests until continue_generation.
+    sg.pause_generation(SglangPause::Abort).await.unwrap();
     let (status, _) = generate(&base, &PROMPT, 2).await;
     assert_eq!(status, 503);
     sg.continue_generation(false).await.unwrap();
     let (status, _) = generate(&base, &PROMPT, 2).await;
     assert_eq!(status, 200);
 
-    // Failures: HTTP 4xx and success false, naming what is wrong; nothing changes.
+    // Failures: HTTP 200 and success false (Dynamo's SGLang routes answer failures in the
+    // body), naming what is wrong; nothing changes.
     let e = sg
         .update_weights_from_disk("/no/such/checkpoint", "x", true, false)
         .await
@@ -477,7 +479,7 @@ async fn sglang_contract_updates_pauses_and_continues() {
         json!({"model_path": format!("mx://{}", "0".repeat(64))}),
     )
     .await;
-    assert_eq!(status, 404, "{raw}");
+    assert_eq!(status, 200, "{raw}");
     assert_eq!(raw["success"], false);
     let msg = raw["message"].as_str().unwrap();
     assert!(

@@ -1,110 +1,112 @@
-//! SGLang's control-route wire values (`POST {system_url}/engine/control/{route}`), for both
-//! sides: mx's client sends the requests and reads the answers; mx's reference worker and the
-//! fake engines of the tests read the requests and send the answers.
+//! SGLang's own server's wire values (`python -m sglang.launch_server`, sglang 0.5.23; the same
+//! structs at 0.5.21), for both sides: mx's client sends the requests and reads the answers;
+//! the tests' fake engines read the requests and send the answers.
 //!
-//! Field names are SGLang's, exactly. Conventions:
-//! - A request field left out (or null) takes the engine's default, so each is an `Option`
-//!   skipped when `None`. Unknown request fields are ignored; a key given twice is refused.
-//! - `update_weights_from_disk` answers `{success, message, num_paused_requests}`: `success` is
-//!   required (an answer without it does not follow the contract), the others read as empty /
-//!   0 when absent or of another type.
-//! - `pause_generation` / `continue_generation` answers are read only for `success: false`
-//!   (SGLang's own answer to them is `{message, ...}` without `success`).
-//! - `cache_tiers_cleared` is an mx extension: engines that do not report it leave it out, read
-//!   as "no tiers cleared".
+//! Field names are SGLang's, exactly (`sglang/srt/managers/io_struct.py`). Conventions:
+//! - A request field left out takes SGLang's default, so optional fields are `Option`s skipped
+//!   when `None`. SGLang ignores fields it does not know (its msgspec structs are read with
+//!   `extra_behavior="ignore"`); a route without fields still needs a body: `{}`.
+//! - The weight-update routes answer `{success, message}` with HTTP 200 on success and 400 on
+//!   failure; `success` is required. Validation errors answer 400 in SGLang's `ErrorResponse`
+//!   shape (`{object: "error", message, type, param, code}`), read through its `message`.
+//! - `/flush_cache` answers text, not JSON.
 
 use serde::{Deserialize, Serialize};
 
 use crate::de;
-use crate::engine::PauseMode;
+use crate::engine::SglangPause;
 
-/// Body of `update_weights_from_disk`: `{model_path, weight_version, flush_cache, keep_pause,
-/// abort_all_requests}`.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct UpdateWeightsRequest {
-    /// What to load: a checkpoint directory, or `mx://<64 hex>` for a version mx staged.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub model_path: Option<String>,
-    /// The version the engine records once loaded.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub weight_version: Option<String>,
-    /// Whether to flush the KV/prefix cache after loading; absent: true.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub flush_cache: Option<bool>,
-    /// Whether generation stays paused after the update; absent: false.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub keep_pause: Option<bool>,
-    /// Whether in-flight requests are aborted (instead of held) for the update; absent: false.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub abort_all_requests: Option<bool>,
-}
-
-/// Body of `pause_generation`: `{mode}`.
+/// Body of `POST /pause_generation`: `{mode}` (`PauseGenerationReqInput`, default `abort`).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PauseRequest {
-    /// What happens to in-flight requests (SGLang's `in_place` / `retract` read as `keep`);
-    /// absent: the engine's default (mx's worker: `abort`).
+    /// What happens to in-flight requests; absent: `abort`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub mode: Option<PauseMode>,
+    pub mode: Option<SglangPause>,
 }
 
-/// Body of `continue_generation`: `{torch_empty_cache}`.
+/// Body of `POST /continue_generation`: `{torch_empty_cache}` (`ContinueGenerationReqInput`,
+/// default `true`).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ContinueRequest {
-    /// Whether the engine frees torch's cached allocations first; absent: false.
+    /// Whether the scheduler empties torch's allocator cache first; absent: `true`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub torch_empty_cache: Option<bool>,
 }
 
-/// The answer of `update_weights_from_disk` (and mx's worker's answer to every control route):
-/// `{success, message, num_paused_requests}`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct UpdateWeightsResponse {
-    /// Whether the route did what was asked; `false` is a failure whatever the HTTP status.
-    pub success: bool,
-    /// The engine's message (empty when absent).
-    #[serde(default, deserialize_with = "de::text_or_empty")]
-    pub message: String,
-    /// Requests paused during the update (0 when absent).
-    #[serde(
-        default,
-        deserialize_with = "de::lenient",
-        skip_serializing_if = "Option::is_none"
-    )]
-    pub num_paused_requests: Option<u64>,
-    /// Cache tiers the engine cleared (mx extension).
-    #[serde(
-        default,
-        deserialize_with = "de::opt_string_list",
-        skip_serializing_if = "Option::is_none"
-    )]
-    pub cache_tiers_cleared: Option<Vec<String>>,
-}
-
-impl UpdateWeightsResponse {
-    /// `{success, message}`.
-    pub fn new(success: bool, message: impl Into<String>) -> UpdateWeightsResponse {
-        UpdateWeightsResponse {
-            success,
-            message: message.into(),
-            num_paused_requests: None,
-            cache_tiers_cleared: None,
-        }
-    }
-}
-
-/// The answer of `pause_generation` / `continue_generation` as mx reads it: only
-/// `success: false` is a failure.
+/// The answer of `/pause_generation` and `/continue_generation`: HTTP 200 `{message, status:
+/// "ok"}`.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ControlResponse {
-    /// `false` when the route failed; absent in SGLang's own answers.
-    #[serde(
-        default,
-        deserialize_with = "de::lenient",
-        skip_serializing_if = "Option::is_none"
-    )]
-    pub success: Option<bool>,
-    /// The engine's message (empty when absent).
+pub struct StatusResponse {
+    /// `"ok"` on success.
+    #[serde(default, deserialize_with = "de::text_or_empty")]
+    pub status: String,
+    /// SGLang's message (empty when absent).
     #[serde(default, deserialize_with = "de::text_or_empty")]
     pub message: String,
+}
+
+/// Body of `POST /begin_weight_update`: `{selector}` (`BeginWeightUpdateReqInput`: `target`,
+/// `draft` or `all`, default `all`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BeginRequest {
+    /// Which model's weights the session updates; absent: `all`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub selector: Option<String>,
+}
+
+/// Body of `POST /update_weights_from_tensor` (`UpdateWeightsFromTensorReqInput`), as mx sends
+/// it: one serialized `[(name, tensor)]` list per tensor-parallel rank (base64 of a pickle that
+/// SGLang's allowlisting unpickler reads), handed to the loader `load_format` names.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UpdateFromTensorRequest {
+    /// Rank `r` reads element `r`.
+    pub serialized_named_tensors: Vec<String>,
+    /// The custom weight loader (`module.function`, listed in the server's
+    /// `--custom-weight-loader`); absent: the model's own `load_weights`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub load_format: Option<String>,
+    /// Whether the scheduler flushes its cache after the load; absent: `true` (mx sends `false`
+    /// and flushes through `/flush_cache` after the session).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub flush_cache: Option<bool>,
+    /// The version SGLang records (and answers in `/model_info`) on success.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weight_version: Option<String>,
+}
+
+/// The answer of the weight-update routes (`/begin_weight_update`,
+/// `/update_weights_from_tensor`, `/end_weight_update`): `{success, message}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UpdateResponse {
+    /// Whether the route did what was asked.
+    pub success: bool,
+    /// SGLang's message (empty when absent).
+    #[serde(default, deserialize_with = "de::text_or_empty")]
+    pub message: String,
+}
+
+/// SGLang's validation-error answer (`ErrorResponse`): HTTP 400 `{object: "error", message,
+/// type, param, code}`; mx reads its `message`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorResponse {
+    /// What is wrong.
+    #[serde(default, deserialize_with = "de::text_or_empty")]
+    pub message: String,
+}
+
+/// The part of `GET /model_info` mx reads: `{weight_version, model_path, ...}`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModelInfo {
+    /// The version SGLang recorded last (`"default"` until an update names one).
+    pub weight_version: Option<String>,
+    /// The checkpoint it started from (or loaded last from disk).
+    #[serde(default, deserialize_with = "de::lenient")]
+    pub model_path: Option<String>,
+}
+
+/// The part of `GET /server_info` mx reads: `{tp_size, ...}`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ServerInfo {
+    /// Tensor-parallel ranks of the server.
+    pub tp_size: u32,
 }
