@@ -414,8 +414,8 @@ class Control:
             label: the version.
             workers: target worker ids (registered, with engine routes).
             pause_mode: in-flight requests at PREPARE: ``"keep"``, ``"wait"``, ``"abort"``,
-                ``"retract"`` or ``"in_place"`` (SGLang's; ``"keep"`` is SGLang's retract,
-                and SGLang has no ``"wait"``).
+                ``"retract"`` or ``"in_place"`` (SGLang's; ``"keep"`` and ``"wait"`` are
+                SGLang's retract: it has no wait).
             allow_partial: proceed without workers that are not connected.
             check: a post-update check of your own; None (the default): the expected outputs
                 published with the version (:meth:`publish_expected_outputs`), if any.

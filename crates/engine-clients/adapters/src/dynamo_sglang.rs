@@ -180,7 +180,7 @@ impl DynamoSglangClient {
 }
 
 /// The refit's calls over a Dynamo SGLang worker's routes: pause (mx's `keep` is SGLang's
-/// `retract`; `wait` is refused: SGLang has none) and continue where served (else answered
+/// `retract`, and so is `wait`: SGLang has none) and continue where served (else answered
 /// with "the framework must gate generation itself"), apply as
 /// `update_weights_from_disk` of `mx://<hex>` with the cache flushed and generation kept
 /// paused, no read-back (answered, without a version), generation over the native

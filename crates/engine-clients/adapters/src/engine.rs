@@ -189,7 +189,7 @@ pub enum PauseMode {
     /// with the old weights (vLLM and Dynamo: `keep`, with mx's cache reset preempting the
     /// held requests; SGLang: `retract`).
     Keep,
-    /// Wait for them to finish (vLLM and Dynamo; SGLang has no such mode).
+    /// Wait for them to finish (vLLM and Dynamo; SGLang has no such mode: there, `retract`).
     #[default]
     Wait,
     /// Abort them.
@@ -275,18 +275,18 @@ impl SglangPause {
     }
 
     /// mx's `mode` as SGLang spells it: `keep` and `retract` are `retract`, `in_place` and
-    /// `abort` themselves.
+    /// `abort` themselves. SGLang has no mode that lets in-flight requests finish first, so
+    /// `wait` (mx's default) is `retract` too: they are held, not lost, and finish on the new
+    /// weights after the install (their KV recomputed).
     ///
     /// # Errors
-    /// [`Error::Unsupported`] for `wait` (SGLang has no mode that lets requests finish).
+    /// None today; the `Result` leaves room for a mode SGLang cannot take.
     pub fn of(mode: PauseMode) -> Result<SglangPause, Error> {
         match mode {
             PauseMode::Keep | PauseMode::Retract => Ok(SglangPause::Retract),
             PauseMode::InPlace => Ok(SglangPause::InPlace),
             PauseMode::Abort => Ok(SglangPause::Abort),
-            PauseMode::Wait => Err(Error::Unsupported {
-                what: "pause mode wait: SGLang pauses with abort, retract or in_place (mx's keep is retract)".into(),
-            }),
+            PauseMode::Wait => Ok(SglangPause::Retract),
         }
     }
 }

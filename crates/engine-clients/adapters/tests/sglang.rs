@@ -217,10 +217,12 @@ async fn an_in_place_pause_is_retracted_before_the_flush() {
 async fn failures_name_the_step_and_leave_no_session_open() {
     let (url, s) = serve().await;
     let c = SglangClient::new(&url, T);
-    // SGLang has no pause that lets requests finish: refused, nothing sent.
-    let e = c.pause(PauseMode::Wait).await.unwrap_err();
-    assert!(matches!(e, Error::Unsupported { .. }), "{e}");
-    assert!(routes(&s).is_empty());
+    // SGLang has no pause that lets requests finish: mx's wait (its default) holds them.
+    assert_eq!(
+        c.pause(PauseMode::Wait).await.unwrap().message,
+        "paused (retract)"
+    );
+    s.lock().unwrap().calls.clear();
     // A session a crashed apply left open is closed and begun again.
     s.lock().unwrap().session = true;
     c.apply(&version(3)).await.unwrap();
