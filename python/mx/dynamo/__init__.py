@@ -26,11 +26,10 @@ Importing this package imports neither Dynamo nor vLLM.
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from typing import Any
+
+from .._http import call as _http
 
 REQUIRED_ROUTES = (
     "get_weight_version",
@@ -64,23 +63,6 @@ class Worker:
     def mx_instance(self) -> str:
         """The instance name its ranks register under: ``dynamo-<instance_id, 16 hex>``."""
         return f"dynamo-{self.instance_id:016x}"
-
-
-def _http(method: str, url: str, body: Any = None, timeout: float = 60.0) -> tuple[int, Any]:
-    """``(status, JSON body)``; Dynamo's system server answers JSON as ``text/plain``."""
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method)
-    if data is not None:
-        req.add_header("content-type", "application/json")
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            status, raw = r.status, r.read()
-    except urllib.error.HTTPError as e:
-        status, raw = e.code, e.read()
-    try:
-        return status, json.loads(raw)
-    except ValueError:
-        return status, raw.decode(errors="replace")
 
 
 def discover(

@@ -37,9 +37,9 @@ import base64
 import json
 import pickle
 import time
-import urllib.error
-import urllib.request
 from typing import Any
+
+from .._http import call as _http
 
 LOADER = "mx.sglang.load"
 """What the server lists in ``--custom-weight-loader`` and the refit names as ``load_format``."""
@@ -58,22 +58,6 @@ def load(model: Any, named_tensors: list[tuple[str, Any]]) -> None:
     from ._rank import handle
 
     handle(model, named_tensors)
-
-
-def _http(method: str, url: str, body: Any | None, timeout: float) -> tuple[int, Any]:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method)
-    if data is not None:
-        req.add_header("content-type", "application/json")
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            status, raw = r.status, r.read()
-    except urllib.error.HTTPError as e:
-        status, raw = e.code, e.read()
-    try:
-        return status, json.loads(raw)
-    except ValueError:
-        return status, raw.decode(errors="replace")
 
 
 def init_marker(info: dict[str, Any]) -> str:

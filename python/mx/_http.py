@@ -1,0 +1,28 @@
+"""One JSON call over HTTP with the standard library, for mx's engine attach helpers
+(:mod:`mx.dynamo`, :mod:`mx.sglang`)."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from typing import Any
+
+
+def call(method: str, url: str, body: Any = None, timeout: float = 60.0) -> tuple[int, Any]:
+    """``(status, body)``: the body parsed as JSON whatever its content type (Dynamo's system
+    server answers JSON as ``text/plain``), else its text; an HTTP error status is returned,
+    not raised."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method)
+    if data is not None:
+        req.add_header("content-type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            status, raw = r.status, r.read()
+    except urllib.error.HTTPError as e:
+        status, raw = e.code, e.read()
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, raw.decode(errors="replace")
