@@ -602,6 +602,50 @@ class DynamoVllm:
         shutil.rmtree(self._tmp, ignore_errors=True)
 
 
+SGLANG_CPU_ARGS = [
+    "--device",
+    "cpu",
+    "--skip-tokenizer-init",
+    "--dtype",
+    "bfloat16",
+    "--mem-fraction-static",
+    "0.5",
+    "--max-total-tokens",
+    "16384",
+    "--custom-weight-loader",
+    "mx.sglang.load",
+]
+"""SGLang's arguments on this CPU machine, for its own server and Dynamo's SGLang worker (see
+:class:`SglangServer`)."""
+
+
+def _short_tmp(prefix: str) -> Path:
+    """A fresh short directory for TMPDIR: SGLang and vLLM bind ZeroMQ IPC sockets under it
+    (paths under 107 bytes)."""
+    (REPO / ".mx" / "tmp").mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=REPO / ".mx" / "tmp"))
+
+
+def _sglang_env(tmp: Path, failpoint: Path) -> dict[str, str]:
+    """SGLang's environment here: the ``sgl_kernel`` stand-in first on ``PYTHONPATH``, its CPU
+    engine, offline, caches under .mx/cache, TMPDIR ``tmp``, mx's loader's failpoint file."""
+    env = dict(os.environ)
+    inherited = env.get("PYTHONPATH", "").split(os.pathsep)
+    env.update(
+        {
+            "PYTHONPATH": os.pathsep.join([str(STAND_INS), *filter(None, inherited)]),
+            "SGLANG_USE_CPU_ENGINE": "1",
+            "HF_HUB_OFFLINE": "1",
+            # Its caches (torch inductor, triton, ...) default to ~/.cache/sglang.
+            "SGLANG_CACHE_DIR": str(REPO / ".mx" / "cache" / "sglang"),
+            "TMPDIR": str(tmp),
+            "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "2"),
+            "MX_SGLANG_FAILPOINT_FILE": str(failpoint),
+        }
+    )
+    return env
+
+
 class SglangServer(EngineProcess):
     """SGLang 0.5.23's own server (``python -m sglang.launch_server``) on CPU, from its venv
     (``.mx/venv-sglang``: ``python``, ``MX_SGLANG_PYTHON`` or :data:`SGLANG_PYTHON`), with the
@@ -635,46 +679,19 @@ class SglangServer(EngineProcess):
     ) -> None:
         port = free_port()
         self.failpoint = Path(f"{Path(work)}.failpoint")
-        # SGLang binds ZeroMQ IPC sockets under TMPDIR (paths under 107 bytes): a short directory.
-        (REPO / ".mx" / "tmp").mkdir(parents=True, exist_ok=True)
-        self._tmp = Path(tempfile.mkdtemp(prefix="s", dir=REPO / ".mx" / "tmp"))
-        full_env = dict(os.environ)
-        inherited = full_env.get("PYTHONPATH", "").split(os.pathsep)
-        pythonpath = [str(STAND_INS), *filter(None, inherited)]
-        full_env.update(
-            {
-                "PYTHONPATH": os.pathsep.join(pythonpath),
-                "SGLANG_USE_CPU_ENGINE": "1",
-                "HF_HUB_OFFLINE": "1",
-                # Its caches (torch inductor, triton, ...) default to ~/.cache/sglang.
-                "SGLANG_CACHE_DIR": str(REPO / ".mx" / "cache" / "sglang"),
-                "TMPDIR": str(self._tmp),
-                "OMP_NUM_THREADS": full_env.get("OMP_NUM_THREADS", "2"),
-                "MX_SGLANG_FAILPOINT_FILE": str(self.failpoint),
-            }
-        )
-        full_env.update(env or {})
+        self._tmp = _short_tmp("s")
+        full_env = {**_sglang_env(self._tmp, self.failpoint), **(env or {})}
         args = [
             python or os.environ.get("MX_SGLANG_PYTHON") or str(SGLANG_PYTHON),
             "-m",
             "sglang.launch_server",
             "--model-path",
             str(model),
-            "--device",
-            "cpu",
-            "--skip-tokenizer-init",
-            "--dtype",
-            "bfloat16",
-            "--mem-fraction-static",
-            "0.5",
-            "--max-total-tokens",
-            "16384",
+            *SGLANG_CPU_ARGS,
             "--host",
             "127.0.0.1",
             "--port",
             str(port),
-            "--custom-weight-loader",
-            "mx.sglang.load",
             *(extra_args or []),
         ]
         try:
@@ -723,6 +740,173 @@ class SglangServer(EngineProcess):
 
     def stop(self) -> None:
         super().stop()
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+class _DynamoSglangWorker(EngineProcess):
+    kind = "dynamo-sglang"
+
+
+class _Etcd(EngineProcess):
+    kind = "etcd"
+
+
+class DynamoSglang:
+    """NVIDIA Dynamo 1.6.1 serving SmolLM2 through one SGLang worker (``python -m
+    dynamo.sglang`` on SGLang 0.5.23, from SGLang's venv, which sees Dynamo in .mx/venv) with
+    mx's loader allowed (``--custom-weight-loader mx.sglang.load``): a frontend (its OpenAI API
+    at :attr:`frontend_url`) and the worker (its system routes ``/engine/*`` at
+    :attr:`system_url`), discovering each other through an etcd of their own (Dynamo 1.6.1's
+    file backend cannot serve this worker: every engine route but the pause itself syncs the
+    worker's discovery registration with SGLang's pause state when it returns, and a second
+    unregister of a paused worker fails there, "Unable to unregister endpoint instance from
+    discovery", so ``begin_weight_update`` while paused answers HTTP 500; etcd's is idempotent).
+    Dynamo's SGLang worker is not listed by the RL listener: ready when the frontend's
+    ``/health`` lists the worker's ``generate`` instance (:attr:`instance_id`, read from the
+    worker's ``/metrics``) and serves :attr:`served_model`. :meth:`init_mx` attaches it
+    (:func:`mx.dynamo.attach_sglang`)."""
+
+    def __init__(
+        self,
+        work: str | os.PathLike[str],
+        *,
+        model: str | os.PathLike[str] = DYNAMO_MODEL,
+        served_model: str = "smol-sglang",
+        startup_timeout: float = 300.0,
+    ) -> None:
+        import mx.dynamo
+
+        work = Path(work)
+        p1, p2, p3, p4 = _low_ports(4)
+        self.frontend_url, self.system_url = (f"http://127.0.0.1:{p}" for p in (p1, p2))
+        self.served_model, self.model_dir = served_model, str(model)
+        self.failpoint = Path(f"{work}.failpoint")
+        self.instance_id: int | None = None
+        self.frontend = self.worker = self.etcd = None
+        self._tmp = _short_tmp("g")
+        home = work / f"dynamo-home-{p1}"
+        home.mkdir(parents=True, exist_ok=True)
+        etcd_url = f"http://127.0.0.1:{p3}"
+        dyn = {"HOME": str(home), "ETCD_ENDPOINTS": etcd_url, "HF_HUB_OFFLINE": "1"}
+        fe_env = {**os.environ, **dyn, "TMPDIR": str(self._tmp)}
+        wk_env = {**_sglang_env(self._tmp, self.failpoint), **dyn}
+        wk_env.update(DYN_SYSTEM_HOST="127.0.0.1", DYN_SYSTEM_PORT=str(p2))
+        etcd_args = ["etcd", "--name", f"d{p3}", "--data-dir", str(work / f"etcd-{p3}")]
+        etcd_args += ["--listen-client-urls", etcd_url, "--advertise-client-urls", etcd_url]
+        etcd_args += ["--listen-peer-urls", f"http://127.0.0.1:{p4}"]
+        etcd_args += ["--initial-advertise-peer-urls", f"http://127.0.0.1:{p4}"]
+        etcd_args += ["--initial-cluster", f"d{p3}=http://127.0.0.1:{p4}"]
+        etcd_kv = ["--discovery-backend", "etcd"]
+        fe_args = [sys.executable, "-m", "dynamo.frontend", "--http-host", "127.0.0.1"]
+        fe_args += ["--http-port", str(p1), *etcd_kv]
+        wk_args = [os.environ.get("MX_SGLANG_PYTHON") or str(SGLANG_PYTHON), "-m", "dynamo.sglang"]
+        wk_args += ["--model-path", str(model), "--served-model-name", served_model, *etcd_kv]
+        wk_args += SGLANG_CPU_ARGS
+        # SGLang's weight-update session, which the worker serves only where configured.
+        wk_args += ["--engine-route", "begin_weight_update:tm"]
+        wk_args += ["--engine-route", "end_weight_update:tm"]
+        deadline = time.monotonic() + startup_timeout
+        try:
+            self.etcd = _Etcd(
+                work,
+                etcd_args,
+                dict(os.environ),
+                ready_route="/health",
+                gib=0.1,
+                startup_timeout=60,
+                port=p3,
+            )
+            self.frontend = _DynamoFrontend(
+                work,
+                fe_args,
+                fe_env,
+                ready_route="/health",
+                gib=EXPECTED_GIB["dynamo-frontend"],
+                startup_timeout=startup_timeout,
+                port=p1,
+            )
+            self.worker = _DynamoSglangWorker(
+                work,
+                wk_args,
+                wk_env,
+                ready_route="/health",
+                gib=EXPECTED_GIB["sglang"],
+                startup_timeout=max(deadline - time.monotonic(), 1.0),
+                port=p2,
+            )
+            self.instance_id = mx.dynamo.sglang_instance_id(self.system_url)
+            self._wait_served(deadline)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_served(self, deadline: float) -> None:
+        while True:
+            for p in (self.frontend, self.worker):
+                if p.proc.poll() is not None:
+                    raise RuntimeError(f"{p.kind} exited with {p.proc.returncode}: {p.tail()}")
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+                _, health = http_json("GET", self.frontend_url + "/health", timeout=5)
+                ids = {i["instance_id"] for i in health["instances"] if i["endpoint"] == "generate"}
+                _, models = http_json("GET", self.frontend_url + "/v1/models", timeout=5)
+                served = self.served_model in [m["id"] for m in models["data"]]
+                if self.instance_id in ids and served:
+                    return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"dynamo sglang worker not served in time: {self.worker.tail()}")
+            time.sleep(0.5)
+
+    def route(self, name: str, body: Any = None, timeout: float = 120.0):
+        """``(status, parsed body)`` of ``POST {system_url}/engine/<name>``."""
+        body = {} if body is None else body
+        return http_json("POST", f"{self.system_url}/engine/{name}", body, timeout)
+
+    def generate(self, prompt: list[int], max_tokens: int = 8) -> list[int]:
+        """Greedy token ids through the frontend, routed to this worker (read from
+        ``logprobs``: the SGLang worker reports no token ids in ``engine_data``)."""
+        status, body = http_json(
+            "POST",
+            self.frontend_url + "/v1/completions",
+            {
+                "model": self.served_model,
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "logprobs": 1,
+                "return_tokens_as_token_ids": True,
+                "nvext": {"backend_instance_id": self.instance_id},
+            },
+        )
+        assert status == 200, body
+        tokens = body["choices"][0]["logprobs"]["tokens"]
+        return [int(t.removeprefix("token_id:")) for t in tokens]
+
+    def init_mx(self, control_url: str, instance: str) -> list[str]:
+        """Attaches the worker to the control plane as ``instance``
+        (:func:`mx.dynamo.attach_sglang`, generation through the frontend): its worker ids."""
+        import mx.dynamo
+
+        return mx.dynamo.attach_sglang(
+            self.system_url,
+            control_url,
+            instance,
+            model_dir=self.model_dir,
+            frontend_url=self.frontend_url,
+            served_model=self.served_model,
+        )
+
+    def pids(self) -> list[int]:
+        return [pid for p in (self.worker, self.frontend) if p for pid in p.pids()]
+
+    def peak_rss_bytes(self) -> int:
+        return sum(p.peak_rss_bytes() for p in (self.worker, self.frontend) if p)
+
+    def stop(self) -> None:
+        """Stops the worker, then the frontend and etcd; idempotent."""
+        for p in (self.worker, self.frontend, self.etcd):
+            if p is not None:
+                p.stop()
         shutil.rmtree(self._tmp, ignore_errors=True)
 
 

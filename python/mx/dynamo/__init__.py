@@ -20,12 +20,20 @@ staged bytes in one vLLM ``collective_rpc``, no checkpoint written, nothing over
 ``get_weight_version`` back, resumes, and checks generation through the frontend pinned to the
 worker (``nvext.backend_instance_id``).
 
+Dynamo's SGLang worker (``dynamo.sglang``, started with ``--custom-weight-loader
+mx.sglang.load`` and the weight-update session's routes configured: ``--engine-route
+begin_weight_update:tm --engine-route end_weight_update:tm``) is not listed by the listener:
+:func:`attach_sglang` attaches it by its system URL, and its ranks run mx's SGLang loader
+(:mod:`mx.sglang`; engine api ``dynamo_sglang``).
+
 :mod:`mx.dynamo.vllm_worker` runs Dynamo's vLLM worker on the project's vLLM (0.32.0).
 Importing this package imports neither Dynamo nor vLLM.
 """
 
 from __future__ import annotations
 
+import re
+import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
@@ -158,4 +166,85 @@ def attach(
     return workers, left_out
 
 
-__all__ = ["REQUIRED_ROUTES", "Worker", "attach", "discover", "init_worker"]
+_WORKER_ID_LABEL = re.compile(r'dynamo_endpoint="generate"[^}]*?worker_id="([0-9a-f]{1,16})"')
+
+
+def sglang_instance_id(system_url: str, timeout: float = 30.0) -> int:
+    """The Dynamo instance id of the SGLang worker whose system server is at ``system_url``
+    (``DYN_SYSTEM_PORT``): Dynamo's SGLang worker is not listed by the RL listener, and its
+    system server names the id only as the ``worker_id`` label (16 hex digits) of its
+    ``generate`` endpoint's series in ``GET /metrics``; the frontend routes to it by that id
+    (``nvext.backend_instance_id``; its ``GET /health`` lists the same instance).
+
+    Raises:
+        RuntimeError: ``/metrics`` did not answer, or names no ``generate`` worker id.
+    """
+    url = system_url.rstrip("/") + "/metrics"
+    with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 - the worker's URL
+        text = r.read().decode("utf-8", "replace")
+    ids = set(_WORKER_ID_LABEL.findall(text))
+    if len(ids) != 1:
+        raise RuntimeError(f"{url}: expected one worker_id of the generate endpoint, found {ids}")
+    return int(ids.pop(), 16)
+
+
+def attach_sglang(
+    system_url: str,
+    control_url: str,
+    instance: str,
+    *,
+    model_dir: str,
+    tp_size: int = 1,
+    frontend_url: str | None = None,
+    served_model: str | None = None,
+    retain: bool = True,
+    timeout: float = 120.0,
+) -> list[str]:
+    """Starts mx in every rank of a Dynamo SGLang worker (``python -m dynamo.sglang ...
+    --custom-weight-loader mx.sglang.load --engine-route begin_weight_update:tm --engine-route
+    end_weight_update:tm``: SGLang 0.5.23 updates weights only inside a weight-update session,
+    whose routes the worker serves only when configured; its system server at ``system_url``)
+    serving the
+    checkpoint ``model_dir`` with ``tp_size`` tensor-parallel ranks (the deployment's values:
+    the worker reports neither): one session whose ``/engine/control/update_weights_from_tensor``
+    hands each rank's loader the init info, so it loads its slice of ``model_dir`` as the
+    resident version ``disk:<model_dir>``, registers as ``<instance>-tp<rank>`` with engine api
+    ``dynamo_sglang`` and follows the control plane (see :mod:`mx.sglang`). With
+    ``frontend_url`` and ``served_model`` the post-update generation of a refit goes through the
+    frontend pinned to this worker (:func:`sglang_instance_id`). Returns the worker ids once
+    connected.
+
+    Raises:
+        RuntimeError: the route refused (naming its answer), the worker's instance id could not
+            be read, or a rank did not connect within ``timeout`` seconds.
+    """
+    from .. import sglang
+
+    base = system_url.rstrip("/")
+    init: dict[str, Any] = {
+        "control_url": control_url,
+        "instance": instance,
+        "engine_url": base,
+        "engine_api": "dynamo_sglang",
+        "model_dir": str(model_dir),
+        "retain": bool(retain),
+    }
+    if frontend_url is not None:
+        if not served_model:
+            raise ValueError("attach_sglang: frontend_url needs served_model")
+        init["frontend"] = [frontend_url.rstrip("/"), served_model, sglang_instance_id(base)]
+    session = (f"{base}/engine/begin_weight_update", f"{base}/engine/end_weight_update")
+    update = f"{base}/engine/control/update_weights_from_tensor"
+    sglang.start_ranks(update, session, init, tp_size, timeout)
+    return sglang.wait_connected(control_url, instance, tp_size, base, timeout)
+
+
+__all__ = [
+    "REQUIRED_ROUTES",
+    "Worker",
+    "attach",
+    "attach_sglang",
+    "discover",
+    "init_worker",
+    "sglang_instance_id",
+]

@@ -93,8 +93,6 @@ def attach(
             connect within ``timeout`` seconds (its error is in SGLang's log: the loader never
             raises into SGLang).
     """
-    from .._control import Control
-
     base = server_url.rstrip("/")
     status, info = _http("GET", f"{base}/model_info", None, timeout)
     if status != 200 or not isinstance(info, dict) or "model_path" not in info:
@@ -110,23 +108,62 @@ def attach(
         "model_dir": info["model_path"],
         "retain": bool(retain),
     }
-    marker = init_marker(init)
-    for route, body in (
-        ("begin_weight_update", {"selector": "all"}),
-        (
-            "update_weights_from_tensor",
-            {
-                "serialized_named_tensors": [marker] * tp,
-                "load_format": LOADER,
-                "flush_cache": False,
-            },
-        ),
-        ("end_weight_update", {}),
-    ):
-        status, answer = _http("POST", f"{base}/{route}", body, timeout)
-        if status != 200 or not (isinstance(answer, dict) and answer.get("success")):
-            raise RuntimeError(f"{base}/{route}: HTTP {status}: {answer!r}")
-    ids = [f"{instance}-tp{r}" for r in range(tp)]
+    start_ranks(
+        f"{base}/update_weights_from_tensor",
+        (f"{base}/begin_weight_update", f"{base}/end_weight_update"),
+        init,
+        tp,
+        timeout,
+    )
+    return wait_connected(control_url, instance, tp, base, timeout)
+
+
+def _post_success(url: str, body: dict[str, Any], timeout: float) -> None:
+    status, answer = _http("POST", url, body, timeout)
+    if status != 200 or not (isinstance(answer, dict) and answer.get("success")):
+        raise RuntimeError(f"{url}: HTTP {status}: {answer!r}")
+
+
+def start_ranks(
+    update_url: str,
+    session: tuple[str, str],
+    init: dict[str, Any],
+    tp_size: int,
+    timeout: float = 120.0,
+) -> None:
+    """Posts ``init`` (see :func:`init_marker`) to every rank's loader through the
+    ``update_weights_from_tensor`` route at ``update_url``, inside one weight-update session
+    (``session``: the URLs of ``begin_weight_update`` and ``end_weight_update``; SGLang 0.5.23
+    updates only inside one). The weights SGLang serves are not touched.
+
+    Raises:
+        RuntimeError: a route did not answer HTTP 200 with ``success: true`` (naming it).
+    """
+    body = {
+        "serialized_named_tensors": [init_marker(init)] * tp_size,
+        "load_format": LOADER,
+        "flush_cache": False,
+    }
+    begin, end = session
+    _post_success(begin, {"selector": "all"}, timeout)
+    try:
+        _post_success(update_url, body, timeout)
+    finally:
+        _post_success(end, {}, timeout)
+
+
+def wait_connected(
+    control_url: str, instance: str, tp_size: int, server: str, timeout: float
+) -> list[str]:
+    """The worker ids ``<instance>-tp<rank>`` once all ``tp_size`` are connected to the
+    control plane.
+
+    Raises:
+        RuntimeError: some did not connect within ``timeout`` seconds.
+    """
+    from .._control import Control
+
+    ids = [f"{instance}-tp{r}" for r in range(tp_size)]
     control = Control(control_url)
     deadline = time.monotonic() + timeout
     while True:
@@ -136,10 +173,18 @@ def attach(
         if time.monotonic() > deadline:
             missing = [i for i in ids if not (i in workers and workers[i].connected)]
             raise RuntimeError(
-                f"{base}: ranks {missing} did not connect to {control_url} within {timeout} s "
+                f"{server}: ranks {missing} did not connect to {control_url} within {timeout} s "
                 "(mx's loader logs why in SGLang's log, as 'mx.sglang')"
             )
         time.sleep(0.2)
 
 
-__all__ = ["INIT_PREFIX", "LOADER", "attach", "init_marker", "load"]
+__all__ = [
+    "INIT_PREFIX",
+    "LOADER",
+    "attach",
+    "init_marker",
+    "load",
+    "start_ranks",
+    "wait_connected",
+]

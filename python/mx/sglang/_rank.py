@@ -68,12 +68,14 @@ class _Rank:
             positions = getattr(config, "max_position_embeddings", None)
             if vocab and positions:
                 limits = (int(vocab), int(positions))
+            frontend = info.get("frontend")
             puller.follow(
                 self.worker_id,
                 instance=str(info["instance"]),
                 engine_url=str(info["engine_url"]),
-                engine_api="sglang",
+                engine_api=str(info.get("engine_api", "sglang")),
                 limits=limits,
+                frontend=None if frontend is None else tuple(frontend),
             )
             puller.report_resident("")
         except BaseException:

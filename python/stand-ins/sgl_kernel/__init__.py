@@ -15,13 +15,19 @@ in the venv (scripts/setup-sglang.sh). It points its ``__path__`` at the real pa
 directory, so every submodule (``sgl_kernel.elementwise``, ...) is the real one; makes the real
 ``load_utils._load_architecture_specific_ops`` return an empty module instead of loading the
 library; and runs the real ``__init__.py`` as this module. Nothing else changes: the ops that
-live in the CUDA library are absent (``torch.ops.sgl_kernel`` has none), and SGLang's CPU engine
-does not call them (it uses plain PyTorch ops; SmolLM2 gives the same greedy tokens as vLLM).
+live in the CUDA library are absent, and SGLang's CPU engine does not call them for the models
+run here (it uses plain PyTorch ops; SmolLM2 gives the same greedy tokens as vLLM). Some model
+modules read an op at import (``sglang/srt/models/qwen3_5.py``: ``torch.ops.sgl_kernel.
+fused_sigmoid_mul_cpu``; Dynamo's SGLang worker imports it through its video routing), so
+``torch.ops.sgl_kernel`` answers those few ops (``_READ_AT_IMPORT``) with a function that raises
+``NotImplementedError`` naming the op when called, instead of an ``AttributeError`` at import.
 """
 
 import os
 import sys
 import types
+
+import torch
 
 
 def _real_dir() -> str:
@@ -41,3 +47,36 @@ from sgl_kernel import load_utils  # noqa: E402 - the real submodule, through __
 load_utils._load_architecture_specific_ops = lambda: types.ModuleType("common_ops")
 with open(__file__) as _f:
     exec(compile(_f.read(), __file__, "exec"))
+
+
+# Ops that SGLang's CPU model modules read when they are imported (not called for the models run
+# here): sglang/srt/models/qwen3_5.py, which Dynamo's SGLang worker imports through its video
+# routing. Only these answer: ``hasattr(torch.ops.sgl_kernel, op)`` stays false for every other op
+# (sglang/srt/utils/patch_torch.py registers fake kernels only for ops that exist).
+_READ_AT_IMPORT = frozenset(
+    {
+        "fused_sigmoid_mul_cpu",
+        "fused_qk_gemma_rmsnorm_cpu",
+        "fused_qk_gemma_rmsnorm_with_gate_cpu",
+        "fused_qkvzba_split_reshape_cat_contiguous_cpu",
+    }
+)
+
+
+class _AbsentOps(torch._ops._OpNamespace):
+    """``torch.ops.sgl_kernel``: the ops of ``_READ_AT_IMPORT`` raise when called."""
+
+    def __getattr__(self, op_name: str):
+        if op_name not in _READ_AT_IMPORT:
+            return super().__getattr__(op_name)
+
+        def absent(*_args, **_kwargs):
+            raise NotImplementedError(
+                f"torch.ops.sgl_kernel.{op_name}: sglang-kernel's compiled library is not loaded "
+                "on this machine (python/stand-ins/sgl_kernel)"
+            )
+
+        return absent
+
+
+torch.ops.sgl_kernel = _AbsentOps("sgl_kernel")

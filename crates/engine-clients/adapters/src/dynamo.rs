@@ -44,7 +44,9 @@
 //!     `destroy_weights_update_group`, `update_weights_from_tensor` (always an error).
 //! - `POST {frontend}/v1/completions` with `"nvext": {"backend_instance_id": <instance_id>,
 //!   "extra_fields": ["engine_data"]}`: served by that worker (an unknown id is HTTP 400); the
-//!   answer's top-level `nvext.engine_data.completion_token_ids` holds the token ids.
+//!   answer's top-level `nvext.engine_data.completion_token_ids` holds the token ids (a Dynamo
+//!   SGLang worker's does not: with `"logprobs": 1, "return_tokens_as_token_ids": true` the
+//!   first choice's `logprobs.tokens` spell them `"token_id:<id>"`, [`generate_pinned`]).
 //!
 //! How mx installs: the worker's vLLM runs mx's weight-transfer backend (`--weight-transfer-config
 //! '{"backend": "mx"}'`), initialized through `init_weights_update_group` with `engine_rpc:
@@ -455,39 +457,26 @@ impl DynamoWorkerClient {
         })
     }
 
-    /// Greedy decoding of `max_tokens` after `prompt` on this worker, through the frontend:
-    /// `POST {frontend}/v1/completions` pinned by `nvext.backend_instance_id`, the token ids
-    /// read from `nvext.engine_data.completion_token_ids`.
+    /// Greedy decoding of `max_tokens` after `prompt` on this worker, through the frontend
+    /// ([`generate_pinned`]).
     ///
     /// # Errors
-    /// [`Error::Status`] for a non-200 answer (400 for an instance the frontend does not know,
-    /// 503 when the engine died), [`Error::BadResponse`] when `nvext.engine_data` is missing,
-    /// [`Error::Timeout`], [`Error::Http`].
+    /// As [`generate_pinned`].
     pub async fn generate_through(
         &self,
         frontend: &Frontend,
         prompt: &[u32],
         max_tokens: u32,
     ) -> Result<Generation, Error> {
-        let url = format!("{}/v1/completions", frontend.url);
-        let body = CompletionRequest {
-            model: frontend.model.clone(),
-            prompt: prompt.to_vec(),
+        generate_pinned(
+            &self.http,
+            frontend,
+            prompt,
             max_tokens,
-            temperature: 0.0,
-            ignore_eos: Some(true),
-            nvext: NvextRequest {
-                backend_instance_id: frontend.instance_id,
-                extra_fields: vec!["engine_data".into()],
-            },
-        };
-        let r: CompletionResponse =
-            crate::post_typed(&self.http, &url, &body, self.timeout).await?;
-        Ok(Generation {
-            output_ids: r.nvext.engine_data.completion_token_ids,
-            weight_version: None,
-            cached_tokens: 0,
-        })
+            false,
+            self.timeout,
+        )
+        .await
     }
 
     /// `resume_generation`.
@@ -503,6 +492,50 @@ impl DynamoWorkerClient {
 /// the prefix cache), apply as [`DynamoWorkerClient::mx_install`], the read-back as
 /// `get_weight_version`, generation through the frontend (or the reference worker's
 /// `/generate` when no frontend is set).
+/// Greedy decoding of `max_tokens` after `prompt` on one Dynamo worker, through its frontend:
+/// `POST {frontend}/v1/completions` pinned by `nvext.backend_instance_id`, asking for
+/// `engine_data` and, with `logprobs`, for `logprobs: 1` with `return_tokens_as_token_ids`; the
+/// token ids are `nvext.engine_data.completion_token_ids` (Dynamo's vLLM worker) or else the
+/// first choice's `logprobs.tokens` (its SGLang worker reports no token ids in `engine_data`:
+/// ask with `logprobs`), see [`CompletionResponse::token_ids`].
+///
+/// # Errors
+/// [`Error::Status`] for a non-200 answer (400 for an instance the frontend does not know, 503
+/// when the engine died), [`Error::BadResponse`] when the answer carries no token ids,
+/// [`Error::Timeout`], [`Error::Http`].
+pub async fn generate_pinned(
+    http: &reqwest::Client,
+    frontend: &Frontend,
+    prompt: &[u32],
+    max_tokens: u32,
+    logprobs: bool,
+    timeout: Duration,
+) -> Result<Generation, Error> {
+    let url = format!("{}/v1/completions", frontend.url);
+    let body = CompletionRequest {
+        model: frontend.model.clone(),
+        prompt: prompt.to_vec(),
+        max_tokens,
+        temperature: 0.0,
+        ignore_eos: Some(true),
+        logprobs: logprobs.then_some(1),
+        return_tokens_as_token_ids: logprobs.then_some(true),
+        nvext: NvextRequest {
+            backend_instance_id: frontend.instance_id,
+            extra_fields: vec!["engine_data".into()],
+        },
+    };
+    let r: CompletionResponse = crate::post_typed(http, &url, &body, timeout).await?;
+    let output_ids = r
+        .token_ids()
+        .map_err(|reason| Error::BadResponse { url, reason })?;
+    Ok(Generation {
+        output_ids,
+        weight_version: None,
+        cached_tokens: 0,
+    })
+}
+
 #[async_trait::async_trait]
 impl EngineClient for DynamoWorkerClient {
     async fn pause(&self, mode: PauseMode) -> Result<Answer, Error> {

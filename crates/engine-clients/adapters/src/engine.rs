@@ -55,11 +55,11 @@ impl EngineApi {
 
     /// Whether the engine's own version read-back only echoes the version a request named, so
     /// the resident version is taken from what mx's code in each rank reports
-    /// (`ReportResident`): SGLang's own server, whose custom weight loader cannot fail a
-    /// request (an exception there kills the server), so mx's loader restores the previous
-    /// version itself and SGLang still answers success.
+    /// (`ReportResident`): SGLang's own server and Dynamo's SGLang worker, whose custom weight
+    /// loader cannot fail a request (an exception there kills the server), so mx's loader
+    /// restores the previous version itself and SGLang still answers success.
     pub fn resident_from_ranks(self) -> bool {
-        matches!(self, EngineApi::Sglang)
+        matches!(self, EngineApi::Sglang | EngineApi::DynamoSglang)
     }
 }
 
@@ -158,21 +158,6 @@ pub trait EngineClient: Send + Sync {
     /// The contract's [`Error`]s; an engine without the identity route is
     /// [`Proof::NotOffered`], not an error.
     async fn identify(&self) -> Result<Proof, Error>;
-}
-
-/// The `mx://<64 hex>` model path of an `mx:<64 hex>` version id, for the contracts that load
-/// from a path.
-///
-/// # Errors
-/// [`Error::Unappliable`] for any other version.
-pub(crate) fn mx_model_path(version: &ResidentVersion) -> Result<String, Error> {
-    version
-        .mx()
-        .map(|v| v.model_path())
-        .ok_or_else(|| Error::Unappliable {
-            version: version.to_string(),
-            reason: "not an mx version id (mx:<64 hex>)",
-        })
 }
 
 /// Pause modes: what happens to in-flight requests while the engine is paused (the one type mx

@@ -8,11 +8,12 @@
 //!   `{status: ok|error, ...}`; generation through the frontend's `/v1/completions` pinned to
 //!   the worker.
 //! - [`dynamo_sglang`]: a Dynamo SGLang worker's fixed routes (no discovery, no version
-//!   read-back): `POST {system_url}/engine/control/update_weights_from_disk` with `{model_path,
-//!   weight_version, flush_cache, keep_pause}` answering `{success, message,
-//!   num_paused_requests}`; `/engine/pause_generation` (`{mode}`) and
-//!   `/engine/continue_generation` (`{torch_empty_cache}`) where the deployment serves them
-//!   (else reported as "the framework must gate generation itself").
+//!   read-back: its ranks report what they hold): `POST
+//!   {system_url}/engine/control/update_weights_from_tensor` naming the version to mx's loader
+//!   (as on SGLang's own server) answering `{success, message}`; `/engine/pause_generation`
+//!   (`{mode}`) and `/engine/continue_generation` (`{torch_empty_cache}`) where the deployment
+//!   serves them (else reported as "the framework must gate generation itself"); generation
+//!   through the frontend pinned to the worker.
 //! - [`sglang`]: SGLang's own server: `/pause_generation` with SGLang's modes, the weight-update
 //!   session (`/begin_weight_update`, `/update_weights_from_tensor` naming the version to mx's
 //!   loader, `/end_weight_update`), `/flush_cache`, `GET /model_info` (the version),
@@ -63,13 +64,15 @@ use vllm::VllmClient;
 
 /// The client for the engine at `url` (its system server or base URL) speaking `api`, over
 /// `http` (shared: connections are kept alive across calls and engines), every call with
-/// `timeout` as its deadline; a Dynamo worker generates through `frontend` when given (the
-/// other kinds ignore it).
+/// `timeout` as its deadline; a Dynamo worker (vLLM or SGLang) generates through `frontend`
+/// when given (the other kinds ignore it); `ranks`: how many mx workers share the engine (its
+/// tensor-parallel ranks: a Dynamo SGLang worker's update carries one entry per rank).
 pub fn client_for(
     api: EngineApi,
     http: &reqwest::Client,
     url: &str,
     frontend: Option<&dynamo::Frontend>,
+    ranks: usize,
     timeout: Duration,
 ) -> Box<dyn EngineClient> {
     match api {
@@ -77,9 +80,11 @@ pub fn client_for(
             DynamoWorkerClient::with_client(http.clone(), url, timeout)
                 .with_frontend(frontend.cloned()),
         ),
-        EngineApi::DynamoSglang => {
-            Box::new(DynamoSglangClient::with_client(http.clone(), url, timeout))
-        }
+        EngineApi::DynamoSglang => Box::new(
+            DynamoSglangClient::with_client(http.clone(), url, timeout)
+                .with_frontend(frontend.cloned())
+                .with_tp_size(u32::try_from(ranks).unwrap_or(u32::MAX)),
+        ),
         EngineApi::Sglang => Box::new(SglangClient::with_client(http.clone(), url, timeout)),
         EngineApi::Vllm => Box::new(VllmClient::with_client(http.clone(), url, timeout)),
     }

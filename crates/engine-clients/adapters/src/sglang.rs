@@ -91,6 +91,59 @@ pub fn marker(name: &str) -> Result<String, Error> {
     Ok(b64.encode(out))
 }
 
+/// The name a [`marker`] carries (the inverse of [`marker`], for engines that serve SGLang's
+/// contract in Rust: mx's reference worker).
+///
+/// # Errors
+/// In words, for text that is not base64 of a marker this build writes.
+pub fn marker_name(serialized: &str) -> Result<String, String> {
+    let b64 = base64::engine::general_purpose::STANDARD;
+    let raw = b64
+        .decode(serialized)
+        .map_err(|e| format!("not base64: {e}"))?;
+    let suffix = b64
+        .decode(MARKER_SUFFIX_B64)
+        .map_err(|_| "the marker template does not decode (a defect of this build)".to_string())?;
+    let rest = raw
+        .strip_prefix(MARKER_PREFIX)
+        .and_then(|r| r.strip_prefix(b"X"))
+        .ok_or("not a pickled [(name, tensor)] list mx writes (its opening bytes differ)")?;
+    let (len, rest) = rest
+        .split_first_chunk::<4>()
+        .ok_or("cut short before the name's length")?;
+    let len = usize::try_from(u32::from_le_bytes(*len)).map_err(|_| "name length overflows")?;
+    if len == 0 || len > MAX_MARKER_NAME {
+        return Err(format!("a name of {len} bytes (1 to {MAX_MARKER_NAME})"));
+    }
+    let (name, tail) = rest
+        .split_at_checked(len)
+        .ok_or("cut short inside the name")?;
+    if tail != suffix.as_slice() {
+        return Err("its tensor is not the empty uint8 tensor mx writes".into());
+    }
+    String::from_utf8(name.to_vec()).map_err(|_| "the name is not UTF-8".to_string())
+}
+
+/// The body of an `update_weights_from_tensor` naming `version` to mx's loader on each of
+/// `tp_size` ranks (at least one), SGLang recording `version` on success and flushing its cache
+/// after the load when `flush_cache`.
+///
+/// # Errors
+/// [`Error::Unappliable`] for a version no marker can carry.
+pub fn tensor_update(
+    version: &str,
+    tp_size: u32,
+    flush_cache: bool,
+) -> Result<UpdateFromTensorRequest, Error> {
+    let one = marker(version)?;
+    Ok(UpdateFromTensorRequest {
+        serialized_named_tensors: vec![one; tp_size.max(1) as usize],
+        load_format: Some(LOADER.into()),
+        flush_cache: Some(flush_cache),
+        weight_version: Some(version.into()),
+    })
+}
+
 /// One SGLang server's routes, at its base URL.
 #[derive(Debug, Clone)]
 pub struct SglangClient {
@@ -203,13 +256,7 @@ impl SglangClient {
         version: &str,
         tp_size: u32,
     ) -> Result<String, Error> {
-        let one = marker(version)?;
-        let body = UpdateFromTensorRequest {
-            serialized_named_tensors: vec![one; tp_size.max(1) as usize],
-            load_format: Some(LOADER.into()),
-            flush_cache: Some(false),
-            weight_version: Some(version.into()),
-        };
+        let body = tensor_update(version, tp_size, false)?;
         self.post_update("update_weights_from_tensor", &body).await
     }
 

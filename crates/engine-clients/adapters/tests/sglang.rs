@@ -15,7 +15,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::Router;
 use base64::Engine as _;
-use mx_adapters::sglang::{marker, SglangClient, LOADER};
+use mx_adapters::sglang::{marker, marker_name, SglangClient, LOADER};
 use mx_adapters::{EngineClient, Error, PauseMode};
 use mx_layout::ResidentVersion;
 use serde_json::{json, Value};
@@ -179,6 +179,25 @@ async fn apply_is_one_session_naming_the_version_then_a_flush() {
         .decode(&m)
         .unwrap();
     assert_eq!(raw.len(), 517);
+    // ...which mx's reference worker reads back, and nothing but a marker passes for one.
+    assert_eq!(marker_name(&m).unwrap(), v.to_string());
+    let b64 = base64::engine::general_purpose::STANDARD;
+    let mut cut = raw.clone();
+    cut.truncate(raw.len() - 1);
+    let mut renamed = raw.clone();
+    renamed[10] = 0xff; // the name's first byte: no longer UTF-8
+    let mut long = raw.clone();
+    long[6..10].copy_from_slice(&5000u32.to_le_bytes());
+    for (bad, why) in [
+        (b64.encode(&cut), "empty uint8 tensor"),
+        (b64.encode(&renamed), "UTF-8"),
+        (b64.encode(&long), "5000 bytes"),
+        (b64.encode(b"\x80\x02]q\x00X\x01"), "cut short"),
+        ("not base64!".to_string(), "not base64"),
+    ] {
+        let e = marker_name(&bad).unwrap_err();
+        assert!(e.contains(why), "{why}: {e}");
+    }
     assert_eq!(calls[4].1, json!({}));
     assert_eq!(calls[5].1, Value::Null, "flush_cache has no body");
     // The read-back is /model_info's weight_version.

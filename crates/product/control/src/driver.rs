@@ -444,6 +444,7 @@ impl Ctx<'_> {
                     &self.http,
                     &ep.system_url,
                     ep.frontend.as_ref(),
+                    workers.len(),
                     timeout,
                 );
                 // Every request carries the refit's id (mx_adapters::REFIT_HEADER).

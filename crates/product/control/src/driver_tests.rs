@@ -74,6 +74,7 @@ async fn serve() -> (Box<dyn EngineClient>, Shared) {
         &reqwest::Client::new(),
         &ep.system_url,
         None,
+        1,
         Duration::from_secs(2),
     );
     (engine, shared)

@@ -101,6 +101,7 @@ async fn read(shared: &Shared, worker_id: &str) -> Result<Option<ResidentVersion
         &shared.http,
         &endpoint.system_url,
         endpoint.frontend.as_ref(),
+        1,
         READ_BACK_TIMEOUT,
     );
     match engine.read_version().await {

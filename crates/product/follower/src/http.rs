@@ -32,7 +32,9 @@ use mx_adapters::generate::wire::{
     self as generate_wire, ErrorBody, ErrorResponse, GenerateResponse, MetaInfo,
 };
 use mx_adapters::identity::wire::IdentityResponse;
+use mx_adapters::sglang::wire::UpdateFromTensorRequest;
 use mx_adapters::EngineIdentity;
+use mx_control::client::ControlClient;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use serde_json::{json, Map, Value};
@@ -102,11 +104,30 @@ struct Ctx {
     /// Whose engine this is, as `GET /mx/identity` answers (`None`: not following a control
     /// plane; the route answers 404).
     identity: Option<Arc<EngineIdentity>>,
+    /// Where an install through mx's SGLang loader is reported (`None`: nowhere).
+    reporter: Option<Arc<Reporter>>,
+    /// Whether a Dynamo SGLang weight-update session is open (`begin_weight_update`).
+    session: Arc<std::sync::atomic::AtomicBool>,
+}
+
+/// Where this engine reports what its ranks hold after an install through SGLang's tensor
+/// route (`ReportResident`): SGLang answers that route with success whatever mx's loader did,
+/// and mx's loader in each rank tells the control plane the outcome before it returns; mx's
+/// reference worker does the same, as worker `worker_id` of incarnation `incarnation`.
+#[derive(Debug, Clone)]
+pub struct Reporter {
+    /// The control plane (a lazily connected client).
+    pub client: ControlClient,
+    /// The worker id this engine follows the control plane as.
+    pub worker_id: String,
+    /// Its process's incarnation.
+    pub incarnation: u64,
 }
 
 /// Binds `addr` and serves `inst`'s routes on it until the returned server is shut down;
 /// `identity` is the worker it follows the control plane as (`GET /mx/identity`, see
-/// [`mx_adapters::identity`]), `None` for an instance served without a control plane.
+/// [`mx_adapters::identity`]), `None` for an instance served without a control plane;
+/// `reporter` where installs through the SGLang tensor route are reported.
 ///
 /// # Errors
 /// [`Error::Bind`] when the address cannot be bound.
@@ -115,6 +136,7 @@ pub async fn serve(
     addr: SocketAddr,
     token: Option<String>,
     identity: Option<EngineIdentity>,
+    reporter: Option<Reporter>,
 ) -> Result<HttpServer, Error> {
     if token.is_none() && !addr.ip().is_loopback() {
         return Err(Error::BadRequest {
@@ -137,6 +159,8 @@ pub async fn serve(
         url: Arc::new(format!("http://{addr}")),
         token: token.map(|t| Arc::new(format!("Bearer {t}"))),
         identity: identity.map(Arc::new),
+        reporter: reporter.map(Arc::new),
+        session: Arc::default(),
     };
     let mut router = Router::new()
         .route("/v1/rl/workers", get(discovery))
@@ -155,6 +179,14 @@ pub async fn serve(
             "/engine/control/update_weights_from_disk",
             post(sglang_update),
         )
+        .route(
+            "/engine/control/update_weights_from_tensor",
+            post(sglang_update_tensor),
+        )
+        // SGLang's weight-update session, as a Dynamo SGLang deployment configures it
+        // (`--engine-route begin_weight_update:tm --engine-route end_weight_update:tm`).
+        .route("/engine/begin_weight_update", post(sglang_begin))
+        .route("/engine/end_weight_update", post(sglang_end))
         // A Dynamo SGLang worker's default native routes (its pause is Dynamo's route above,
         // which takes SGLang's modes too).
         .route("/engine/continue_generation", post(sglang_continue))
@@ -655,6 +687,149 @@ async fn sglang_update(State(ctx): State<Ctx>, body: Bytes) -> Response {
     }
     .await;
     sglang_reply(res)
+}
+
+/// `POST /engine/begin_weight_update`: opens the session (`{success: false}` when one is open).
+async fn sglang_begin(State(ctx): State<Ctx>, body: Bytes) -> Response {
+    use std::sync::atomic::Ordering;
+    let res = parse::<Map<String, Value>>(&body).map(|_| {
+        if ctx.session.swap(true, Ordering::SeqCst) {
+            UpdateWeightsResponse::new(
+                false,
+                "a weight-update session is already open; call end_weight_update() first",
+            )
+        } else {
+            UpdateWeightsResponse::new(true, "Success")
+        }
+    });
+    sglang_reply(res)
+}
+
+/// `POST /engine/end_weight_update`: closes the session (`{success: false}` when none is open).
+async fn sglang_end(State(ctx): State<Ctx>, body: Bytes) -> Response {
+    use std::sync::atomic::Ordering;
+    let res = parse::<Map<String, Value>>(&body).map(|_| {
+        if ctx.session.swap(false, Ordering::SeqCst) {
+            UpdateWeightsResponse::new(true, "Success")
+        } else {
+            UpdateWeightsResponse::new(
+                false,
+                "no weight-update session is open; call begin_weight_update() first",
+            )
+        }
+    });
+    sglang_reply(res)
+}
+
+/// The version a Dynamo SGLang `update_weights_from_tensor` names to mx's loader: each held
+/// rank reads its own element of `serialized_named_tensors` (as SGLang's ranks do), and they
+/// must agree (this process installs one version for all its ranks).
+fn tensor_update_source(
+    inst: &Instance,
+    r: &UpdateFromTensorRequest,
+) -> Result<ApplySource, Error> {
+    let loader = mx_adapters::sglang::LOADER;
+    if r.load_format.as_deref() != Some(loader) {
+        return Err(bad(
+            "load_format",
+            format!(
+                "{:?}: this engine installs only through mx's loader ({loader})",
+                r.load_format
+            ),
+        ));
+    }
+    let mut name: Option<String> = None;
+    for &rank in &inst.config().ranks {
+        let field = format!("serialized_named_tensors[{rank}]");
+        let one = r
+            .serialized_named_tensors
+            .get(rank as usize)
+            .ok_or_else(|| {
+                bad(
+                    &field,
+                    format!(
+                        "missing: {} given, one per tensor-parallel rank",
+                        r.serialized_named_tensors.len()
+                    ),
+                )
+            })?;
+        let this = mx_adapters::sglang::marker_name(one).map_err(|e| bad(&field, e))?;
+        match &name {
+            Some(n) if *n != this => {
+                return Err(bad(&field, format!("names {this:?}, another rank {n:?}")))
+            }
+            _ => name = Some(this),
+        }
+    }
+    let name = name.ok_or_else(|| bad("serialized_named_tensors", "this worker holds no rank"))?;
+    ApplySource::from_version_id(&name, r.weight_version.as_deref().unwrap_or_default())
+}
+
+/// `POST /engine/control/update_weights_from_tensor` with mx's loader, as a Dynamo SGLang worker
+/// runs it, inside a weight-update session: the named version is installed (pausing meanwhile unless paused, as SGLang holds its
+/// model-update lock), the cache flushed when `flush_cache` (default true), and the route
+/// answers `{success: true, message: "Success"}` whatever the install did, as SGLang does with a
+/// custom loader; what the ranks hold, and why an install failed, goes to the control plane
+/// first ([`Reporter`]). A body mx's loader could not read is refused (`success: false`).
+async fn sglang_update_tensor(State(ctx): State<Ctx>, body: Bytes) -> Response {
+    if !ctx.session.load(std::sync::atomic::Ordering::SeqCst) {
+        return sglang_reply(Ok(UpdateWeightsResponse::new(
+            false,
+            "update_weights_from_tensor must run between begin_weight_update() and \
+             end_weight_update()",
+        )));
+    }
+    let parsed = parse::<UpdateFromTensorRequest>(&body).and_then(|r| {
+        Ok((
+            tensor_update_source(&ctx.inst, &r)?,
+            r.flush_cache.unwrap_or(true),
+        ))
+    });
+    let (source, flush) = match parsed {
+        Ok(p) => p,
+        Err(e) => return sglang_reply(Err(e)),
+    };
+    let before = ctx.inst.resident_version();
+    let was_paused = ctx.inst.paused().is_some();
+    let res = async {
+        if !was_paused {
+            ctx.inst.pause(PauseMode::Keep, false).await?;
+        }
+        let res = ctx.inst.apply_with(source, flush).await;
+        if !was_paused {
+            ctx.inst.resume();
+        }
+        res
+    }
+    .await;
+    let error = match res {
+        Ok(_) => String::new(),
+        Err(e) => {
+            let holds = ctx
+                .inst
+                .resident_version()
+                .map_or_else(|| "none".to_string(), |v| v.to_string());
+            let before = before.map_or_else(|| "none".to_string(), |v| v.to_string());
+            format!("installing failed: {e}; it holds {holds} (held {before} before)")
+        }
+    };
+    if let Some(r) = &ctx.reporter {
+        let resident = ctx.inst.resident_version();
+        let report =
+            r.client
+                .report_resident(&r.worker_id, r.incarnation, resident.as_ref(), &error);
+        match tokio::time::timeout(std::time::Duration::from_secs(10), report).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::warn!(worker = %r.worker_id, "reporting what it holds: {e}"),
+            Err(_) => {
+                tracing::warn!(worker = %r.worker_id, "reporting what it holds: no answer in 10 s")
+            }
+        }
+    }
+    if !error.is_empty() {
+        tracing::warn!("update_weights_from_tensor: {error}");
+    }
+    sglang_reply(Ok(UpdateWeightsResponse::new(true, "Success")))
 }
 
 /// `POST /engine/continue_generation` (a Dynamo SGLang worker's): `{"status": "ok"}`.

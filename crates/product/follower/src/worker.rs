@@ -183,11 +183,17 @@ impl Worker {
     pub async fn serve(cfg: WorkerConfig, inst: Instance) -> Result<Worker, Error> {
         let incarnation = mx_control::client::random_u64();
         let identity = engine_identity(&cfg, incarnation);
+        let reporter = http::Reporter {
+            client: ControlClient::connect_lazy(&cfg.control)?.with_incarnation(incarnation),
+            worker_id: cfg.worker_id.clone(),
+            incarnation,
+        };
         let http = http::serve(
             inst.clone(),
             cfg.http,
             cfg.http_token.clone(),
             Some(identity),
+            Some(reporter),
         )
         .await?;
         tracing::info!(

@@ -16,7 +16,7 @@ use crate::common::{
 use mx_adapters::dynamo::{DynamoClient, DynamoWorkerClient};
 use mx_adapters::dynamo_sglang::DynamoSglangClient;
 use mx_adapters::PauseMode as DynPause;
-use mx_adapters::SglangPause;
+use mx_adapters::{EngineClient, SglangPause};
 use mx_worker::ResidentVersion;
 use serde_json::json;
 
@@ -425,7 +425,7 @@ async fn dynamo_sglang_contract_updates_pauses_and_continues() {
     };
     let (inst, http) = serve(&dir, &[0, 1, 2], false).await;
     let base = http.url();
-    let sg = DynamoSglangClient::new(&base, T);
+    let sg = DynamoSglangClient::new(&base, T).with_tp_size(3);
     let path = dir.to_str().unwrap();
 
     // update_weights_from_disk: success, no paused requests, not left paused.
@@ -487,6 +487,88 @@ async fn dynamo_sglang_contract_updates_pauses_and_continues() {
         "{msg}"
     );
     assert_eq!(inst.resident_version(), Some(ResidentVersion::parse("s2")));
+
+    // update_weights_from_tensor with mx's loader, inside a weight-update session: each held
+    // rank reads its own marker.
+    let tensor_url = format!("{base}/engine/control/update_weights_from_tensor");
+    let disk = format!("disk:{path}");
+    let body = mx_adapters::sglang::tensor_update(&disk, 3, true).unwrap();
+    let (status, raw) = post(&tensor_url, serde_json::to_value(&body).unwrap()).await;
+    assert_eq!(
+        (status, raw["success"].clone()),
+        (200, json!(false)),
+        "{raw}"
+    );
+    assert!(raw["message"]
+        .as_str()
+        .unwrap()
+        .contains("between begin_weight_update"));
+    let e = sg.end_weight_update().await.unwrap_err();
+    assert!(
+        e.to_string().contains("no weight-update session is open"),
+        "{e}"
+    );
+    sg.begin_weight_update().await.unwrap();
+    let e = sg.begin_weight_update().await.unwrap_err();
+    assert!(e.to_string().contains("already open"), "{e}");
+    let (status, raw) = post(&tensor_url, serde_json::to_value(&body).unwrap()).await;
+    assert_eq!(
+        (status, &raw),
+        (200, &json!({"success": true, "message": "Success"}))
+    );
+    assert_eq!(inst.resident_version(), Some(ResidentVersion::parse(&disk)));
+    assert!(
+        inst.paused().is_none(),
+        "the update paused and resumed itself"
+    );
+    // An install that fails still answers success (SGLang's contract with a custom loader: the
+    // rank reports the failure to the control plane); nothing changes.
+    let unknown = format!("mx:{}", "0".repeat(64));
+    let body = mx_adapters::sglang::tensor_update(&unknown, 3, true).unwrap();
+    let (status, raw) = post(&tensor_url, serde_json::to_value(&body).unwrap()).await;
+    assert_eq!(
+        (status, raw["success"].clone()),
+        (200, json!(true)),
+        "{raw}"
+    );
+    assert_eq!(inst.resident_version(), Some(ResidentVersion::parse(&disk)));
+    // What mx's loader cannot read is refused, naming the field: a rank without its element,
+    // ranks naming different versions, another loader, a body that is no marker.
+    let one = mx_adapters::sglang::tensor_update(&disk, 1, true).unwrap();
+    let mut mixed = mx_adapters::sglang::tensor_update(&disk, 3, true).unwrap();
+    mixed.serialized_named_tensors[2] = mx_adapters::sglang::marker("s9").unwrap();
+    let mut other = mx_adapters::sglang::tensor_update(&disk, 3, true).unwrap();
+    other.load_format = Some("direct".into());
+    let mut garbage = mx_adapters::sglang::tensor_update(&disk, 3, true).unwrap();
+    garbage.serialized_named_tensors[0] = "gARdcQAu".into();
+    for (body, field) in [
+        (one, "serialized_named_tensors[1]"),
+        (mixed, "serialized_named_tensors[2]"),
+        (other, "load_format"),
+        (garbage, "serialized_named_tensors[0]"),
+    ] {
+        let (status, raw) = post(&tensor_url, serde_json::to_value(&body).unwrap()).await;
+        assert_eq!(
+            (status, raw["success"].clone()),
+            (200, json!(false)),
+            "{raw}"
+        );
+        assert!(raw["message"].as_str().unwrap().contains(field), "{raw}");
+    }
+    assert_eq!(inst.resident_version(), Some(ResidentVersion::parse(&disk)));
+    sg.end_weight_update().await.unwrap();
+    // The client's apply runs the whole session (answered success, the rank holding what it
+    // held: its report would say so); it has no read-back of its own.
+    let a = sg
+        .apply(&ResidentVersion::parse("disk:/no/such/dir"))
+        .await
+        .unwrap();
+    assert_eq!(a.version, None);
+    assert_eq!(inst.resident_version(), Some(ResidentVersion::parse(&disk)));
+    sg.apply(&ResidentVersion::parse("disk:/no/such/dir"))
+        .await
+        .unwrap();
+    assert!(sg.read_version().await.unwrap().version.is_none());
     http.shutdown().await;
 }
 

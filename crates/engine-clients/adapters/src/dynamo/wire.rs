@@ -290,6 +290,15 @@ pub struct CompletionRequest {
     /// Generate `max_tokens` even past an end-of-sequence token.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ignore_eos: Option<bool>,
+    /// Log-probabilities of the `logprobs` likeliest tokens per position: mx asks for 1, with
+    /// [`CompletionRequest::return_tokens_as_token_ids`], to read the token ids of a worker
+    /// that leaves them out of `engine_data` (Dynamo's SGLang worker).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub logprobs: Option<u32>,
+    /// Spell `logprobs.tokens` as `"token_id:<id>"` (the vLLM OpenAI extension Dynamo's
+    /// frontend honours).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub return_tokens_as_token_ids: Option<bool>,
     /// Dynamo's extension: the worker and the extra answer fields.
     pub nvext: NvextRequest,
 }
@@ -304,26 +313,85 @@ pub struct NvextRequest {
     pub extra_fields: Vec<String>,
 }
 
-/// The part of the frontend's completion answer mx reads: `nvext.engine_data`.
+/// The part of the frontend's completion answer mx reads: `nvext.engine_data` and the first
+/// choice's `logprobs.tokens`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CompletionResponse {
     /// Dynamo's extension (present when `extra_fields` asked for it).
-    pub nvext: NvextResponse,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nvext: Option<NvextResponse>,
+    /// The completions (one: mx sends no `n`).
+    #[serde(default)]
+    pub choices: Vec<CompletionChoice>,
+}
+
+impl CompletionResponse {
+    /// The generated token ids: `nvext.engine_data.completion_token_ids` (Dynamo's vLLM
+    /// worker), else the first choice's `logprobs.tokens` read as `"token_id:<id>"` (every
+    /// worker, when the request set `logprobs` and `return_tokens_as_token_ids`).
+    ///
+    /// # Errors
+    /// In words, when the answer has neither, or a token is not spelled `token_id:<u32>`.
+    pub fn token_ids(&self) -> Result<Vec<u32>, String> {
+        if let Some(ids) = self
+            .nvext
+            .as_ref()
+            .and_then(|n| n.engine_data.as_ref())
+            .and_then(|d| d.completion_token_ids.clone())
+        {
+            return Ok(ids);
+        }
+        let tokens = self
+            .choices
+            .first()
+            .and_then(|c| c.logprobs.as_ref())
+            .map(|l| &l.tokens)
+            .ok_or(
+                "neither nvext.engine_data.completion_token_ids nor choices[0].logprobs.tokens",
+            )?;
+        tokens
+            .iter()
+            .map(|t| {
+                t.strip_prefix("token_id:")
+                    .and_then(|id| id.parse::<u32>().ok())
+                    .ok_or_else(|| format!("logprobs token {t:?} is not \"token_id:<u32>\""))
+            })
+            .collect()
+    }
 }
 
 /// `nvext` of a completion answer.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NvextResponse {
     /// What the engine reports about the request.
-    pub engine_data: EngineData,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub engine_data: Option<EngineData>,
 }
 
-/// `nvext.engine_data`: the request's token ids as the worker saw and produced them.
+/// `nvext.engine_data`: the request's token ids as the worker saw and produced them (Dynamo's
+/// vLLM worker; its SGLang worker reports only `kv_cache_hit` here).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct EngineData {
     /// Generated token ids.
-    pub completion_token_ids: Vec<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub completion_token_ids: Option<Vec<u32>>,
     /// Prompt token ids (when reported).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prompt_token_ids: Option<Vec<u32>>,
+}
+
+/// One choice of a completion answer: its `logprobs`, when asked for.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CompletionChoice {
+    /// The choice's log-probabilities (`null` unless the request set `logprobs`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub logprobs: Option<ChoiceLogprobs>,
+}
+
+/// `choices[i].logprobs`: the part mx reads.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChoiceLogprobs {
+    /// The generated tokens, `"token_id:<id>"` with `return_tokens_as_token_ids`.
+    #[serde(default)]
+    pub tokens: Vec<String>,
 }

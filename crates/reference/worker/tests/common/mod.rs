@@ -102,6 +102,7 @@ pub(crate) async fn serve(
         "127.0.0.1:0".parse().expect("addr"),
         None,
         None,
+        None,
     )
     .await
     .expect("HTTP binds");
