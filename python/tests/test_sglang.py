@@ -179,7 +179,8 @@ def test_sglang_answers_as_the_fixtures_say(engines):
 def test_dynamo_sglang_routes_answer_as_mx_reads_them(engines):
     """Dynamo's SGLang worker, before anything is attached: its tokens through the frontend are
     SGLang's own server's; pause/continue answer ``{"status": "ok"}``; a handler that raised is
-    HTTP 500 ``Handler error``; an unknown route 404 (``mx_adapters::dynamo_sglang``)."""
+    HTTP 500 ``Handler error``; an unknown route 404; the session routes and the tensor route
+    answer SGLang's ``{success, message}`` with HTTP 200 (``mx_adapters::dynamo_sglang``)."""
     d = engines["dynamo"]
     assert d.generate(PROMPT) == COLD_TOKENS
     assert d.route("pause_generation", {"mode": "retract"}) == (200, {"status": "ok"})
@@ -189,6 +190,17 @@ def test_dynamo_sglang_routes_answer_as_mx_reads_them(engines):
     assert "new_version" in body["message"], body
     status, body = d.route("get_weight_version", {})
     assert status == 404 and body["error"] == "Route not found", body
+    # The weight-update session (configured routes): SGLang's answers, HTTP 200 throughout.
+    ok = (200, {"success": True, "message": "Success"})
+    assert d.route("begin_weight_update", {"selector": "all"}) == ok
+    status, body = d.route("begin_weight_update", {"selector": "all"})
+    assert (status, body["success"]) == (200, False) and "already open" in body["message"], body
+    assert d.route("end_weight_update", {}) == ok
+    status, body = d.route("end_weight_update", {})
+    assert (status, body["success"]) == (200, False) and "no weight-update" in body["message"]
+    status, body = d.route("control/update_weights_from_tensor", {"serialized_named_tensors": []})
+    assert (status, body["success"]) == (200, False), body
+    assert "between begin_weight_update() and end_weight_update()" in body["message"], body
     assert d.generate(PROMPT) == COLD_TOKENS
 
 

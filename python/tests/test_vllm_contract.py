@@ -124,3 +124,15 @@ def test_shutdown_then_init_again(seen):
     assert seen["reinit_version"] == "step-43"
     assert seen["reinit_tokens"] == seen["tokens_cold"]
     assert seen["shutdown_end"] is None
+
+
+def test_a_prepared_set_exchanges_in_and_back_as_vllm_s_own_reload_would_load_it(seen):
+    """Issue 33's prepared install on the real vLLM: building it changes nothing served; the
+    exchange serves exactly what vLLM's layerwise reload of the same weights serves (tokens and
+    log-probabilities); the exchange back serves exactly the previous version."""
+    p = seen["prepared"]
+    assert p["modules_exchanged"] > 100, p["modules_exchanged"]
+    assert p["while_prepared"] == p["before"]
+    assert p["exchanged"][0] != p["before"][0]
+    assert p["exchanged"] == p["layerwise_reload"]
+    assert p["exchanged_back"] == p["before"]

@@ -127,6 +127,60 @@ def main(model: str) -> dict[str, Any]:
         out["reinit_version"] = llm.get_weight_version()
         out["reinit_tokens"] = tokens()
         out["shutdown_end"] = err(llm.shutdown_weight_transfer_engine)
+    out["prepared"] = prepared_check(llm, model)
+    return out
+
+
+def prepared_check(llm: Any, model: str) -> dict[str, Any]:
+    """Issue 33's prepared install (``mx.vllm._prepared``): shadows of the model loaded with
+    the checkpoint x1.5 and processed while nothing is paused, exchanged in, exchanged back,
+    then compared with vLLM's own layerwise reload of the same weights (greedy tokens and the
+    top-2 log-probabilities of every position, exactly)."""
+    import torch
+    from safetensors.torch import load_file
+    from vllm import SamplingParams
+
+    from mx.vllm._engine import _refresh_tied_heads
+    from mx.vllm._prepared import Prepared
+
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+
+    def observed() -> list[Any]:
+        [o] = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)
+        c = o.outputs[0]
+        top = [sorted((k, v.logprob) for k, v in p.items()) for p in c.logprobs]
+        return [list(c.token_ids), top]
+
+    weights = load_file(os.path.join(model, "model.safetensors"))
+    scaled = {n: (t * 1.5).to(t.dtype) for n, t in weights.items()}
+    mc = llm.llm_engine.model_config
+    box: dict[str, Prepared] = {}
+
+    def build(m: Any) -> int:
+        box["p"] = Prepared.build(m, mc, torch.device("cpu"), iter(scaled.items()))
+        return len(box["p"]._pairs)
+
+    def reload(m: Any) -> None:
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+
+        initialize_layerwise_reload(m)
+        with torch.no_grad():
+            m.load_weights(iter(scaled.items()))
+        finalize_layerwise_reload(m, mc)
+        _refresh_tied_heads(m)
+
+    out: dict[str, Any] = {"before": observed()}
+    out["modules_exchanged"] = llm.apply_model(build)[0]
+    out["while_prepared"] = observed()
+    llm.apply_model(lambda m: box["p"].exchange())
+    out["exchanged"] = observed()
+    llm.apply_model(lambda m: box["p"].exchange())
+    out["exchanged_back"] = observed()
+    llm.apply_model(reload)
+    out["layerwise_reload"] = observed()
     return out
 
 

@@ -1,0 +1,185 @@
+"""A second, processed set of one vLLM rank's weights, built while vLLM generates, and its
+exchange with the live set at the safe point (issue 33; see docs/notes/issue33-plan.md).
+
+vLLM's layerwise reload (``vllm/model_executor/model_loader/reload``) runs the model's weight
+loaders and each layer's post-load processing (``quant_method.process_weights_after_loading``:
+on a CPU, the GEMM weights packed into kernel handles held by ``layer.cpu_linear``) on the live
+layers, which sit on the meta device meanwhile: it can only run paused. :class:`Prepared` runs
+the same code on *shadow* layers instead: each module is copied (its own ``__dict__``,
+``_parameters``, ``_buffers`` and ``quant_method``), its tensors materialized afresh from the
+metadata vLLM recorded at start-up (``record_metadata_for_reloading``: the shapes and weight
+loaders before processing) with the loaders rebound to the shadow, parameters shared between
+modules (a tied ``lm_head``) shared between their shadows. Loading and processing then touch
+only the shadows, so the engine keeps generating on the live set.
+
+:meth:`Prepared.exchange` swaps, module by module, everything the shadow's build changed
+(``_parameters``, ``_buffers`` and each attribute that processing set, such as ``cpu_linear``)
+with the live module's: afterwards the live modules compute with the new version, and the
+shadows hold the old one, so calling it again is the rollback. Nothing is copied in the pause.
+It swaps Python objects: for an engine that captured tensor addresses (CUDA graphs, a compiled
+graph with frozen weights) the processed values must be copied into the live tensors instead.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+from types import MethodType
+from typing import Any
+
+import torch
+
+_NEVER_SWAPPED = frozenset({"_modules", "training"})
+"""Module attributes left alone by the exchange: the tree itself (each shadow's children are
+shadows) and the train/eval flag."""
+
+
+class Prepared:
+    """The shadow of a vLLM model (see the module docs). Build with :meth:`build`; then
+    :meth:`exchange` at the safe point (again to roll back)."""
+
+    def __init__(self, root: torch.nn.Module, pairs: list[tuple[Any, Any, frozenset[str]]]):
+        self.root = root
+        self._pairs = pairs
+        self.exchanged = False
+
+    @classmethod
+    def build(
+        cls,
+        model: torch.nn.Module,
+        model_config: Any,
+        device: torch.device,
+        tensors: Iterable[tuple[str, torch.Tensor]],
+    ) -> Prepared:
+        """Shadows of ``model``'s modules loaded from ``tensors`` (checkpoint names, as
+        ``model.load_weights`` takes them) and processed as vLLM processes a fresh load. The
+        live model is not touched.
+
+        Raises:
+            RuntimeError: vLLM recorded no reload metadata for the model (a vLLM older than
+                its layerwise reload), or a layer's loaders or processing failed (the live model
+                is unchanged; the shadows are dropped).
+        """
+        from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+        before: dict[int, dict[str, Any]] = {}
+        root = _Shadows(device).of(model, before)
+        with torch.no_grad():
+            root.load_weights(tensors)
+        process_weights_after_loading(root, model_config, device)
+        pairs = []
+        for live, shadow in zip(model.modules(), root.modules(), strict=True):
+            # The live module's attributes when the shadow was made: the shadow differs from
+            # them where it has its own tensors and quant method, and where loading and
+            # processing set something (later changes to the live module are not undone).
+            was = before[id(shadow)]
+            changed = {
+                k
+                for k in set(shadow.__dict__) | set(was)
+                if k not in _NEVER_SWAPPED
+                and (k not in was or k not in shadow.__dict__ or shadow.__dict__[k] is not was[k])
+            }
+            if changed:
+                pairs.append((live, shadow, frozenset(changed)))
+        return cls(root, pairs)
+
+    def exchange(self) -> None:
+        """Swaps the prepared state with the live one, module by module (in the pause: no
+        copies, no loaders). Called again, swaps back."""
+        for live, shadow, keys in self._pairs:
+            ld, sd = live.__dict__, shadow.__dict__
+            for k in keys:
+                lv, sv = ld.pop(k, _ABSENT), sd.pop(k, _ABSENT)
+                if sv is not _ABSENT:
+                    ld[k] = sv
+                if lv is not _ABSENT:
+                    sd[k] = lv
+        self.exchanged = not self.exchanged
+
+    def nbytes(self) -> int:
+        """Bytes of the tensors the shadows hold (the prepared set, or after an exchange the
+        exchanged-out one); kernel handles that keep their own copies are not counted."""
+        seen: set[int] = set()
+        n = 0
+        for _, shadow, _ in self._pairs:
+            for t in list(shadow._parameters.values()) + list(shadow._buffers.values()):
+                if t is not None and id(t) not in seen:
+                    seen.add(id(t))
+                    n += t.numel() * t.element_size()
+        return n
+
+
+_ABSENT = object()
+
+
+class _Shadows:
+    """Builds the shadow tree (one shadow per module, memoized: a module reached twice is one
+    shadow, a parameter shared by two modules one tensor)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.modules: dict[int, torch.nn.Module] = {}
+        self.tensors: dict[int, torch.Tensor] = {}
+
+    def of(self, m: torch.nn.Module, before: dict[int, dict[str, Any]]) -> torch.nn.Module:
+        if id(m) in self.modules:
+            return self.modules[id(m)]
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+        s = m.__class__.__new__(m.__class__)
+        # What the live module held when its shadow was made: the exchange swaps every
+        # attribute in which the shadow differs from it (see Prepared.build).
+        before[id(s)] = dict(m.__dict__)
+        d = dict(m.__dict__)
+        d["_parameters"], d["_buffers"], d["_modules"] = {}, {}, {}
+        d["_non_persistent_buffers_set"] = set(m._non_persistent_buffers_set)
+        method = d.get("quant_method")
+        if method is not None:
+            d["quant_method"] = copy.copy(method)
+        object.__setattr__(s, "__dict__", d)
+        self.modules[id(m)] = s
+        for name, child in m._modules.items():
+            d["_modules"][name] = None if child is None else self.of(child, before)
+        meta_params, meta_buffers = get_layerwise_info(m).restore_metadata
+        # Entries registered as None (a linear layer without bias) stay None.
+        for name, p in m._parameters.items():
+            shadow = None if p is None else self._tensor(p, meta_params.get(name), m, s)
+            d["_parameters"][name] = shadow
+        # A non-persistent buffer is no checkpoint tensor (RoPE's cos/sin cache): no loader
+        # writes it, so it keeps its values (vLLM's reload keeps the live one too).
+        for name, b in m._buffers.items():
+            kept = name in m._non_persistent_buffers_set
+            meta = None if kept else meta_buffers.get(name)
+            d["_buffers"][name] = None if b is None else self._tensor(b, meta, m, s)
+        return s
+
+    def _tensor(self, live: torch.Tensor, meta: torch.Tensor | None, m, s) -> torch.Tensor:
+        """The shadow of one live tensor: shared when its live tensor is shared; fresh from
+        vLLM's recorded metadata (the shape before processing) when there is some, else a copy
+        of the live values (tensors no loader writes, such as RoPE caches and biases)."""
+        if id(live) in self.tensors:
+            return self.tensors[id(live)]
+        from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor
+        from vllm.model_executor.model_loader.reload.sanitize import layer_ref_sentinel
+
+        if meta is not None:
+            with self.device:
+                t = materialize_meta_tensor(meta)
+        else:
+            t = live.detach().clone()
+            if isinstance(live, torch.nn.Parameter):
+                t = torch.nn.Parameter(t, requires_grad=False)
+            t.__dict__ = dict(live.__dict__)
+        # The tensor's weight loaders (``weight_loader``, or ``_weight_loader`` of vLLM's
+        # parameter classes) must load into the shadow: vLLM's reload leaves its deferring
+        # wrapper (``online_process_loader``, which would process the *live* layer) on the
+        # recorded metadata after the first reload, and rebinds the layer's methods from a
+        # sentinel to the live layer; unwrap, and bind them to the shadow.
+        for key, value in list(t.__dict__.items()):
+            while callable(value) and getattr(value, "__name__", "") == "online_process_loader":
+                value = value.__wrapped__
+            if isinstance(value, MethodType) and value.__self__ in (layer_ref_sentinel, m):
+                value = value.__func__.__get__(s)
+            t.__dict__[key] = value
+        self.tensors[id(live)] = t
+        return t
