@@ -41,7 +41,6 @@ class Prepared:
     def __init__(self, root: torch.nn.Module, pairs: list[tuple[Any, Any, frozenset[str]]]):
         self.root = root
         self._pairs = pairs
-        self.exchanged = False
 
     @classmethod
     def build(
@@ -94,19 +93,6 @@ class Prepared:
                     ld[k] = sv
                 if lv is not _ABSENT:
                     sd[k] = lv
-        self.exchanged = not self.exchanged
-
-    def nbytes(self) -> int:
-        """Bytes of the tensors the shadows hold (the prepared set, or after an exchange the
-        exchanged-out one); kernel handles that keep their own copies are not counted."""
-        seen: set[int] = set()
-        n = 0
-        for _, shadow, _ in self._pairs:
-            for t in list(shadow._parameters.values()) + list(shadow._buffers.values()):
-                if t is not None and id(t) not in seen:
-                    seen.add(id(t))
-                    n += t.numel() * t.element_size()
-        return n
 
 
 _ABSENT = object()

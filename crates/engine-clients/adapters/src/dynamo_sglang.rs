@@ -147,26 +147,12 @@ impl DynamoSglangClient {
             abort_all_requests: None,
         };
         let (status, raw) = send(&url, self.http.post(&url).json(&body), self.timeout).await?;
-        match (status, serde_json::from_str::<UpdateWeightsResponse>(&raw)) {
-            (200, Ok(a)) if a.success => Ok(SglangUpdate {
-                message: a.message,
-                num_paused_requests: a.num_paused_requests.unwrap_or(0),
-                cache_tiers_cleared: a.cache_tiers_cleared.unwrap_or_default(),
-            }),
-            (_, Ok(a)) if !a.success => Err(Error::Engine {
-                url,
-                message: a.message,
-            }),
-            (200, Err(e)) => Err(Error::BadResponse {
-                url,
-                reason: format!("{e}: {}", snippet(&raw)),
-            }),
-            (status, _) => Err(Error::Status {
-                url,
-                status,
-                body: snippet(&raw),
-            }),
-        }
+        let a = judge_update(url, status, &raw)?;
+        Ok(SglangUpdate {
+            message: a.message,
+            num_paused_requests: a.num_paused_requests.unwrap_or(0),
+            cache_tiers_cleared: a.cache_tiers_cleared.unwrap_or_default(),
+        })
     }
 
     /// `POST /engine/<route>` of a weight-update session route (`begin_weight_update`,
@@ -178,8 +164,8 @@ impl DynamoSglangClient {
     ) -> Result<String, Error> {
         let url = self.native_url(route);
         let (status, raw) = send(&url, self.http.post(&url).json(body), self.timeout).await?;
-        match (status, serde_json::from_str::<UpdateWeightsResponse>(&raw)) {
-            (404 | 405, _) => Err(Error::Unsupported {
+        if matches!(status, 404 | 405) {
+            return Err(Error::Unsupported {
                 what: format!(
                     "route {route} on the Dynamo SGLang worker at {} (HTTP {status}): start it \
                      with --engine-route begin_weight_update:tm --engine-route \
@@ -187,18 +173,9 @@ impl DynamoSglangClient {
                      session)",
                     self.system_url
                 ),
-            }),
-            (200, Ok(a)) if a.success => Ok(a.message),
-            (_, Ok(a)) if !a.success => Err(Error::Engine {
-                url,
-                message: a.message,
-            }),
-            (status, _) => Err(Error::Status {
-                url,
-                status,
-                body: snippet(&raw),
-            }),
+            });
         }
+        Ok(judge_update(url, status, &raw)?.message)
     }
 
     /// `POST /engine/begin_weight_update` with `{selector: "all"}` (a configured route).
@@ -236,22 +213,7 @@ impl DynamoSglangClient {
         let url = self.url("update_weights_from_tensor");
         let body = crate::sglang::tensor_update(version, self.tp_size, true)?;
         let (status, raw) = send(&url, self.http.post(&url).json(&body), self.timeout).await?;
-        match (status, serde_json::from_str::<UpdateWeightsResponse>(&raw)) {
-            (200, Ok(a)) if a.success => Ok(a.message),
-            (_, Ok(a)) if !a.success => Err(Error::Engine {
-                url,
-                message: a.message,
-            }),
-            (200, Err(e)) => Err(Error::BadResponse {
-                url,
-                reason: format!("{e}: {}", snippet(&raw)),
-            }),
-            (status, _) => Err(Error::Status {
-                url,
-                status,
-                body: snippet(&raw),
-            }),
-        }
+        Ok(judge_update(url, status, &raw)?.message)
     }
 
     /// `POST` to a native route the deployment may have replaced: 404/405 is
@@ -307,6 +269,32 @@ impl DynamoSglangClient {
             torch_empty_cache: Some(torch_empty_cache),
         };
         self.optional_route("continue_generation", &body).await
+    }
+}
+
+/// SGLang's `{success, message, ...}` answer of an update or session route at `url`: HTTP 200
+/// with `success: true` is the answer (SGLang answers its failures with HTTP 200 and `success:
+/// false` here).
+///
+/// # Errors
+/// [`Error::Engine`] with the engine's message when `success` is false (whatever the status),
+/// [`Error::BadResponse`] for a 200 that is not such an answer, else [`Error::Status`].
+fn judge_update(url: String, status: u16, raw: &str) -> Result<UpdateWeightsResponse, Error> {
+    match (status, serde_json::from_str::<UpdateWeightsResponse>(raw)) {
+        (200, Ok(a)) if a.success => Ok(a),
+        (_, Ok(a)) if !a.success => Err(Error::Engine {
+            url,
+            message: a.message,
+        }),
+        (200, Err(e)) => Err(Error::BadResponse {
+            url,
+            reason: format!("{e}: {}", snippet(raw)),
+        }),
+        (status, _) => Err(Error::Status {
+            url,
+            status,
+            body: snippet(raw),
+        }),
     }
 }
 
