@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +39,8 @@ class ParamInfo:
     shape: tuple[int, ...]
     nbytes: int
     pieces: tuple[Piece, ...]
+    offset: int = 0
+    """Where the parameter starts in a buffer laid out as the whole rank (bytes)."""
 
 
 def _param_infos(layouts: Sequence[Mapping[str, Any]], rank: int | None) -> list[ParamInfo]:
@@ -61,7 +63,11 @@ def _param_infos(layouts: Sequence[Mapping[str, Any]], rank: int | None) -> list
                 for pc in p["pieces"]
             )
             shape = tuple(p["shape"])
-            out.append(ParamInfo(rl["rank"], p["name"], p["dtype"], shape, p["nbytes"], pieces))
+            out.append(
+                ParamInfo(
+                    rl["rank"], p["name"], p["dtype"], shape, p["nbytes"], pieces, p["offset"]
+                )
+            )
     return out
 
 
@@ -346,6 +352,22 @@ class Puller:
         """The data pointer of every registered parameter of ``rank`` (they never change)."""
         return dict(self._inner.addresses(int(rank)))
 
+    def copy_staged(self, version_id: str, rank: int, buffer: Any) -> None:
+        """Copies held rank ``rank`` of the staged version ``version_id`` into ``buffer`` (a
+        contiguous, writable host tensor or array of the rank's bytes, laid out as the whole
+        rank: parameter ``p`` at ``p.offset``; bytes of no piece zeroed): the bytes
+        :meth:`apply` would install, into memory of the caller's, so an engine can prepare
+        a version while it serves another. Staging, the registered tensors and the versions
+        held are not touched. Allowed while following.
+
+        Raises:
+            MxError: ``NotFound`` (``version_id`` is not the staged version: what is staged,
+                retained and resident named), ``InvalidArgument`` (a rank not held, a buffer of
+                another size, device or read-only memory).
+        """
+        region = _memory.describe(buffer, f"rank {rank} staged copy", writable=True)
+        self._inner.copy_staged_rank(version_id, int(rank), region.addr, region.nbytes)
+
     def staged_tensors(self) -> list[StagedPiece]:
         """The staged version piece by piece, copied out as bytes, for engines that install
         weights through their own loaders (e.g. ``load_weights``) instead of :meth:`apply`.
@@ -396,6 +418,7 @@ class Puller:
         engine_api: str = "vllm",
         limits: tuple[int, int] | None = None,
         frontend: tuple[str, str, int] | None = None,
+        on_staged: Callable[[str], Any] | None = None,
     ) -> str:
         """Follows the control plane as worker ``worker_id`` of inference instance
         ``instance`` whose engine serves ``engine_api``'s routes itself at ``engine_url`` (a
@@ -405,8 +428,12 @@ class Puller:
         :meth:`rollback`) here. ``limits``: ``(vocab_size, max_positions)`` of the served model,
         checked against a refit's post-update generation before anything pauses.
         ``frontend``: ``(url, served model, instance id)`` where a Dynamo worker generates (its
-        frontend's ``/v1/completions``, pinned by ``nvext.backend_instance_id``). Returns
-        ``engine_url``. Every parameter must be registered.
+        frontend's ``/v1/completions``, pinned by ``nvext.backend_instance_id``).
+        ``on_staged(version_id)``: called (on a thread of the puller's, with the GIL) with
+        every version pulled into staging, before the control plane hears it is staged, so
+        before it pauses the engine: the engine prepares the version there (e.g. with
+        :meth:`copy_staged`); what it raises is logged and the version still counts as staged.
+        Returns ``engine_url``. Every parameter must be registered.
 
         Raises:
             MxError: as :meth:`serve`.
@@ -414,7 +441,7 @@ class Puller:
         self._check()
         lim = None if limits is None else (int(limits[0]), int(limits[1]))
         fe = None if frontend is None else (str(frontend[0]), str(frontend[1]), int(frontend[2]))
-        return self._inner.follow(worker_id, instance, engine_url, engine_api, lim, fe)
+        return self._inner.follow(worker_id, instance, engine_url, engine_api, lim, fe, on_staged)
 
     def report_resident(self, error: str = "") -> None:
         """Tells the control plane what this rank holds in the engine's live weights now (its

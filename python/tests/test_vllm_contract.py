@@ -132,7 +132,13 @@ def test_a_prepared_set_exchanges_in_and_back_as_vllm_s_own_reload_would_load_it
     log-probabilities); the exchange back serves exactly the previous version."""
     p = seen["prepared"]
     assert p["modules_exchanged"] > 100, p["modules_exchanged"]
+    # 30 decoder layers and the final norm, each output digested in every forward pass.
+    assert p["hooked_modules"] == 31
+    assert len(p["before"][2]) == 31
     assert p["while_prepared"] == p["before"]
+    # An exchange that fails halfway swaps back what it swapped: vLLM serves what it served.
+    assert "failpoint install_after" in p["failed_halfway"], p["failed_halfway"]
+    assert p["after_failed_exchange"] == p["before"]
     assert p["exchanged"][0] != p["before"][0]
     assert p["exchanged"] == p["layerwise_reload"]
     assert p["exchanged_back"] == p["before"]

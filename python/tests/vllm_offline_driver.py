@@ -134,8 +134,11 @@ def main(model: str) -> dict[str, Any]:
 def prepared_check(llm: Any, model: str) -> dict[str, Any]:
     """Issue 33's prepared install (``mx.vllm._prepared``): shadows of the model loaded with
     the checkpoint x1.5 and processed while nothing is paused, exchanged in, exchanged back,
-    then compared with vLLM's own layerwise reload of the same weights (greedy tokens and the
-    top-2 log-probabilities of every position, exactly)."""
+    then compared with vLLM's own layerwise reload of the same weights (greedy tokens, the
+    top-2 log-probabilities of every position, and a digest of every module's output during
+    the generation, exactly); an exchange failing halfway changes nothing served."""
+    import hashlib
+
     import torch
     from safetensors.torch import load_file
     from vllm import SamplingParams
@@ -145,11 +148,34 @@ def prepared_check(llm: Any, model: str) -> dict[str, Any]:
 
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
 
+    digests: dict[str, Any] = {}
+
+    def hook_all(m: Any) -> int:
+        # Every decoder layer's and the final norm's outputs, chained over the forward passes
+        # of one generation (the prefill and each decode step).
+        def hook(name: str):
+            def f(_module: Any, _args: Any, output: Any) -> None:
+                h = digests.setdefault(name, hashlib.blake2b(digest_size=16))
+                for t in output if isinstance(output, tuple) else (output,):
+                    if isinstance(t, torch.Tensor):
+                        h.update(t.detach().float().contiguous().numpy().tobytes())
+
+            return f
+
+        n = 0
+        for name, module in m.named_modules():
+            if name.startswith("model.layers.") and name.count(".") == 2 or name == "model.norm":
+                module.register_forward_hook(hook(name))
+                n += 1
+        return n
+
     def observed() -> list[Any]:
+        digests.clear()
         [o] = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)
         c = o.outputs[0]
         top = [sorted((k, v.logprob) for k, v in p.items()) for p in c.logprobs]
-        return [list(c.token_ids), top]
+        layers = {k: h.hexdigest() for k, h in sorted(digests.items())}
+        return [list(c.token_ids), top, layers]
 
     weights = load_file(os.path.join(model, "model.safetensors"))
     scaled = {n: (t * 1.5).to(t.dtype) for n, t in weights.items()}
@@ -172,9 +198,21 @@ def prepared_check(llm: Any, model: str) -> dict[str, Any]:
         finalize_layerwise_reload(m, mc)
         _refresh_tied_heads(m)
 
-    out: dict[str, Any] = {"before": observed()}
+    out: dict[str, Any] = {"hooked_modules": llm.apply_model(hook_all)[0]}
+    out["before"] = observed()
     out["modules_exchanged"] = llm.apply_model(build)[0]
     out["while_prepared"] = observed()
+    half = out["modules_exchanged"] // 2
+
+    def fail_halfway(m: Any) -> str:
+        try:
+            box["p"].exchange(failpoint=("install_after", half))
+        except RuntimeError as e:
+            return str(e)
+        return "no error"
+
+    out["failed_halfway"] = llm.apply_model(fail_halfway)[0]
+    out["after_failed_exchange"] = observed()
     llm.apply_model(lambda m: box["p"].exchange())
     out["exchanged"] = observed()
     llm.apply_model(lambda m: box["p"].exchange())

@@ -15,11 +15,21 @@ tensor-parallel rank). At ``init_transfer_engine`` it:
    stages versions into the puller over its command stream (pull + verify, while vLLM keeps
    generating).
 
+Once a version is staged, and before the control plane hears so (so before anything pauses),
+the backend *prepares* it (``prepare``, on by default with ``install="reload"``): it copies the
+staged rank out of the puller and runs vLLM's own loaders and post-load processing on a second,
+*shadow* set of the model's layers (:class:`mx.vllm._prepared.Prepared`) while vLLM keeps
+generating on the live set.
+
 A refit's APPLY calls the server's ``/start_weight_update``, ``/update_weights`` with
 ``{"update_info": {"version_id": V}}`` and ``/finish_weight_update``; ``update_weights``
 installs V at that safe point: the puller copies it from staging into the host parameters
-(retaining the previous version: the rollback source), then vLLM takes it in one of two ways:
+(retaining the previous version: the rollback source), then vLLM takes it in one of three ways:
 
+- *exchange* (V was prepared): the live layers and their shadows swap their processed state
+  (parameters, buffers, the packed GEMM handles, the quant method), module by module; no
+  loader runs in the pause. The exchanged-out set holds the version served before: a rollback
+  to it is the same exchange back. It stays until the next version is staged.
 - ``install="reload"`` (the default on CPU, where vLLM repacks Linear weights after loading and
   the parameters it created are empty): vLLM's layerwise reload, fed checkpoint-format tensors
   that are full-shaped but hold only this rank's slices (vLLM's loaders read nothing else), in
@@ -29,7 +39,9 @@ installs V at that safe point: the puller copies it from staging into the host p
   rank's bytes into the parameters in place, nothing else.
 
 Resident memory beside vLLM's own weights: the rank's bytes (host parameters) + the retained
-previous version (``retain``, 1x) + staging (at most 1x while a version is staged).
+previous version (``retain``, 1x) + staging (at most 1x while a version is staged) + with
+``prepare``, one processed set of the rank's weights (the prepared version, then the rollback
+source) and, while a version is being prepared, one more copy of the rank's bytes.
 
 A failed install puts the previous version back before the error is returned (the puller
 restores its retained copy and vLLM reloads it), so vLLM never serves a half-installed version;
@@ -41,7 +53,8 @@ the retained host copy: no pull.
 
 Failpoints for tests: with ``MX_VLLM_FAILPOINT_FILE=PATH`` in the server's environment, an
 install finding ``install_after:N`` in that file deletes it and raises after N checkpoint
-tensors were loaded (so at least one decoder layer was reloaded, with N >= 10 on llama);
+tensors were loaded (so at least one decoder layer was reloaded, with N >= 10 on llama), or
+an exchange after N of its module pairs were swapped (they are swapped back);
 ``die_after:N`` SIGKILLs the server's process group there instead (a crash during APPLY; run
 the server in a session of its own).
 """
@@ -49,6 +62,7 @@ the server in a session of its own).
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -67,6 +81,7 @@ from .._model import Model
 from .._puller import Puller
 from ..fp8 import Fp8Param, fp8_layout, quantize_params
 from . import _fp8, _layout
+from ._prepared import Prepared
 
 logger = init_logger("vllm.mx")
 
@@ -108,6 +123,9 @@ class MxInitInfo(WeightTransferInitInfo):
             with ``engine_api="dynamo"``.
         backend_instance_id: the worker's ``instance_id`` as ``GET /v1/rl/workers`` lists it (a
             u64); required with ``engine_api="dynamo"``.
+        prepare: with ``install="reload"``, build vLLM's processed form of every staged
+            version while vLLM generates, so the install is an exchange (default on; costs one
+            processed copy of the rank's weights). Ignored by ``install="inplace"`` and FP8.
     """
 
     control_url: str
@@ -121,6 +139,7 @@ class MxInitInfo(WeightTransferInitInfo):
     frontend_url: str = ""
     served_model: str = ""
     backend_instance_id: int = 0
+    prepare: bool = True
 
     def __post_init__(self) -> None:
         for f in ("control_url", "instance_id", "engine_url"):
@@ -129,7 +148,7 @@ class MxInitInfo(WeightTransferInitInfo):
         for f in ("control_url", "engine_url"):
             v = getattr(self, f)
             _need(v.startswith(("http://", "https://")), f, f"must be an http(s) URL, got {v!r}")
-        for f in ("retain", "fill_nan", "check_layout"):
+        for f in ("retain", "fill_nan", "check_layout", "prepare"):
             v = getattr(self, f)
             _need(isinstance(v, bool), f, f"must be true or false, got {v!r}")
         _need(self.install in INSTALL_MODES, "install", f"must be one of {INSTALL_MODES}")
@@ -196,7 +215,14 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
         self._mode = "reload"
         self._fill_nan = False
         self._reloading = False
+        self._prepare = False
+        # The other processed set: (the version it holds, its shadows). Prepared for a staged
+        # version; after an exchange, the version exchanged out (the rollback source).
+        self._other: tuple[str | None, Prepared] | None = None
+        # One prepare or exchange at a time (the puller's thread prepares; vLLM's installs).
+        self._other_lock = threading.Lock()
         self.last_install: dict[str, Any] = {}
+        self.last_prepare: dict[str, Any] = {}
 
     # --- init ------------------------------------------------------------------------------
     def init_transfer_engine(self, init_info: MxInitInfo) -> None:
@@ -266,6 +292,10 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
                 puller.set_resident(f"disk:{model_dir}")
             worker_id = f"{init_info.instance_id}-tp{rank}"
             limits = (self.model_config.get_vocab_size(), self.model_config.max_model_len)
+            self._prepare = init_info.prepare and mode == "reload" and not fp8
+            # What the prepare hook reads, set before the control plane can stage anything.
+            self._puller, self._rank, self._infos = puller, rank, infos
+            self._checkpoint = checkpoint
             puller.follow(
                 worker_id,
                 instance=init_info.instance_id,
@@ -273,8 +303,10 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
                 engine_api=init_info.engine_api,
                 limits=limits,
                 frontend=init_info.frontend(),
+                on_staged=self._on_staged if self._prepare else None,
             )
         except BaseException:
+            self._puller = None
             puller.close()
             raise
         self._puller, self._rank, self._infos, self._params = puller, rank, infos, params
@@ -284,13 +316,14 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
         self._view = _layout.CheckpointView(infos, params, checkpoint)
         self._mode, self._fill_nan = mode, init_info.fill_nan
         logger.info(
-            "mx: rank %d of %s follows %s as %s (install %s; %d parameters, %d bytes; "
+            "mx: rank %d of %s follows %s as %s (install %s%s; %d parameters, %d bytes; "
             "layout checked in %.2f s, set up in %.2f s)",
             rank,
             layout,
             init_info.control_url,
             worker_id,
             mode,
+            ", prepared while generating" if self._prepare else "",
             len(infos),
             sum(p.nbytes for p in infos),
             t2 - t1,
@@ -350,22 +383,20 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
         # changed, neither the host parameters nor vLLM.
         kind = self._to_host(version)
         t1 = time.perf_counter()
-        try:
-            if self._mode == "reload" and not self._reloading:
-                from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-                self._reloading = True
-                _reset_cpu_moe_kernels(self.model)
-                initialize_layerwise_reload(self.model)
-            self._into_vllm(failpoint=True)
-        except BaseException as e:
-            self._restore(before.resident, version, e)
-            raise
+        if kind == "already_resident":
+            # vLLM serves it: every install and every failed one leaves vLLM serving the
+            # resident version (a failure that could not, says restart).
+            how = "none"
+        elif self._exchange(version, before.resident):
+            how = "exchange"
+        else:
+            how = self._mode
+            self._reload_or_copy(version, before.resident)
         t2 = time.perf_counter()
         self.last_install = {
             "version_id": version,
             "kind": kind,
-            "mode": self._mode,
+            "mode": how,
             "host_s": t1 - t0,
             "vllm_s": t2 - t1,
         }
@@ -375,9 +406,43 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
             version,
             kind,
             t1 - t0,
-            self._mode,
+            how,
             t2 - t1,
         )
+
+    def _exchange(self, version: str, previous: str | None) -> bool:
+        """Swaps in the set prepared for ``version`` when there is one (True), else False.
+        The exchanged-out set then holds ``previous`` (what vLLM served). A failed exchange
+        swaps back what it swapped and puts ``previous`` back in the host parameters."""
+        with self._other_lock:
+            other = self._other
+            if other is None or other[0] != version:
+                return False
+            try:
+                armed = _failpoints.take("MX_VLLM_FAILPOINT_FILE")
+                other[1].exchange(failpoint=armed)
+            except BaseException as e:
+                logger.error(
+                    "mx: exchanging in %s failed (%s); vLLM serves %s", version, e, previous
+                )
+                self._host_back(previous, version, e)
+                raise
+            self._other = (previous, other[1])
+        return True
+
+    def _reload_or_copy(self, version: str, previous: str | None) -> None:
+        """vLLM takes the host parameters by its layerwise reload (or a copy in place)."""
+        try:
+            if self._mode == "reload" and not self._reloading:
+                from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+                self._reloading = True
+                _reset_cpu_moe_kernels(self.model)
+                initialize_layerwise_reload(self.model)
+            self._into_vllm(failpoint=True)
+        except BaseException as e:
+            self._restore(previous, version, e)
+            raise
 
     def finish_weight_update(self) -> None:
         self._need_init()
@@ -424,6 +489,60 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
             tensors = _failpoints.fail_after(tensors, armed)
         with torch.no_grad():
             self.model.load_weights(tensors)
+
+    def _host_back(self, previous: str | None, version: str, err: BaseException) -> None:
+        """The host parameters back to ``previous`` (the retained copy) after ``version``
+        failed to go into vLLM and vLLM still serves ``previous``."""
+        puller = self._need_init()
+        try:
+            v = puller.versions
+            if previous is not None and v.resident != previous and v.retained == previous:
+                puller.rollback()
+        except BaseException as e2:
+            logger.critical("mx: restoring %s in the host copy failed too: %s", previous, e2)
+            raise RuntimeError(
+                f"mx: installing {version} failed ({err}) and restoring {previous} in the host "
+                f"copy failed ({e2}): restart this vLLM"
+            ) from e2
+
+    # --- preparing while vLLM generates ---------------------------------------------------
+    def _on_staged(self, version: str) -> None:
+        """The puller's hook for each version it staged (see the module docs): the version's
+        processed form built on shadow layers; the live layers are not touched. Replaces the
+        other set (a prepared version never installed, or the last rollback source)."""
+        t0 = time.perf_counter()
+        with self._other_lock:
+            # Dropped first: the peak is one processed set beside vLLM's.
+            self._other = None
+            try:
+                prepared = self._build(version)
+            except BaseException as e:
+                logger.warning("mx: preparing %s failed (%s); it installs by reload", version, e)
+                raise
+            self._other = (version, prepared)
+        self.last_prepare = {"version_id": version, "prepare_s": time.perf_counter() - t0}
+        logger.info(
+            "mx: rank %d prepared %s while serving (%.3f s)",
+            self._rank,
+            version,
+            self.last_prepare["prepare_s"],
+        )
+
+    def _build(self, version: str) -> Prepared:
+        """The shadows of the model loaded with the staged ``version`` of this rank (a copy of
+        the rank's staged bytes, dropped once vLLM's loaders copied them)."""
+        puller = self._need_init()
+        nbytes = max((p.offset + p.nbytes for p in self._infos), default=0)
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        puller.copy_staged(version, self._rank, buf)
+        params = {
+            p.name: buf[p.offset : p.offset + p.nbytes]
+            .view(_layout.torch_dtype(p.dtype))
+            .view(p.shape)
+            for p in self._infos
+        }
+        view = _layout.CheckpointView(self._infos, params, self._checkpoint)
+        return Prepared.build(self.model, self.model_config, self.device, view.tensors())
 
     def _restore(self, previous: str | None, version: str, err: BaseException) -> None:
         """After a failed install of ``version``: the host parameters back to ``previous`` and

@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from .. import _failpoints
+
 _NEVER_SWAPPED = frozenset({"_modules", "training"})
 """Module attributes left alone by the exchange: the tree itself (each shadow's children are
 shadows) and the train/eval flag."""
@@ -82,17 +84,39 @@ class Prepared:
                 pairs.append((live, shadow, frozenset(changed)))
         return cls(root, pairs)
 
-    def exchange(self) -> None:
+    @property
+    def module_pairs(self) -> int:
+        """How many (live, shadow) module pairs an exchange swaps."""
+        return len(self._pairs)
+
+    def exchange(self, failpoint: tuple[str, int] | None = None) -> None:
         """Swaps the prepared state with the live one, module by module (in the pause: no
-        copies, no loaders). Called again, swaps back."""
-        for live, shadow, keys in self._pairs:
-            ld, sd = live.__dict__, shadow.__dict__
-            for k in keys:
-                lv, sv = ld.pop(k, _ABSENT), sd.pop(k, _ABSENT)
-                if sv is not _ABSENT:
-                    ld[k] = sv
-                if lv is not _ABSENT:
-                    sd[k] = lv
+        copies, no loaders). Called again, swaps back. All or nothing: when a swap fails the
+        pairs swapped so far are swapped back before the error propagates.
+
+        ``failpoint`` (tests, :mod:`mx._failpoints`): fail after that many pairs."""
+        pairs: Iterable[tuple[Any, Any, frozenset[str]]] = self._pairs
+        if failpoint is not None:
+            pairs = _failpoints.fail_after(pairs, failpoint)
+        done = 0
+        try:
+            for live, shadow, keys in pairs:
+                _swap(live, shadow, keys)
+                done += 1
+        except BaseException:
+            for live, shadow, keys in self._pairs[:done]:
+                _swap(live, shadow, keys)
+            raise
+
+
+def _swap(live: Any, shadow: Any, keys: frozenset[str]) -> None:
+    ld, sd = live.__dict__, shadow.__dict__
+    for k in keys:
+        lv, sv = ld.pop(k, _ABSENT), sd.pop(k, _ABSENT)
+        if sv is not _ABSENT:
+            ld[k] = sv
+        if lv is not _ABSENT:
+            sd[k] = lv
 
 
 _ABSENT = object()

@@ -8,9 +8,11 @@
 )]
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 
 use mx_control::{EngineApi, EngineEndpoint, EngineFrontend, ModelLimits};
 use mx_follower::embedded::{EmbeddedConfig, EmbeddedPuller};
+use mx_follower::StagedHook;
 use mx_layout::{DType, LayoutSpec, SourceManifest, VersionId};
 use mx_puller::{
     ApplyKind, ApplyReport, DestMemory, DestTensor, ExecOptions, HostRegion, StageReport,
@@ -127,6 +129,27 @@ impl DestMemory for CheckedRegion {
         Python::attach(|py| {
             self.check
                 .call0(py)
+                .map(|_| ())
+                .map_err(|e| e.value(py).to_string())
+        })
+    }
+}
+
+/// A Python callable as the engine's [`StagedHook`]: called with the version id (`mx:<hex>`)
+/// under the GIL; what it raises is the hook's error.
+struct PyStagedHook(Py<PyAny>);
+
+impl std::fmt::Debug for PyStagedHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("PyStagedHook")
+    }
+}
+
+impl StagedHook for PyStagedHook {
+    fn staged(&self, version: VersionId) -> Result<(), String> {
+        Python::attach(|py| {
+            self.0
+                .call1(py, (version.to_string(),))
                 .map(|_| ())
                 .map_err(|e| e.value(py).to_string())
         })
@@ -451,7 +474,7 @@ impl Puller {
     /// `(vocab_size, max_positions)` of the engine's model when it generates; `frontend` is
     /// `(url, served model, instance id)` of a Dynamo worker's frontend, where it generates.
     /// Returns the URL.
-    #[pyo3(signature = (worker_id, instance, engine_url, engine_api, limits=None, frontend=None))]
+    #[pyo3(signature = (worker_id, instance, engine_url, engine_api, limits=None, frontend=None, on_staged=None))]
     #[allow(clippy::too_many_arguments)]
     fn follow(
         &self,
@@ -462,6 +485,7 @@ impl Puller {
         engine_api: &str,
         limits: Option<(u64, u64)>,
         frontend: Option<(String, String, u64)>,
+        on_staged: Option<Py<PyAny>>,
     ) -> PyResult<String> {
         let api: EngineApi = engine_api
             .parse()
@@ -480,8 +504,33 @@ impl Puller {
             vocab_size,
             max_positions,
         });
+        let hook = on_staged.map(|f| Arc::new(PyStagedHook(f)) as Arc<dyn StagedHook>);
         self.with(py, move |p, rt| {
-            rt.block_on(p.follow(&worker_id, &instance, engine, limits))
+            rt.block_on(p.follow(&worker_id, &instance, engine, limits, hook))
+        })
+    }
+
+    /// Copies held rank `rank` of the staged version `version_id` into the `nbytes` of host
+    /// memory at `addr` (laid out as the rank's layout; see `Puller::copy_staged_rank`).
+    fn copy_staged_rank(
+        &self,
+        py: Python<'_>,
+        version_id: &str,
+        rank: u32,
+        addr: u64,
+        nbytes: u64,
+    ) -> PyResult<()> {
+        let id = parse_id(py, "version_id", version_id)?;
+        // SAFETY: `mx.Puller.copy_staged` (python/mx/_puller.py) passes the data pointer and
+        // size of a contiguous, writable host tensor it holds referenced for this call, after
+        // checking the range lies inside the tensor's storage.
+        let mut region = unsafe { HostRegion::new(addr, nbytes) }
+            .map_err(|e| PyValueError::new_err(format!("rank {rank}: {e}")))?;
+        self.with(py, move |p, _| {
+            let buf = region
+                .host_mut()
+                .ok_or_else(|| mx_follower::Error::Task("host memory expected".into()))?;
+            p.copy_staged_rank(id, rank, buf)
         })
     }
 

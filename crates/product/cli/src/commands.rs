@@ -464,6 +464,7 @@ pub(crate) async fn worker(args: WorkerArgs) -> anyhow::Result<()> {
         load_version,
         serve_peers: !no_peer,
         engine: Some(mx_worker::reference_engine()),
+        on_staged: None,
     })
     .await?;
     eprintln!(

@@ -19,6 +19,14 @@ use mx_puller::{ApplyReport, ExecOptions, Puller, PullerConfig, StageReport};
 
 use crate::{Error, Instance, Worker, WorkerConfig};
 
+/// An engine serving the contract's routes itself: where, its model's limits, and its hook
+/// for staged versions.
+type External = (
+    EngineEndpoint,
+    Option<ModelLimits>,
+    Option<Arc<dyn crate::StagedHook>>,
+);
+
 static AGENTS: AtomicU64 = AtomicU64::new(0);
 
 /// A version as the control plane answered [`EmbeddedPuller::resolve`]: its label and id, the
@@ -286,6 +294,23 @@ impl EmbeddedPuller {
         Ok(self.with(|p| p.apply(id))??)
     }
 
+    /// Copies rank `rank` of the staged `version` into `buf` (laid out as the rank's layout),
+    /// leaving staging, the registered memory and the resident version as they are
+    /// ([`mx_puller::Puller::copy_staged_rank`]). Allowed while served: it changes nothing the
+    /// control plane tracks.
+    ///
+    /// # Errors
+    /// [`Error::Puller`]: `version` is not the staged one, `rank` is not held, `buf` is not the
+    /// rank's size.
+    pub fn copy_staged_rank(
+        &mut self,
+        version: VersionId,
+        rank: u32,
+        buf: &mut [u8],
+    ) -> Result<(), Error> {
+        Ok(self.with(|p| p.copy_staged_rank(version, rank, buf))??)
+    }
+
     /// Serves the puller as worker `worker_id` of its control plane: the engine routes of
     /// `engine_api` on `listen` (the instance declares no model: refits skip the post-update
     /// generation), registration, and the command stream on the current tokio runtime in the
@@ -312,8 +337,9 @@ impl EmbeddedPuller {
     /// the command stream (the control plane stages versions into this puller) on the current
     /// tokio runtime in the background. Unlike [`EmbeddedPuller::serve`], the engine keeps
     /// applying and rolling back itself ([`EmbeddedPuller::apply`], [`EmbeddedPuller::rollback`]):
-    /// its routes are how a refit's APPLY reaches this puller. Returns once the control plane
-    /// reports the worker connected.
+    /// its routes are how a refit's APPLY reaches this puller. `on_staged` is handed each
+    /// version pulled into staging before the worker reports it staged (the engine prepares
+    /// it outside the pause). Returns once the control plane reports the worker connected.
     ///
     /// # Errors
     /// As [`EmbeddedPuller::serve`], without [`Error::Bind`].
@@ -323,6 +349,7 @@ impl EmbeddedPuller {
         instance: &str,
         engine: EngineEndpoint,
         model_limits: Option<ModelLimits>,
+        on_staged: Option<Arc<dyn crate::StagedHook>>,
     ) -> Result<String, Error> {
         let any: SocketAddr = ([127, 0, 0, 1], 0).into();
         self.start_worker(
@@ -330,7 +357,7 @@ impl EmbeddedPuller {
             instance,
             any,
             engine.api,
-            Some((engine, model_limits)),
+            Some((engine, model_limits, on_staged)),
         )
         .await
     }
@@ -341,7 +368,7 @@ impl EmbeddedPuller {
         instance: &str,
         listen: SocketAddr,
         engine_api: EngineApi,
-        external: Option<(EngineEndpoint, Option<ModelLimits>)>,
+        external: Option<External>,
     ) -> Result<String, Error> {
         self.client()?;
         let control = self.control_url().unwrap_or_default().to_string();
@@ -384,10 +411,14 @@ impl EmbeddedPuller {
             load_version: None,
             serve_peers: false,
             engine: None,
+            on_staged: None,
         };
         let w = match external {
             None => Worker::serve(cfg, inst.clone()).await?,
-            Some((engine, limits)) => Worker::attach(cfg, inst.clone(), engine, limits).await?,
+            Some((engine, limits, on_staged)) => {
+                let cfg = WorkerConfig { on_staged, ..cfg };
+                Worker::attach(cfg, inst.clone(), engine, limits).await?
+            }
         };
         let w = Arc::new(w);
         let url = w.http_url();

@@ -78,3 +78,17 @@ pub trait EngineBuilder: Send + Sync + std::fmt::Debug {
         live: &[&[u8]],
     ) -> Result<Box<dyn Engine>, EngineError>;
 }
+
+/// What an engine does with a version once it is staged and verified, before the worker reports
+/// it staged (so before the control plane pauses anything): e.g. mx's vLLM backend builds vLLM's
+/// processed form of the version beside the live weights, leaving the safe point an exchange.
+/// Runs on a blocking thread while the engine keeps generating; a version already resident is
+/// not handed over.
+pub trait StagedHook: Send + Sync + std::fmt::Debug {
+    /// Prepares `version` (the staged one; the puller's copy stays staged). An error is logged
+    /// and the stage still succeeds: the engine installs without what it could not prepare.
+    ///
+    /// # Errors
+    /// Why the engine could not prepare it.
+    fn staged(&self, version: mx_layout::VersionId) -> Result<(), String>;
+}

@@ -67,7 +67,7 @@ mod worker;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
-pub use engine::{Engine, EngineBuilder, EngineError};
+pub use engine::{Engine, EngineBuilder, EngineError, StagedHook};
 pub use gate::{PauseMode, PauseOutcome};
 pub use instance::{
     ApplyKind, ApplyOutcome, ApplySource, FinishReason, GenerateOutput, GenerateRequest, Instance,

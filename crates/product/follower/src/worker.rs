@@ -66,6 +66,9 @@ pub struct WorkerConfig {
     /// worker generates nothing (refits need no post-update generation of it only when it
     /// declares no model).
     pub engine: Option<std::sync::Arc<dyn crate::EngineBuilder>>,
+    /// Called with each version this worker pulled into staging, before it reports it staged
+    /// (see [`crate::StagedHook`]); `None`: reported at once.
+    pub on_staged: Option<std::sync::Arc<dyn crate::StagedHook>>,
 }
 
 /// How often a worker serving peers looks whether its resident version changed.
@@ -637,6 +640,9 @@ impl Worker {
                 let t0 = Instant::now();
                 let report = match self.stage(&label, version_digest).await {
                     Ok(stats) => {
+                        if !stats.resident {
+                            self.hand_staged(&label, VersionId(version_digest)).await;
+                        }
                         tracing::info!(
                             worker = self.cfg.worker_id,
                             label,
@@ -679,6 +685,33 @@ impl Worker {
                     tracing::warn!(worker = self.cfg.worker_id, "staged report refused: {e}");
                 }
             }
+        }
+    }
+
+    /// Hands the version just staged to the engine's [`crate::StagedHook`] (on a blocking
+    /// thread); its failure is logged, not the stage's.
+    async fn hand_staged(&self, label: &str, version: VersionId) {
+        let Some(hook) = self.cfg.on_staged.clone() else {
+            return;
+        };
+        let t = Instant::now();
+        let res = tokio::task::spawn_blocking(move || hook.staged(version))
+            .await
+            .unwrap_or_else(|e| Err(format!("the engine's staged hook panicked: {e}")));
+        let seconds = t.elapsed().as_secs_f64();
+        match res {
+            Ok(()) => tracing::info!(
+                worker = self.cfg.worker_id,
+                label,
+                seconds,
+                "the engine prepared the staged version"
+            ),
+            Err(e) => tracing::warn!(
+                worker = self.cfg.worker_id,
+                label,
+                seconds,
+                "the engine could not prepare the staged version (it installs without): {e}"
+            ),
         }
     }
 

@@ -928,6 +928,41 @@ impl Puller {
         }
     }
 
+    /// Copies rank `rank` of the staged `version` into `buf`, laid out as that rank's
+    /// [`RankLayout`] (`total_bytes` long; bytes of no piece, such as vocab padding, zeroed):
+    /// what [`Puller::apply`] would write into the registered memory, written into memory the
+    /// caller owns instead, so an engine can build its processed form of a version while it
+    /// still serves the resident one. Registered memory, the resident and retained versions are
+    /// not touched.
+    ///
+    /// # Errors
+    /// [`Error::UnknownVersion`] when `version` is not the staged one (naming what is);
+    /// [`Error::UnknownRank`]; [`Error::BadDestination`] when `buf` is not the rank's size.
+    pub fn copy_staged_rank(
+        &self,
+        version: VersionId,
+        rank: u32,
+        buf: &mut [u8],
+    ) -> Result<(), Error> {
+        let i = self.rank_index(rank)?;
+        let (Some(s), Some(exec)) = (
+            self.staged.as_ref().filter(|s| s.version == version),
+            self.exec.as_ref(),
+        ) else {
+            return Err(self.versions().unknown(version));
+        };
+        let want = self.dest[i].total_bytes;
+        if buf.len() as u64 != want {
+            return Err(Error::BadDestination {
+                rank,
+                param: "(whole rank)".into(),
+                reason: format!("a buffer of {} bytes; the layout has {want}", buf.len()),
+            });
+        }
+        buf.fill(0);
+        exec.apply_rank(&s.plan, i, buf)
+    }
+
     /// Hands the staged version to `f` piece by piece, for engines that install weights through
     /// their own loaders instead of registering memory: every piece of every parameter of every
     /// held rank, as row-major bytes of its box. Holds one parameter's bytes at a time.

@@ -163,6 +163,36 @@ async fn per_parameter_engine_memory_is_written_in_place_and_rolled_back() {
         "q, k and v pieces on each of 3 ranks"
     );
 
+    // Each rank of the staged version copied out into memory of the engine's (what an engine
+    // prepares from while it serves another version): the bytes apply installs, nothing moved.
+    let copied: Vec<_> = puller
+        .rank_layouts()
+        .to_vec()
+        .iter()
+        .map(|rl| {
+            let mut buf = vec![0xa5u8; rl.total_bytes as usize];
+            puller.copy_staged_rank(v1, rl.rank, &mut buf).unwrap();
+            mx_puller::digests_of(rl, &buf)
+        })
+        .collect();
+    assert_eq!(copied, disk, "the staged copy differs from the checkpoint");
+    let wrong = VersionId(Digest::of(b"another version"));
+    let e = puller.copy_staged_rank(wrong, 0, &mut []).unwrap_err();
+    assert!(matches!(e, mx_puller::Error::UnknownVersion { .. }), "{e}");
+    let e = puller.copy_staged_rank(v1, 0, &mut [0u8; 7]).unwrap_err();
+    assert!(matches!(e, mx_puller::Error::BadDestination { .. }), "{e}");
+    let e = puller.copy_staged_rank(v1, 9, &mut []).unwrap_err();
+    assert!(
+        matches!(e, mx_puller::Error::UnknownRank { rank: 9, .. }),
+        "{e}"
+    );
+    assert_eq!(puller.versions().staged, Some(v1));
+    assert_eq!(
+        puller.versions().resident,
+        None,
+        "copying out touched nothing"
+    );
+
     let a = puller.apply(v1).unwrap();
     assert_eq!(a.kind, ApplyKind::Staged);
     let d1 = puller.live_digests().unwrap();
@@ -383,6 +413,7 @@ async fn an_engine_with_no_model_is_refitted_and_its_generation_skipped() {
                 load_version: None,
                 serve_peers: false,
                 engine: Some(mx_worker::reference_engine()),
+                on_staged: None,
             },
             inst.clone(),
         )

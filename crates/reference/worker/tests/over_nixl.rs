@@ -45,6 +45,7 @@ fn worker_config(control: &str, dir: &Path, id: &str) -> WorkerConfig {
         load_version: None,
         serve_peers: false,
         engine: Some(mx_worker::reference_engine()),
+        on_staged: None,
     }
 }
 
