@@ -104,6 +104,41 @@ def rl_loop(r: dict[str, Any]) -> list[str]:
             x["stall_s"] <= 0 or x["end_to_end_s"] <= 0 for x in rows
         ):
             bad.append(f"paths.{name}: a positive stall and end-to-end figure per step")
+    bad += rl_loop_mx(r)
+    return bad
+
+
+PHASES = ("pause_s", "install_s", "cache_reset_s", "readback_s", "resume_s")
+
+
+def rl_loop_mx(r: dict[str, Any]) -> list[str]:
+    """The mx path's stall accounting (issue 33): per step ``phases`` adding up to
+    ``stall_s``, ``prepare_s`` outside the pause, every vLLM install an exchange of a prepared
+    set, the request stream's tokens/s; the rollback step (a forward refit and the refit back,
+    both exchanges on vLLM) verified."""
+    bad = []
+    for x in r["paths"].get("mx", []):
+        ph = x.get("phases", {})
+        if set(ph) != set(PHASES) or any(ph[k] < 0 for k in ph):
+            bad.append(f"paths.mx step {x['step']}: phases {ph}, want {PHASES}, none negative")
+        elif abs(sum(ph.values()) - x["stall_s"]) > 1e-3:
+            bad.append(f"paths.mx step {x['step']}: phases add up to {sum(ph.values())}")
+        if not x.get("prepare_s", 0) > 0:
+            bad.append(f"paths.mx step {x['step']}: no prepare_s ({x.get('prepare_s')})")
+        if x.get("install_modes") != ["exchange"]:
+            bad.append(f"paths.mx step {x['step']}: installs {x.get('install_modes')}")
+        stream = x.get("stream_tokens_per_s", {})
+        if not stream.get("steady", 0) > 0 or stream.get("during_stage", -1) < 0:
+            bad.append(f"paths.mx step {x['step']}: stream_tokens_per_s {stream}")
+    rb = r.get("rollback")
+    if not isinstance(rb, dict) or not (
+        rb.get("ran") and rb.get("verified") and rb.get("stall_s", 0) > 0
+    ):
+        bad.append(f"rollback: not run, verified and timed: {rb}")
+    elif rb.get("install_modes") != ["exchange"] or rb["forward"].get("install_modes") != [
+        "exchange"
+    ]:
+        bad.append(f"rollback: installs {rb.get('install_modes')}, forward {rb['forward']}")
     return bad
 
 

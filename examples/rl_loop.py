@@ -48,7 +48,12 @@ Who runs where:
      trainer published with the version (its own FSDP2 forward pass after the step:
      ``mx.expected_outputs``, exact up to a first near-tie below 0.25 nats), else the refit
      rolls back; COMMIT). mx runs last, so each step ends with mx's version committed.
-  6. with ``--perturbed-check`` (on in ``--ci`` and the full run): one more step while every
+     vLLM's install is an exchange: mx's backend prepared the version (vLLM's loaders and
+     weight processing on a second set of layers) while STAGE ran, before anything paused.
+  6. the rollback step (after the last step): one more training step, an mx-only refit to it,
+     then a refit back to the last step's version (on vLLM the exchange back); ``rollback``
+     in the report, its stall against that forward refit's.
+  7. with ``--perturbed-check`` (on in ``--ci`` and the full run): one more step while every
      server's logits carry a fixed random bias of 8 nats (the examples' worker extension, not
      mx): its refit must roll back on the trainer's outputs, every server back on the previous
      version with its previous tokens (``perturbed_check`` in the report).
@@ -65,8 +70,15 @@ Who runs where:
 
 The report (JSON): ``steps`` ({step, version_id, train_loss, instances: [{id, tokens,
 cold_tokens, tokens_match_cold_start, tokens_changed}]}), ``paths`` ({mx, disk, broadcast}: per
-step ``stall_s``, ``end_to_end_s``, ``bytes_per_rank``), ``trainer_mode``, ``tp3`` ({ran,
-error}), ``peak_rss_bytes`` per process.
+step ``stall_s``, ``end_to_end_s``, ``bytes_per_rank``; mx also ``phases`` ({pause_s,
+install_s, cache_reset_s, readback_s, resume_s}, adding up to ``stall_s``), ``prepare_s``
+(outside the pause), ``install_modes`` (``exchange``, ``reload``: how vLLM took it) and
+``stream_tokens_per_s`` ({steady: the stream before the refit, during_stage})), ``rollback``
+({stall_s, phases, install_modes, verified, forward: the refit it undid}), ``summary``
+(medians over the steps; ``stall_ratio_mx_to_disk`` / ``_to_broadcast``,
+``stream_tokens_per_s``, ``rollback``), ``trainer_mode``, ``tp3`` ({ran, error}),
+``peak_rss_bytes`` per process. ``--no-prepare``: vLLM installs by its layerwise reload inside
+the pause instead (mx's ``prepare: false``), for comparison.
 """
 
 from __future__ import annotations
@@ -78,6 +90,7 @@ import multiprocessing as mp
 import os
 import resource
 import shutil
+import statistics
 import sys
 import tempfile
 import threading
@@ -237,18 +250,27 @@ def trainer_main(conn: Connection, url: str, model_dir: str, slot: int, init_met
 # The orchestrator.
 
 
+LOAD_TOKENS = 4
+"""Tokens per request of the background stream (:class:`Load`)."""
+STEADY_S = 3.0
+"""Seconds of the stream measured before each mx refit, nothing else running (its steady
+tokens/s)."""
+
+
 class Load:
-    """Background generation on every server while mx stages: counts completions that finish."""
+    """Background generation on every server while a path refits: counts completions that
+    finish, and when (``time.time()``)."""
 
     def __init__(self, servers: list[VllmServer]) -> None:
         self.servers = servers
         self.done = 0
+        self.finished: list[float] = []
         self.errors: list[str] = []
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._run, args=(s,)) for s in servers]
 
     def _run(self, s: VllmServer) -> None:
-        req = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+        req = {"prompt": PROMPT, "max_tokens": LOAD_TOKENS, "temperature": 0, "ignore_eos": True}
         while not self._stop.is_set():
             try:
                 status, body = s.call("POST", "/v1/completions", req, timeout=60)
@@ -256,6 +278,7 @@ class Load:
                 status, body = 0, e
             if status == 200:
                 self.done += 1
+                self.finished.append(time.time())
             else:
                 self.errors.append(f"{s.url}: HTTP {status}: {str(body)[:200]}")
                 time.sleep(0.1)
@@ -269,6 +292,11 @@ class Load:
         self._stop.set()
         for t in self._threads:
             t.join(120)
+
+    def tokens_per_s(self, start: float, end: float) -> float:
+        """Tokens/s of the stream (all servers) completed in ``[start, end]`` (unix seconds)."""
+        n = sum(1 for t in self.finished if start <= t <= end)
+        return n * LOAD_TOKENS / (end - start) if end > start else 0.0
 
 
 def _both(servers: list[VllmServer], fn) -> list[Any]:
@@ -436,8 +464,56 @@ def _check_source(r: Any) -> str:
     return str(check.get("source", ""))
 
 
+STALL_PHASES = ("PREPARE", "APPLY", "VERIFY", "RESUME")
+"""The refit phases generation is held in: pause, install + cache reset, read-back, resume."""
+
+
+def stall_phases(r: Any) -> dict[str, float]:
+    """Where a refit's stall went: ``pause_s`` (PREPARE), ``install_s`` (APPLY less the cache
+    reset: vLLM's start/update/finish weight update), ``cache_reset_s`` (the slowest worker's
+    ``reset_prefix_cache``, timed by mx's vLLM client), ``readback_s`` (VERIFY), ``resume_s``
+    (RESUME); they add up to the stall."""
+    ph = r.phase_seconds
+    reset = max(
+        (c.steps.get("reset_prefix_cache", 0.0) for w in r.workers.values() for c in w.calls),
+        default=0.0,
+    )
+    apply_s = ph.get("APPLY", 0.0)
+    return {
+        "pause_s": ph.get("PREPARE", 0.0),
+        "install_s": max(0.0, apply_s - reset),
+        "cache_reset_s": min(reset, apply_s),
+        "readback_s": ph.get("VERIFY", 0.0),
+        "resume_s": ph.get("RESUME", 0.0),
+    }
+
+
+def phase_window(r: Any, name: str) -> tuple[float, float]:
+    """Unix seconds where the refit's phase ``name`` began and ended."""
+    phases = [(str(p).upper(), int(ms) / 1000) for p, ms in r.raw["phases"]]
+    for i, (p, start) in enumerate(phases):
+        if p == name:
+            end = phases[i + 1][1] if i + 1 < len(phases) else (r.ended_at or time.time())
+            return start, end
+    return 0.0, 0.0
+
+
+def engine_timings(servers: list[VllmServer]) -> list[dict[str, Any]]:
+    """Each server's mx backend record of its last prepare and install (``mx_timings``)."""
+    body = {"method": "mx_timings"}
+    return [
+        r
+        for s in servers
+        for r in _ok(f"{s.url} mx_timings", s.call("POST", "/collective_rpc", body))["results"]
+    ]
+
+
 def mx_path(control: Any, label: str, servers, workers, publish_s: float, timeout):
     with Load(servers) as load:
+        # A first second for the stream to reach its steady rate, then the window.
+        time.sleep(1.0 + STEADY_S)
+        now = time.time()
+        steady = load.tokens_per_s(now - STEADY_S, now)
         r = _refit(control, label, workers, timeout)
         during = load.done
     if str(r.outcome) != "COMMITTED":
@@ -447,14 +523,22 @@ def mx_path(control: Any, label: str, servers, workers, publish_s: float, timeou
     if source != f"published with {label} by its trainer":
         raise RuntimeError(f"refit to {label} did not check the trainer's outputs: {source!r}")
     ph = r.phase_seconds
-    stall = sum(ph.get(p, 0.0) for p in ("PREPARE", "APPLY", "VERIFY", "RESUME"))
+    stall = sum(ph.get(p, 0.0) for p in STALL_PHASES)
     staged = [w.last_staged or {} for w in control.status().workers if w.worker_id in workers]
+    timings = engine_timings(servers)
     return {
         "outcome": str(r.outcome),
         "stall_s": stall,
+        "phases": stall_phases(r),
+        "prepare_s": max(t["prepare"].get("prepare_s", 0.0) for t in timings),
+        "install_modes": sorted({t["install"].get("mode", "") for t in timings}),
         "end_to_end_s": publish_s + ph.get("STAGE", 0.0) + stall,
         "stage_s": ph.get("STAGE", 0.0),
         "phase_seconds": dict(ph),
+        "stream_tokens_per_s": {
+            "steady": steady,
+            "during_stage": load.tokens_per_s(*phase_window(r, "STAGE")),
+        },
         "generations_during": during,
         "bytes_per_rank": max(int(s.get("bytes", 0)) for s in staged) if staged else 0,
         "check": checks,
@@ -513,6 +597,7 @@ class Loop:
                 "instances": args.instances,
                 "paths": args.paths,
                 "engines": args.engines,
+                "prepare": args.prepare,
             },
             "versions": [],
         }
@@ -566,7 +651,7 @@ class Loop:
                 startup_timeout=self.args.timeout,
             )
             self.servers.append(s)
-            s.init_mx(self.cp.url, name)
+            s.init_mx(self.cp.url, name, prepare=self.args.prepare)
 
     def _join_broadcast(self) -> None:
         # The broadcast group: trainer rank 0 (rank 0, the store) + one rank per server.
@@ -707,15 +792,46 @@ class Loop:
         """The worker ids of every engine, vLLM servers first."""
         return [f"{i}-tp0" for i in self.instances] + [o.worker for o in self.others]
 
-    def perturbed_step(self, step: int) -> dict[str, Any]:
-        """One more step whose refit must roll back: every engine's logits carry a fixed
-        random bias (the examples' worker extension, not mx), so its greedy tokens differ from
-        the outputs the trainer published where the trainer's choice was clear; the control
-        plane's post-update check fails, every engine goes back to the previous version."""
+    def _tokens(self) -> dict[str, list[int]]:
+        """Every engine's greedy tokens of PROMPT now, by instance id."""
+        pairs = zip(self.instances, self.servers, strict=True)
+        out = {name: s.generate(PROMPT, MAX_NEW) for name, s in pairs}
+        out.update({o.id: o.generate() for o in self.others})
+        return out
+
+    def _back_to(self, step: dict[str, Any]) -> dict[str, Any]:
+        """A refit of the fleet to ``step``'s version (held by every worker: no pull), under
+        the request stream; verified when it commits, every engine then serves that version
+        and its tokens are the ones it served at that step."""
+        with Load(self.servers):
+            r = _refit(self.control, step["label"], self.workers(), self.args.timeout)
+        stall = sum(r.phase_seconds.get(p, 0.0) for p in STALL_PHASES)
+        tokens = self._tokens()
+        versions = [
+            _ok("weight_info", s.call("GET", "/weight_info"))["weight_version"]
+            for s in self.servers
+        ]
+        verified = (
+            str(r.outcome) == "COMMITTED"
+            and all(v == step["version_id"] for v in versions)
+            and all(tokens[i["id"]] == i["tokens"] for i in step["instances"])
+        )
+        return {
+            "label": step["label"],
+            "outcome": str(r.outcome),
+            "reason": r.reason,
+            "stall_s": stall,
+            "phases": stall_phases(r),
+            "install_modes": sorted(
+                {t["install"].get("mode", "") for t in engine_timings(self.servers)}
+            ),
+            "verified": verified,
+        }
+
+    def _train_and_publish(self, step: int) -> str:
+        """One more training step published as ``step-<step>`` (the trainer's expected outputs
+        with it); returns its label."""
         args, label = self.args, f"step-{step}"
-        prev = self.report["versions"][-1]["version_id"]
-        before = {s.url: s.generate(PROMPT, MAX_NEW) for s in self.servers}
-        before.update({o.id: o.generate() for o in self.others})
         self.control.declare(label, self.tensors, trainer_layout=TRAINER_LAYOUT)
         for t in self.trainers:
             t.send("step", label, f"step-{step - 1}", args.timeout)
@@ -723,6 +839,46 @@ class Loop:
         for t in self.trainers:
             t.send("probe", label, args.timeout)
         [t.recv("probed", args.timeout) for t in self.trainers]
+        return label
+
+    def rollback_step(self, step: int) -> dict[str, Any]:
+        """The mx path's rollback, measured against the forward install it undoes: one more
+        training step, an mx-only refit to it (``forward``: on vLLM, an exchange with the set
+        prepared while staging), then a refit back to the last step's version (on vLLM, the
+        exchange back: no pull, no loaders). The disk and broadcast paths do not run in
+        between: they load weights into vLLM behind mx's back, after which mx drops the set it
+        exchanges out. The fleet ends on the last step's version, as before."""
+        label = self._train_and_publish(step)
+        with Load(self.servers):
+            r = _refit(self.control, label, self.workers(), self.args.timeout)
+        timings = engine_timings(self.servers)
+        forward = {
+            "label": label,
+            "outcome": str(r.outcome),
+            "reason": r.reason,
+            "stall_s": sum(r.phase_seconds.get(p, 0.0) for p in STALL_PHASES),
+            "phases": stall_phases(r),
+            "install_modes": sorted({t["install"].get("mode", "") for t in timings}),
+        }
+        back = self._back_to(self.report["steps"][-1])
+        print(
+            f"rollback: forward to {label} {forward['outcome']} (stall "
+            f"{forward['stall_s']:.2f} s), back to {back['label']} {back['outcome']} (stall "
+            f"{back['stall_s']:.2f} s)",
+            flush=True,
+        )
+        return {"ran": True, **back, "forward": forward}
+
+    def perturbed_step(self, step: int) -> dict[str, Any]:
+        """One more step whose refit must roll back: every engine's logits carry a fixed
+        random bias (the examples' worker extension, not mx), so its greedy tokens differ from
+        the outputs the trainer published where the trainer's choice was clear; the control
+        plane's post-update check fails, every engine goes back to the previous version."""
+        args = self.args
+        prev = self.report["versions"][-1]["version_id"]
+        before = {s.url: s.generate(PROMPT, MAX_NEW) for s in self.servers}
+        before.update({o.id: o.generate() for o in self.others})
+        label = self._train_and_publish(step)
         rpc = {"method": "perturb_logits", "args": ["8.0"]}
         _both(self.servers, lambda s: _ok("perturb_logits", s.call("POST", "/collective_rpc", rpc)))
         try:
@@ -791,8 +947,9 @@ def run(args: argparse.Namespace, work: str) -> dict[str, Any]:
             previous.update({o.id: o.generate() for o in loop.others})
             for step in range(1, args.steps + 1):
                 loop.step(step, previous)
+            loop.report["rollback"] = loop.rollback_step(args.steps + 1)
             if args.perturbed_check:
-                loop.report["perturbed_check"] = loop.perturbed_step(args.steps + 1)
+                loop.report["perturbed_check"] = loop.perturbed_step(args.steps + 2)
         finally:
             loop.stop()
         report = loop.report
@@ -810,18 +967,36 @@ def run(args: argparse.Namespace, work: str) -> dict[str, Any]:
 
 
 def summarize(report: dict[str, Any]) -> dict[str, Any]:
-    """Mean stall and end-to-end seconds per path, and mx's ratios to the others."""
+    """Median stall and end-to-end seconds per path over the steps, mx's ratios to the others
+    (of the medians), mx's stall phases and request stream (medians), and the rollback's
+    stall against a forward install's."""
+    med = statistics.median
     out: dict[str, Any] = {}
     for name, rows in report["paths"].items():
         if rows:
             out[name] = {
-                "stall_s": sum(r["stall_s"] for r in rows) / len(rows),
-                "end_to_end_s": sum(r["end_to_end_s"] for r in rows) / len(rows),
+                "stall_s": med(r["stall_s"] for r in rows),
+                "end_to_end_s": med(r["end_to_end_s"] for r in rows),
                 "bytes_per_rank": rows[-1]["bytes_per_rank"],
             }
-    if {"mx", "disk", "broadcast"} <= out.keys():
-        for other in ("disk", "broadcast"):
+    rows = report["paths"].get("mx", [])
+    if rows:
+        out["mx"]["phases"] = {k: med(r["phases"][k] for r in rows) for k in rows[0]["phases"]}
+        out["mx"]["prepare_s"] = med(r["prepare_s"] for r in rows)
+        out["stream_tokens_per_s"] = {
+            k: med(r["stream_tokens_per_s"][k] for r in rows) for k in ("steady", "during_stage")
+        }
+    for other in ("disk", "broadcast"):
+        if "mx" in out and other in out:
             out[f"stall_ratio_mx_to_{other}"] = out["mx"]["stall_s"] / out[other]["stall_s"]
+    rb = report.get("rollback") or {}
+    if rb.get("ran"):
+        out["rollback"] = {
+            "stall_s": rb["stall_s"],
+            "forward_stall_s": rb["forward"]["stall_s"],
+            "verified": rb["verified"],
+            "stall_ratio_to_forward": rb["stall_s"] / rb["forward"]["stall_s"],
+        }
     return out
 
 
@@ -841,6 +1016,13 @@ def main() -> int:
         action="store_true",
         default=None,
         help="one more step with every engine's logits biased: its refit must roll back",
+    )
+    ap.add_argument(
+        "--no-prepare",
+        dest="prepare",
+        action="store_false",
+        help="vLLM installs by its layerwise reload inside the pause (mx's init_info prepare "
+        "false) instead of exchanging a set prepared while it generates",
     )
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--report", required=True)
@@ -884,6 +1066,9 @@ def main() -> int:
             for url, matched in m.items()
             if not matched
         ]
+        rb = report["rollback"]
+        if not (rb["verified"] and rb["forward"]["outcome"] == "COMMITTED"):
+            bad.append(("rollback", rb["outcome"], rb["reason"] or rb["forward"]["reason"]))
         pc = report.get("perturbed_check")
         if pc is not None and not pc["ok"]:
             bad.append(("perturbed_check", pc["outcome"], pc["reason"]))

@@ -312,6 +312,10 @@ class Call:
     #: Generated tokens (generate).
     tokens: tuple[int, ...]
     message: str
+    #: The requests an apply made, in order -> their wall seconds (vLLM: ``start_weight_update``,
+    #: ``update_weights``, ``finish_weight_update``, ``reset_prefix_cache``); empty where the
+    #: engine client does not time them.
+    steps: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -398,6 +402,9 @@ class RefitResult:
                         version=None if r is None else r.get("version"),
                         tokens=() if r is None else tuple(r.get("tokens", ())),
                         message="" if r is None else r.get("message", ""),
+                        steps={}
+                        if r is None
+                        else {s["step"]: float(s["seconds"]) for s in r.get("steps", ())},
                     )
                 )
             failed = next((c for c in calls if c.ok is False), None)

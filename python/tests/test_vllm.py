@@ -247,3 +247,33 @@ def test_layout_comparison_names_the_parameter():
     assert "b[flat 3]" in why
     wrong_shape = _layout.compare(good.view(2, 3), info, names)
     assert wrong_shape is not None and "[2, 3]" in wrong_shape
+
+
+def test_weights_loaded_behind_mx_s_back_are_never_a_rollback_source(fleet, server):
+    # Issue 33: an install exchanges in the set mx prepared while staging and keeps the set it
+    # exchanged out as the rollback source. Here vLLM's own reload_weights (the disk path)
+    # loads the checkpoint between two mx installs: what the second install exchanges out is
+    # that checkpoint, not the version mx installed before, so it must not be rolled back to.
+    a = _publish(fleet, "behind-a", 1.5)
+    r = _refit(fleet, "behind-a")
+    assert str(r.outcome) == "COMMITTED", r.reason
+    a_tokens = server.generate(PROMPT)
+    assert a_tokens != COLD_TOKENS
+    body = {"method": "reload_weights", "kwargs": {"weights_path": str(MODEL)}}
+    assert server.call("POST", "/collective_rpc", body)[0] == 200
+    assert server.generate(PROMPT) == COLD_TOKENS
+    _publish(fleet, "behind-b", 1.25)
+    r = _refit(fleet, "behind-b")
+    assert str(r.outcome) == "COMMITTED", r.reason
+    b_tokens = server.generate(PROMPT)
+    assert b_tokens not in (a_tokens, COLD_TOKENS)
+    timings = {"method": "mx_timings"}
+    [b_install] = server.call("POST", "/collective_rpc", timings)[1]["results"]
+    assert b_install["install"]["mode"] == "exchange", b_install
+    # Back to `behind-a` (the retained host copy): vLLM serves it, not the checkpoint.
+    r = _refit(fleet, "behind-a", a_tokens)
+    assert str(r.outcome) == "COMMITTED", r.reason
+    assert server.call("GET", "/weight_info") == (200, {"weight_version": a})
+    assert server.generate(PROMPT) == a_tokens
+    modes = server.call("POST", "/collective_rpc", timings)[1]["results"]
+    assert [m["install"]["mode"] for m in modes] == ["reload"]

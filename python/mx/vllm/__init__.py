@@ -42,6 +42,22 @@ finish), so a single ``collective_rpc`` installs a version. A Dynamo worker's
 "version_id": V, "weight_version": V}``)."""
 
 
+TIMINGS_METHOD = "mx_timings"
+"""The worker method :func:`register` adds to vLLM's workers: the backend's record of its last
+install (``version_id``, ``kind``, ``mode``: ``exchange``/``reload``/``inplace``/``none``,
+``host_s``, ``vllm_s``) and its last prepare (``version_id``, ``prepare_s``: seconds spent
+outside the pause), through ``POST /collective_rpc``."""
+
+
+def _timings(worker: Any) -> dict[str, Any]:
+    """:data:`TIMINGS_METHOD` on one vLLM worker (empty records before any)."""
+    engine = getattr(worker, "weight_transfer_engine", None)
+    return {
+        "install": dict(getattr(engine, "last_install", {})),
+        "prepare": dict(getattr(engine, "last_prepare", {})),
+    }
+
+
 def _install(worker: Any, version_id: str) -> dict[str, Any]:
     """``mx_install`` on one vLLM worker: installs ``version_id`` (staged, resident or retained)
     in one weight-update session; returns the backend's record of the install. A failed install
@@ -63,9 +79,9 @@ def _engine_identity(worker: object) -> dict[str, str] | None:
 
 def register() -> None:
     """Registers the ``"mx"`` weight-transfer backend with vLLM's factory (lazily: the engine
-    module is imported only when a server selects it) and adds :data:`IDENTITY_METHOD` and
-    :data:`INSTALL_METHOD` to vLLM's workers. Called by vLLM in every process through the
-    ``vllm.general_plugins`` entry point; idempotent."""
+    module is imported only when a server selects it) and adds :data:`IDENTITY_METHOD`,
+    :data:`INSTALL_METHOD` and :data:`TIMINGS_METHOD` to vLLM's workers. Called by vLLM in every
+    process through the ``vllm.general_plugins`` entry point; idempotent."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
     from vllm.v1.worker.worker_base import WorkerBase
 
@@ -73,6 +89,8 @@ def register() -> None:
         setattr(WorkerBase, IDENTITY_METHOD, _engine_identity)
     if not hasattr(WorkerBase, INSTALL_METHOD):
         setattr(WorkerBase, INSTALL_METHOD, _install)
+    if not hasattr(WorkerBase, TIMINGS_METHOD):
+        setattr(WorkerBase, TIMINGS_METHOD, _timings)
 
     if BACKEND in WeightTransferEngineFactory._registry:
         return
@@ -81,4 +99,4 @@ def register() -> None:
     )
 
 
-__all__ = ["BACKEND", "IDENTITY_METHOD", "INSTALL_METHOD", "register"]
+__all__ = ["BACKEND", "IDENTITY_METHOD", "INSTALL_METHOD", "TIMINGS_METHOD", "register"]

@@ -81,7 +81,7 @@ from .._model import Model
 from .._puller import Puller
 from ..fp8 import Fp8Param, fp8_layout, quantize_params
 from . import _fp8, _layout
-from ._prepared import Prepared
+from ._prepared import Prepared, live_state, same_state
 
 logger = init_logger("vllm.mx")
 
@@ -221,6 +221,9 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
         self._other: tuple[str | None, Prepared] | None = None
         # One prepare or exchange at a time (the puller's thread prepares; vLLM's installs).
         self._other_lock = threading.Lock()
+        # vLLM's live weight objects after the last install mx made (or vLLM's own load at
+        # start-up): when they differ, something else changed vLLM's weights behind mx's back.
+        self._live_mark: list[Any] | None = None
         self.last_install: dict[str, Any] = {}
         self.last_prepare: dict[str, Any] = {}
 
@@ -315,6 +318,7 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
         self._fp8 = quantized
         self._view = _layout.CheckpointView(infos, params, checkpoint)
         self._mode, self._fill_nan = mode, init_info.fill_nan
+        self._live_mark = live_state(self.model) if self._prepare else None
         logger.info(
             "mx: rank %d of %s follows %s as %s (install %s%s; %d parameters, %d bytes; "
             "layout checked in %.2f s, set up in %.2f s)",
@@ -383,15 +387,19 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
         # changed, neither the host parameters nor vLLM.
         kind = self._to_host(version)
         t1 = time.perf_counter()
-        if kind == "already_resident":
+        untouched = not self._prepare or same_state(self._live_mark, live_state(self.model))
+        if kind == "already_resident" and untouched:
             # vLLM serves it: every install and every failed one leaves vLLM serving the
-            # resident version (a failure that could not, says restart).
+            # resident version (a failure that could not, says restart), and nothing else
+            # replaced vLLM's weights since.
             how = "none"
-        elif self._exchange(version, before.resident):
+        elif self._exchange(version, before.resident, untouched):
             how = "exchange"
         else:
             how = self._mode
             self._reload_or_copy(version, before.resident)
+        if self._prepare:
+            self._live_mark = live_state(self.model)
         t2 = time.perf_counter()
         self.last_install = {
             "version_id": version,
@@ -410,10 +418,12 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
             t2 - t1,
         )
 
-    def _exchange(self, version: str, previous: str | None) -> bool:
+    def _exchange(self, version: str, previous: str | None, untouched: bool) -> bool:
         """Swaps in the set prepared for ``version`` when there is one (True), else False.
-        The exchanged-out set then holds ``previous`` (what vLLM served). A failed exchange
-        swaps back what it swapped and puts ``previous`` back in the host parameters."""
+        The exchanged-out set then holds ``previous`` (what vLLM served), unless something else
+        replaced vLLM's weights since mx's last install (not ``untouched``): then it is dropped.
+        A failed exchange swaps back what it swapped and puts ``previous`` back in the host
+        parameters."""
         with self._other_lock:
             other = self._other
             if other is None or other[0] != version:
@@ -427,7 +437,12 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
                 )
                 self._host_back(previous, version, e)
                 raise
-            self._other = (previous, other[1])
+            if not untouched:
+                logger.warning(
+                    "mx: vLLM's weights were replaced outside mx since its last install; "
+                    "the set exchanged out is dropped (a rollback reloads the retained copy)"
+                )
+            self._other = (previous, other[1]) if untouched else None
         return True
 
     def _reload_or_copy(self, version: str, previous: str | None) -> None:

@@ -122,6 +122,27 @@ def _swap(live: Any, shadow: Any, keys: frozenset[str]) -> None:
 _ABSENT = object()
 
 
+def live_state(model: torch.nn.Module) -> list[Any]:
+    """The objects that hold ``model``'s processed weights (every module's parameters, buffers,
+    quant method and packed GEMM closure ``cpu_linear``): compared by identity with
+    :func:`same_state`, it tells whether anything replaced them since (vLLM's own
+    ``reload_weights``, another weight-transfer path), which an exchange cannot see. The list
+    holds them, so an identity cannot be reused while it is kept."""
+    out: list[Any] = []
+    for m in model.modules():
+        d = m.__dict__
+        out.extend(d["_parameters"].values())
+        out.extend(d["_buffers"].values())
+        out.append(d.get("quant_method"))
+        out.append(d.get("cpu_linear"))
+    return out
+
+
+def same_state(a: list[Any] | None, b: list[Any]) -> bool:
+    """Whether two :func:`live_state` lists hold the very same objects."""
+    return a is not None and len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
+
+
 class _Shadows:
     """Builds the shadow tree (one shadow per module, memoized: a module reached twice is one
     shadow, a parameter shared by two modules one tensor)."""

@@ -558,6 +558,7 @@ impl EngineClient for DynamoWorkerClient {
             version: a.version.as_deref().map(ResidentVersion::parse),
             cache_tiers_cleared,
             paused_requests: 0,
+            steps: Vec::new(),
         })
     }
 

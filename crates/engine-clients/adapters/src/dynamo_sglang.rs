@@ -372,6 +372,7 @@ impl EngineClient for DynamoSglangClient {
             // `flush_cache: true`: SGLang's flush (its radix cache and KV pool), asserted there.
             cache_tiers_cleared: vec!["radix_cache".into(), "kv_cache".into()],
             paused_requests: 0,
+            steps: Vec::new(),
         })
     }
 

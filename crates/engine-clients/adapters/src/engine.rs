@@ -99,8 +99,18 @@ pub struct Answer {
     pub version: Option<ResidentVersion>,
 }
 
+/// One request inside an engine call and how long it took (e.g. vLLM's `update_weights` inside
+/// APPLY): where a stall's time goes.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StepTime {
+    /// The request, as the contract names it (`update_weights`, `reset_prefix_cache`, ...).
+    pub step: String,
+    /// Wall seconds from sending it to its answer.
+    pub seconds: f64,
+}
+
 /// What an APPLY answered.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct ApplyAnswer {
     /// The engine's message.
     pub message: String,
@@ -110,6 +120,8 @@ pub struct ApplyAnswer {
     pub cache_tiers_cleared: Vec<String>,
     /// Requests paused by the update (SGLang's `num_paused_requests`; 0 elsewhere).
     pub paused_requests: u64,
+    /// The requests the apply made, in order, with their seconds (empty where not timed).
+    pub steps: Vec<StepTime>,
 }
 
 /// The calls a refit makes on one engine, over whichever contract it speaks. Every call checks

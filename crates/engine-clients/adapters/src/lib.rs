@@ -54,7 +54,7 @@ pub mod identity;
 pub mod sglang;
 pub mod vllm;
 
-pub use engine::{Answer, ApplyAnswer, EngineApi, EngineClient, PauseMode, SglangPause};
+pub use engine::{Answer, ApplyAnswer, EngineApi, EngineClient, PauseMode, SglangPause, StepTime};
 pub use identity::{incarnation_digest, EngineIdentity, Proof};
 
 use dynamo::DynamoWorkerClient;

@@ -394,6 +394,7 @@ impl EngineClient for SglangClient {
             version: None,
             cache_tiers_cleared: vec!["radix_cache".into(), "kv_cache".into()],
             paused_requests: 0,
+            steps: Vec::new(),
         })
     }
 

@@ -43,7 +43,7 @@ pub mod wire;
 
 use std::time::Duration;
 
-use crate::engine::{Answer, ApplyAnswer, EngineClient, PauseMode};
+use crate::engine::{Answer, ApplyAnswer, EngineClient, PauseMode, StepTime};
 use crate::generate::Generation;
 use crate::identity::wire::{CollectiveRpcRequest, CollectiveRpcResponse};
 use crate::identity::Proof;
@@ -358,6 +358,15 @@ impl EngineClient for VllmClient {
                 source: Box::new(e),
             }
         };
+        let mut steps = Vec::new();
+        let mut t = std::time::Instant::now();
+        let mut lap = |step: &str| {
+            steps.push(StepTime {
+                step: step.into(),
+                seconds: t.elapsed().as_secs_f64(),
+            });
+            t = std::time::Instant::now();
+        };
         match self.start_weight_update().await {
             // A session an earlier caller opened and never closed (a control plane that died
             // inside APPLY): vLLM refuses a second one until it is finished. Finishing it
@@ -384,16 +393,20 @@ impl EngineClient for VllmClient {
                 r.map_err(step("start_weight_update", false))?;
             }
         }
+        lap("start_weight_update");
         let version = version.to_string();
         self.update_weights(&version)
             .await
             .map_err(step("update_weights", false))?;
+        lap("update_weights");
         self.finish_weight_update(&version)
             .await
             .map_err(step("finish_weight_update", false))?;
+        lap("finish_weight_update");
         self.reset_prefix_cache()
             .await
             .map_err(step("reset_prefix_cache", true))?;
+        lap("reset_prefix_cache");
         Ok(ApplyAnswer {
             message:
                 "start_weight_update, update_weights, finish_weight_update, reset_prefix_cache: ok"
@@ -401,6 +414,7 @@ impl EngineClient for VllmClient {
             version: Some(ResidentVersion::parse(&version)),
             cache_tiers_cleared: vec!["prefix_cache".into()],
             paused_requests: 0,
+            steps,
         })
     }
 

@@ -234,6 +234,7 @@ async fn perform(engine: &dyn EngineClient, action: &Action, spec: &RefitSpec) -
                 version: a.version,
                 cache_tiers_cleared: a.cache_tiers_cleared,
                 paused_requests: a.paused_requests,
+                steps: a.steps,
                 ..done(a.message)
             },
             Err(e) => failed(e),

@@ -287,6 +287,10 @@ pub struct CallResult {
     pub paused_requests: u64,
     /// The engine's message.
     pub message: String,
+    /// The requests an apply made and their seconds (vLLM's `update_weights`,
+    /// `reset_prefix_cache`, ...), where the engine client times them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub steps: Vec<mx_adapters::StepTime>,
     /// Nothing was sent: the engine at the worker's URL said it serves other workers
     /// (`crate::identity`), so the call was refused before it was made. Such a worker cannot
     /// be settled through that URL: an abort does not resume it and a rollback fences it.
