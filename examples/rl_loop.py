@@ -73,7 +73,7 @@ cold_tokens, tokens_match_cold_start, tokens_changed}]}), ``paths`` ({mx, disk, 
 step ``stall_s``, ``end_to_end_s``, ``bytes_per_rank``; mx also ``phases`` ({pause_s,
 install_s, cache_reset_s, readback_s, resume_s}, adding up to ``stall_s``), ``prepare_s``
 (outside the pause), ``install_modes`` (``exchange``, ``reload``: how vLLM took it) and
-``stream_tokens_per_s`` ({steady: the stream before the refit, during_stage})), ``rollback``
+``stream_tokens_per_s`` ({steady: the stream after the refit, during_stage})), ``rollback``
 ({stall_s, phases, install_modes, verified, forward: the refit it undid}), ``summary``
 (medians over the steps; ``stall_ratio_mx_to_disk`` / ``_to_broadcast``,
 ``stream_tokens_per_s``, ``rollback``), ``trainer_mode``, ``tp3`` ({ran, error}),
@@ -252,8 +252,8 @@ def trainer_main(conn: Connection, url: str, model_dir: str, slot: int, init_met
 
 LOAD_TOKENS = 4
 """Tokens per request of the background stream (:class:`Load`)."""
-STEADY_S = 3.0
-"""Seconds of the stream measured before each mx refit, nothing else running (its steady
+STEADY_S = 4.0
+"""Seconds of the stream measured after each mx refit ended, nothing else running (its steady
 tokens/s)."""
 
 
@@ -510,12 +510,12 @@ def engine_timings(servers: list[VllmServer]) -> list[dict[str, Any]]:
 
 def mx_path(control: Any, label: str, servers, workers, publish_s: float, timeout):
     with Load(servers) as load:
-        # A first second for the stream to reach its steady rate, then the window.
-        time.sleep(1.0 + STEADY_S)
-        now = time.time()
-        steady = load.tokens_per_s(now - STEADY_S, now)
         r = _refit(control, label, workers, timeout)
         during = load.done
+        # The stream once the refit is over, for as long: its steady rate.
+        end = time.time()
+        time.sleep(STEADY_S)
+        steady = load.tokens_per_s(end, end + STEADY_S)
     if str(r.outcome) != "COMMITTED":
         raise RuntimeError(f"refit to {label}: {r.outcome}: {r.reason}")
     checks = [w.calls[-1].message for w in r.workers.values() if w.calls]

@@ -81,7 +81,7 @@ from .._model import Model
 from .._puller import Puller
 from ..fp8 import Fp8Param, fp8_layout, quantize_params
 from . import _fp8, _layout
-from ._prepared import Prepared, live_state, same_state
+from ._prepared import Prepared, forget_cpu_moe_kernel, live_state, same_state
 
 logger = init_logger("vllm.mx")
 
@@ -125,7 +125,8 @@ class MxInitInfo(WeightTransferInitInfo):
             u64); required with ``engine_api="dynamo"``.
         prepare: with ``install="reload"``, build vLLM's processed form of every staged
             version while vLLM generates, so the install is an exchange (default on; costs one
-            processed copy of the rank's weights). Ignored by ``install="inplace"`` and FP8.
+            processed copy of the rank's weights). Ignored by ``install="inplace"``, FP8 and
+            mixture-of-experts models (not yet: they reload inside the pause).
     """
 
     control_url: str
@@ -295,7 +296,9 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
                 puller.set_resident(f"disk:{model_dir}")
             worker_id = f"{init_info.instance_id}-tp{rank}"
             limits = (self.model_config.get_vocab_size(), self.model_config.max_model_len)
-            self._prepare = init_info.prepare and mode == "reload" and not fp8
+            self._prepare = (
+                init_info.prepare and mode == "reload" and not fp8 and not _has_experts(self.model)
+            )
             # What the prepare hook reads, set before the control plane can stage anything.
             self._puller, self._rank, self._infos = puller, rank, infos
             self._checkpoint = checkpoint
@@ -606,6 +609,13 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
             self._puller = None
 
 
+def _has_experts(model: Any) -> bool:
+    """Whether ``model`` has vLLM fused-MoE experts (``RoutedExperts``). Their prepared install
+    does not yet serve what a reload does (moe_refit.py: other tokens after the exchange), so
+    mixture-of-experts servers install by the layerwise reload inside the pause for now."""
+    return any(type(m).__name__ == "RoutedExperts" for m in model.modules())
+
+
 def _reset_cpu_moe_kernels(model: Any) -> int:
     """Makes vLLM rebuild every CPU mixture-of-experts kernel when the reload processes its
     layer; returns how many it reset.
@@ -619,22 +629,7 @@ def _reset_cpu_moe_kernels(model: Any) -> int:
     kernel rebuilt) before the processed tensors are copied back into the original storage.
     GPU backends are left alone: they copy the update into the kernel's tensors themselves.
     """
-    try:
-        from vllm.model_executor.layers.fused_moe.oracle.unquantized import (
-            UnquantizedMoeBackend,
-        )
-    except ImportError:  # a vLLM without this backend oracle
-        return 0
-    n = 0
-    for module in model.modules():
-        method = getattr(module, "quant_method", None)
-        if (
-            getattr(method, "unquantized_backend", None) == UnquantizedMoeBackend.CPU
-            and getattr(method, "moe_kernel", None) is not None
-        ):
-            method.moe_kernel = None
-            n += 1
-    return n
+    return sum(forget_cpu_moe_kernel(getattr(m, "quant_method", None)) for m in model.modules())
 
 
 def _refresh_tied_heads(model: Any) -> None:

@@ -122,6 +122,28 @@ def _swap(live: Any, shadow: Any, keys: frozenset[str]) -> None:
 _ABSENT = object()
 
 
+def forget_cpu_moe_kernel(method: Any) -> bool:
+    """Clears ``method.moe_kernel`` when ``method`` is vLLM's unquantized CPU experts method
+    with a kernel built (True), so that processing takes the first-load path: vLLM pads each
+    expert's intermediate size to a multiple of 32 and prepacks w13 and w2 only on a first load
+    (``UnquantizedFusedMoEMethod._setup_kernel``); on a weight update it skips both, and the
+    experts would compute with unpacked weights in packed storage. GPU backends are left alone.
+    """
+    try:
+        from vllm.model_executor.layers.fused_moe.oracle.unquantized import (
+            UnquantizedMoeBackend,
+        )
+    except ImportError:  # a vLLM without this backend oracle
+        return False
+    if (
+        getattr(method, "unquantized_backend", None) == UnquantizedMoeBackend.CPU
+        and getattr(method, "moe_kernel", None) is not None
+    ):
+        method.moe_kernel = None
+        return True
+    return False
+
+
 def live_state(model: torch.nn.Module) -> list[Any]:
     """The objects that hold ``model``'s processed weights (every module's parameters, buffers,
     quant method and packed GEMM closure ``cpu_linear``): compared by identity with
@@ -167,6 +189,8 @@ class _Shadows:
         method = d.get("quant_method")
         if method is not None:
             d["quant_method"] = copy.copy(method)
+            # The shadow's experts are a first load: padded and prepacked afresh.
+            forget_cpu_moe_kernel(d["quant_method"])
         object.__setattr__(s, "__dict__", d)
         self.modules[id(m)] = s
         for name, child in m._modules.items():
