@@ -244,6 +244,34 @@ def test_staged_tensors_hand_the_pieces_to_an_engine_loader(fleet, control, weig
     assert engine.puller.versions.resident is None
 
 
+def test_copy_staged_hands_a_rank_as_apply_would_write_it(fleet, control, weights):
+    trainer, engine = fleet
+    _declare(control, "v1", weights)
+    v1 = trainer.publish("v1")
+    engine.puller.stage("v1")
+    infos = engine.puller.params(0)
+    buf = torch.full((max(p.offset + p.nbytes for p in infos),), 0xA5, dtype=torch.uint8)
+    engine.puller.copy_staged(v1, 0, buf)
+    # Nothing was applied, nothing else moved: the version is still only staged.
+    assert engine.puller.versions.resident is None
+    assert engine.puller.versions.staged == v1
+    engine.puller.apply()
+    for p in infos:
+        live = engine.params[0][p.name].contiguous().view(torch.uint8).reshape(-1)
+        assert torch.equal(buf[p.offset : p.offset + p.nbytes], live), p.name
+    other = "mx:" + "ab" * 32
+    with pytest.raises(mx.MxError) as e:
+        engine.puller.copy_staged(other, 0, buf)
+    assert e.value.code == "NotFound" and other in str(e.value)
+    with pytest.raises(mx.MxError) as e:
+        engine.puller.copy_staged(v1, 0, buf[:-1])
+    assert e.value.code == "InvalidArgument", e.value
+    read_only = np.frombuffer(bytes(buf.numel()), dtype=np.uint8)
+    with pytest.raises(mx.MxError) as e:
+        engine.puller.copy_staged(v1, 0, read_only)
+    assert e.value.code == "InvalidArgument", e.value
+
+
 def test_served_puller_is_refitted_by_the_control_plane(fleet, control, weights):
     trainer, engine = fleet
     url = engine.puller.serve("engine-0")
