@@ -125,8 +125,7 @@ class MxInitInfo(WeightTransferInitInfo):
             u64); required with ``engine_api="dynamo"``.
         prepare: with ``install="reload"``, build vLLM's processed form of every staged
             version while vLLM generates, so the install is an exchange (default on; costs one
-            processed copy of the rank's weights). Ignored by ``install="inplace"``, FP8 and
-            mixture-of-experts models (not yet: they reload inside the pause).
+            processed copy of the rank's weights). Ignored by ``install="inplace"`` and FP8.
     """
 
     control_url: str
@@ -296,9 +295,7 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
                 puller.set_resident(f"disk:{model_dir}")
             worker_id = f"{init_info.instance_id}-tp{rank}"
             limits = (self.model_config.get_vocab_size(), self.model_config.max_model_len)
-            self._prepare = (
-                init_info.prepare and mode == "reload" and not fp8 and not _has_experts(self.model)
-            )
+            self._prepare = init_info.prepare and mode == "reload" and not fp8
             # What the prepare hook reads, set before the control plane can stage anything.
             self._puller, self._rank, self._infos = puller, rank, infos
             self._checkpoint = checkpoint
@@ -607,13 +604,6 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
         if self._puller is not None:
             self._puller.close()
             self._puller = None
-
-
-def _has_experts(model: Any) -> bool:
-    """Whether ``model`` has vLLM fused-MoE experts (``RoutedExperts``). Their prepared install
-    does not yet serve what a reload does (moe_refit.py: other tokens after the exchange), so
-    mixture-of-experts servers install by the layerwise reload inside the pause for now."""
-    return any(type(m).__name__ == "RoutedExperts" for m in model.modules())
 
 
 def _reset_cpu_moe_kernels(model: Any) -> int:

@@ -192,6 +192,9 @@ class _Shadows:
             # The shadow's experts are a first load: padded and prepacked afresh.
             forget_cpu_moe_kernel(d["quant_method"])
         object.__setattr__(s, "__dict__", d)
+        # A quant method that is a module itself (vLLM's fused-MoE methods are, and sit in
+        # their layer's ``_modules``): its shadow's experts are a first load too.
+        forget_cpu_moe_kernel(s)
         self.modules[id(m)] = s
         for name, child in m._modules.items():
             d["_modules"][name] = None if child is None else self.of(child, before)
