@@ -488,10 +488,9 @@ impl DynamoWorkerClient {
     }
 }
 
-/// The refit's calls over the Dynamo routes: pause without clearing caches (the apply resets
-/// the prefix cache), apply as [`DynamoWorkerClient::mx_install`], the read-back as
-/// `get_weight_version`, generation through the frontend (or the reference worker's
-/// `/generate` when no frontend is set).
+/// How long [`generate_pinned`] waits before asking a frontend that answered "not ready" again.
+const NOT_READY_RETRY: Duration = Duration::from_millis(200);
+
 /// Greedy decoding of `max_tokens` after `prompt` on one Dynamo worker, through its frontend:
 /// `POST {frontend}/v1/completions` pinned by `nvext.backend_instance_id`, asking for
 /// `engine_data` and, with `logprobs`, for `logprobs: 1` with `return_tokens_as_token_ids`; the
@@ -501,7 +500,8 @@ impl DynamoWorkerClient {
 ///
 /// # Errors
 /// [`Error::Status`] for a non-200 answer (400 for an instance the frontend does not know, 503
-/// when the engine died), [`Error::BadResponse`] when the answer carries no token ids,
+/// when the engine died; a 503 "not ready", the frontend re-listing a worker that just resumed,
+/// is asked again until `timeout`), [`Error::BadResponse`] when the answer carries no token ids,
 /// [`Error::Timeout`], [`Error::Http`].
 pub async fn generate_pinned(
     http: &reqwest::Client,
@@ -525,7 +525,25 @@ pub async fn generate_pinned(
             extra_fields: vec!["engine_data".into()],
         },
     };
-    let r: CompletionResponse = crate::post_typed(http, &url, &body, timeout).await?;
+    let deadline = tokio::time::Instant::now() + timeout;
+    let r: CompletionResponse = loop {
+        match crate::post_typed(http, &url, &body, timeout).await {
+            // The frontend unlists a worker while it is paused and lists it again once its
+            // discovery sees it resumed; in between it answers 503 "... is not ready to serve
+            // requests yet" (seen with Dynamo 1.6.1's SGLang worker right after a refit's
+            // resume). The worker is there a moment later: ask again until the deadline.
+            Err(Error::Status {
+                status: 503,
+                body: ref b,
+                ..
+            }) if b.contains("not ready")
+                && tokio::time::Instant::now() + NOT_READY_RETRY < deadline =>
+            {
+                tokio::time::sleep(NOT_READY_RETRY).await;
+            }
+            r => break r?,
+        }
+    };
     let output_ids = r
         .token_ids()
         .map_err(|reason| Error::BadResponse { url, reason })?;
@@ -536,6 +554,10 @@ pub async fn generate_pinned(
     })
 }
 
+/// The refit's calls over the Dynamo routes: pause without clearing caches (the apply resets
+/// the prefix cache), apply as [`DynamoWorkerClient::mx_install`], the read-back as
+/// `get_weight_version`, generation through the frontend (or the reference worker's
+/// `/generate` when no frontend is set).
 #[async_trait::async_trait]
 impl EngineClient for DynamoWorkerClient {
     async fn pause(&self, mode: PauseMode) -> Result<Answer, Error> {
