@@ -508,17 +508,22 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
     def _host_back(self, previous: str | None, version: str, err: BaseException) -> None:
         """The host parameters back to ``previous`` (the retained copy) after ``version``
         failed to go into vLLM and vLLM still serves ``previous``."""
-        puller = self._need_init()
         try:
-            v = puller.versions
-            if previous is not None and v.resident != previous and v.retained == previous:
-                puller.rollback()
+            self._host_rollback(previous)
         except BaseException as e2:
             logger.critical("mx: restoring %s in the host copy failed too: %s", previous, e2)
             raise RuntimeError(
                 f"mx: installing {version} failed ({err}) and restoring {previous} in the host "
                 f"copy failed ({e2}): restart this vLLM"
             ) from e2
+
+    def _host_rollback(self, previous: str | None) -> None:
+        """The retained copy back into the host parameters when it holds ``previous`` and the
+        host parameters do not."""
+        puller = self._need_init()
+        v = puller.versions
+        if previous is not None and v.resident != previous and v.retained == previous:
+            puller.rollback()
 
     # --- preparing while vLLM generates ---------------------------------------------------
     def _on_staged(self, version: str) -> None:
@@ -562,7 +567,6 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
     def _restore(self, previous: str | None, version: str, err: BaseException) -> None:
         """After a failed install of ``version``: the host parameters back to ``previous`` and
         vLLM reloaded from them, so nothing half-installed serves."""
-        puller = self._need_init()
         logger.error("mx: installing %s failed (%s); restoring %s", version, err, previous)
         try:
             if self._reloading:
@@ -574,9 +578,7 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
                 # Layers not reloaded get their kernel tensors back; reloaded ones hold
                 # `version`: reload all of them from `previous`.
                 finalize_layerwise_reload(self.model, self.model_config)
-            v = puller.versions
-            if previous is not None and v.resident != previous and v.retained == previous:
-                puller.rollback()
+            self._host_rollback(previous)
             if self._reloading:
                 _reset_cpu_moe_kernels(self.model)
                 initialize_layerwise_reload(self.model)
