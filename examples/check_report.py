@@ -139,6 +139,42 @@ def rl_loop_mx(r: dict[str, Any]) -> list[str]:
         "exchange"
     ]:
         bad.append(f"rollback: installs {rb.get('install_modes')}, forward {rb['forward']}")
+    bad += rl_loop_memory(r.get("memory"))
+    return bad
+
+
+def rl_loop_memory(memory: Any) -> list[str]:
+    """Each vLLM rank's memory between two mx refits (issue 33), by role: the registered host
+    copy one rank's bytes, the previous version retained in staging (no copy of its own: an
+    apply exchanged them), staging at most the rank's bytes, the processed set exchanged out
+    held as the rollback source, a prepare's largest window below the rank's bytes (it read
+    staging a layer at a time), vLLM's weights and the process's resident set (now <= peak)
+    measured."""
+    rows = (memory or {}).get("between_refits")
+    if not rows:
+        return [f"memory.between_refits: missing ({memory})"]
+    bad = []
+    for m in rows:
+        who, mx_ = f"memory rank {m.get('rank')}", m.get("mx", {})
+        reg = mx_.get("registered_bytes", 0)
+        other = mx_.get("other_set") or {}
+        if not (
+            reg > 0
+            and mx_.get("retained_bytes") == 0
+            and mx_.get("retained_in_staging") is True
+            and mx_.get("retained_version") == other.get("version_id")
+            and 0 < mx_.get("staging_bytes", 0) <= reg
+        ):
+            bad.append(f"{who}: registered {reg}, retained and staging {mx_}")
+        if other.get("role") != "rollback source" or not other.get("tensor_bytes", 0) > 0:
+            bad.append(f"{who}: the set beside vLLM's is {other}, want the rollback source")
+        if not 0 < (mx_.get("prepare_window_bytes_peak") or 0) < reg:
+            bad.append(f"{who}: a prepare's largest window {mx_.get('prepare_window_bytes_peak')}")
+        w = m.get("vllm_weights", {})
+        if not w.get("tensor_bytes", 0) > 0 or not (w.get("rss_bytes") or 0) > 0:
+            bad.append(f"{who}: vLLM's weights {w}")
+        if not 0 < m.get("process_rss_bytes", 0) <= m.get("process_rss_bytes_peak", 0):
+            bad.append(f"{who}: resident set {m.get('process_rss_bytes')} / peak")
     return bad
 
 

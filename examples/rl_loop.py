@@ -74,7 +74,9 @@ step ``stall_s``, ``end_to_end_s``, ``bytes_per_rank``; mx also ``phases`` ({pau
 install_s, cache_reset_s, readback_s, resume_s}, adding up to ``stall_s``), ``prepare_s``
 (outside the pause), ``install_modes`` (``exchange``, ``reload``: how vLLM took it) and
 ``stream_tokens_per_s`` ({steady: the stream after the refit, during_stage})), ``rollback``
-({stall_s, phases, install_modes, verified, forward: the refit it undid}), ``summary``
+({stall_s, phases, install_modes, verified, forward: the refit it undid}), ``memory``
+({between_refits: per vLLM rank, what it holds by role, after the rollback step's forward
+refit: ``mx_memory``}), ``summary``
 (medians over the steps; ``stall_ratio_mx_to_disk`` / ``_to_broadcast``,
 ``stream_tokens_per_s``, ``rollback``), ``trainer_mode``, ``tp3`` ({ran, error}),
 ``peak_rss_bytes`` per process. ``--no-prepare``: vLLM installs by its layerwise reload inside
@@ -508,6 +510,16 @@ def engine_timings(servers: list[VllmServer]) -> list[dict[str, Any]]:
     ]
 
 
+def engine_memory(servers: list[VllmServer]) -> list[dict[str, Any]]:
+    """What each server's ranks hold, by role (``mx_memory``)."""
+    body = {"method": "mx_memory"}
+    return [
+        r
+        for s in servers
+        for r in _ok(f"{s.url} mx_memory", s.call("POST", "/collective_rpc", body))["results"]
+    ]
+
+
 def mx_path(control: Any, label: str, servers, workers, publish_s: float, timeout):
     with Load(servers) as load:
         r = _refit(control, label, workers, timeout)
@@ -860,6 +872,9 @@ class Loop:
             "phases": stall_phases(r),
             "install_modes": sorted({t["install"].get("mode", "") for t in timings}),
         }
+        # Between two mx refits: vLLM serving the version exchanged in, the one exchanged out
+        # kept as the rollback source.
+        self.report["memory"] = {"between_refits": engine_memory(self.servers)}
         back = self._back_to(self.report["steps"][-1])
         print(
             f"rollback: forward to {label} {forward['outcome']} (stall "

@@ -106,14 +106,22 @@ class ApplyReport:
 
 @dataclass(frozen=True)
 class MemoryReport:
-    """Bytes the puller holds beside the engine's own: per held rank the rank's bytes,
-    staging now and at its peak (at most the ranks' bytes where a plan fits), the retained
-    copy of the previous version (0 without retention)."""
+    """Bytes the puller holds beside the engine's own, by role, and the process's resident set.
+
+    ``rank_bytes``: per held rank, its registered memory (the resident version: what peers pull
+    from, live digests read and a rollback restores into); ``staging_bytes`` now and
+    ``staging_bytes_peak`` (the version being pulled, kept allocated for the next stage; at most
+    the ranks' bytes where a plan fits); ``retained_bytes``: the previous version, the source of
+    a rollback with nothing pulled (0 without retention, or with it kept in staging);
+    ``process_rss_bytes`` and ``process_rss_bytes_peak``: this process's resident set now and
+    at its peak (``VmRSS`` and ``VmHWM``; 0 where the platform does not say)."""
 
     rank_bytes: dict[int, int]
     staging_bytes: int
     staging_bytes_peak: int
     retained_bytes: int
+    process_rss_bytes: int = 0
+    process_rss_bytes_peak: int = 0
 
 
 @dataclass(frozen=True)
@@ -175,7 +183,11 @@ class Puller:
         worker_id: with ``control``, register the layout under this id at once so publishers
             cut for it before the engine serves.
         retain: keep a host copy of the previously applied version (1x the ranks' bytes), so
-            :meth:`rollback` needs no source.
+            :meth:`rollback` needs no source; ``"in_staging"``: keep it in staging instead,
+            with no buffer of its own (an apply from staging exchanges the staged and the
+            registered bytes, so staging then holds the version resident before; a rollback
+            is the same exchange back; the next stage overwrites it; plans that read a staging
+            byte twice apply by copy and retain nothing).
 
     Raises:
         MxError: NIXL is missing, the control plane is unreachable, a rank outside ``layout``
@@ -200,8 +212,10 @@ class Puller:
         layout: str,
         ranks: Sequence[int],
         worker_id: str | None = None,
-        retain: bool = True,
+        retain: bool | str = True,
     ) -> None:
+        if retain not in (True, False, "in_staging"):
+            raise ValueError(f"retain must be True, False or 'in_staging', not {retain!r}")
         if not isinstance(model, Model):
             raise TypeError(f"model must be an mx.Model, not {type(model).__name__}")
         if isinstance(ranks, int) or not isinstance(ranks, Sequence):
@@ -212,7 +226,13 @@ class Puller:
         if worker_id is not None and control is None:
             raise ValueError("worker_id needs a control plane (control=None registers nothing)")
         self._inner = _mx.Puller(
-            control, worker_id, layout, [int(r) for r in ranks], model._inner, bool(retain)
+            control,
+            worker_id,
+            layout,
+            [int(r) for r in ranks],
+            model._inner,
+            bool(retain),
+            retain == "in_staging",
         )
         self._layouts = json.loads(self._inner.rank_layouts())
         self._regions: dict[tuple[int, str], _memory.Region] = {}
@@ -334,13 +354,15 @@ class Puller:
         return Versions(*self._inner.versions())
 
     def memory_report(self) -> MemoryReport:
-        """Bytes held beside the engine's own."""
+        """Bytes held beside the engine's own, by role, and the process's resident set."""
         d = json.loads(self._inner.memory_report())
         return MemoryReport(
             {r["rank"]: r["bytes"] for r in d["rank_bytes"]},
             d["staging_bytes"],
             d["staging_bytes_peak"],
             d["retained_bytes"],
+            d["process_rss_bytes"],
+            d["process_rss_bytes_peak"],
         )
 
     def live_digests(self) -> dict[int, dict[str, str]]:
@@ -352,21 +374,25 @@ class Puller:
         """The data pointer of every registered parameter of ``rank`` (they never change)."""
         return dict(self._inner.addresses(int(rank)))
 
-    def copy_staged(self, version_id: str, rank: int, buffer: Any) -> None:
-        """Copies held rank ``rank`` of the staged version ``version_id`` into ``buffer`` (a
-        contiguous, writable host tensor or array of the rank's bytes, laid out as the whole
-        rank: parameter ``p`` at ``p.offset``; bytes of no piece zeroed): the bytes
-        :meth:`apply` would install, into memory of the caller's, so an engine can prepare
-        a version while it serves another. Staging, the registered tensors and the versions
-        held are not touched. Allowed while following.
+    def copy_staged(self, version_id: str, rank: int, buffer: Any, offset: int = 0) -> None:
+        """Copies bytes ``offset .. offset + len(buffer)`` of held rank ``rank`` of the staged
+        version ``version_id`` into ``buffer`` (a contiguous, writable host tensor or array;
+        the rank laid out whole: parameter ``p`` at ``p.offset``; bytes of no piece zeroed):
+        the bytes :meth:`apply` would install there, into memory of the caller's, so an engine
+        can prepare a version while it serves another, one window (say one decoder layer's
+        parameters) at a time. Staging, the registered tensors and the versions held are not
+        touched. Allowed while following.
 
         Raises:
             MxError: ``NotFound`` (``version_id`` is not the staged version: what is staged,
-                retained and resident named), ``InvalidArgument`` (a rank not held, a buffer of
-                another size, device or read-only memory).
+                retained and resident named), ``InvalidArgument`` (a rank not held, a window
+                outside the rank's bytes, device or read-only memory).
+            ValueError: a negative ``offset``.
         """
+        if int(offset) < 0:
+            raise ValueError(f"offset must be >= 0 (got {offset})")
         region = _memory.describe(buffer, f"rank {rank} staged copy", writable=True)
-        self._inner.copy_staged_rank(version_id, int(rank), region.addr, region.nbytes)
+        self._inner.copy_staged_rank(version_id, int(rank), int(offset), region.addr, region.nbytes)
 
     def staged_tensors(self) -> list[StagedPiece]:
         """The staged version piece by piece, copied out as bytes, for engines that install

@@ -188,6 +188,9 @@ def test_in_place_publish_stage_apply_rollback_byte_exact(fleet, control, weight
     total = sum(p.nbytes for p in engine.puller.params())
     assert sum(mem.rank_bytes.values()) == total
     assert 0 < mem.staging_bytes_peak <= total
+    # This process holds the engine's tensors and staging (both written): its resident set
+    # counts them, and its peak is at least what it holds now.
+    assert mem.process_rss_bytes_peak >= mem.process_rss_bytes >= total + mem.staging_bytes
 
     # The trainer hands v1 back, steps in place and publishes v2 from the same memory.
     for p in trainer.pubs:
@@ -244,6 +247,55 @@ def test_staged_tensors_hand_the_pieces_to_an_engine_loader(fleet, control, weig
     assert engine.puller.versions.resident is None
 
 
+def test_retention_in_staging_exchanges_instead_of_copying(control_plane, control, model, weights):
+    """``retain="in_staging"``: an apply exchanges staging and the engine's tensors, so the
+    version resident before is retained in staging, with no buffer of its own; a rollback is the
+    exchange back (the version rolled back from staged again); the tensors never move. One
+    rank, as a vLLM worker holds (three ranks in one puller read each replicated norm's staging
+    bytes three times: those plans apply by copy)."""
+    trainer = Trainer(control_plane.url, model, weights)
+    engine = Engine(
+        control_plane.url, model, ranks=(1,), worker_id="engine-swap", retain="in_staging"
+    )
+    try:
+        _declare(control, "v1", weights)
+        v1 = trainer.publish("v1")
+        ref1 = trainer.full()
+        engine.puller.stage(v1)
+        assert engine.puller.apply().kind == "staged"
+        assert engine.mismatches(ref1) == []
+        for p in trainer.pubs:
+            p.release("v1", timeout=30)
+        trainer.step(0.5)
+        _declare(control, "v2", weights)
+        v2 = trainer.publish("v2")
+        ref2 = trainer.full()
+        engine.puller.stage(v2)
+        a = engine.puller.apply(v2)
+        assert (a.kind, a.retained) == ("staged", v1)
+        assert engine.mismatches(ref2) == []
+        assert engine.puller.versions == mx.Versions(resident=v2, retained=v1, staged=None)
+        mem = engine.puller.memory_report()
+        assert mem.retained_bytes == 0 and mem.staging_bytes > 0, mem
+        back = engine.puller.rollback()
+        assert (back.version_id, back.kind) == (v1, "restored")
+        assert engine.mismatches(ref1) == []
+        assert engine.puller.versions == mx.Versions(resident=v1, retained=None, staged=v2)
+        assert engine.puller.apply(v2).kind == "staged"
+        assert engine.mismatches(ref2) == []
+        moved = [k for k, t in _tensors(engine) if t.data_ptr() != engine.ptrs[k]]
+        assert moved == []
+    finally:
+        engine.puller.close()
+        trainer.close()
+    with pytest.raises(ValueError, match="in_staging"):
+        mx.Puller(None, model=model, layout="tp:3", ranks=[0], retain="staging")
+
+
+def _tensors(engine):
+    return [((r, n), t) for r, ps in engine.params.items() for n, t in ps.items()]
+
+
 def test_copy_staged_hands_a_rank_as_apply_would_write_it(fleet, control, weights):
     trainer, engine = fleet
     _declare(control, "v1", weights)
@@ -252,6 +304,12 @@ def test_copy_staged_hands_a_rank_as_apply_would_write_it(fleet, control, weight
     infos = engine.puller.params(0)
     buf = torch.full((max(p.offset + p.nbytes for p in infos),), 0xA5, dtype=torch.uint8)
     engine.puller.copy_staged(v1, 0, buf)
+    # Window by window (one parameter each, into garbage): the same bytes.
+    windows = torch.full_like(buf, 0x5A)
+    for p in infos:
+        w = torch.full((p.nbytes,), 0x3C, dtype=torch.uint8)
+        engine.puller.copy_staged(v1, 0, w, offset=p.offset)
+        windows[p.offset : p.offset + p.nbytes] = w
     # Nothing was applied, nothing else moved: the version is still only staged.
     assert engine.puller.versions.resident is None
     assert engine.puller.versions.staged == v1
@@ -259,13 +317,16 @@ def test_copy_staged_hands_a_rank_as_apply_would_write_it(fleet, control, weight
     for p in infos:
         live = engine.params[0][p.name].contiguous().view(torch.uint8).reshape(-1)
         assert torch.equal(buf[p.offset : p.offset + p.nbytes], live), p.name
+        assert torch.equal(windows[p.offset : p.offset + p.nbytes], live), p.name
     other = "mx:" + "ab" * 32
     with pytest.raises(mx.MxError) as e:
         engine.puller.copy_staged(other, 0, buf)
     assert e.value.code == "NotFound" and other in str(e.value)
     with pytest.raises(mx.MxError) as e:
-        engine.puller.copy_staged(v1, 0, buf[:-1])
+        engine.puller.copy_staged(v1, 0, buf[:8], offset=buf.numel() - 4)
     assert e.value.code == "InvalidArgument", e.value
+    with pytest.raises(ValueError):
+        engine.puller.copy_staged(v1, 0, buf[:8], offset=-1)
     read_only = np.frombuffer(bytes(buf.numel()), dtype=np.uint8)
     with pytest.raises(mx.MxError) as e:
         engine.puller.copy_staged(v1, 0, read_only)

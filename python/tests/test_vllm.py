@@ -11,6 +11,7 @@ tokens).
 from __future__ import annotations
 
 import importlib.metadata
+import json
 
 import pytest
 import torch
@@ -222,6 +223,47 @@ def test_reload_tensors_fill_only_the_rank_pieces():
     assert name == "t"
     assert torch.isnan(t[:2]).all()
     assert torch.equal(t[2:], torch.arange(8, dtype=torch.bfloat16).view(2, 4))
+
+
+def test_layer_windows_read_the_rank_a_layer_at_a_time():
+    """A prepare reads staging one window per layer group: every parameter in a window, the
+    windows in vLLM's layer order and inside the rank's bytes, each far below the rank, and
+    the tensors they give equal the whole rank's, name for name and byte for byte."""
+    model = mx.Model.from_dir(MODEL)
+    checkpoint = [(t.name, t.dtype, tuple(t.shape)) for t in model.tensors]
+    infos = model.rank_layout("tp:3", 1)
+    total = max(p.offset + p.nbytes for p in infos)
+    rank = torch.randint(0, 255, (total,), dtype=torch.uint8)
+
+    def params(buf, lo, infos):
+        return {
+            p.name: buf[p.offset - lo : p.offset - lo + p.nbytes]
+            .view(_layout.torch_dtype(p.dtype))
+            .view(p.shape)
+            for p in infos
+        }
+
+    # NaN where the rank holds nothing (the same bytes either way).
+    full = _layout.CheckpointView(infos, params(rank, 0, infos), checkpoint)
+    whole = list(full.tensors(fill_nan=True))
+    windows = _layout.layer_windows(infos, checkpoint)
+    assert {p.name for _, ps, _ in windows for p in ps} == {p.name for p in infos}
+    runs = [r for rs, _, _ in windows for r in rs]
+    assert all(0 <= lo < hi <= total for lo, hi in runs)
+    layers = json.loads((MODEL / "config.json").read_text())["num_hidden_layers"]
+    assert len(windows) == layers + 1, "the tensors outside the stack, then one per layer"
+    assert max(sum(hi - lo for lo, hi in rs) for rs, _, _ in windows) < total / 4
+
+    def read(buf, lo):
+        buf.copy_(rank[lo : lo + buf.numel()])
+
+    parts = []
+    for rs, ps, ck in windows:
+        view = _layout.CheckpointView(ps, _layout.read_runs(rs, ps, read), ck)
+        parts += list(view.tensors(fill_nan=True))
+    assert [n for n, _ in parts] == [n for n, _ in whole]
+    for (n, a), (_, b) in zip(parts, whole, strict=True):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), n
 
 
 def test_layout_comparison_names_the_parameter():

@@ -49,6 +49,23 @@ install (``version_id``, ``kind``, ``mode``: ``exchange``/``reload``/``inplace``
 outside the pause), through ``POST /collective_rpc``."""
 
 
+MEMORY_METHOD = "mx_memory"
+"""The worker method :func:`register` adds to vLLM's workers: what the rank holds by role, in
+bytes (vLLM's live weights; mx's registered host copy, staging, retained copy, the processed set
+beside vLLM's as ``prepared`` or ``rollback source``), and the process's resident set now and at
+its peak (:meth:`mx.vllm._engine.MxWeightTransferEngine.memory`); ``None`` before the backend is
+initialized, through ``POST /collective_rpc``."""
+
+
+def _memory(worker: Any) -> dict[str, Any] | None:
+    """:data:`MEMORY_METHOD` on one vLLM worker."""
+    engine = getattr(worker, "weight_transfer_engine", None)
+    memory = getattr(engine, "memory", None)
+    if not callable(memory) or getattr(engine, "_puller", None) is None:
+        return None
+    return memory()
+
+
 def _timings(worker: Any) -> dict[str, Any]:
     """:data:`TIMINGS_METHOD` on one vLLM worker (empty records before any)."""
     engine = getattr(worker, "weight_transfer_engine", None)
@@ -80,8 +97,9 @@ def _engine_identity(worker: object) -> dict[str, str] | None:
 def register() -> None:
     """Registers the ``"mx"`` weight-transfer backend with vLLM's factory (lazily: the engine
     module is imported only when a server selects it) and adds :data:`IDENTITY_METHOD`,
-    :data:`INSTALL_METHOD` and :data:`TIMINGS_METHOD` to vLLM's workers. Called by vLLM in every
-    process through the ``vllm.general_plugins`` entry point; idempotent."""
+    :data:`INSTALL_METHOD`, :data:`TIMINGS_METHOD` and :data:`MEMORY_METHOD` to vLLM's
+    workers. Called by vLLM in every process through the ``vllm.general_plugins`` entry
+    point; idempotent."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
     from vllm.v1.worker.worker_base import WorkerBase
 
@@ -91,6 +109,8 @@ def register() -> None:
         setattr(WorkerBase, INSTALL_METHOD, _install)
     if not hasattr(WorkerBase, TIMINGS_METHOD):
         setattr(WorkerBase, TIMINGS_METHOD, _timings)
+    if not hasattr(WorkerBase, MEMORY_METHOD):
+        setattr(WorkerBase, MEMORY_METHOD, _memory)
 
     if BACKEND in WeightTransferEngineFactory._registry:
         return
@@ -99,4 +119,11 @@ def register() -> None:
     )
 
 
-__all__ = ["BACKEND", "IDENTITY_METHOD", "INSTALL_METHOD", "TIMINGS_METHOD", "register"]
+__all__ = [
+    "BACKEND",
+    "IDENTITY_METHOD",
+    "INSTALL_METHOD",
+    "MEMORY_METHOD",
+    "TIMINGS_METHOD",
+    "register",
+]

@@ -38,10 +38,15 @@ installs V at that safe point: the puller copies it from staging into the host p
 - ``install="inplace"`` (the default on GPU, where parameters keep their memory): a copy of the
   rank's bytes into the parameters in place, nothing else.
 
-Resident memory beside vLLM's own weights: the rank's bytes (host parameters) + the retained
-previous version (``retain``, 1x) + staging (at most 1x while a version is staged) + with
-``prepare``, one processed set of the rank's weights (the prepared version, then the rollback
-source) and, while a version is being prepared, one more copy of the rank's bytes.
+Resident memory beside vLLM's own weights: the rank's bytes (host parameters) + staging (at
+most 1x, kept for the next stage) + the retained previous version (``retain``): without
+``prepare`` a copy of its own (1x); with it, kept in staging (the puller's ``retain="in_staging"``:
+an apply exchanges the staged and the host bytes, so staging then holds the version served
+before) beside one processed set of the rank's weights (the prepared version, then the rollback
+source), so the count of rank-sized buffers beside vLLM's is three either way; while a version is
+being prepared, one window of staging's bytes more (a decoder layer's, or the embeddings'). The
+worker method ``mx_memory`` reports each of these, vLLM's own weights and the process's resident
+set now and at its peak (:meth:`memory`).
 
 A failed install puts the previous version back before the error is returned (the puller
 restores its retained copy and vLLM reloads it), so vLLM never serves a half-installed version;
@@ -61,6 +66,7 @@ the server in a session of its own).
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 import time
@@ -216,6 +222,7 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
         self._fill_nan = False
         self._reloading = False
         self._prepare = False
+        self._retain = False
         # The other processed set: (the version it holds, its shadows). Prepared for a staged
         # version; after an exchange, the version exchanged out (the rollback source).
         self._other: tuple[str | None, Prepared] | None = None
@@ -224,6 +231,8 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
         # vLLM's live weight objects after the last install mx made (or vLLM's own load at
         # start-up): when they differ, something else changed vLLM's weights behind mx's back.
         self._live_mark: list[Any] | None = None
+        # The resident-set bytes the first prepared set added (one processed set).
+        self._other_rss: int | None = None
         self.last_install: dict[str, Any] = {}
         self.last_prepare: dict[str, Any] = {}
 
@@ -261,12 +270,21 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
         else:
             mx_model = Model.from_dir(model_dir)
             checkpoint = [(t.name, t.dtype, tuple(t.shape)) for t in mx_model.tensors]
+        mode = init_info.install
+        if mode == "auto":
+            mode = "inplace" if self.device.type == "cuda" else "reload"
+        prepare = init_info.prepare and mode == "reload" and not fp8
+        # With a prepared set, the retained raw copy lives in staging (an apply exchanges them):
+        # the processed set is the one held beside vLLM's instead.
+        retain: bool | str = init_info.retain
+        if retain and prepare:
+            retain = "in_staging"
         puller = Puller(
             init_info.control_url,
             model=mx_model,
             layout=layout,
             ranks=[rank],
-            retain=init_info.retain,
+            retain=retain,
         )
         try:
             infos = puller.params(rank)
@@ -278,9 +296,6 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
             if init_info.check_layout:
                 self._check_layout(rank, served, checkpoint)
             t2 = time.perf_counter()
-            mode = init_info.install
-            if mode == "auto":
-                mode = "inplace" if self.device.type == "cuda" else "reload"
             if mode == "inplace":
                 self._check_in_place(served)
             params = {
@@ -295,7 +310,7 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
                 puller.set_resident(f"disk:{model_dir}")
             worker_id = f"{init_info.instance_id}-tp{rank}"
             limits = (self.model_config.get_vocab_size(), self.model_config.max_model_len)
-            self._prepare = init_info.prepare and mode == "reload" and not fp8
+            self._prepare = prepare
             # What the prepare hook reads, set before the control plane can stage anything.
             self._puller, self._rank, self._infos = puller, rank, infos
             self._checkpoint = checkpoint
@@ -318,6 +333,7 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
         self._fp8 = quantized
         self._view = _layout.CheckpointView(infos, params, checkpoint)
         self._mode, self._fill_nan = mode, init_info.fill_nan
+        self._retain = init_info.retain
         self._live_mark = live_state(self.model) if self._prepare else None
         logger.info(
             "mx: rank %d of %s follows %s as %s (install %s%s; %d parameters, %d bytes; "
@@ -534,13 +550,24 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
         with self._other_lock:
             # Dropped first: the peak is one processed set beside vLLM's.
             self._other = None
+            gc.collect()
+            rss0 = self._rss()
             try:
-                prepared = self._build(version)
+                prepared, window = self._build(version)
             except BaseException as e:
                 logger.warning("mx: preparing %s failed (%s); it installs by reload", version, e)
                 raise
             self._other = (version, prepared)
-        self.last_prepare = {"version_id": version, "prepare_s": time.perf_counter() - t0}
+            # What the processed set takes as the process's resident set shows it (vLLM's CPU
+            # kernels hold repacked weights outside torch's tensors): measured around the first
+            # build, when nothing freed before it can be reused by it.
+            if self._other_rss is None:
+                self._other_rss = max(self._rss() - rss0, 0)
+        self.last_prepare = {
+            "version_id": version,
+            "prepare_s": time.perf_counter() - t0,
+            "window_bytes_peak": window,
+        }
         logger.info(
             "mx: rank %d prepared %s while serving (%.3f s)",
             self._rank,
@@ -548,21 +575,84 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
             self.last_prepare["prepare_s"],
         )
 
-    def _build(self, version: str) -> Prepared:
-        """The shadows of the model loaded with the staged ``version`` of this rank (a copy of
-        the rank's staged bytes, dropped once vLLM's loaders copied them)."""
+    def _build(self, version: str) -> tuple[Prepared, int]:
+        """The shadows of the model loaded with the staged ``version`` of this rank, read from
+        staging one window at a time (the tensors outside the decoder stack, then each layer:
+        :func:`mx.vllm._layout.layer_windows`), each window dropped once vLLM's loaders copied
+        it: the copy beside staging is one layer's bytes (or the embeddings'), not the rank's.
+        Returns the shadows and the largest window's bytes."""
         puller = self._need_init()
-        nbytes = max((p.offset + p.nbytes for p in self._infos), default=0)
-        buf = torch.empty(nbytes, dtype=torch.uint8)
-        puller.copy_staged(version, self._rank, buf)
-        params = {
-            p.name: buf[p.offset : p.offset + p.nbytes]
-            .view(_layout.torch_dtype(p.dtype))
-            .view(p.shape)
-            for p in self._infos
+        windows = _layout.layer_windows(self._infos, self._checkpoint)
+
+        def tensors():
+            for runs, infos, checkpoint in windows:
+                params = _layout.read_runs(
+                    runs,
+                    infos,
+                    lambda buf, lo: puller.copy_staged(version, self._rank, buf, offset=lo),
+                )
+                yield from _layout.CheckpointView(infos, params, checkpoint).tensors()
+
+        prepared = Prepared.build(self.model, self.model_config, self.device, tensors())
+        peak = max((sum(hi - lo for lo, hi in runs) for runs, _, _ in windows), default=0)
+        return prepared, peak
+
+    def memory(self) -> dict[str, Any]:
+        """What this rank holds, by role, in bytes (the ``mx_memory`` worker method).
+
+        ``vllm_weights``: vLLM's live weights: ``tensor_bytes`` (the storage of its parameters,
+        buffers and tensor attributes; repacked CPU parameters are empty) and ``rss_bytes``
+        (one processed set as the resident set shows it: what the first prepared set added;
+        ``None`` before one was built). ``mx``: the puller's roles (``registered_bytes``: the
+        host copy of the resident version, what peers pull from, live digests read and a
+        reload installs from; ``staging_bytes`` now and at its peak; ``retained_bytes``: a copy
+        of the previous version's raw bytes, 0 when ``retained_in_staging``;
+        ``retained_version``) and ``other_set``: the processed set beside vLLM's
+        (``role`` ``prepared``: a staged version ready to exchange in; ``rollback source``: the
+        version exchanged out; ``None`` without one), with the largest window of a prepare.
+        ``process_rss_bytes`` and ``process_rss_bytes_peak``: this process (``VmRSS``,
+        ``VmHWM``)."""
+        puller = self._need_init()
+        m = puller.memory_report()
+        other = self._other
+        held = puller.versions
+        live = _storages(self.model)
+        if other is None:
+            other_set = None
+        else:
+            # A set for the staged version not yet installed is prepared; one exchanged out is
+            # the rollback source (after a rollback, the set exchanged out is the staged
+            # version's again: prepared).
+            prepared = other[0] == held.staged and other[0] != held.resident
+            other_set = {
+                "version_id": other[0],
+                "role": "prepared" if prepared else "rollback source",
+                "tensor_bytes": sum(_storages(other[1].root, exclude=live).values()),
+                "rss_bytes": self._other_rss,
+            }
+        return {
+            "rank": self._rank,
+            "process_rss_bytes": m.process_rss_bytes,
+            "process_rss_bytes_peak": m.process_rss_bytes_peak,
+            "vllm_weights": {
+                "tensor_bytes": sum(live.values()),
+                "rss_bytes": self._other_rss,
+            },
+            "mx": {
+                "registered_bytes": sum(m.rank_bytes.values()),
+                "staging_bytes": m.staging_bytes,
+                "staging_bytes_peak": m.staging_bytes_peak,
+                "retained_bytes": m.retained_bytes,
+                "retained_version": held.retained,
+                "retained_in_staging": self._prepare and self._retain,
+                "other_set": other_set,
+                "prepare_window_bytes_peak": self.last_prepare.get("window_bytes_peak"),
+            },
         }
-        view = _layout.CheckpointView(self._infos, params, self._checkpoint)
-        return Prepared.build(self.model, self.model_config, self.device, view.tensors())
+
+    def _rss(self) -> int:
+        """This process's resident set size in bytes (``VmRSS``; 0 where not known)."""
+        return self._need_init().memory_report().process_rss_bytes
 
     def _restore(self, previous: str | None, version: str, err: BaseException) -> None:
         """After a failed install of ``version``: the host parameters back to ``previous`` and
@@ -606,6 +696,22 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
         if self._puller is not None:
             self._puller.close()
             self._puller = None
+
+
+def _storages(module: torch.nn.Module, exclude: dict[int, int] | None = None) -> dict[int, int]:
+    """``{data pointer: bytes}`` of every tensor storage ``module``'s tree holds (parameters,
+    buffers, tensor attributes), each once, leaving out those in ``exclude``."""
+    found: dict[int, int] = {}
+    for m in module.modules():
+        for v in m.__dict__.values():
+            tensors = v.values() if isinstance(v, dict) else (v,)
+            for t in tensors:
+                if isinstance(t, torch.Tensor):
+                    st = t.untyped_storage()
+                    ptr = st.data_ptr()
+                    if ptr and (exclude is None or ptr not in exclude):
+                        found[ptr] = st.nbytes()
+    return found
 
 
 def _reset_cpu_moe_kernels(model: Any) -> int:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import math
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -346,6 +346,52 @@ class CheckpointView:
             for src, pc in self._pieces[name]:
                 t[_box(pc)] = src
             yield name, t
+
+
+def layer_windows(
+    infos: Sequence[ParamInfo],
+    checkpoint: Sequence[tuple[str, str, tuple[int, ...]]],
+) -> list[tuple[list[tuple[int, int]], list[ParamInfo], list[tuple[str, str, tuple[int, ...]]]]]:
+    """The rank's bytes window by window, one per :func:`layer_groups` group (the tensors
+    outside the stack, then each decoder layer), in that order: ``(runs, params, checkpoint
+    tensors)`` where ``params`` are the rank's parameters holding a piece of the group's
+    checkpoint tensors and ``runs`` the ``(lo, hi)`` byte ranges of the rank's layout they
+    occupy, adjacent parameters merged (the embeddings and the final norm lie at the two ends
+    of a rank: two runs). A parameter with pieces in two groups is in both."""
+    held = {pc.tensor for p in infos for pc in p.pieces}
+    spec = {n: (n, dtype, tuple(shape)) for n, dtype, shape in checkpoint}
+    windows = []
+    for group in layer_groups([n for n in spec if n in held]):
+        names = set(group)
+        params = [p for p in infos if any(pc.tensor in names for pc in p.pieces)]
+        if not params:
+            continue
+        runs: list[tuple[int, int]] = []
+        for p in sorted(params, key=lambda p: p.offset):
+            if runs and runs[-1][1] >= p.offset:
+                runs[-1] = (runs[-1][0], max(runs[-1][1], p.offset + p.nbytes))
+            else:
+                runs.append((p.offset, p.offset + p.nbytes))
+        windows.append((runs, params, [spec[n] for n in group]))
+    return windows
+
+
+def read_runs(
+    runs: Sequence[tuple[int, int]],
+    infos: Sequence[ParamInfo],
+    read: Callable[[torch.Tensor, int], None],
+) -> dict[str, torch.Tensor]:
+    """The parameters ``infos`` as tensors over fresh buffers, one per run of
+    :func:`layer_windows`, each filled by ``read(buffer, offset in the rank's layout)``."""
+    params = {}
+    for lo, hi in runs:
+        buf = torch.empty(hi - lo, dtype=torch.uint8)
+        read(buf, lo)
+        for p in infos:
+            if lo <= p.offset and p.offset + p.nbytes <= hi:
+                at = p.offset - lo
+                params[p.name] = buf[at : at + p.nbytes].view(torch_dtype(p.dtype)).view(p.shape)
+    return params
 
 
 def read_rank(model_dir: str, infos: Sequence[ParamInfo], params: dict[str, torch.Tensor]) -> None:

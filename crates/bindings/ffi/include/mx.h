@@ -210,6 +210,14 @@ typedef struct {
      * The retained host copy of the previous version (0 without retention).
      */
     uint64_t retained_bytes;
+    /**
+     * The process's resident set size now (`VmRSS`; 0 where the platform does not say).
+     */
+    uint64_t process_rss_bytes;
+    /**
+     * The process's peak resident set size so far (`VmHWM`; 0 likewise).
+     */
+    uint64_t process_rss_bytes_peak;
 } mx_memory_report;
 
 /**
@@ -674,10 +682,13 @@ void mx_publisher_free(mx_publisher *publisher);
  * `control` (`"http://host:port"`) may be NULL: such a puller stages only from manifests given
  * to `mx_puller_stage_manifests`. With `control` and `worker_id` both given, the layout is
  * registered with the control plane under `worker_id` at once, so publishers cut for it.
- * `retain` != 0 keeps a host copy of the previously applied version (1x the ranks' bytes) for
- * `mx_puller_rollback`. No memory is registered yet. Blocks until connected. Thread-safe.
+ * `retain` 1 keeps a host copy of the previously applied version (1x the ranks' bytes) for
+ * `mx_puller_rollback`; 2 keeps it in staging instead (an apply exchanges staging and the
+ * registered memory; one buffer of the ranks' bytes less); 0 keeps none. No memory is
+ * registered yet. Blocks until connected. Thread-safe.
  *
- * Errors: `MX_ERR_INVALID_ARGUMENT` (NULL, a bad layout, repeated or no ranks),
+ * Errors: `MX_ERR_INVALID_ARGUMENT` (NULL, a bad layout, repeated or no ranks, `retain` not 0,
+ * 1 or 2),
  * `MX_ERR_LAYOUT` (the layout cannot place the model, a rank outside it), `MX_ERR_NIXL`,
  * `MX_ERR_CONTROL`.
  *

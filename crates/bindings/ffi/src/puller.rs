@@ -140,6 +140,10 @@ pub struct MemoryReportC {
     pub staging_bytes_peak: u64,
     /// The retained host copy of the previous version (0 without retention).
     pub retained_bytes: u64,
+    /// The process's resident set size now (`VmRSS`; 0 where the platform does not say).
+    pub process_rss_bytes: u64,
+    /// The process's peak resident set size so far (`VmHWM`; 0 likewise).
+    pub process_rss_bytes_peak: u64,
 }
 
 /// The engine's host range `addr .. addr + len` for a puller, the error naming `field`.
@@ -156,10 +160,13 @@ unsafe fn host_region(addr: *mut c_void, len: u64, field: &str) -> FfiResult<Hos
 /// `control` (`"http://host:port"`) may be NULL: such a puller stages only from manifests given
 /// to `mx_puller_stage_manifests`. With `control` and `worker_id` both given, the layout is
 /// registered with the control plane under `worker_id` at once, so publishers cut for it.
-/// `retain` != 0 keeps a host copy of the previously applied version (1x the ranks' bytes) for
-/// `mx_puller_rollback`. No memory is registered yet. Blocks until connected. Thread-safe.
+/// `retain` 1 keeps a host copy of the previously applied version (1x the ranks' bytes) for
+/// `mx_puller_rollback`; 2 keeps it in staging instead (an apply exchanges staging and the
+/// registered memory; one buffer of the ranks' bytes less); 0 keeps none. No memory is
+/// registered yet. Blocks until connected. Thread-safe.
 ///
-/// Errors: `MX_ERR_INVALID_ARGUMENT` (NULL, a bad layout, repeated or no ranks),
+/// Errors: `MX_ERR_INVALID_ARGUMENT` (NULL, a bad layout, repeated or no ranks, `retain` not 0,
+/// 1 or 2),
 /// `MX_ERR_LAYOUT` (the layout cannot place the model, a rank outside it), `MX_ERR_NIXL`,
 /// `MX_ERR_CONTROL`.
 ///
@@ -191,6 +198,12 @@ pub unsafe extern "C" fn mx_puller_create(
         if out.is_null() {
             return Err(FfiError::arg("out", "NULL output pointer"));
         }
+        if !(0..=2).contains(&retain) {
+            return Err(FfiError::arg(
+                "retain",
+                format!("{retain}: 0 (none), 1 (a copy) or 2 (in staging)"),
+            ));
+        }
         let puller = runtime()?
             .block_on(EmbeddedPuller::connect(EmbeddedConfig {
                 control: control.map(str::to_string),
@@ -199,6 +212,7 @@ pub unsafe extern "C" fn mx_puller_create(
                 ranks,
                 model: model.info.clone(),
                 retain: retain != 0,
+                retain_in_staging: retain == 2,
                 agent_prefix: "mx-ffi-puller".into(),
             }))
             .map_err(|e| match e {
@@ -580,6 +594,8 @@ pub unsafe extern "C" fn mx_puller_memory_report(
             staging_bytes: m.staging_bytes,
             staging_bytes_peak: m.staging_bytes_peak,
             retained_bytes: m.retained_bytes,
+            process_rss_bytes: m.process_rss_bytes,
+            process_rss_bytes_peak: m.process_rss_bytes_peak,
         };
         // SAFETY: the caller's contract.
         unsafe { write_out(report, v, "report") }

@@ -315,6 +315,20 @@ fn puller_registrations_are_checked_against_the_layout() {
             MX_ERR_INVALID_ARGUMENT,
             &["ranks"],
         );
+        refused(
+            mx_puller_create(
+                null(),
+                null(),
+                layout.as_ptr(),
+                ranks.as_ptr(),
+                2,
+                m,
+                3,
+                &mut p,
+            ),
+            MX_ERR_INVALID_ARGUMENT,
+            &["retain", "2 (in staging)"],
+        );
         let tp3 = CString::new("tp:3").unwrap();
         refused(
             mx_puller_create(
@@ -467,6 +481,7 @@ fn puller_registrations_are_checked_against_the_layout() {
         let mut rep = MemoryReportC::default();
         assert_eq!(mx_puller_memory_report(p, &mut rep), MX_OK);
         assert!(rep.rank_bytes > 0 && rep.staging_bytes == 0 && rep.retained_bytes == 0);
+        assert!(rep.process_rss_bytes > 0 && rep.process_rss_bytes_peak >= rep.process_rss_bytes);
         let (mut resident, mut staged) = (null_mut(), null_mut());
         assert_eq!(
             mx_puller_versions(p, &mut resident, null_mut(), &mut staged),

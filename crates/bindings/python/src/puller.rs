@@ -192,7 +192,8 @@ impl Puller {
     /// Creates the puller (a NIXL agent; with `control`, a connection, and with `worker_id`
     /// too, the layout registered under that id at once).
     #[new]
-    #[pyo3(signature = (control, worker_id, layout, ranks, model, retain = true))]
+    #[pyo3(signature = (control, worker_id, layout, ranks, model, retain = true, retain_in_staging = false))]
+    #[allow(clippy::too_many_arguments)] // the Python constructor's keyword arguments
     fn new(
         py: Python<'_>,
         control: Option<String>,
@@ -201,6 +202,7 @@ impl Puller {
         ranks: Vec<u32>,
         model: &Model,
         retain: bool,
+        retain_in_staging: bool,
     ) -> PyResult<Puller> {
         let layout: LayoutSpec = layout.parse().map_err(|e| layout_error(py, "layout", &e))?;
         let rt = runtime(py, "mx-puller", 2)?;
@@ -211,6 +213,7 @@ impl Puller {
             ranks,
             model: model.info.clone(),
             retain,
+            retain_in_staging,
             agent_prefix: "mx-python-puller".into(),
         };
         let p = py
@@ -383,6 +386,8 @@ impl Puller {
                     "staging_bytes": m.staging_bytes,
                     "staging_bytes_peak": m.staging_bytes_peak,
                     "retained_bytes": m.retained_bytes,
+                    "process_rss_bytes": m.process_rss_bytes,
+                    "process_rss_bytes_peak": m.process_rss_bytes_peak,
                 }))
             }),
         )
@@ -510,13 +515,15 @@ impl Puller {
         })
     }
 
-    /// Copies held rank `rank` of the staged version `version_id` into the `nbytes` of host
-    /// memory at `addr` (laid out as the rank's layout; see `Puller::copy_staged_rank`).
+    /// Copies bytes `offset..offset + nbytes` of held rank `rank` of the staged version
+    /// `version_id` into the `nbytes` of host memory at `addr` (laid out as the rank's layout;
+    /// see `Puller::copy_staged_rank`).
     fn copy_staged_rank(
         &self,
         py: Python<'_>,
         version_id: &str,
         rank: u32,
+        offset: u64,
         addr: u64,
         nbytes: u64,
     ) -> PyResult<()> {
@@ -530,7 +537,7 @@ impl Puller {
             let buf = region
                 .host_mut()
                 .ok_or_else(|| mx_follower::Error::Task("host memory expected".into()))?;
-            p.copy_staged_rank(id, rank, buf)
+            p.copy_staged_rank(id, rank, offset, buf)
         })
     }
 

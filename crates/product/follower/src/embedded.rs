@@ -63,6 +63,9 @@ pub struct EmbeddedConfig {
     pub model: ModelInfo,
     /// Keep a host copy of the previously applied version (1x the ranks' bytes) for rollback.
     pub retain: bool,
+    /// With `retain`: keep it in staging instead of a buffer of its own
+    /// ([`mx_puller::Puller::retain_in_staging`]).
+    pub retain_in_staging: bool,
     /// Prefix of the NIXL agent's name (the process id and a counter are appended).
     pub agent_prefix: String,
 }
@@ -117,7 +120,7 @@ impl EmbeddedPuller {
             std::process::id(),
             AGENTS.fetch_add(1, Ordering::Relaxed)
         ))?;
-        let puller = Puller::new(
+        let mut puller = Puller::new(
             PullerConfig {
                 model: cfg.model.clone(),
                 layout: cfg.layout,
@@ -126,6 +129,9 @@ impl EmbeddedPuller {
             },
             Some(agent),
         )?;
+        if cfg.retain_in_staging {
+            puller.retain_in_staging()?;
+        }
         let control = match cfg.control {
             Some(url) => {
                 let client = ControlClient::connect(&url).await?;
@@ -294,21 +300,22 @@ impl EmbeddedPuller {
         Ok(self.with(|p| p.apply(id))??)
     }
 
-    /// Copies rank `rank` of the staged `version` into `buf` (laid out as the rank's layout),
-    /// leaving staging, the registered memory and the resident version as they are
-    /// ([`mx_puller::Puller::copy_staged_rank`]). Allowed while served: it changes nothing the
-    /// control plane tracks.
+    /// Copies bytes `offset..offset + buf.len()` of rank `rank` of the staged `version` into
+    /// `buf` (laid out as the rank's layout), leaving staging, the registered memory and the
+    /// resident version as they are ([`mx_puller::Puller::copy_staged_rank`]). Allowed while
+    /// served: it changes nothing the control plane tracks.
     ///
     /// # Errors
-    /// [`Error::Puller`]: `version` is not the staged one, `rank` is not held, `buf` is not the
-    /// rank's size.
+    /// [`Error::Puller`]: `version` is not the staged one, `rank` is not held, the window does
+    /// not lie inside the rank's layout.
     pub fn copy_staged_rank(
         &mut self,
         version: VersionId,
         rank: u32,
+        offset: u64,
         buf: &mut [u8],
     ) -> Result<(), Error> {
-        Ok(self.with(|p| p.copy_staged_rank(version, rank, buf))??)
+        Ok(self.with(|p| p.copy_staged_rank(version, rank, offset, buf))??)
     }
 
     /// Serves the puller as worker `worker_id` of its control plane: the engine routes of

@@ -3,7 +3,7 @@
 
 use mx_layout::{DType, RankLayout};
 
-use crate::exec::RankTarget;
+use crate::exec::{RankSwap, RankTarget};
 use crate::Error;
 
 /// Memory an engine owns and registers with the puller: one parameter (or a whole rank laid
@@ -581,6 +581,14 @@ impl RankTarget for HostSpans<'_> {
 
     fn zero(&mut self, offset: u64, len: u64) -> Result<(), Error> {
         self.each(offset, len, |h, at, _, n| h[at..at + n].fill(0))
+    }
+}
+
+impl RankSwap for HostSpans<'_> {
+    fn swap(&mut self, offset: u64, bytes: &mut [u8]) -> Result<(), Error> {
+        self.each(offset, bytes.len() as u64, |h, at, done, n| {
+            h[at..at + n].swap_with_slice(&mut bytes[done..done + n]);
+        })
     }
 }
 

@@ -21,16 +21,25 @@ use crate::Error;
 pub trait StagingBuffer: Send + Sync {
     /// The bytes (at least the length asked for when allocated).
     fn bytes(&self) -> &[u8];
+    /// The same bytes, writable (no transfer is in flight while the executor is borrowed
+    /// mutably).
+    fn bytes_mut(&mut self) -> &mut [u8];
 }
 
 impl StagingBuffer for Arena {
     fn bytes(&self) -> &[u8] {
         self.as_slice()
     }
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        self.as_mut_slice()
+    }
 }
 
 impl StagingBuffer for Vec<u8> {
     fn bytes(&self) -> &[u8] {
+        self
+    }
+    fn bytes_mut(&mut self) -> &mut [u8] {
         self
     }
 }
@@ -693,6 +702,115 @@ impl<T: Transport> Executor<T> {
         }
         Ok(())
     }
+}
+
+impl<T: Transport> Executor<T> {
+    /// Exchanges the bytes of `plan`'s copies for held rank `rank_index` between staging and
+    /// `target` (the rank's memory): afterwards the target holds what [`Executor::apply_rank`]
+    /// writes (padding zeroed), and staging, where the copies read, holds what the target held
+    /// there. The same call again exchanges them back. Only for a plan whose copies read and
+    /// write disjoint bytes ([`swappable`]); every staging range is checked before a byte moves.
+    ///
+    /// # Errors
+    /// [`Error::Task`] when a range is not staged; the target's errors (a span not registered:
+    /// bytes exchanged before it stay exchanged; the caller checks registration first).
+    pub fn swap_rank<R: RankSwap + ?Sized>(
+        &mut self,
+        plan: &Plan,
+        rank_index: usize,
+        target: &mut R,
+    ) -> Result<(), Error> {
+        let copies = || plan.copies.iter().filter(|c| c.rank_index == rank_index);
+        for cp in copies() {
+            for (s, _) in cp.rows() {
+                self.staged_slices(s, cp.len, |_, _| Ok(()))?;
+            }
+        }
+        for cp in copies() {
+            for (s, l) in cp.rows() {
+                let (mut off, end) = (s, s + cp.len);
+                while off < end {
+                    let k = self
+                        .buffers
+                        .partition_point(|b| b.lo <= off)
+                        .saturating_sub(1);
+                    let b = &mut self.buffers[k];
+                    let n = (end - off).min(b.hi - off);
+                    let from = (off - b.lo) as usize;
+                    let bytes = &mut b.buf.bytes_mut()[from..from + n as usize];
+                    target.swap(l + (off - s), bytes)?;
+                    off += n;
+                }
+            }
+        }
+        for z in plan
+            .zero_fills
+            .iter()
+            .filter(|z| z.rank_index == rank_index)
+        {
+            target.zero(z.live_offset, z.len)?;
+        }
+        Ok(())
+    }
+}
+
+/// Where staged bytes are exchanged with: a rank's memory on the host.
+pub trait RankSwap: RankTarget {
+    /// Exchanges `bytes` with the target's bytes at `offset`.
+    ///
+    /// # Errors
+    /// [`Error::Memory`] / [`Error::Unregistered`] when the range is not host memory of the
+    /// rank's.
+    fn swap(&mut self, offset: u64, bytes: &mut [u8]) -> Result<(), Error>;
+}
+
+impl RankSwap for [u8] {
+    fn swap(&mut self, offset: u64, bytes: &mut [u8]) -> Result<(), Error> {
+        let at = usize::try_from(offset).map_err(|_| Error::Task("offset overflows".into()))?;
+        let dst = self
+            .get_mut(at..at + bytes.len())
+            .ok_or_else(|| Error::Task(format!("swap of {} bytes at {at}", bytes.len())))?;
+        dst.swap_with_slice(bytes);
+        Ok(())
+    }
+}
+
+/// `Ok` when `plan`'s copies can be exchanged instead of copied ([`Executor::swap_rank`]): no
+/// staging byte is read by two copies, and no byte of a rank is written by two. Otherwise the
+/// first overlap found.
+///
+/// # Errors
+/// A message naming the overlapping ranges.
+pub fn swappable(plan: &Plan) -> Result<(), String> {
+    let mut staging: Vec<(u64, u64)> = Vec::new();
+    let mut live: Vec<(usize, u64, u64)> = Vec::new();
+    for cp in &plan.copies {
+        for (s, l) in cp.rows() {
+            staging.push((s, s.saturating_add(cp.len)));
+            live.push((cp.rank_index, l, l.saturating_add(cp.len)));
+        }
+    }
+    staging.sort_unstable();
+    live.sort_unstable();
+    if let Some(w) = staging.windows(2).find(|w| w[1].0 < w[0].1) {
+        return Err(format!(
+            "staging bytes {}..{} are read by two copies",
+            w[1].0,
+            w[0].1.min(w[1].1)
+        ));
+    }
+    if let Some(w) = live
+        .windows(2)
+        .find(|w| w[0].0 == w[1].0 && w[1].1 < w[0].2)
+    {
+        return Err(format!(
+            "bytes {}..{} of held rank {} are written by two copies",
+            w[1].1,
+            w[0].2.min(w[1].2),
+            w[0].0
+        ));
+    }
+    Ok(())
 }
 
 /// Each source's reads occupy one contiguous staging range (the planner orders reads by

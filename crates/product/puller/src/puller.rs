@@ -122,10 +122,18 @@ impl Versions {
     }
 }
 
-/// Memory a puller holds beside the engine's own, in bytes.
+/// Memory a puller holds beside the engine's own, by what each buffer serves, in bytes; and the
+/// process's resident set, now and at its peak.
+///
+/// The roles: the registered memory (`rank_bytes`) holds the resident version, what peers pull
+/// from, live digests read and a rollback restores into (the engine's own parameters where it
+/// registered them, or a host copy of them an engine keeps for mx where it repacks its own);
+/// staging holds the version being pulled and verified until it is applied (allocated at the
+/// first stage and kept for the next); the retained copy holds the previous version, the source
+/// of a rollback with nothing pulled (allocated when the puller is created with retention).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct MemoryReport {
-    /// Per held rank: (rank, bytes of its layout).
+    /// Per held rank: (rank, bytes of its layout): the registered memory.
     pub rank_bytes: Vec<(u32, u64)>,
     /// Staging buffers held now.
     pub staging_bytes: u64,
@@ -133,6 +141,28 @@ pub struct MemoryReport {
     pub staging_bytes_peak: u64,
     /// The retained host copy (0 without retention).
     pub retained_bytes: u64,
+    /// The process's resident set size now (`VmRSS` of `/proc/self/status`; 0 where the
+    /// platform has no such file).
+    pub process_rss_bytes: u64,
+    /// The process's peak resident set size so far (`VmHWM`; 0 likewise).
+    pub process_rss_bytes_peak: u64,
+}
+
+/// `(VmRSS, VmHWM)` of this process in bytes, from `/proc/self/status` (Linux; `(0, 0)` where
+/// that file or its fields are missing).
+pub(crate) fn process_rss() -> (u64, u64) {
+    let Ok(status) = std::fs::read_to_string("/proc/self/status") else {
+        return (0, 0);
+    };
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.trim().strip_suffix("kB"))
+            .and_then(|kb| kb.trim().parse::<u64>().ok())
+            .map_or(0, |kb| kb.saturating_mul(1024))
+    };
+    (field("VmRSS:"), field("VmHWM:"))
 }
 
 /// One staged piece handed to an engine that installs weights through its own loader:
@@ -235,6 +265,20 @@ pub struct Puller {
     staged: Option<Staged>,
     pub(crate) resident: Option<ResidentVersion>,
     retained: Option<Retained>,
+    /// The retained version lives in staging ([`Puller::retain_in_staging`]): applies exchange
+    /// staging and the registered memory instead of copying.
+    in_staging: bool,
+    /// After such an apply: what staging holds now.
+    swapped: Option<Swapped>,
+}
+
+/// Staging after an exchanging apply: it holds `held` (the version resident before, laid out
+/// by `plan`'s copies), the registered memory holds `applied`; the same exchange undoes it.
+#[derive(Debug)]
+struct Swapped {
+    held: Option<ResidentVersion>,
+    applied: VersionId,
+    plan: Arc<Plan>,
 }
 
 impl Puller {
@@ -280,7 +324,35 @@ impl Puller {
             plan_cache: None,
             staged: None,
             resident: None,
+            in_staging: false,
+            swapped: None,
         })
+    }
+
+    /// Keeps the retained version in staging instead of a copy of its own (one buffer of the
+    /// ranks' bytes less): an apply from staging *exchanges* the staged bytes with the
+    /// registered ones along the plan's copies, so staging then holds the version resident
+    /// before, and a rollback to it is the same exchange back (after which staging holds the
+    /// version rolled back from, staged again). The version staged next overwrites it, as the
+    /// copy is brought up to the resident version before a stage today. Applies fall back to
+    /// copying (with nothing retained) where a plan reads a staging byte twice or writes a byte
+    /// twice, or where memory is on a device. An apply takes about one copy more in the pause.
+    ///
+    /// # Errors
+    /// [`Error::NoRollback`] when the puller was made without retention.
+    pub fn retain_in_staging(&mut self) -> Result<(), Error> {
+        if self.retained.is_none() {
+            return Err(Error::NoRollback {
+                reason: "retention is off (PullerConfig::retain): nothing to keep in staging"
+                    .into(),
+            });
+        }
+        self.retained = Some(Retained {
+            id: None,
+            ranks: Vec::new(),
+        });
+        self.in_staging = true;
+        Ok(())
     }
 
     /// The held ranks' layouts (parameter names, dtypes, shapes and offsets), in the order of
@@ -375,13 +447,18 @@ impl Puller {
     pub fn versions(&self) -> Versions {
         Versions {
             resident: self.resident.clone(),
-            retained: self.retained.as_ref().and_then(|r| r.id.clone()),
+            retained: if self.in_staging {
+                self.swapped.as_ref().and_then(|s| s.held.clone())
+            } else {
+                self.retained.as_ref().and_then(|r| r.id.clone())
+            },
             staged: self.staged.as_ref().map(|s| s.version),
         }
     }
 
-    /// The memory held beside the engine's own.
+    /// The memory held beside the engine's own, by role, and the process's resident set.
     pub fn memory_report(&self) -> MemoryReport {
+        let (rss, rss_peak) = process_rss();
         MemoryReport {
             rank_bytes: self.dest.iter().map(|d| (d.rank, d.total_bytes)).collect(),
             staging_bytes: self.exec.as_ref().map_or(0, Executor::staging_bytes),
@@ -390,6 +467,8 @@ impl Puller {
                 .retained
                 .as_ref()
                 .map_or(0, |r| r.ranks.iter().map(|b| b.len() as u64).sum()),
+            process_rss_bytes: rss,
+            process_rss_bytes_peak: rss_peak,
         }
     }
 
@@ -428,6 +507,16 @@ impl Puller {
     pub fn resident_digests(&self, version: VersionId) -> Result<Option<Vec<RankDigests>>, Error> {
         if self.is_resident(version) {
             return self.live_digests().map(Some);
+        }
+        if let (Some(sw), Some(exec)) = (&self.swapped, &self.exec) {
+            if sw.held.as_ref().is_some_and(|h| h.is(version)) {
+                return param_digests(&self.dest, |i| {
+                    let mut buf = vec![0u8; self.dest[i].total_bytes as usize];
+                    exec.apply_rank(&sw.plan, i, buf.as_mut_slice())?;
+                    Ok(buf)
+                })
+                .map(Some);
+            }
         }
         match &self.retained {
             Some(r) if r.holds(version) => {
@@ -719,6 +808,12 @@ impl Puller {
     /// retained copy holds something else, copies staging into the retained copy: after this
     /// the retained copy is the resident version, ready to restore if the next apply fails.
     fn retain_from_staging(&mut self) -> Result<(), Error> {
+        // Staging is about to be overwritten: a version retained in it goes (the resident one
+        // is in the registered memory, and an exchanging apply retains it again).
+        self.swapped = None;
+        if self.in_staging {
+            return Ok(());
+        }
         let (Some(r), Some(s), Some(exec)) = (self.retained.as_mut(), &self.staged, &self.exec)
         else {
             return Ok(());
@@ -744,7 +839,7 @@ impl Puller {
 
     /// Copies the resident version into the retained copy unless it holds it already.
     fn retain_resident(&mut self) -> Result<f64, Error> {
-        let Some(r) = self.retained.as_mut() else {
+        let Some(r) = self.retained.as_mut().filter(|_| !self.in_staging) else {
             return Ok(0.0);
         };
         if self.resident.is_none() || r.id == self.resident {
@@ -794,11 +889,25 @@ impl Puller {
         if self.retained.as_ref().is_some_and(|r| r.holds(version)) {
             return self.restore();
         }
+        if self
+            .swapped
+            .as_ref()
+            .is_some_and(|s| s.held.as_ref().is_some_and(|h| h.is(version)))
+        {
+            return self.swap_back();
+        }
         self.can_apply(version)?;
         let Some(s) = self.staged.as_ref().filter(|s| s.version == version) else {
             return Err(Error::Task("the staged version changed".into()));
         };
         let plan = Arc::clone(&s.plan);
+        if self.in_staging {
+            if let Some(why) = self.cannot_swap(&plan) {
+                tracing::warn!(%version, why, "applying by copy: nothing retained");
+            } else {
+                return self.swap_in(version, plan);
+            }
+        }
         let retain_s = self.retain_resident()?;
         let t = Instant::now();
         self.resident = None;
@@ -836,7 +945,74 @@ impl Puller {
     /// [`Error::NoRollback`] when retention is off or nothing is retained; [`Error::Memory`].
     pub fn rollback(&mut self) -> Result<ApplyReport, Error> {
         self.check_registered()?;
+        if self.swapped.as_ref().is_some_and(|s| s.held.is_some()) {
+            return self.swap_back();
+        }
         self.restore()
+    }
+
+    /// Why `plan` cannot be applied by exchange, if it cannot.
+    fn cannot_swap(&self, plan: &Plan) -> Option<String> {
+        if self.memory.iter().any(|m| !m.device_spans().is_empty()) {
+            return Some("registered memory on a device".into());
+        }
+        crate::exec::swappable(plan).err()
+    }
+
+    /// Applies staged `version` by exchanging staging and the registered memory along `plan`:
+    /// the version resident before is then retained in staging.
+    fn swap_in(&mut self, version: VersionId, plan: Arc<Plan>) -> Result<ApplyReport, Error> {
+        let t = Instant::now();
+        let held = self.resident.take();
+        self.staged = None;
+        self.exchange(&plan)?;
+        self.resident = Some(version.into());
+        self.swapped = Some(Swapped {
+            held,
+            applied: version,
+            plan,
+        });
+        Ok(self.report(
+            version.into(),
+            ApplyKind::Staged,
+            0.0,
+            t.elapsed().as_secs_f64(),
+        ))
+    }
+
+    /// Undoes the exchanging apply: the retained version back in the registered memory, the
+    /// version applied back in staging (staged again).
+    fn swap_back(&mut self) -> Result<ApplyReport, Error> {
+        let Some(sw) = self.swapped.take() else {
+            return Err(Error::NoRollback {
+                reason: "no version is retained yet".into(),
+            });
+        };
+        let Some(held) = sw.held else {
+            return Err(Error::NoRollback {
+                reason: "nothing was resident before the version applied".into(),
+            });
+        };
+        let t = Instant::now();
+        self.resident = None;
+        self.exchange(&sw.plan)?;
+        self.resident = Some(held.clone());
+        self.staged = Some(Staged {
+            version: sw.applied,
+            plan: sw.plan,
+        });
+        Ok(self.report(held, ApplyKind::Restored, 0.0, t.elapsed().as_secs_f64()))
+    }
+
+    /// Exchanges staging and every held rank's registered memory along `plan`.
+    fn exchange(&mut self, plan: &Plan) -> Result<(), Error> {
+        let Some(exec) = self.exec.as_mut() else {
+            return Err(Error::NoDataPlane);
+        };
+        for (i, m) in self.memory.iter_mut().enumerate() {
+            exec.swap_rank(plan, i, &mut HostSpans(m))?;
+        }
+        Ok(())
     }
 
     fn restore(&mut self) -> Result<ApplyReport, Error> {
@@ -896,6 +1072,8 @@ impl Puller {
                 });
             }
         }
+        // An exchanged-out version in staging would come back under the wrong name.
+        self.swapped = None;
         let retain_s = self.retain_resident()?;
         let t = Instant::now();
         self.resident = None;
@@ -928,20 +1106,23 @@ impl Puller {
         }
     }
 
-    /// Copies rank `rank` of the staged `version` into `buf`, laid out as that rank's
-    /// [`RankLayout`] (`total_bytes` long; bytes of no piece, such as vocab padding, zeroed):
-    /// what [`Puller::apply`] would write into the registered memory, written into memory the
-    /// caller owns instead, so an engine can build its processed form of a version while it
-    /// still serves the resident one. Registered memory, the resident and retained versions are
-    /// not touched.
+    /// Copies bytes `offset..offset + buf.len()` of rank `rank` of the staged `version` into
+    /// `buf`, laid out as that rank's [`RankLayout`] (bytes of no piece, such as vocab padding,
+    /// zeroed): what [`Puller::apply`] would write into that window of the registered memory,
+    /// written into memory the caller owns instead, so an engine can build its processed form of
+    /// a version while it still serves the resident one, one window (e.g. one decoder layer's
+    /// parameters) at a time. Registered memory, the resident and retained versions are not
+    /// touched. `offset == 0` with `buf` the layout's `total_bytes` copies the whole rank.
     ///
     /// # Errors
     /// [`Error::UnknownVersion`] when `version` is not the staged one (naming what is);
-    /// [`Error::UnknownRank`]; [`Error::BadDestination`] when `buf` is not the rank's size.
+    /// [`Error::UnknownRank`]; [`Error::BadDestination`] when the window does not lie inside the
+    /// rank's layout.
     pub fn copy_staged_rank(
         &self,
         version: VersionId,
         rank: u32,
+        offset: u64,
         buf: &mut [u8],
     ) -> Result<(), Error> {
         let i = self.rank_index(rank)?;
@@ -951,16 +1132,20 @@ impl Puller {
         ) else {
             return Err(self.versions().unknown(version));
         };
-        let want = self.dest[i].total_bytes;
-        if buf.len() as u64 != want {
+        let total = self.dest[i].total_bytes;
+        let end = offset.checked_add(buf.len() as u64);
+        if end.is_none_or(|e| e > total) {
             return Err(Error::BadDestination {
                 rank,
-                param: "(whole rank)".into(),
-                reason: format!("a buffer of {} bytes; the layout has {want}", buf.len()),
+                param: "(window of the rank)".into(),
+                reason: format!(
+                    "bytes {offset}..+{} do not lie inside the layout's {total}",
+                    buf.len()
+                ),
             });
         }
         buf.fill(0);
-        exec.apply_rank(&s.plan, i, buf)
+        exec.apply_rank(&s.plan, i, &mut Window { lo: offset, buf })
     }
 
     /// Hands the staged version to `f` piece by piece, for engines that install weights through

@@ -25,10 +25,10 @@ use mx_checkpoint::Checkpoint;
 use mx_control::client::ControlClient;
 use mx_control::{EngineApi, GenerationCheck, Outcome, RefitSpec, VersionState};
 use mx_layout::plan::decompose;
-use mx_layout::{DType, Digest, LayoutSpec, TensorBox, VersionId};
+use mx_layout::{DType, Digest, LayoutSpec, RankDigests, SourceManifest, TensorBox, VersionId};
 use mx_nixl::Agent;
 use mx_publisher::Patience;
-use mx_puller::{ApplyKind, DestTensor, ExecOptions, Puller, PullerConfig};
+use mx_puller::{ApplyKind, DestTensor, ExecOptions, Puller, PullerConfig, Versions};
 use mx_worker::{ApplySource, Instance, Worker, WorkerConfig};
 use trainer::TestTrainer;
 
@@ -53,15 +53,15 @@ async fn publish(
     VersionId(d)
 }
 
-/// A puller for tp:3 ranks 0..3 with every parameter in its own buffer (as an engine holds its
+/// A puller for `ranks` of tp:3 with every parameter in its own buffer (as an engine holds its
 /// parameters), pulling through a fresh agent.
-fn engine_puller(dir: &Path, name: &str) -> Puller {
+fn engine_puller(dir: &Path, name: &str, ranks: &[u32]) -> Puller {
     let agent = Agent::new(&format!("{name}-{}", std::process::id())).unwrap();
     let mut p = Puller::new(
         PullerConfig {
             model: trainer::model(dir),
             layout: tp3(),
-            ranks: vec![0, 1, 2],
+            ranks: ranks.to_vec(),
             retain: true,
         },
         Some(agent),
@@ -87,7 +87,10 @@ fn engine_puller(dir: &Path, name: &str) -> Puller {
 
 /// Every parameter's data pointer, per rank.
 fn addresses(p: &Puller) -> Vec<Vec<(String, u64)>> {
-    [0, 1, 2].iter().map(|&r| p.addresses(r).unwrap()).collect()
+    p.rank_layouts()
+        .iter()
+        .map(|rl| p.addresses(rl.rank).unwrap())
+        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -112,7 +115,7 @@ async fn per_parameter_engine_memory_is_written_in_place_and_rolled_back() {
     }
     let specs = Checkpoint::open(&dir).unwrap().specs();
     let disk = disk_reference(&dir).await;
-    let mut puller = engine_puller(&dir, "engine-mem");
+    let mut puller = engine_puller(&dir, "engine-mem", &[0, 1, 2]);
     let before = addresses(&puller);
     assert_eq!(before[0].len(), puller.rank_layouts()[0].params.len());
 
@@ -171,17 +174,45 @@ async fn per_parameter_engine_memory_is_written_in_place_and_rolled_back() {
         .iter()
         .map(|rl| {
             let mut buf = vec![0xa5u8; rl.total_bytes as usize];
-            puller.copy_staged_rank(v1, rl.rank, &mut buf).unwrap();
-            mx_puller::digests_of(rl, &buf)
+            puller.copy_staged_rank(v1, rl.rank, 0, &mut buf).unwrap();
+            // The same bytes window by window (one parameter at a time, as an engine prepares
+            // one decoder layer at a time), into windows first filled with garbage.
+            let mut windowed = vec![0u8; buf.len()];
+            for p in &rl.params {
+                let (lo, hi) = (p.offset as usize, (p.offset + p.len) as usize);
+                let mut w = vec![0x5au8; hi - lo];
+                puller
+                    .copy_staged_rank(v1, rl.rank, p.offset, &mut w)
+                    .unwrap();
+                windowed[lo..hi].copy_from_slice(&w);
+            }
+            let covered: u64 = rl.params.iter().map(|p| p.len).sum();
+            if covered == rl.total_bytes {
+                assert_eq!(
+                    windowed, buf,
+                    "rank {}: windows differ from the whole",
+                    rl.rank
+                );
+            }
+            mx_puller::digests_of(rl, &windowed)
         })
         .collect();
     assert_eq!(copied, disk, "the staged copy differs from the checkpoint");
     let wrong = VersionId(Digest::of(b"another version"));
-    let e = puller.copy_staged_rank(wrong, 0, &mut []).unwrap_err();
+    let e = puller.copy_staged_rank(wrong, 0, 0, &mut []).unwrap_err();
     assert!(matches!(e, mx_puller::Error::UnknownVersion { .. }), "{e}");
-    let e = puller.copy_staged_rank(v1, 0, &mut [0u8; 7]).unwrap_err();
-    assert!(matches!(e, mx_puller::Error::BadDestination { .. }), "{e}");
-    let e = puller.copy_staged_rank(v1, 9, &mut []).unwrap_err();
+    // Windows reaching past the layout's end, or whose end overflows, are refused.
+    let total = puller.rank_layouts()[0].total_bytes;
+    for (offset, len) in [(total - 3, 7usize), (total + 1, 0), (u64::MAX - 2, 7)] {
+        let e = puller
+            .copy_staged_rank(v1, 0, offset, &mut vec![0u8; len])
+            .unwrap_err();
+        assert!(
+            matches!(e, mx_puller::Error::BadDestination { .. }),
+            "{offset}+{len}: {e}"
+        );
+    }
+    let e = puller.copy_staged_rank(v1, 9, 0, &mut []).unwrap_err();
     assert!(
         matches!(e, mx_puller::Error::UnknownRank { rank: 9, .. }),
         "{e}"
@@ -201,6 +232,41 @@ async fn per_parameter_engine_memory_is_written_in_place_and_rolled_back() {
         "step-1 applied in place differs from the checkpoint"
     );
     assert_eq!(addresses(&puller), before, "apply moved a parameter");
+
+    // Engines keeping their retained version in staging. Holding all three ranks, the plan
+    // copies each replicated norm from one staging range to three ranks: it applies by copy,
+    // retaining nothing.
+    let mut copier = engine_puller(&dir, "engine-copy", &[0, 1, 2]);
+    copier.retain_in_staging().unwrap();
+    copier
+        .stage(v1, &info.manifests, &ExecOptions::default())
+        .unwrap();
+    assert_eq!(copier.apply(v1).unwrap().kind, ApplyKind::Staged);
+    assert_eq!(copier.live_digests().unwrap(), d1);
+    let v = copier.versions();
+    assert_eq!(
+        (v.retained, v.staged),
+        (None, Some(v1)),
+        "copied, not exchanged"
+    );
+    drop(copier);
+    // Holding rank 1 alone (a vLLM worker's one rank), step-1 is exchanged in.
+    let mut swapper = engine_puller(&dir, "engine-swap", &[1]);
+    swapper.retain_in_staging().unwrap();
+    swapper
+        .stage(v1, &info.manifests, &ExecOptions::default())
+        .unwrap();
+    assert_eq!(swapper.apply(v1).unwrap().kind, ApplyKind::Staged);
+    assert_eq!(swapper.live_digests().unwrap(), d1[1..2]);
+    assert_eq!(
+        swapper.versions(),
+        Versions {
+            resident: Some(v1.into()),
+            retained: None,
+            staged: None
+        },
+        "nothing was resident before: nothing is retained, and staging no longer holds step-1"
+    );
 
     // step-2 after one in-place training step (the trainers hand step-1 back first).
     for t in &mut pubs {
@@ -227,6 +293,16 @@ async fn per_parameter_engine_memory_is_written_in_place_and_rolled_back() {
     let mem = puller.memory_report();
     assert!(mem.staging_bytes_peak <= rank_bytes, "{mem:?}");
     assert_eq!(mem.retained_bytes, rank_bytes, "{mem:?}");
+
+    let one_rank = puller.rank_layouts()[1].total_bytes;
+    swapped_retention(
+        &mut swapper,
+        v1,
+        v2,
+        &info.manifests,
+        (&d1[1..2], &d2[1..2]),
+        one_rank,
+    );
 
     // Rollback: the retained copy of step-1, with no source involved.
     let rb = puller.rollback().unwrap();
@@ -260,6 +336,60 @@ async fn per_parameter_engine_memory_is_written_in_place_and_rolled_back() {
         "a refused stage changed memory"
     );
     server.shutdown().await.unwrap();
+}
+
+/// step-2 into the engine keeping its retained version in staging (step-1 resident): the
+/// apply exchanges them, so staging holds step-1 (digests from there equal its live ones) and
+/// no retained buffer exists; a rollback is the exchange back (step-2 staged again), applying
+/// step-2 again the same exchange; a new stage overwrites the retained step-1.
+fn swapped_retention(
+    p: &mut Puller,
+    v1: VersionId,
+    v2: VersionId,
+    manifests: &[SourceManifest],
+    (d1, d2): (&[RankDigests], &[RankDigests]),
+    rank_bytes: u64,
+) {
+    let before = addresses(p);
+    p.stage(v2, manifests, &ExecOptions::default()).unwrap();
+    let a = p.apply(v2).unwrap();
+    assert_eq!(
+        (a.kind, a.retained.clone()),
+        (ApplyKind::Staged, Some(v1.into()))
+    );
+    assert_eq!(&p.live_digests().unwrap(), d2);
+    let held =
+        |resident: VersionId, retained: Option<VersionId>, staged: Option<VersionId>| Versions {
+            resident: Some(resident.into()),
+            retained: retained.map(Into::into),
+            staged,
+        };
+    assert_eq!(p.versions(), held(v2, Some(v1), None));
+    assert_eq!(p.resident_digests(v1).unwrap().as_deref(), Some(d1));
+    let mem = p.memory_report();
+    assert_eq!(mem.retained_bytes, 0, "{mem:?}");
+    assert!(
+        0 < mem.staging_bytes && mem.staging_bytes <= rank_bytes,
+        "{mem:?}"
+    );
+    // A rollback: the exchange back.
+    let rb = p.rollback().unwrap();
+    assert_eq!((rb.kind, rb.version), (ApplyKind::Restored, v1.into()));
+    assert_eq!(&p.live_digests().unwrap(), d1);
+    assert_eq!(p.versions(), held(v1, None, Some(v2)));
+    // Forward again: the same exchange; then the retained step-1 is applied by id.
+    p.apply(v2).unwrap();
+    assert_eq!(&p.live_digests().unwrap(), d2);
+    assert_eq!(p.apply(v1).unwrap().kind, ApplyKind::Restored);
+    assert_eq!(&p.live_digests().unwrap(), d1);
+    p.apply(v2).unwrap();
+    assert_eq!(addresses(p), before, "an exchange moved a parameter");
+    // A new stage overwrites staging: step-1 is no longer retained.
+    p.stage(v2, manifests, &ExecOptions::default()).unwrap();
+    assert_eq!(p.versions(), held(v2, None, Some(v2)));
+    let e = p.rollback().unwrap_err();
+    assert!(matches!(e, mx_puller::Error::NoRollback { .. }), "{e}");
+    assert_eq!(&p.live_digests().unwrap(), d2);
 }
 
 #[test]
@@ -392,7 +522,7 @@ async fn an_engine_with_no_model_is_refitted_and_its_generation_skipped() {
     let tmp = tempfile::tempdir().unwrap();
     let (control, server) = control_plane(tmp.path(), "127.0.0.1:0").await;
     let client = ControlClient::connect(&control).await.unwrap();
-    let puller = engine_puller(&dir, "engine-nomodel");
+    let puller = engine_puller(&dir, "engine-nomodel", &[0, 1, 2]);
     let before = addresses(&puller);
     let inst = Instance::over_puller(puller, trainer::model(&dir), "bare".into(), false).unwrap();
     let w = Arc::new(

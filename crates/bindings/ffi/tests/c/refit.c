@@ -508,6 +508,12 @@ int main(int argc, char **argv) {
     CHECK(mem.staging_bytes_peak > 0 && mem.staging_bytes_peak <= mem.rank_bytes,
           "staging peak %llu > rank bytes %llu", (unsigned long long)mem.staging_bytes_peak,
           (unsigned long long)mem.rank_bytes);
+    /* This process wrote the registered memory and staging: its resident set holds both. */
+    CHECK(mem.process_rss_bytes_peak >= mem.process_rss_bytes &&
+              mem.process_rss_bytes >= mem.rank_bytes + mem.staging_bytes,
+          "resident set %llu (peak %llu) below registered %llu + staging %llu",
+          (unsigned long long)mem.process_rss_bytes, (unsigned long long)mem.process_rss_bytes_peak,
+          (unsigned long long)mem.rank_bytes, (unsigned long long)mem.staging_bytes);
     t = now_s();
     OK(mx_puller_apply(p, NULL));
     double apply_s = now_s() - t;
