@@ -817,3 +817,18 @@ fn committed_digest(out: &str) -> String {
         .unwrap_or_else(|| panic!("no COMMITTED line: {out}"))
         .to_string()
 }
+
+/// The demo's independent reference slicing (`mx_harness::slice`, none of the planner's code):
+/// a 2-D box of a row-major tensor, row by row.
+#[test]
+fn the_reference_slicing_takes_a_2d_box_row_by_row() {
+    // A 3x4 matrix of u8 0..12; rows 1..3, columns 1..3.
+    let full: Vec<u8> = (0..12).collect();
+    let region = mx_layout::TensorBox {
+        global_offset: vec![1, 1],
+        local_shape: vec![2, 2],
+    };
+    let mut out = Vec::new();
+    mx_harness::slice::slice_into(&full, &[3, 4], &region, 1, &mut out);
+    assert_eq!(out, vec![5, 6, 9, 10]);
+}

@@ -25,7 +25,7 @@ pub mod demo;
 pub mod fleet;
 pub mod lab;
 pub mod s3;
-mod slice;
+pub mod slice;
 pub mod trainer;
 pub mod validate;
 

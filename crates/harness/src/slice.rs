@@ -8,13 +8,7 @@ use mx_checkpoint::Checkpoint;
 use mx_layout::{Digest, RankLayout, TensorBox};
 
 /// Appends `region` of a row-major tensor of `shape` (elements of `es` bytes) to `out`.
-pub(crate) fn slice_into(
-    full: &[u8],
-    shape: &[u64],
-    region: &TensorBox,
-    es: usize,
-    out: &mut Vec<u8>,
-) {
+pub fn slice_into(full: &[u8], shape: &[u64], region: &TensorBox, es: usize, out: &mut Vec<u8>) {
     let nd = shape.len();
     if nd == 0 {
         out.extend_from_slice(&full[..es]);
@@ -106,23 +100,5 @@ impl<'a> Reference<'a> {
             out.insert(p.name.clone(), Digest::of(&bytes));
         }
         Ok(out)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn slices_a_2d_box() {
-        // 3x4 matrix of u8 0..12, rows 1..3, cols 1..3.
-        let full: Vec<u8> = (0..12).collect();
-        let r = TensorBox {
-            global_offset: vec![1, 1],
-            local_shape: vec![2, 2],
-        };
-        let mut out = Vec::new();
-        slice_into(&full, &[3, 4], &r, 1, &mut out);
-        assert_eq!(out, vec![5, 6, 9, 10]);
     }
 }

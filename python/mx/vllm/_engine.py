@@ -110,8 +110,9 @@ class MxInitInfo(WeightTransferInitInfo):
             ``<instance_id>-tp<rank>``.
         engine_url: this vLLM server's base URL as the control plane reaches it
             (``http://host:port``): where refits call the native RL routes.
-        retain: keep a host copy of the previous version (1x the rank's bytes) so a rollback
-            needs no source.
+        retain: keep the previous version (1x the rank's bytes) so a rollback needs no
+            source: a host copy of its own, or with ``prepare`` kept in staging (the puller's
+            ``retain="in_staging"``: installs exchange staging and the host copy).
         install: ``"reload"`` (vLLM's layerwise reload), ``"inplace"`` (copy into the
             parameters) or ``"auto"`` (in place on GPU, reload otherwise).
         fill_nan: fill the parts of the reload tensors that belong to other ranks with NaN
@@ -130,8 +131,9 @@ class MxInitInfo(WeightTransferInitInfo):
         backend_instance_id: the worker's ``instance_id`` as ``GET /v1/rl/workers`` lists it (a
             u64); required with ``engine_api="dynamo"``.
         prepare: with ``install="reload"``, build vLLM's processed form of every staged
-            version while vLLM generates, so the install is an exchange (default on; costs one
-            processed copy of the rank's weights). Ignored by ``install="inplace"`` and FP8.
+            version while vLLM generates, so the install is an exchange (default on; one
+            processed copy of the rank's weights, in place of the retained host copy's own
+            buffer). Ignored by ``install="inplace"`` and FP8.
     """
 
     control_url: str
@@ -600,8 +602,8 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
     def memory(self) -> dict[str, Any]:
         """What this rank holds, by role, in bytes (the ``mx_memory`` worker method).
 
-        ``vllm_weights``: vLLM's live weights: ``tensor_bytes`` (the storage of its parameters,
-        buffers and tensor attributes; repacked CPU parameters are empty) and ``rss_bytes``
+        ``vllm_weights``: vLLM's live weights: ``tensor_bytes`` (the storage of its parameters
+        and buffers; repacked CPU parameters are empty) and ``rss_bytes``
         (one processed set as the resident set shows it: what the first prepared set added;
         ``None`` before one was built). ``mx``: the puller's roles (``registered_bytes``: the
         host copy of the resident version, what peers pull from, live digests read and a
@@ -635,7 +637,7 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
             "process_rss_bytes": m.process_rss_bytes,
             "process_rss_bytes_peak": m.process_rss_bytes_peak,
             "vllm_weights": {
-                "tensor_bytes": sum(live.values()),
+                "tensor_bytes": _weight_bytes(self.model),
                 "rss_bytes": self._other_rss,
             },
             "mx": {
@@ -712,6 +714,17 @@ def _storages(module: torch.nn.Module, exclude: dict[int, int] | None = None) ->
                     if ptr and (exclude is None or ptr not in exclude):
                         found[ptr] = st.nbytes()
     return found
+
+
+def _weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the storage of ``model``'s parameters and buffers, each once (not the tensors
+    vLLM binds to layers besides, such as the KV cache)."""
+    found = {}
+    for t in (*model.parameters(), *model.buffers()):
+        st = t.untyped_storage()
+        found[st.data_ptr()] = st.nbytes()
+    found.pop(0, None)
+    return sum(found.values())
 
 
 def _reset_cpu_moe_kernels(model: Any) -> int:
