@@ -24,11 +24,6 @@
 #                             package
 #   MX_SETUP_PACKAGE=0        everything but building the package mx (scripts/test.sh builds it
 #                             after the workspace, reusing that build)
-#   MX_SETUP_PART=base        only what the Rust build needs, and the models: the Debian packages,
-#                             the models (and the venv they are converted in) and NIXL
-#   MX_SETUP_PART=engines     only the rest, after `base`: the Python tools, vLLM, Dynamo and SGLang
-#                             (scripts/test.sh runs it beside the Rust build: it is mostly downloads
-#                             and unpacking)
 set -euo pipefail
 
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -37,11 +32,6 @@ REPO="$(cd "$SCRIPT_DIR/.." && pwd)"
 log() { printf 'setup: %s\n' "$*" >&2; }
 
 demo=0
-part="${MX_SETUP_PART:-all}"
-case "$part" in
-    all | base | engines) ;;
-    *) log "MX_SETUP_PART=$part: expected base, engines or all"; exit 2 ;;
-esac
 case "${1:-}" in
     "") ;;
     --demo) demo=1 ;;
@@ -50,82 +40,69 @@ esac
 
 installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q 'install ok installed'; }
 
-# The Debian packages, the models and NIXL: what building needs.
-setup_base() {
-    # --- Debian packages --------------------------------------------------------------------------
-    missing=()
-    command -v protoc >/dev/null 2>&1 || missing+=(protobuf-compiler)
-    installed libclang-dev || missing+=(libclang-dev)
-    command -v unzip >/dev/null 2>&1 || missing+=(unzip)
-    command -v pkg-config >/dev/null 2>&1 || missing+=(pkg-config)
-    command -v cc >/dev/null 2>&1 || missing+=(gcc)
-    # google/protobuf/*.proto for etcd-client's build; etcd itself for the HA tests (a 3-member
-    # cluster on loopback).
-    [[ -f /usr/include/google/protobuf/descriptor.proto ]] || missing+=(libprotobuf-dev)
-    command -v etcd >/dev/null 2>&1 || missing+=(etcd-server)
-    if ! command -v python3 >/dev/null 2>&1; then
-        missing+=(python3 python3-venv)
-    elif ! python3 -c 'import venv, ensurepip' >/dev/null 2>&1; then
-        missing+=(python3-venv)
-    fi
-
-    if ((${#missing[@]})); then
-        sudo=()
-        if [[ $EUID -ne 0 ]]; then
-            command -v sudo >/dev/null 2>&1 || { log "need root (or sudo) to install: ${missing[*]}"; exit 1; }
-            sudo=(sudo)
-        fi
-        log "installing Debian packages: ${missing[*]}"
-        "${sudo[@]}" apt-get update -y >&2
-        "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive \
-            apt-get install -y --no-install-recommends "${missing[@]}" >&2
-    else
-        log "Debian packages present (protoc, libprotobuf-dev, etcd, libclang-dev, unzip, pkg-config, gcc, python3 venv)"
-    fi
-
-    # --- models and the Python venv ---------------------------------------------------------------
-    log "models: scripts/setup-models.sh"
-    bash "$SCRIPT_DIR/setup-models.sh" >/dev/null
-
-    # --- NIXL libraries ---------------------------------------------------------------------------
-    # install-nixl.sh runs `pip download`; the venv made above always has pip (a stock Debian python3
-    # does not), so it goes first on PATH.
-    log "NIXL: scripts/install-nixl.sh"
-    PATH="$REPO/.mx/venv/bin:$PATH" bash "$SCRIPT_DIR/install-nixl.sh" >/dev/null
-}
-
-# The Python package and tools, vLLM, Dynamo and SGLang.
-setup_engines() {
-    # --- the Python package mx and its tools ------------------------------------------------------
-    log "Python: scripts/setup-python.sh"
-    bash "$SCRIPT_DIR/setup-python.sh"
-
-    # --- vLLM (CPU build) in the same venv --------------------------------------------------------
-    # The real engine of the end-to-end tests (python/tests/test_vllm.py); MX_SETUP_VLLM=0 leaves it out.
-    if [[ "${MX_SETUP_VLLM:-1}" != 0 ]]; then
-        log "vLLM: scripts/setup-vllm.sh"
-        bash "$SCRIPT_DIR/setup-vllm.sh"
-    fi
-    if [[ "${MX_SETUP_VLLM:-1}" != 0 && "${MX_SETUP_DYNAMO:-1}" != 0 ]]; then  # Dynamo runs on that vLLM
-        log "Dynamo: scripts/setup-dynamo.sh" && bash "$SCRIPT_DIR/setup-dynamo.sh"
-    fi
-
-    # --- SGLang (its own server) in .mx/venv-sglang, an overlay on .mx/venv -----------------------
-    if [[ "${MX_SETUP_VLLM:-1}" != 0 && "${MX_SETUP_SGLANG:-1}" != 0 ]]; then
-        log "SGLang: scripts/setup-sglang.sh" && bash "$SCRIPT_DIR/setup-sglang.sh"
-    fi
-}
-
-if [[ "$part" != engines ]]; then
-    setup_base
+# --- Debian packages -------------------------------------------------------------------------------
+missing=()
+command -v protoc >/dev/null 2>&1 || missing+=(protobuf-compiler)
+installed libclang-dev || missing+=(libclang-dev)
+command -v unzip >/dev/null 2>&1 || missing+=(unzip)
+command -v pkg-config >/dev/null 2>&1 || missing+=(pkg-config)
+command -v cc >/dev/null 2>&1 || missing+=(gcc)
+# google/protobuf/*.proto for etcd-client's build; etcd itself for the HA tests (a 3-member
+# cluster on loopback).
+[[ -f /usr/include/google/protobuf/descriptor.proto ]] || missing+=(libprotobuf-dev)
+command -v etcd >/dev/null 2>&1 || missing+=(etcd-server)
+if ! command -v python3 >/dev/null 2>&1; then
+    missing+=(python3 python3-venv)
+elif ! python3 -c 'import venv, ensurepip' >/dev/null 2>&1; then
+    missing+=(python3-venv)
 fi
+
+if ((${#missing[@]})); then
+    sudo=()
+    if [[ $EUID -ne 0 ]]; then
+        command -v sudo >/dev/null 2>&1 || { log "need root (or sudo) to install: ${missing[*]}"; exit 1; }
+        sudo=(sudo)
+    fi
+    log "installing Debian packages: ${missing[*]}"
+    "${sudo[@]}" apt-get update -y >&2
+    "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive \
+        apt-get install -y --no-install-recommends "${missing[@]}" >&2
+else
+    log "Debian packages present (protoc, libprotobuf-dev, etcd, libclang-dev, unzip, pkg-config, gcc, python3 venv)"
+fi
+
+# --- models and the Python venv --------------------------------------------------------------------
+log "models: scripts/setup-models.sh"
+bash "$SCRIPT_DIR/setup-models.sh" >/dev/null
+
+# --- NIXL libraries --------------------------------------------------------------------------------
+# install-nixl.sh runs `pip download`; the venv made above always has pip (a stock Debian python3
+# does not), so it goes first on PATH.
+log "NIXL: scripts/install-nixl.sh"
+PATH="$REPO/.mx/venv/bin:$PATH" bash "$SCRIPT_DIR/install-nixl.sh" >/dev/null
+
 if ((demo)); then
     log "ready for the demo: models in $REPO/.mx/models, NIXL in $REPO/.mx/nixl"
     exit 0
 fi
-if [[ "$part" == base ]]; then
-    log "ready to build: models in $REPO/.mx/models, NIXL in $REPO/.mx/nixl"
-    exit 0
+
+# --- the Python package mx and its tools ------------------------------------------------------------
+log "Python: scripts/setup-python.sh"
+bash "$SCRIPT_DIR/setup-python.sh"
+
+# --- vLLM (CPU build) in the same venv ---------------------------------------------------------------
+# The real engine of the end-to-end tests (python/tests/test_vllm.py); MX_SETUP_VLLM=0 leaves it out.
+if [[ "${MX_SETUP_VLLM:-1}" != 0 ]]; then
+    log "vLLM: scripts/setup-vllm.sh"
+    bash "$SCRIPT_DIR/setup-vllm.sh"
 fi
-setup_engines
+if [[ "${MX_SETUP_VLLM:-1}" != 0 && "${MX_SETUP_DYNAMO:-1}" != 0 ]]; then  # Dynamo runs on that vLLM
+    log "Dynamo: scripts/setup-dynamo.sh" && bash "$SCRIPT_DIR/setup-dynamo.sh"
+fi
+
+# --- SGLang (its own server) in .mx/venv-sglang, an overlay on .mx/venv -----------------------------
+if [[ "${MX_SETUP_VLLM:-1}" != 0 && "${MX_SETUP_SGLANG:-1}" != 0 ]]; then
+    log "SGLang: scripts/setup-sglang.sh" && bash "$SCRIPT_DIR/setup-sglang.sh"
+fi
+
 log "ready: models in $REPO/.mx/models, NIXL in $REPO/.mx/nixl, the package mx, vLLM and Dynamo in $REPO/.mx/venv, SGLang in $REPO/.mx/venv-sglang"

@@ -28,9 +28,6 @@
 # mx-nixl is linted, not built (it only has to compile here), and the Python package is built
 # after the workspace so that maturin reuses the workspace's release artifacts (the bindings'
 # dependency features equal the workspace's: scripts/check-features.sh, run after the build).
-# Setup is split: what the build needs (Debian packages, models, NIXL) first, then the Python
-# tools and the engines (vLLM, Dynamo, SGLang: downloads and unpacking, niced) beside the lints
-# and the build, waited for before anything runs Python.
 # A step timer prints each step's minutes at the end of every run, passed or failed.
 #
 # NIXL tests fail (instead of skipping) when the NIXL libraries are missing: MX_REQUIRE_NIXL=1;
@@ -58,16 +55,6 @@ begin() {
 }
 finish() {
     local rc=$?
-    local pid
-    if [[ -n "${rust_pid:-}" ]]; then
-        echo "mx tests: the Rust tests were still running beside; their output so far:" >&2
-        tail -n 200 "$rust_log" >&2 || true
-    fi
-    for pid in "${engines_pid:-}" "${rust_pid:-}"; do
-        if [[ -n "$pid" ]]; then
-            kill -- "-$pid" 2>/dev/null || true
-        fi
-    done
     timings+=("$(minutes $((SECONDS - step_t0))) min  $step")
     {
         echo
@@ -102,38 +89,8 @@ if ((${#scope[@]})) && (($# == 0)) && [[ "${MX_PYTHON_TESTS:-1}" != 0 ]]; then
     python_tests=1
 fi
 
-# What the build needs first (Debian packages, models, NIXL); then the Python tools and the
-# engines (vLLM, Dynamo, SGLang: mostly downloads and unpacking) beside the lints and the build,
-# waited for before anything runs Python (`engines_ready`). The package mx is built after the
-# workspace (below). Without Python tests, everything first, as before.
-engines_pid=
-engines_log="$REPO/.mx/tmp/setup-engines.log"
-if ((python_tests)) || [[ "${MX_LINT:-0}" == 1 ]]; then
-    MX_SETUP_PART=base bash "$SCRIPT_DIR/setup.sh"
-    mkdir -p "$REPO/.mx/tmp"
-    engines_t0=$SECONDS
-    # A session of its own, so that a run ending early stops it whole (`finish`); niced, so
-    # that the compiler (the longer path) keeps the cores when both want them.
-    MX_SETUP_PART=engines MX_SETUP_PACKAGE=0 setsid nice -n 10 bash "$SCRIPT_DIR/setup.sh" \
-        >"$engines_log" 2>&1 &
-    engines_pid=$!
-else
-    MX_SETUP_PACKAGE=0 bash "$SCRIPT_DIR/setup.sh"
-fi
-# Waits for the engines' setup started above (once); its output goes to the log then, and its
-# minutes (beside the steps it overlapped) into the step timer's table.
-engines_ready() {
-    [[ -n "$engines_pid" ]] || return 0
-    local pid=$engines_pid
-    engines_pid=
-    if ! wait "$pid"; then
-        cat "$engines_log" >&2
-        log "the engines' setup failed (MX_SETUP_PART=engines scripts/setup.sh; log above)"
-        return 1
-    fi
-    cat "$engines_log" >&2
-    timings+=("$(minutes $((SECONDS - engines_t0))) min  (beside the steps above) setup of the Python tools and engines")
-}
+# Everything but the package mx, which is built after the workspace (below).
+MX_SETUP_PACKAGE=0 bash "$SCRIPT_DIR/setup.sh"
 
 export MX_REQUIRE_NIXL=1
 export MX_REQUIRE_ETCD=1
@@ -160,19 +117,13 @@ if [[ "${MX_LINT:-0}" == 1 ]]; then
     # compiles it (only mx-nixl and cudarc differ from the check above).
     begin "cargo clippy --release -p mx-nixl --features cuda --all-targets -- -D warnings"
     cargo clippy --release -p mx-nixl --features cuda --all-targets -- -D warnings
-fi
-
-begin "cargo build --release ${scope[*]} --all-targets"
-cargo build --release "${scope[@]}" --all-targets
-
-begin "waiting for the setup of the Python tools and engines"
-engines_ready
-if [[ "${MX_LINT:-0}" == 1 ]]; then
-    # ruff comes with the Python tools.
     begin "ruff check + ruff format --check (python/ examples/)"
     "$REPO/.mx/venv/bin/ruff" check --no-cache python examples
     "$REPO/.mx/venv/bin/ruff" format --no-cache --check python examples
 fi
+
+begin "cargo build --release ${scope[*]} --all-targets"
+cargo build --release "${scope[@]}" --all-targets
 
 if ((${#scope[@]})); then
     begin "scripts/check-features.sh (the bindings reuse the workspace's build)"
@@ -187,9 +138,13 @@ if ((python_tests)); then
     bash "$SCRIPT_DIR/setup-python.sh"
 fi
 
+test_cmd=(cargo test --release --no-fail-fast "${scope[@]}" "$@")
+begin "${test_cmd[*]}"
+"${test_cmd[@]}"
+
 # The C ABI from C (crates/bindings/ffi/tests/c/refit.c against crates/bindings/ffi/include/mx.h and libmx.so; the header's
-# drift check is a cargo test below): with the whole workspace, or when mx-ffi is among the
-# packages given. Before the Rust tests: its `cargo build` would wait for their lock.
+# drift check is a cargo test above): with the whole workspace, or when mx-ffi is among the
+# packages given.
 run_c=1
 if ((${#scope[@]} == 0)); then
     run_c=0
@@ -203,37 +158,6 @@ if ((run_c)); then
     begin "C ABI test (scripts/test_ffi_c.sh)"
     bash "$SCRIPT_DIR/test_ffi_c.sh"
 fi
-
-test_cmd=(cargo test --release --no-fail-fast "${scope[@]}" "$@")
-rust_pid=
-rust_log="$REPO/.mx/tmp/cargo-test.log"
-if ((python_tests)); then
-    # The Rust tests run beside the README's fleet, pytest and the examples:
-    # both sides spend much of their time waiting on the processes they start (engines booting,
-    # kills, lease timeouts; pytest kept about one of the two cores busy). Their output is
-    # printed, and their failure fails the run, once they end (`rust_done`).
-    log "${test_cmd[*]} (beside the steps below; its output in $rust_log until it ends)"
-    rust_t0=$SECONDS
-    mkdir -p "$REPO/.mx/tmp"
-    setsid "${test_cmd[@]}" >"$rust_log" 2>&1 &
-    rust_pid=$!
-else
-    begin "${test_cmd[*]}"
-    "${test_cmd[@]}"
-fi
-# Waits for the Rust tests started beside (once), prints their output and their minutes.
-rust_done() {
-    [[ -n "$rust_pid" ]] || return 0
-    local pid=$rust_pid rc=0
-    rust_pid=
-    wait "$pid" || rc=$?
-    cat "$rust_log" >&2
-    timings+=("$(minutes $((SECONDS - rust_t0))) min  (beside the steps above) ${test_cmd[*]}")
-    if ((rc)); then
-        log "${test_cmd[*]} failed (exit $rc; output above)"
-        return "$rc"
-    fi
-}
 
 # The README's secured fleet (TLS, a token per role, two workers, two trainer ranks, a refit),
 # its commands run verbatim: the quickstart cannot drift from what works.
@@ -273,6 +197,3 @@ if ((python_tests)); then
     "$PY" examples/check_report.py moe_refit "$report_dir/moe.json"
     rm -rf "$report_dir"
 fi
-
-begin "waiting for ${test_cmd[*]}"
-rust_done
