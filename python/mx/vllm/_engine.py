@@ -552,18 +552,20 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
         with self._other_lock:
             # Dropped first: the peak is one processed set beside vLLM's.
             self._other = None
-            gc.collect()
-            rss0 = self._rss()
+            # What the processed set takes as the process's resident set shows it (vLLM's CPU
+            # kernels hold repacked weights outside torch's tensors): measured around the first
+            # build, when nothing freed before it can be reused by it.
+            measure = self._other_rss is None
+            if measure:
+                gc.collect()
+                rss0 = self._rss()
             try:
                 prepared, window = self._build(version)
             except BaseException as e:
                 logger.warning("mx: preparing %s failed (%s); it installs by reload", version, e)
                 raise
             self._other = (version, prepared)
-            # What the processed set takes as the process's resident set shows it (vLLM's CPU
-            # kernels hold repacked weights outside torch's tensors): measured around the first
-            # build, when nothing freed before it can be reused by it.
-            if self._other_rss is None:
+            if measure:
                 self._other_rss = max(self._rss() - rss0, 0)
         self.last_prepare = {
             "version_id": version,

@@ -638,6 +638,21 @@ impl<T: Transport> Executor<T> {
         })
     }
 
+    /// The index of the staging buffer holding staging offset `off`.
+    ///
+    /// # Errors
+    /// [`Error::Task`] when no buffer holds it (a plan not staged by this executor).
+    fn buffer_at(&self, off: u64) -> Result<usize, Error> {
+        let k = self
+            .buffers
+            .partition_point(|b| b.lo <= off)
+            .saturating_sub(1);
+        match self.buffers.get(k) {
+            Some(b) if b.lo <= off && off < b.hi => Ok(k),
+            _ => Err(Error::Task(format!("staging offset {off} is not staged"))),
+        }
+    }
+
     /// Calls `f` with the staged bytes at staging offsets `off..off + len`, in order (one slice,
     /// or two where the range crosses from one source's buffer into the next).
     ///
@@ -654,15 +669,7 @@ impl<T: Transport> Executor<T> {
             .ok_or_else(|| Error::Task("staging range overflows".into()))?;
         let mut done = 0u64;
         while off < end {
-            let k = self
-                .buffers
-                .partition_point(|b| b.lo <= off)
-                .saturating_sub(1);
-            let b = self
-                .buffers
-                .get(k)
-                .filter(|b| b.lo <= off && off < b.hi)
-                .ok_or_else(|| Error::Task(format!("staging offset {off} is not staged")))?;
+            let b = &self.buffers[self.buffer_at(off)?];
             let n = (end - off).min(b.hi - off);
             let from = (off - b.lo) as usize;
             let bytes =
@@ -693,14 +700,7 @@ impl<T: Transport> Executor<T> {
                 self.staged_slices(s, cp.len, |done, bytes| target.write(l + done, bytes))?;
             }
         }
-        for z in plan
-            .zero_fills
-            .iter()
-            .filter(|z| z.rank_index == rank_index)
-        {
-            target.zero(z.live_offset, z.len)?;
-        }
-        Ok(())
+        zero_padding(plan, rank_index, target)
     }
 }
 
@@ -730,10 +730,7 @@ impl<T: Transport> Executor<T> {
             for (s, l) in cp.rows() {
                 let (mut off, end) = (s, s + cp.len);
                 while off < end {
-                    let k = self
-                        .buffers
-                        .partition_point(|b| b.lo <= off)
-                        .saturating_sub(1);
+                    let k = self.buffer_at(off)?;
                     let b = &mut self.buffers[k];
                     let n = (end - off).min(b.hi - off);
                     let from = (off - b.lo) as usize;
@@ -743,15 +740,24 @@ impl<T: Transport> Executor<T> {
                 }
             }
         }
-        for z in plan
-            .zero_fills
-            .iter()
-            .filter(|z| z.rank_index == rank_index)
-        {
-            target.zero(z.live_offset, z.len)?;
-        }
-        Ok(())
+        zero_padding(plan, rank_index, target)
     }
+}
+
+/// Zeroes `plan`'s zero-filled ranges (vocab padding rows) of held rank `rank_index` in `target`.
+fn zero_padding<R: RankTarget + ?Sized>(
+    plan: &Plan,
+    rank_index: usize,
+    target: &mut R,
+) -> Result<(), Error> {
+    for z in plan
+        .zero_fills
+        .iter()
+        .filter(|z| z.rank_index == rank_index)
+    {
+        target.zero(z.live_offset, z.len)?;
+    }
+    Ok(())
 }
 
 /// Where staged bytes are exchanged with: a rank's memory on the host.
