@@ -205,8 +205,9 @@ MOE_INSTANCE_KEYS = (
 def moe_refit(r: dict[str, Any]) -> list[str]:
     """At least 3 steps alternating ``fsdp:2`` (odd) and ``megatron:tp=2,pp=2,ep=2`` (even),
     every refit COMMITTED, every instance's tokens equal to its cold start and different from
-    its tokens at the previous step, bytes pulled per rank in (0, rank bytes]; tp:1 ran; a layout
-    that did not run says why; the rollback verified; fp8's keys."""
+    its tokens at the previous step, the tp:1 server's installs exchanges of a prepared set,
+    bytes pulled per rank in (0, rank bytes]; tp:1 ran; a layout that did not run says why; the
+    rollback verified; fp8's keys."""
     bad = [f"missing key {k}" for k in MOE_KEYS if k not in r]
     if bad:
         return bad
@@ -244,6 +245,9 @@ def moe_refit(r: dict[str, Any]) -> list[str]:
                 bad.append(f"{where}: its engine layout is not listed as ran")
             if not i["tokens"] or i["tokens"] != i["cold_tokens"]:
                 bad.append(f"{where}: tokens {i['tokens']} != cold start {i['cold_tokens']}")
+            # The tp:1 server prepares each version while serving (its MoE experts included).
+            if i["engine_layout"] == "tp:1" and i.get("install_mode") != "exchange":
+                bad.append(f"{where}: installed by {i.get('install_mode')}, not an exchange")
             if i["tokens_match_cold_start"] is not (i["tokens"] == i["cold_tokens"]):
                 bad.append(f"{where}: tokens_match_cold_start disagrees with the tokens")
             if i["tokens"] == seen.get(i["id"]) or i["tokens_changed"] is not True:

@@ -422,6 +422,17 @@ class VllmServer(EngineProcess):
         if status != 200:
             raise RuntimeError(f"init_weight_transfer_engine: HTTP {status}: {body}\n{self.tail()}")
 
+    def worker_rpc(self, method: str) -> list[Any]:
+        """``method`` on every worker of this server (vLLM's ``/collective_rpc``; mx's backend
+        adds ``mx_timings`` and ``mx_memory``): one result per rank.
+
+        Raises:
+            RuntimeError: an HTTP status other than 200, with the server's answer."""
+        status, body = self.call("POST", "/collective_rpc", {"method": method})
+        if status != 200:
+            raise RuntimeError(f"{self.url} {method}: HTTP {status}: {str(body)[:500]}")
+        return list(body["results"])
+
     def stop(self) -> None:
         super().stop()
         shutil.rmtree(self._tmp, ignore_errors=True)

@@ -48,10 +48,12 @@ only when every check holds.
 The report (JSON): ``model``, ``experts``, ``trainer_layouts``, ``engine_layouts`` ({layout,
 ran, error}), ``steps`` ({label, version_id, source, train_loss, refit_s, outcome, instances:
 [{id, source, engine_layout, tokens, cold_tokens, tokens_match_cold_start, tokens_changed,
-rank_bytes, wire_bytes}]}; ``rank_bytes``: the bytes each engine rank holds, ``wire_bytes``:
-what it pulled for the step), ``rollback_verified``, ``fp8``, ``all_checks_hold``,
-``failed_checks``; and for ``examples/check_report.py``'s common schema ``versions`` and each
-step's ``step`` and instance ``kind``.
+rank_bytes, wire_bytes, install_mode}]}; ``rank_bytes``: the bytes each engine rank holds,
+``wire_bytes``: what it pulled for the step; ``install_mode`` of the tp:1 server: how vLLM took
+the version, ``exchange`` when its processed experts were prepared while it served),
+``rollback_verified``, ``fp8``, ``all_checks_hold``, ``failed_checks``; and for
+``examples/check_report.py``'s common schema ``versions`` and each step's ``step`` and instance
+``kind``.
 """
 
 from __future__ import annotations
@@ -310,6 +312,8 @@ class Run:
             "check_tokens": check_tokens(r),
             "tokens_match_cold_start": tokens == cold,
             "tokens_changed": tokens != previous,
+            # How vLLM took it: "exchange" (a processed set prepared while serving).
+            "install_mode": self.server.worker_rpc("mx_timings")[0]["install"].get("mode"),
             "rank_bytes": rank_bytes(self.model, "tp:1", 1),
             "wire_bytes": {0: r.workers[worker].stage_bytes},
         }

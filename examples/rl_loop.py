@@ -502,22 +502,12 @@ def phase_window(r: Any, name: str) -> tuple[float, float]:
 
 def engine_timings(servers: list[VllmServer]) -> list[dict[str, Any]]:
     """Each server's mx backend record of its last prepare and install (``mx_timings``)."""
-    body = {"method": "mx_timings"}
-    return [
-        r
-        for s in servers
-        for r in _ok(f"{s.url} mx_timings", s.call("POST", "/collective_rpc", body))["results"]
-    ]
+    return [r for s in servers for r in s.worker_rpc("mx_timings")]
 
 
 def engine_memory(servers: list[VllmServer]) -> list[dict[str, Any]]:
     """What each server's ranks hold, by role (``mx_memory``)."""
-    body = {"method": "mx_memory"}
-    return [
-        r
-        for s in servers
-        for r in _ok(f"{s.url} mx_memory", s.call("POST", "/collective_rpc", body))["results"]
-    ]
+    return [r for s in servers for r in s.worker_rpc("mx_memory")]
 
 
 def mx_path(control: Any, label: str, servers, workers, publish_s: float, timeout):

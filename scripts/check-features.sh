@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Checks that the language bindings reuse the workspace's release build: run right after
-# `cargo build --release --workspace --all-targets` (scripts/test.sh does), it builds each binding
+# `cargo build --release --workspace --lib --bins --tests` (scripts/test.sh does), it builds each binding
 # alone, as maturin's `pip install .` and scripts/test_ffi_c.sh do, and fails naming every crate
 # that had to be compiled again.
 #
-# Why: cargo resolves features per build. A `--workspace --all-targets` build unifies every
+# Why: cargo resolves features per build. A `--workspace` build of the tests unifies every
 # member's (and every dev-dependency's) features; `-p mx-python` only the features its own
 # dependencies ask for, separately for build scripts and proc macros (host) and for the program
 # (target). A crate whose features differ is compiled twice, and every crate above it too (the

@@ -122,8 +122,11 @@ if [[ "${MX_LINT:-0}" == 1 ]]; then
     "$REPO/.mx/venv/bin/ruff" format --no-cache --check python examples
 fi
 
-begin "cargo build --release ${scope[*]} --all-targets"
-cargo build --release "${scope[@]}" --all-targets
+# What `cargo test` runs (libraries, binaries, test targets): the benchmarks are compiled by
+# clippy above (--all-targets) and built by scripts/bench.sh, not here (criterion and its
+# plotters, ~1 CPU-min, for nothing CI runs).
+begin "cargo build --release ${scope[*]} --lib --bins --tests"
+cargo build --release "${scope[@]}" --lib --bins --tests
 
 if ((${#scope[@]})); then
     begin "scripts/check-features.sh (the bindings reuse the workspace's build)"

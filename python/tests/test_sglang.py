@@ -45,6 +45,11 @@ FIXTURES = json.loads(
         / "crates/engine-clients/adapters/tests/fixtures/sglang-0.5.23.json"
     ).read_text()
 )
+HOT_SCALE = 1.1
+"""The ``hot`` version: every weight x1.1. Its greedy tokens for ``PROMPT`` are far from ties (a
+torch forward of it: top-2 margins 0.75-11.6 nats, against 0.0 at x1.5, whose tokens moved with
+how SGLang computed a cached prompt on an AMD EPYC with AVX512-BF16), so every path that
+computes it (mx's loader, SGLang's disk loader, a cached or a fresh prefix) must agree."""
 
 
 @pytest.fixture(scope="module")
@@ -235,7 +240,7 @@ def test_refits_commit_on_both_kinds_and_match_sglang_s_own_disk_load(fleet, eng
     for w in (SGLANG, DYNAMO):
         read = [c for c in r.workers[w].calls if c.action == "read_version"]
         assert read and read[-1].version == cold and "the ranks hold" in read[-1].message, read
-    hot = _publish(fleet, "hot", 1.5)
+    hot = _publish(fleet, "hot", HOT_SCALE)
     r = _refit(fleet, "hot")
     assert str(r.outcome) == "COMMITTED", r.reason
     hot_tokens = sglang.generate(PROMPT)
@@ -250,7 +255,7 @@ def test_refits_commit_on_both_kinds_and_match_sglang_s_own_disk_load(fleet, eng
     d = fleet["work"] / "hot-checkpoint"
     d.mkdir()
     (d / "config.json").write_text((MODEL / "config.json").read_text())
-    save_file(_scaled(fleet, 1.5), str(d / "model.safetensors"))
+    save_file(_scaled(fleet, HOT_SCALE), str(d / "model.safetensors"))
     status, body = sglang.call(
         "POST", "/update_weights_from_disk", {"model_path": str(d), "weight_version": "disk-hot"}
     )

@@ -142,3 +142,8 @@ def test_a_prepared_set_exchanges_in_and_back_as_vllm_s_own_reload_would_load_it
     assert p["exchanged"][0] != p["before"][0]
     assert p["exchanged"] == p["layerwise_reload"]
     assert p["exchanged_back"] == p["before"]
+    # The in-place exchange (the GPU path) on vLLM's CPU build: its processing packs every GEMM
+    # weight into a function (cpu_linear), which no byte exchange can install: refused, named.
+    ip = p["in_place"]
+    assert "cpu_linear cannot be exchanged in place" in ip.get("refused", ""), ip
+    assert ip["refused"].startswith("mx: model.embed_tokens.cpu_linear "), ip

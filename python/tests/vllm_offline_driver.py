@@ -217,6 +217,20 @@ def prepared_check(llm: Any, model: str) -> dict[str, Any]:
     out["exchanged"] = observed()
     llm.apply_model(lambda m: box["p"].exchange())
     out["exchanged_back"] = observed()
+
+    def plan_in_place(m: Any) -> dict[str, Any]:
+        try:
+            return {"tensor_pairs": box["p"].plan_in_place()}
+        except ValueError as e:
+            return {"refused": str(e)}
+
+    # The GPU path (bytes exchanged, addresses kept) where this vLLM's processed form allows it.
+    out["in_place"] = llm.apply_model(plan_in_place)[0]
+    if "tensor_pairs" in out["in_place"]:
+        llm.apply_model(lambda m: box["p"].exchange(in_place=True))
+        out["in_place"]["exchanged"] = observed()
+        llm.apply_model(lambda m: box["p"].exchange(in_place=True))
+        out["in_place"]["exchanged_back"] = observed()
     llm.apply_model(reload)
     out["layerwise_reload"] = observed()
     return out

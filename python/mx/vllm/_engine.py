@@ -16,7 +16,7 @@ tensor-parallel rank). At ``init_transfer_engine`` it:
    generating).
 
 Once a version is staged, and before the control plane hears so (so before anything pauses),
-the backend *prepares* it (``prepare``, on by default with ``install="reload"``): it copies the
+the backend *prepares* it (``prepare``, on by default with ``install="reload"``): it reads the
 staged rank out of the puller and runs vLLM's own loaders and post-load processing on a second,
 *shadow* set of the model's layers (:class:`mx.vllm._prepared.Prepared`) while vLLM keeps
 generating on the live set.
@@ -36,7 +36,11 @@ installs V at that safe point: the puller copies it from staging into the host p
   decoder-layer order. Cost per install: one pass of vLLM's loaders and its repacking over the
   rank's bytes, plus one transient full-shaped tensor per checkpoint tensor of one layer.
 - ``install="inplace"`` (the default on GPU, where parameters keep their memory): a copy of the
-  rank's bytes into the parameters in place, nothing else.
+  rank's bytes into the parameters in place, nothing else; or, with ``prepare=True``, an
+  exchange of bytes: each live tensor swaps its values with its prepared shadow's (device to
+  device) and keeps its address, as captured CUDA graphs need. A processed form that is not
+  tensors of the live shapes (vLLM's packed CPU GEMM handles) cannot be exchanged so: the
+  prepare says which attribute and the install copies from the host instead.
 
 Resident memory beside vLLM's own weights: the rank's bytes (host parameters) + staging (at
 most 1x, kept for the next stage) + the retained previous version (``retain``): without
@@ -130,10 +134,14 @@ class MxInitInfo(WeightTransferInitInfo):
             with ``engine_api="dynamo"``.
         backend_instance_id: the worker's ``instance_id`` as ``GET /v1/rl/workers`` lists it (a
             u64); required with ``engine_api="dynamo"``.
-        prepare: with ``install="reload"``, build vLLM's processed form of every staged
-            version while vLLM generates, so the install is an exchange (default on; one
-            processed copy of the rank's weights, in place of the retained host copy's own
-            buffer). Ignored by ``install="inplace"`` and FP8.
+        prepare: build vLLM's processed form of every staged version while vLLM generates,
+            so the install is an exchange: of the processed objects with ``install="reload"``,
+            of the bytes of every processed tensor with ``install="inplace"`` (each live tensor
+            keeps its address, as CUDA graphs need: three device copies of the rank's bytes in
+            the pause instead of a host-to-device copy). One processed copy of the rank's
+            weights more, on vLLM's device (in place of the retained host copy's own buffer).
+            ``None`` (the default): on with ``install="reload"``, off with ``"inplace"`` (GPU
+            memory is the KV cache's). Ignored by FP8.
     """
 
     control_url: str
@@ -147,7 +155,7 @@ class MxInitInfo(WeightTransferInitInfo):
     frontend_url: str = ""
     served_model: str = ""
     backend_instance_id: int = 0
-    prepare: bool = True
+    prepare: bool | None = None
 
     def __post_init__(self) -> None:
         for f in ("control_url", "instance_id", "engine_url"):
@@ -156,9 +164,11 @@ class MxInitInfo(WeightTransferInitInfo):
         for f in ("control_url", "engine_url"):
             v = getattr(self, f)
             _need(v.startswith(("http://", "https://")), f, f"must be an http(s) URL, got {v!r}")
-        for f in ("retain", "fill_nan", "check_layout", "prepare"):
+        for f in ("retain", "fill_nan", "check_layout"):
             v = getattr(self, f)
             _need(isinstance(v, bool), f, f"must be true or false, got {v!r}")
+        v = self.prepare
+        _need(v is None or isinstance(v, bool), "prepare", f"must be true, false or null: {v!r}")
         _need(self.install in INSTALL_MODES, "install", f"must be one of {INSTALL_MODES}")
         _need(self.engine_api in ENGINE_APIS, "engine_api", f"must be one of {ENGINE_APIS}")
         if self.engine_api == "dynamo":
@@ -275,7 +285,10 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
         mode = init_info.install
         if mode == "auto":
             mode = "inplace" if self.device.type == "cuda" else "reload"
-        prepare = init_info.prepare and mode == "reload" and not fp8
+        prepare = init_info.prepare
+        if prepare is None:
+            prepare = mode == "reload"
+        prepare = prepare and not fp8
         # With a prepared set, the retained raw copy lives in staging (an apply exchanges them):
         # the processed set is the one held beside vLLM's instead.
         retain: bool | str = init_info.retain
@@ -448,7 +461,7 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
                 return False
             try:
                 armed = _failpoints.take("MX_VLLM_FAILPOINT_FILE")
-                other[1].exchange(failpoint=armed)
+                other[1].exchange(failpoint=armed, in_place=self._mode == "inplace")
             except BaseException as e:
                 logger.error(
                     "mx: exchanging in %s failed (%s); vLLM serves %s", version, e, previous
@@ -561,8 +574,12 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
                 rss0 = self._rss()
             try:
                 prepared, window = self._build(version)
+                if self._mode == "inplace":
+                    prepared.plan_in_place()
             except BaseException as e:
-                logger.warning("mx: preparing %s failed (%s); it installs by reload", version, e)
+                logger.warning(
+                    "mx: preparing %s failed (%s); it installs by %s", version, e, self._mode
+                )
                 raise
             self._other = (version, prepared)
             if measure:

@@ -17,7 +17,12 @@ only the shadows, so the engine keeps generating on the live set.
 with the live module's: afterwards the live modules compute with the new version, and the
 shadows hold the old one, so calling it again is the rollback. Nothing is copied in the pause.
 It swaps Python objects: for an engine that captured tensor addresses (CUDA graphs, a compiled
-graph with frozen weights) the processed values must be copied into the live tensors instead.
+graph with frozen weights) the processed values must be copied into the live tensors instead:
+``exchange(in_place=True)`` (after :meth:`Prepared.plan_in_place`) swaps the bytes of every live
+tensor with its shadow's, so each live tensor keeps its address (``data_ptr``) and the shadows
+again hold the old version. That needs a processed form made of tensors of the live ones'
+shapes (vLLM's unquantized GPU layers; vLLM's CPU layers hold packed GEMM handles instead,
+which :meth:`Prepared.plan_in_place` refuses, naming the first).
 """
 
 from __future__ import annotations
@@ -40,9 +45,12 @@ class Prepared:
     """The shadow of a vLLM model (see the module docs). Build with :meth:`build`; then
     :meth:`exchange` at the safe point (again to roll back)."""
 
-    def __init__(self, root: torch.nn.Module, pairs: list[tuple[Any, Any, frozenset[str]]]):
+    def __init__(self, root: torch.nn.Module, pairs: list[tuple[str, Any, Any, frozenset[str]]]):
+        """``root``: the shadow model; ``pairs``: ``(module name, live module, its shadow, the
+        attributes an exchange swaps)``, in the model's module order."""
         self.root = root
         self._pairs = pairs
+        self._in_place: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @classmethod
     def build(
@@ -69,7 +77,7 @@ class Prepared:
             root.load_weights(tensors)
         process_weights_after_loading(root, model_config, device)
         pairs = []
-        for live, shadow in zip(model.modules(), root.modules(), strict=True):
+        for (name, live), shadow in zip(model.named_modules(), root.modules(), strict=True):
             # The live module's attributes when the shadow was made: the shadow differs from
             # them where it has its own tensors and quant method, and where loading and
             # processing set something (later changes to the live module are not undone).
@@ -81,7 +89,7 @@ class Prepared:
                 and (k not in was or k not in shadow.__dict__ or shadow.__dict__[k] is not was[k])
             }
             if changed:
-                pairs.append((live, shadow, frozenset(changed)))
+                pairs.append((name, live, shadow, frozenset(changed)))
         return cls(root, pairs)
 
     @property
@@ -89,27 +97,125 @@ class Prepared:
         """How many (live, shadow) module pairs an exchange swaps."""
         return len(self._pairs)
 
-    def exchange(self, failpoint: tuple[str, int] | None = None) -> None:
-        """Swaps the prepared state with the live one, module by module (in the pause: no
-        copies, no loaders). Called again, swaps back. All or nothing: when a swap fails the
-        pairs swapped so far are swapped back before the error propagates.
+    def plan_in_place(self) -> int:
+        """Pairs every live tensor that the build changed with its shadow, each once (a tensor
+        two modules share, such as a tied ``lm_head``'s, once), for ``exchange(in_place=True)``;
+        returns how many pairs. Attributes other than tensors (dicts, lists and the quant
+        method's state are looked into) must be the live ones or equal to them.
 
-        ``failpoint`` (tests, :mod:`mx._failpoints`): fail after that many pairs."""
-        pairs: Iterable[tuple[Any, Any, frozenset[str]]] = self._pairs
-        if failpoint is not None:
-            pairs = _failpoints.fail_after(pairs, failpoint)
-        done = 0
-        try:
-            for live, shadow, keys in pairs:
-                _swap(live, shadow, keys)
+        Raises:
+            ValueError: naming the module attribute whose processed form is not a tensor of the
+                live one's shape, dtype and device (a packed kernel handle, a repacked or
+                resized weight, a tensor on the meta device): such a set can only be exchanged
+                as objects. Nothing is changed.
+        """
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
+        for name, live, shadow, keys in self._pairs:
+            for k in sorted(keys):
+                where = f"{name or '<model>'}.{k}"
+                lv, sv = live.__dict__.get(k, _ABSENT), shadow.__dict__.get(k, _ABSENT)
+                for a, b in _tensor_pairs(lv, sv, where, 0):
+                    key = (a.data_ptr(), tuple(a.shape), tuple(a.stride()))
+                    if key not in seen:
+                        seen.add(key)
+                        pairs.append((a, b))
+        self._in_place = pairs
+        return len(pairs)
+
+    def exchange(self, failpoint: tuple[str, int] | None = None, in_place: bool = False) -> None:
+        """Swaps the prepared state with the live one (in the pause: no loaders). Called again,
+        swaps back. All or nothing: when a swap fails the ones done so far are swapped back
+        before the error propagates.
+
+        ``in_place=False``: module by module, the objects (no copies). ``in_place=True``: the
+        bytes of each tensor pair of :meth:`plan_in_place` (three copies per pair through one
+        transient tensor; each live tensor keeps its address).
+
+        ``failpoint`` (tests, :mod:`mx._failpoints`): fail after that many module pairs (tensor
+        pairs in place).
+
+        Raises:
+            RuntimeError: ``in_place`` before :meth:`plan_in_place`; the failpoint's error.
+        """
+        if in_place:
+            if self._in_place is None:
+                raise RuntimeError("mx: exchange(in_place=True) needs plan_in_place() first")
+            _all_or_nothing(self._in_place, _swap_bytes, failpoint)
+        else:
+            _all_or_nothing(self._pairs, _swap, failpoint)
+
+
+def _all_or_nothing(items: list[Any], swap: Any, failpoint: tuple[str, int] | None) -> None:
+    """``swap(*item)`` for every item; when one fails, the ones done are swapped back (a swap
+    is its own inverse)."""
+    it: Iterable[Any] = items if failpoint is None else _failpoints.fail_after(items, failpoint)
+    done = 0
+    try:
+        with torch.no_grad():
+            for item in it:
+                swap(*item)
                 done += 1
-        except BaseException:
-            for live, shadow, keys in self._pairs[:done]:
-                _swap(live, shadow, keys)
-            raise
+    except BaseException:
+        with torch.no_grad():
+            for item in items[:done]:
+                swap(*item)
+        raise
 
 
-def _swap(live: Any, shadow: Any, keys: frozenset[str]) -> None:
+def _swap_bytes(a: torch.Tensor, b: torch.Tensor) -> None:
+    tmp = a.detach().clone()
+    a.detach().copy_(b.detach())
+    b.detach().copy_(tmp)
+
+
+def _tensor_pairs(lv: Any, sv: Any, where: str, depth: int) -> Iterable[tuple[Any, Any]]:
+    """The (live, shadow) tensor pairs inside two values of one attribute (see
+    :meth:`Prepared.plan_in_place`); raises ``ValueError`` naming ``where`` when they cannot
+    be exchanged in place."""
+    if lv is sv:
+        return
+    if isinstance(lv, torch.Tensor) and isinstance(sv, torch.Tensor):
+        got = [(tuple(t.shape), t.dtype, t.device) for t in (lv, sv)]
+        if got[0] != got[1] or lv.device.type == "meta":
+            raise ValueError(
+                f"mx: {where} cannot be exchanged in place: live {got[0]}, prepared {got[1]}"
+            )
+        if lv.numel() and lv.untyped_storage().data_ptr() == sv.untyped_storage().data_ptr():
+            raise ValueError(f"mx: {where} cannot be exchanged in place: both share one storage")
+        yield lv, sv
+        return
+    if isinstance(lv, dict) and isinstance(sv, dict):
+        if lv.keys() != sv.keys():
+            raise ValueError(
+                f"mx: {where} cannot be exchanged in place: keys {sorted(map(str, lv))} live, "
+                f"{sorted(map(str, sv))} prepared"
+            )
+        for k in lv:
+            yield from _tensor_pairs(lv[k], sv[k], f"{where}[{k!r}]", depth)
+        return
+    if isinstance(lv, (list, tuple)) and type(lv) is type(sv) and len(lv) == len(sv):
+        for i, (x, y) in enumerate(zip(lv, sv, strict=True)):
+            yield from _tensor_pairs(x, y, f"{where}[{i}]", depth)
+        return
+    # A quant method copied for the shadow: its state, one level down.
+    plain = not isinstance(lv, torch.nn.Module) and not callable(lv) and hasattr(lv, "__dict__")
+    if type(lv) is type(sv) and plain and depth < 2:
+        yield from _tensor_pairs(vars(lv), vars(sv), where, depth + 1)
+        return
+    try:
+        equal = bool(lv == sv)
+    except Exception:
+        equal = False
+    if not equal:
+        raise ValueError(
+            f"mx: {where} cannot be exchanged in place: vLLM's processing set a new "
+            f"{type(sv).__name__} there (not a tensor of the live one's shape); only an "
+            "exchange of objects installs it"
+        )
+
+
+def _swap(_name: str, live: Any, shadow: Any, keys: frozenset[str]) -> None:
     ld, sd = live.__dict__, shadow.__dict__
     for k in keys:
         lv, sv = ld.pop(k, _ABSENT), sd.pop(k, _ABSENT)
