@@ -141,7 +141,13 @@ if ((python_tests)); then
     bash "$SCRIPT_DIR/setup-python.sh"
 fi
 
-test_cmd=(cargo test --release --no-fail-fast "${scope[@]}" "$@")
+# The whole workspace: the targets built above (no crate has documentation tests: rustdoc would
+# be run over each of the 14 libraries to find none).
+targets=()
+if ((${#scope[@]})) && (($# == 0)); then
+    targets=(--lib --bins --tests)
+fi
+test_cmd=(cargo test --release --no-fail-fast "${scope[@]}" "${targets[@]}" "$@")
 begin "${test_cmd[*]}"
 "${test_cmd[@]}"
 

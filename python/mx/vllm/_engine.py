@@ -70,6 +70,7 @@ the server in a session of its own).
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import os
 import threading
@@ -582,9 +583,18 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
                 )
                 raise
             self._other = (version, prepared)
+            # The build's transients (the windows, the unpacked shadow weights vLLM repacked)
+            # are freed by now, but glibc keeps most of them: per-thread arenas (this hook runs
+            # on a puller thread) and, once large blocks were freed, a raised mmap threshold.
+            # Handed back here, outside any pause.
+            t_trim = time.perf_counter()
+            trimmed = _release_freed_memory()
+            trim_s = time.perf_counter() - t_trim
             if measure:
                 self._other_rss = max(self._rss() - rss0, 0)
         self.last_prepare = {
+            "trimmed": trimmed,
+            "trim_s": trim_s,
             "version_id": version,
             "prepare_s": time.perf_counter() - t0,
             "window_bytes_peak": window,
@@ -733,6 +743,20 @@ def _storages(module: torch.nn.Module, exclude: dict[int, int] | None = None) ->
                     if ptr and (exclude is None or ptr not in exclude):
                         found[ptr] = st.nbytes()
     return found
+
+
+def _release_freed_memory() -> bool:
+    """Returns the heap memory this process freed to the system (glibc's ``malloc_trim(0)``,
+    which also releases whole free pages inside every arena, after a ``gc.collect()``); False
+    where the C library has no ``malloc_trim`` (not glibc)."""
+    gc.collect()
+    try:
+        libc = ctypes.CDLL(None)
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return bool(trim(0))
 
 
 def _weight_bytes(model: torch.nn.Module) -> int:
