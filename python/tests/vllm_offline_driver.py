@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -183,7 +184,13 @@ def prepared_check(llm: Any, model: str) -> dict[str, Any]:
     box: dict[str, Prepared] = {}
 
     def build(m: Any) -> int:
-        box["p"] = Prepared.build(m, mc, torch.device("cpu"), iter(scaled.items()))
+        # One window per decoder layer (and one of the rest), as the backend reads staging:
+        # each layer processed as soon as it is loaded.
+        windows: dict[str, list[Any]] = {}
+        for n, t in scaled.items():
+            layer = re.match(r"^(.*\.layers\.\d+\.)", n)
+            windows.setdefault(layer.group(1) if layer else "", []).append((n, t))
+        box["p"] = Prepared.build(m, mc, torch.device("cpu"), windows.values())
         return len(box["p"]._pairs)
 
     def reload(m: Any) -> None:

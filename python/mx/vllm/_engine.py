@@ -564,8 +564,11 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
         other set (a prepared version never installed, or the last rollback source)."""
         t0 = time.perf_counter()
         with self._other_lock:
-            # Dropped first: the peak is one processed set beside vLLM's.
-            self._other = None
+            # Dropped first, and its memory handed back (the build may run on another thread,
+            # whose glibc arena would not reuse it): the peak is one processed set beside vLLM's.
+            if self._other is not None:
+                self._other = None
+                _release_freed_memory()
             # What the processed set takes as the process's resident set shows it (vLLM's CPU
             # kernels hold repacked weights outside torch's tensors): measured around the first
             # build, when nothing freed before it can be reused by it.
@@ -615,16 +618,17 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
         puller = self._need_init()
         windows = _layout.layer_windows(self._infos, self._checkpoint)
 
-        def tensors():
-            for runs, infos, checkpoint in windows:
-                params = _layout.read_runs(
-                    runs,
-                    infos,
-                    lambda buf, lo: puller.copy_staged(version, self._rank, buf, offset=lo),
-                )
-                yield from _layout.CheckpointView(infos, params, checkpoint).tensors()
+        def tensors(runs, infos, checkpoint):
+            params = _layout.read_runs(
+                runs,
+                infos,
+                lambda buf, lo: puller.copy_staged(version, self._rank, buf, offset=lo),
+            )
+            return _layout.CheckpointView(infos, params, checkpoint).tensors()
 
-        prepared = Prepared.build(self.model, self.model_config, self.device, tensors())
+        prepared = Prepared.build(
+            self.model, self.model_config, self.device, (tensors(*w) for w in windows)
+        )
         peak = max((sum(hi - lo for lo, hi in runs) for runs, _, _ in windows), default=0)
         return prepared, peak
 

@@ -28,6 +28,7 @@ which :meth:`Prepared.plan_in_place` refuses, naming the first).
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Iterable
 from types import MethodType
 from typing import Any
@@ -58,11 +59,18 @@ class Prepared:
         model: torch.nn.Module,
         model_config: Any,
         device: torch.device,
-        tensors: Iterable[tuple[str, torch.Tensor]],
+        windows: Iterable[Iterable[tuple[str, torch.Tensor]]],
     ) -> Prepared:
-        """Shadows of ``model``'s modules loaded from ``tensors`` (checkpoint names, as
-        ``model.load_weights`` takes them) and processed as vLLM processes a fresh load. The
+        """Shadows of ``model``'s modules loaded from ``windows`` (groups of checkpoint tensors,
+        as ``model.load_weights`` takes them) and processed as vLLM processes a fresh load. The
         live model is not touched.
+
+        A window whose tensors all belong to whole decoder layers (``...layers.<k>.``, as
+        :func:`mx.vllm._layout.layer_windows` cuts them) has those layers' modules processed as
+        soon as it is loaded (their quant methods: CPU GEMM packing, MoE experts), as vLLM's
+        layerwise reload does, so the unpacked and packed forms of the whole model never
+        coexist; everything else (attention layers, the embeddings and a tied head, model-level
+        hooks) is processed by vLLM's own ``process_weights_after_loading`` at the end.
 
         Raises:
             RuntimeError: vLLM recorded no reload metadata for the model (a vLLM older than
@@ -73,9 +81,14 @@ class Prepared:
 
         before: dict[int, dict[str, Any]] = {}
         root = _Shadows(device).of(model, before)
+        done: list[torch.nn.Module] = []
         with torch.no_grad():
-            root.load_weights(tensors)
-        process_weights_after_loading(root, model_config, device)
+            for window in windows:
+                names: list[str] = []
+                root.load_weights(_noting(window, names))
+                done += _process_layers(root, _whole_layers(names), device, done)
+        with _hidden_quant_methods(done):
+            process_weights_after_loading(root, model_config, device)
         pairs = []
         for (name, live), shadow in zip(model.named_modules(), root.modules(), strict=True):
             # The live module's attributes when the shadow was made: the shadow differs from
@@ -144,6 +157,76 @@ class Prepared:
             _all_or_nothing(self._in_place, _swap_bytes, failpoint)
         else:
             _all_or_nothing(self._pairs, _swap, failpoint)
+
+
+_LAYER = re.compile(r"^(.*\.layers\.\d+\.)")
+
+
+def _noting(
+    window: Iterable[tuple[str, torch.Tensor]], names: list[str]
+) -> Iterable[tuple[str, torch.Tensor]]:
+    """``window`` as it is, each name appended to ``names`` as it passes."""
+    for name, t in window:
+        names.append(name)
+        yield name, t
+
+
+def _whole_layers(names: list[str]) -> set[str]:
+    """The decoder-layer prefixes (``model.layers.3.``) of a window's checkpoint names, when
+    every name has one (else none: such a window is processed at the end)."""
+    found = [_LAYER.match(n) for n in names]
+    if not found or not all(found):
+        return set()
+    return {m.group(1) for m in found if m is not None}
+
+
+def _process_layers(
+    root: torch.nn.Module, prefixes: set[str], device: torch.device, done: list[Any]
+) -> list[torch.nn.Module]:
+    """Runs the quant method's ``process_weights_after_loading`` of every module under
+    ``prefixes`` (not yet processed, not an attention layer, whose processing waits for the
+    end), as vLLM's ``process_weights_after_loading`` does module by module; returns them."""
+    if not prefixes:
+        return []
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+    from vllm.model_executor.model_loader.utils import device_loading_context
+
+    seen = {id(m) for m in done}
+    out = []
+    for name, module in root.named_modules():
+        if not any(name.startswith(p) for p in prefixes) or id(module) in seen:
+            continue
+        method = getattr(module, "quant_method", None)
+        if not isinstance(method, QuantizeMethodBase) or is_deferred_attention_layer(module):
+            continue
+        with device_loading_context(module, device):
+            method.process_weights_after_loading(module)
+        if hasattr(module, "update_param_tp_status"):
+            module.update_param_tp_status()
+        out.append(module)
+    return out
+
+
+class _hidden_quant_methods:
+    """Within it, each module given has no ``quant_method`` that vLLM's processing would run
+    (an instance attribute ``None`` over its own, restored on exit)."""
+
+    def __init__(self, modules: list[torch.nn.Module]) -> None:
+        self.modules = modules
+        self.saved: list[tuple[torch.nn.Module, Any]] = []
+
+    def __enter__(self) -> None:
+        for m in self.modules:
+            self.saved.append((m, m.__dict__.get("quant_method", _ABSENT)))
+            m.__dict__["quant_method"] = None
+
+    def __exit__(self, *exc: Any) -> None:
+        for m, v in self.saved:
+            if v is _ABSENT:
+                del m.__dict__["quant_method"]
+            else:
+                m.__dict__["quant_method"] = v
 
 
 def _all_or_nothing(items: list[Any], swap: Any, failpoint: tuple[str, int] | None) -> None:
