@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -144,6 +143,7 @@ def prepared_check(llm: Any, model: str) -> dict[str, Any]:
     from safetensors.torch import load_file
     from vllm import SamplingParams
 
+    from mx.vllm import _layout
     from mx.vllm._engine import _refresh_tied_heads
     from mx.vllm._prepared import Prepared
 
@@ -186,11 +186,8 @@ def prepared_check(llm: Any, model: str) -> dict[str, Any]:
     def build(m: Any) -> int:
         # One window per decoder layer (and one of the rest), as the backend reads staging:
         # each layer processed as soon as it is loaded.
-        windows: dict[str, list[Any]] = {}
-        for n, t in scaled.items():
-            layer = re.match(r"^(.*\.layers\.\d+\.)", n)
-            windows.setdefault(layer.group(1) if layer else "", []).append((n, t))
-        box["p"] = Prepared.build(m, mc, torch.device("cpu"), windows.values())
+        windows = [[(n, scaled[n]) for n in g] for g in _layout.layer_groups(list(scaled))]
+        box["p"] = Prepared.build(m, mc, torch.device("cpu"), windows)
         return len(box["p"]._pairs)
 
     def reload(m: Any) -> None:

@@ -28,7 +28,6 @@ which :meth:`Prepared.plan_in_place` refuses, naming the first).
 from __future__ import annotations
 
 import copy
-import re
 from collections.abc import Iterable
 from types import MethodType
 from typing import Any
@@ -36,6 +35,7 @@ from typing import Any
 import torch
 
 from .. import _failpoints
+from ._layout import _stack_key
 
 _NEVER_SWAPPED = frozenset({"_modules", "training"})
 """Module attributes left alone by the exchange: the tree itself (each shadow's children are
@@ -159,9 +159,6 @@ class Prepared:
             _all_or_nothing(self._pairs, _swap, failpoint)
 
 
-_LAYER = re.compile(r"^(.*\.layers\.\d+\.)")
-
-
 def _noting(
     window: Iterable[tuple[str, torch.Tensor]], names: list[str]
 ) -> Iterable[tuple[str, torch.Tensor]]:
@@ -174,10 +171,10 @@ def _noting(
 def _whole_layers(names: list[str]) -> set[str]:
     """The decoder-layer prefixes (``model.layers.3.``) of a window's checkpoint names, when
     every name has one (else none: such a window is processed at the end)."""
-    found = [_LAYER.match(n) for n in names]
-    if not found or not all(found):
+    found = [_stack_key(n) for n in names]
+    if not found or None in found:
         return set()
-    return {m.group(1) for m in found if m is not None}
+    return {f"{stack}.{index}." for stack, index in found if stack}
 
 
 def _process_layers(
