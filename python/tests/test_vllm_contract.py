@@ -13,7 +13,8 @@ server (``test_vllm.py`` covers them on a real server). Issue 29, item 6: an upd
 before the install begins left the model on the meta device; each such refusal must leave vLLM
 generating the previous version's tokens.
 
-One vLLM for the module, in a process of its own (``vllm_offline_driver.py``), about 20 s.
+One vLLM for the module, in a process of its own (``vllm_offline_driver.py``), about 20 s, and
+a cold start of the version its prepared install exchanges in (another 15 s).
 """
 
 from __future__ import annotations
@@ -48,16 +49,23 @@ def seen(tmp_path_factory):
             "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "2"),
         }
     )
-    p = subprocess.run(
-        [sys.executable, str(DRIVER), str(MODEL)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    tail = f"{p.stdout[-4000:]}\n{p.stderr[-4000:]}"
-    assert p.returncode == 0, f"driver failed ({p.returncode}):\n{tail}"
-    return json.loads(p.stdout.strip().splitlines()[-1])
+
+    def drive(*args: str) -> dict:
+        p = subprocess.run(
+            [sys.executable, str(DRIVER), *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        tail = f"{p.stdout[-4000:]}\n{p.stderr[-4000:]}"
+        assert p.returncode == 0, f"driver {args} failed ({p.returncode}):\n{tail}"
+        return json.loads(p.stdout.strip().splitlines()[-1])
+
+    out = drive(str(MODEL))
+    # A cold start of the version the prepared install exchanged in (written by the first run).
+    out["cold_start"] = drive("--cold", str(work / "scaled"))
+    return out
 
 
 def test_the_plugin_registers_the_engine_vllm_creates(seen):
@@ -128,8 +136,9 @@ def test_shutdown_then_init_again(seen):
 
 def test_a_prepared_set_exchanges_in_and_back_as_vllm_s_own_reload_would_load_it(seen):
     """Issue 33's prepared install on the real vLLM: building it changes nothing served; the
-    exchange serves exactly what vLLM's layerwise reload of the same weights serves (tokens and
-    log-probabilities); the exchange back serves exactly the previous version."""
+    exchange serves exactly what a cold start of the same weights and vLLM's layerwise reload
+    of them serve (tokens, log-probabilities and every layer's output); the exchange back
+    serves exactly the previous version."""
     p = seen["prepared"]
     assert p["modules_exchanged"] > 100, p["modules_exchanged"]
     # 30 decoder layers and the final norm, each output digested in every forward pass.
@@ -141,6 +150,12 @@ def test_a_prepared_set_exchanges_in_and_back_as_vllm_s_own_reload_would_load_it
     assert p["after_failed_exchange"] == p["before"]
     assert p["exchanged"][0] != p["before"][0]
     assert p["exchanged"] == p["layerwise_reload"]
+    cold = seen["cold_start"]
+    assert cold["hooked_modules"] == 31
+    # Layer by layer, the first one that differs named.
+    for layer, digest in p["exchanged"][2].items():
+        assert cold["cold"][2][layer] == digest, f"{layer}: exchanged != cold start"
+    assert p["exchanged"] == cold["cold"]
     assert p["exchanged_back"] == p["before"]
     # The in-place exchange (the GPU path) on vLLM's CPU build: its processing packs every GEMM
     # weight into a function (cpu_linear), which no byte exchange can install: refused, named.

@@ -6,7 +6,10 @@ succeeded), the weight versions vLLM reported and the greedy tokens it generated
 step. ``test_vllm_contract.py`` runs it in a process of its own (vLLM's engine runs in this
 process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and asserts on the result.
 
-Usage: ``python vllm_offline_driver.py MODEL_DIR``
+Usage: ``python vllm_offline_driver.py MODEL_DIR`` (the whole contract; it also writes the
+version its prepared install exchanges in, the checkpoint x1.5, as a model directory under
+``$MX_DRIVER_WORK/scaled``), then ``python vllm_offline_driver.py --cold MODEL_DIR`` (a cold
+start of that directory: what the same generation observes, per layer, on a fresh ``LLM``).
 """
 
 from __future__ import annotations
@@ -20,8 +23,22 @@ from typing import Any
 PROMPT = [504, 3575, 282, 4649, 314]
 
 
+def start(model: str) -> Any:
+    """vLLM's offline ``LLM`` as every run of this driver starts it."""
+    from vllm import LLM
+
+    return LLM(
+        model=model,
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        max_model_len=256,
+        enforce_eager=True,
+        weight_transfer_config={"backend": "mx"},
+    )
+
+
 def main(model: str) -> dict[str, Any]:
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
     from vllm.plugins import load_general_plugins
 
@@ -30,14 +47,7 @@ def main(model: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     load_general_plugins()
     out["registered"] = "mx" in WeightTransferEngineFactory._registry
-    llm = LLM(
-        model=model,
-        skip_tokenizer_init=True,
-        dtype="bfloat16",
-        max_model_len=256,
-        enforce_eager=True,
-        weight_transfer_config={"backend": "mx"},
-    )
+    llm = start(model)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, detokenize=False)
 
     def tokens() -> list[int]:
@@ -131,32 +141,27 @@ def main(model: str) -> dict[str, Any]:
     return out
 
 
-def prepared_check(llm: Any, model: str) -> dict[str, Any]:
-    """Issue 33's prepared install (``mx.vllm._prepared``): shadows of the model loaded with
-    the checkpoint x1.5 and processed while nothing is paused, exchanged in, exchanged back,
-    then compared with vLLM's own layerwise reload of the same weights (greedy tokens, the
-    top-2 log-probabilities of every position, and a digest of every module's output during
-    the generation, exactly); an exchange failing halfway changes nothing served."""
-    import hashlib
+class Observer:
+    """What one greedy generation of ``PROMPT`` shows: its tokens, the top-2 log-probabilities
+    of every position, and a digest of every decoder layer's and the final norm's output,
+    chained over the generation's forward passes (the prefill and each decode step)."""
 
-    import torch
-    from safetensors.torch import load_file
-    from vllm import SamplingParams
+    def __init__(self, llm: Any) -> None:
+        from vllm import SamplingParams
 
-    from mx.vllm import _layout
-    from mx.vllm._engine import _refresh_tied_heads
-    from mx.vllm._prepared import Prepared
+        self.llm = llm
+        self.params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+        self.digests: dict[str, Any] = {}
+        self.hooked = llm.apply_model(self._hook_all)[0]
 
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    def _hook_all(self, m: Any) -> int:
+        import hashlib
 
-    digests: dict[str, Any] = {}
+        import torch
 
-    def hook_all(m: Any) -> int:
-        # Every decoder layer's and the final norm's outputs, chained over the forward passes
-        # of one generation (the prefill and each decode step).
         def hook(name: str):
             def f(_module: Any, _args: Any, output: Any) -> None:
-                h = digests.setdefault(name, hashlib.blake2b(digest_size=16))
+                h = self.digests.setdefault(name, hashlib.blake2b(digest_size=16))
                 for t in output if isinstance(output, tuple) else (output,):
                     if isinstance(t, torch.Tensor):
                         h.update(t.detach().float().contiguous().numpy().tobytes())
@@ -170,16 +175,52 @@ def prepared_check(llm: Any, model: str) -> dict[str, Any]:
                 n += 1
         return n
 
-    def observed() -> list[Any]:
-        digests.clear()
-        [o] = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)
+    def observe(self) -> list[Any]:
+        self.digests.clear()
+        [o] = self.llm.generate([{"prompt_token_ids": PROMPT}], self.params, use_tqdm=False)
         c = o.outputs[0]
         top = [sorted((k, v.logprob) for k, v in p.items()) for p in c.logprobs]
-        layers = {k: h.hexdigest() for k, h in sorted(digests.items())}
+        layers = {k: h.hexdigest() for k, h in sorted(self.digests.items())}
         return [list(c.token_ids), top, layers]
+
+
+def write_scaled(model: str, scaled: dict[str, Any]) -> Path:
+    """``model``'s directory with ``scaled`` as its checkpoint, under ``$MX_DRIVER_WORK``."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    out = Path(os.environ["MX_DRIVER_WORK"]) / "scaled"
+    out.mkdir(parents=True, exist_ok=True)
+    for f in Path(model).iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
+            shutil.copy(f, out / f.name)
+    save_file({n: t.contiguous() for n, t in scaled.items()}, str(out / "model.safetensors"))
+    return out
+
+
+def cold(model: str) -> dict[str, Any]:
+    """A cold start of ``model``: what :class:`Observer` sees on a fresh ``LLM``."""
+    obs = Observer(start(model))
+    return {"hooked_modules": obs.hooked, "cold": obs.observe()}
+
+
+def prepared_check(llm: Any, model: str) -> dict[str, Any]:
+    """Issue 33's prepared install (``mx.vllm._prepared``): shadows of the model loaded with
+    the checkpoint x1.5 and processed while nothing is paused, exchanged in, exchanged back,
+    then compared with vLLM's own layerwise reload of the same weights (what :class:`Observer`
+    sees, exactly; the test compares it with a cold start of the same weights too); an
+    exchange failing halfway changes nothing served."""
+    import torch
+    from safetensors.torch import load_file
+
+    from mx.vllm import _layout
+    from mx.vllm._engine import _refresh_tied_heads
+    from mx.vllm._prepared import Prepared
 
     weights = load_file(os.path.join(model, "model.safetensors"))
     scaled = {n: (t * 1.5).to(t.dtype) for n, t in weights.items()}
+    write_scaled(model, scaled)
     mc = llm.llm_engine.model_config
     box: dict[str, Prepared] = {}
 
@@ -202,7 +243,9 @@ def prepared_check(llm: Any, model: str) -> dict[str, Any]:
         finalize_layerwise_reload(m, mc)
         _refresh_tied_heads(m)
 
-    out: dict[str, Any] = {"hooked_modules": llm.apply_model(hook_all)[0]}
+    obs = Observer(llm)
+    observed = obs.observe
+    out: dict[str, Any] = {"hooked_modules": obs.hooked}
     out["before"] = observed()
     out["modules_exchanged"] = llm.apply_model(build)[0]
     out["while_prepared"] = observed()
@@ -241,6 +284,6 @@ def prepared_check(llm: Any, model: str) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    result = main(sys.argv[1])
+    result = cold(sys.argv[2]) if sys.argv[1] == "--cold" else main(sys.argv[1])
     sys.stdout.flush()
     print(json.dumps(result))
