@@ -8,7 +8,8 @@ layers, which sit on the meta device meanwhile: it can only run paused. :class:`
 the same code on *shadow* layers instead: each module is copied (its own ``__dict__``,
 ``_parameters``, ``_buffers`` and ``quant_method``), its tensors materialized afresh from the
 metadata vLLM recorded at start-up (``record_metadata_for_reloading``: the shapes and weight
-loaders before processing) with the loaders rebound to the shadow, parameters shared between
+loaders before processing), each when a loader first writes it, with the loaders rebound to
+the shadow, parameters shared between
 modules (a tied ``lm_head``) shared between their shadows. Loading and processing then touch
 only the shadows, so the engine keeps generating on the live set.
 
@@ -28,6 +29,7 @@ which :meth:`Prepared.plan_in_place` refuses, naming the first).
 from __future__ import annotations
 
 import copy
+import weakref
 from collections.abc import Iterable
 from types import MethodType
 from typing import Any
@@ -65,12 +67,16 @@ class Prepared:
         as ``model.load_weights`` takes them) and processed as vLLM processes a fresh load. The
         live model is not touched.
 
-        A window whose tensors all belong to whole decoder layers (``...layers.<k>.``, as
-        :func:`mx.vllm._layout.layer_windows` cuts them) has those layers' modules processed as
-        soon as it is loaded (their quant methods: CPU GEMM packing, MoE experts), as vLLM's
-        layerwise reload does, so the unpacked and packed forms of the whole model never
-        coexist; everything else (attention layers, the embeddings and a tied head, model-level
-        hooks) is processed by vLLM's own ``process_weights_after_loading`` at the end.
+        A shadow tensor is allocated when a loader first writes it (its placeholder, on the meta
+        device until then, carries a loader that materializes it: vLLM's layerwise reload does
+        the same), and a window whose tensors all belong to whole decoder layers
+        (``...layers.<k>.``, as :func:`mx.vllm._layout.layer_windows` cuts them) has those
+        layers' modules processed as soon as it is loaded (their quant methods: CPU GEMM
+        packing, MoE experts), as that reload does: the unpacked form of one layer at a time
+        exists beside the packed ones, and the memory one layer's unpacked form freed is the
+        next one's. Everything else (attention layers, the embeddings and a tied head,
+        model-level hooks) is processed by vLLM's own ``process_weights_after_loading`` at the
+        end; a tensor no loader wrote is allocated before its processing.
 
         Raises:
             RuntimeError: vLLM recorded no reload metadata for the model (a vLLM older than
@@ -80,13 +86,20 @@ class Prepared:
         from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
         before: dict[int, dict[str, Any]] = {}
-        root = _Shadows(device).of(model, before)
+        shadows = _Shadows(device)
+        root = shadows.of(model, before)
+        # The tree is made: its tensors are held by their modules only from here (vLLM's
+        # processing frees each unpacked tensor it repacks as soon as it is done with it).
+        shadows.tensors.clear()
         done: list[torch.nn.Module] = []
         with torch.no_grad():
             for window in windows:
                 names: list[str] = []
                 root.load_weights(_noting(window, names))
-                done += _process_layers(root, _whole_layers(names), device, done)
+                layers = _whole_layers(names)
+                shadows.materialize_under(layers)
+                done += _process_layers(root, layers, device, done)
+            shadows.materialize_under({""})
         with _hidden_quant_methods(done):
             process_weights_after_loading(root, model_config, device)
         pairs = []
@@ -353,14 +366,25 @@ def same_state(a: list[Any] | None, b: list[Any]) -> bool:
 
 class _Shadows:
     """Builds the shadow tree (one shadow per module, memoized: a module reached twice is one
-    shadow, a parameter shared by two modules one tensor)."""
+    shadow, a parameter shared by two modules one tensor). A shadow tensor that vLLM recorded
+    reload metadata for starts as a placeholder on the meta device whose weight loader
+    allocates it on first use (:meth:`materialize`): the real tensor replaces the placeholder
+    in every module holding it."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.modules: dict[int, torch.nn.Module] = {}
         self.tensors: dict[int, torch.Tensor] = {}
+        # id(placeholder) -> (placeholder, its loader, module name, [(holder dict, key)]).
+        self.pending: dict[int, tuple[torch.Tensor, Any, str, list[tuple[dict, str]]]] = {}
+        # id(placeholder) -> (placeholder, the real tensor, weakly): a loader may be handed
+        # the placeholder again (vLLM's ``load_weights`` looks its parameters up once per
+        # call); the placeholder is kept so that its id is not reused.
+        self.real: dict[int, tuple[torch.Tensor, weakref.ref]] = {}
 
-    def of(self, m: torch.nn.Module, before: dict[int, dict[str, Any]]) -> torch.nn.Module:
+    def of(
+        self, m: torch.nn.Module, before: dict[int, dict[str, Any]], name: str = ""
+    ) -> torch.nn.Module:
         if id(m) in self.modules:
             return self.modules[id(m)]
         from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
@@ -382,32 +406,78 @@ class _Shadows:
         # their layer's ``_modules``): its shadow's experts are a first load too.
         forget_cpu_moe_kernel(s)
         self.modules[id(m)] = s
-        for name, child in m._modules.items():
-            d["_modules"][name] = None if child is None else self.of(child, before)
+        for key, child in m._modules.items():
+            sub = f"{name}.{key}" if name else key
+            d["_modules"][key] = None if child is None else self.of(child, before, sub)
         meta_params, meta_buffers = get_layerwise_info(m).restore_metadata
         # Entries registered as None (a linear layer without bias) stay None.
-        for name, p in m._parameters.items():
-            shadow = None if p is None else self._tensor(p, meta_params.get(name), m, s)
-            d["_parameters"][name] = shadow
+        for key, p in m._parameters.items():
+            meta = meta_params.get(key)
+            d["_parameters"][key] = None if p is None else self._tensor(p, meta, m, s, name)
+            self._held(d["_parameters"], key)
         # A non-persistent buffer is no checkpoint tensor (RoPE's cos/sin cache): no loader
         # writes it, so it keeps its values (vLLM's reload keeps the live one too).
-        for name, b in m._buffers.items():
-            kept = name in m._non_persistent_buffers_set
-            meta = None if kept else meta_buffers.get(name)
-            d["_buffers"][name] = None if b is None else self._tensor(b, meta, m, s)
+        for key, b in m._buffers.items():
+            kept = key in m._non_persistent_buffers_set
+            meta = None if kept else meta_buffers.get(key)
+            d["_buffers"][key] = None if b is None else self._tensor(b, meta, m, s, name)
+            self._held(d["_buffers"], key)
         return s
 
-    def _tensor(self, live: torch.Tensor, meta: torch.Tensor | None, m, s) -> torch.Tensor:
-        """The shadow of one live tensor: shared when its live tensor is shared; fresh from
-        vLLM's recorded metadata (the shape before processing) when there is some, else a copy
-        of the live values (tensors no loader writes, such as RoPE caches and biases)."""
+    def _held(self, holder: dict[str, Any], key: str) -> None:
+        """Notes that ``holder[key]`` holds a placeholder (replaced when it is materialized)."""
+        t = holder[key]
+        if t is not None and id(t) in self.pending:
+            self.pending[id(t)][3].append((holder, key))
+
+    def materialize(self, placeholder: torch.Tensor) -> torch.Tensor:
+        """The real tensor for ``placeholder`` (allocated on the shadows' device now, unless it
+        was before), in place of the placeholder in every module that holds it."""
+        if id(placeholder) in self.real:
+            real = self.real[id(placeholder)][1]()
+            if real is None:
+                raise RuntimeError(
+                    "mx: a weight loader wrote a shadow tensor after its layer was processed"
+                )
+            return real
+        from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor
+
+        _, loader, _, holders = self.pending.pop(id(placeholder))
+        with self.device:
+            real = materialize_meta_tensor(placeholder)
+        # The loader it had (the placeholder's dictionary, copied, holds the materializing one).
+        if loader is None:
+            real.__dict__.pop("weight_loader", None)
+        else:
+            real.weight_loader = loader
+        for holder, key in holders:
+            holder[key] = real
+        self.real[id(placeholder)] = (placeholder, weakref.ref(real))
+        return real
+
+    def materialize_under(self, prefixes: set[str]) -> None:
+        """Materializes every placeholder of a module under one of ``prefixes`` (``{""}``:
+        all of them, and the placeholders are forgotten): tensors no loader wrote, before
+        their module is processed."""
+        for key, (placeholder, _, name, _) in list(self.pending.items()):
+            if key in self.pending and any((name + ".").startswith(p) for p in prefixes):
+                self.materialize(placeholder)
+        if "" in prefixes:
+            self.real.clear()
+
+    def _tensor(
+        self, live: torch.Tensor, meta: torch.Tensor | None, m, s, name: str
+    ) -> torch.Tensor:
+        """The shadow of one live tensor: shared when its live tensor is shared; a placeholder
+        from vLLM's recorded metadata (the shape before processing) when there is some, else a
+        copy of the live values (tensors no loader writes, such as RoPE caches and biases)."""
         if id(live) in self.tensors:
             return self.tensors[id(live)]
         from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor
         from vllm.model_executor.model_loader.reload.sanitize import layer_ref_sentinel
 
         if meta is not None:
-            with self.device:
+            with torch.device("meta"):
                 t = materialize_meta_tensor(meta)
         else:
             t = live.detach().clone()
@@ -425,5 +495,33 @@ class _Shadows:
             if isinstance(value, MethodType) and value.__self__ in (layer_ref_sentinel, m):
                 value = value.__func__.__get__(s)
             t.__dict__[key] = value
+        if meta is not None:
+            loader = _loader_of(t)
+            self.pending[id(t)] = (t, loader, name, [])
+            t.weight_loader = self._materializing(loader)
         self.tensors[id(live)] = t
         return t
+
+    def _materializing(self, loader: Any) -> Any:
+        """``loader`` (``None``: vLLM's ``default_weight_loader``) called with the real tensor
+        in place of a placeholder."""
+        if loader is None:
+            from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+            loader = default_weight_loader
+
+        def materializing_loader(param: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if id(param) in self.pending or id(param) in self.real:
+                param = self.materialize(param)
+            return loader(param, *args, **kwargs)
+
+        return materializing_loader
+
+
+def _loader_of(t: torch.Tensor) -> Any:
+    """``t``'s weight loader, ``None`` when it has none (vLLM then uses its
+    ``default_weight_loader``)."""
+    try:
+        return getattr(t, "weight_loader", None)
+    except (AttributeError, ValueError):  # vLLM's parameter classes, their loader deleted
+        return None
