@@ -17,7 +17,13 @@ prefix-cache reset, resume): ``update_weights`` with ``{"update_info": {"version
 "mx:<hex>"}}`` (:class:`MxUpdateInfo`) installs that version at the safe point
 (:class:`MxWeightTransferEngine`).
 
-Importing this module does not import vLLM; :func:`register` and the engine do.
+The trainer side: :mod:`mx.vllm.trainer` registers mx's engine in vLLM's
+``WeightTransferTrainerFactory`` under ``"mx"`` (:class:`~mx.vllm.trainer.MxTrainerInitInfo`,
+:class:`~mx.vllm.trainer.MxTrainerWeightTransferEngine`), so a trainer using vLLM's trainer API
+(``trainer_init``, ``send_weights``) refits through mx's control plane.
+
+Importing this module does not import vLLM; :func:`register`, the engine and the names of the
+trainer side (imported on first use) do.
 """
 
 from __future__ import annotations
@@ -99,7 +105,8 @@ def register() -> None:
     module is imported only when a server selects it) and adds :data:`IDENTITY_METHOD`,
     :data:`INSTALL_METHOD`, :data:`TIMINGS_METHOD` and :data:`MEMORY_METHOD` to vLLM's
     workers. Called by vLLM in every process through the ``vllm.general_plugins`` entry
-    point; idempotent."""
+    point; idempotent. Also registers the trainer side (:mod:`mx.vllm.trainer`, lazily) in
+    ``WeightTransferTrainerFactory``."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
     from vllm.v1.worker.worker_base import WorkerBase
 
@@ -112,6 +119,12 @@ def register() -> None:
     if not hasattr(WorkerBase, MEMORY_METHOD):
         setattr(WorkerBase, MEMORY_METHOD, _memory)
 
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    if BACKEND not in WeightTransferTrainerFactory._registry:
+        WeightTransferTrainerFactory.register_engine(
+            BACKEND, "mx.vllm.trainer", "MxTrainerWeightTransferEngine"
+        )
     if BACKEND in WeightTransferEngineFactory._registry:
         return
     WeightTransferEngineFactory.register_engine(
@@ -119,8 +132,23 @@ def register() -> None:
     )
 
 
+_TRAINER_NAMES = ("MxRefitError", "MxTrainerInitInfo", "MxTrainerWeightTransferEngine")
+
+
+def __getattr__(name: str) -> Any:
+    """The trainer side's names, imported (and registered with vLLM) on first use."""
+    if name in _TRAINER_NAMES:
+        from . import trainer
+
+        return getattr(trainer, name)
+    raise AttributeError(f"module 'mx.vllm' has no attribute {name!r}")
+
+
 __all__ = [
     "BACKEND",
+    "MxRefitError",
+    "MxTrainerInitInfo",
+    "MxTrainerWeightTransferEngine",
     "IDENTITY_METHOD",
     "INSTALL_METHOD",
     "MEMORY_METHOD",
