@@ -5,7 +5,7 @@ Run it::
     .mx/venv/bin/python examples/check_report.py KIND REPORT.json
 
 ``KIND`` is the example that wrote the report (``python_refit``, ``rl_loop``,
-``moe_refit``). Exit status 0
+``moe_refit``, ``vllm_trainer_api``). Exit status 0
 when every check holds; otherwise 1 and one line per failed check.
 
 The report schema every example writes (extra keys are allowed):
@@ -26,7 +26,7 @@ Per kind, on top: ``python_refit``: at least 2 versions and the example's checks
 (``all_verified``, ``addresses_unchanged``, ``loss_fell``, ``rollback_verified``,
 ``staging_within_rank_bytes``); ``rl_loop``: ``config.steps`` steps, each path of
 ``config.paths`` with one row per step whose ``stall_s`` and ``end_to_end_s`` are positive;
-``moe_refit``: see :func:`moe_refit`.
+``moe_refit``: see :func:`moe_refit`; ``vllm_trainer_api``: see :func:`vllm_trainer_api`.
 """
 
 from __future__ import annotations
@@ -285,7 +285,50 @@ def moe_refit(r: dict[str, Any]) -> list[str]:
     return bad
 
 
-KINDS = {"python_refit": python_refit, "rl_loop": rl_loop, "moe_refit": moe_refit}
+def vllm_trainer_api(r: dict[str, Any]) -> list[str]:
+    """vLLM's trainer API with mx behind it: at least 2 committed versions, each verified on
+    both servers (one step row per version, two instances each); the step whose install failed
+    on one server raised on every rank and engine and left both servers on the previous version
+    (``rollback``, ``rollback_verified``); nothing gathered in ``trainer_init``/``send_weights``
+    (``gathered_bytes`` and ``collective_calls_in_send`` 0) while the same wrappers saw
+    training's FSDP2 all-gathers (``training_gathered_bytes`` > 0); one publication and one
+    refit per step."""
+    bad = []
+    versions = r["versions"]
+    if len(versions) < 2:
+        bad.append(f"at least 2 versions, got {len(versions)}")
+    if len(r["steps"]) != len(versions):
+        bad.append(f"{len(versions)} steps, got {len(r['steps'])}")
+    servers = r["servers"]
+    if len(servers) != 2:
+        bad.append(f"two servers, got {servers}")
+    for s in r["steps"]:
+        if sorted(i["id"] for i in s["instances"]) != sorted(servers):
+            bad.append(f"step {s['step']}: instances {[i['id'] for i in s['instances']]}")
+    for k in ("all_verified", "rollback_verified", "one_publication_per_step"):
+        if r.get(k) is not True:
+            bad.append(f"{k} is not true")
+    rb = r["rollback"]
+    if rb.get("outcome") not in ("ROLLED_BACK", "ABORTED") or not rb.get(
+        "raised_on_every_rank_and_engine"
+    ):
+        bad.append(f"rollback: outcome {rb.get('outcome')}, raised everywhere: {rb}")
+    if rb.get("version_id") in [v["version_id"] for v in versions]:
+        bad.append("rollback: its version is listed as committed")
+    for k in ("gathered_bytes", "collective_calls_in_send"):
+        if r.get(k) != 0:
+            bad.append(f"{k} is {r.get(k)}, not 0")
+    if not r.get("training_gathered_bytes", 0) > 0:
+        bad.append("training_gathered_bytes: the wrappers saw no FSDP2 all-gather in training")
+    return bad
+
+
+KINDS = {
+    "python_refit": python_refit,
+    "rl_loop": rl_loop,
+    "moe_refit": moe_refit,
+    "vllm_trainer_api": vllm_trainer_api,
+}
 
 
 def check(kind: str, report: dict[str, Any]) -> list[str]:

@@ -1,0 +1,639 @@
+"""vLLM's own trainer API, with mx behind it: an FSDP2 trainer refits two real vLLM servers
+through ``WeightTransferTrainerFactory`` with ``backend = "mx"``, and nothing is gathered.
+
+Run it (from the repository root)::
+
+    .mx/venv/bin/python examples/vllm_trainer_api.py --report /tmp/vta.json [--ci]
+
+Options: ``--model DIR`` (default ``.mx/models/smollm2-135m``), ``--steps N`` (committed steps,
+default 3; ``--ci``: 2), ``--timeout S`` (every wait, default 600), ``--keep`` (keep the work
+directory: server logs, dumps, journal). Without ``--ci`` one more step follows the rolled-back
+one (the next ``send_weights`` commits again). Exit status 0 only when every check holds.
+
+The trainer code uses vLLM's trainer API only, plus mx's init info:
+``WeightTransferTrainerFactory.trainer_init(MxTrainerInitInfo(...), client=
+HTTPVLLMWeightSyncClient(url), source=ModuleSource(fsdp_module))`` on every rank, one engine per
+server (vLLM's API gives one client per server), and ``engine.send_weights()`` on every rank
+after each optimizer step. mx's engine publishes each rank's FSDP2 shards in place; the sender
+(rank 0) initialized each server's mx backend through its client, and each step has mx's control
+plane refit both servers at once (stage while serving, pause, install, cache reset, read-back,
+resume, commit; or roll both back); the second engine's ``send_weights`` finds its server in that
+refit and publishes nothing.
+
+Who runs where:
+
+- main: mx's control plane (embedded), two vLLM servers (``examples/engines.py``
+  ``VllmServer``, mx's plugin, ``{"backend": "mx"}``, each with a failpoint file), and the checks.
+- two trainer processes (slots of ``fsdp:2``, one gloo group, ``examples/llama_fsdp.py``): per
+  step one AdamW step, then ``send_weights`` on both engines. Each wraps its own
+  ``torch.distributed`` collectives and ``DTensor.full_tensor``/``redistribute`` (independently of
+  mx) and counts the bytes handed to them per phase: ``gathered_bytes`` (all-gathers and full
+  tensors during ``trainer_init`` and ``send_weights``) must be 0, while training's own FSDP
+  all-gathers are counted (``training_gathered_bytes`` > 0: the wrappers see them).
+
+Checks per committed step: both servers' ``/weight_info`` and the control plane's record name the
+version the trainer published; each server's greedy tokens equal a cold start of vLLM on a dump
+of the trainer's full weights at that step (the dump's gather is the checker's, outside
+``send_weights``) and differ from the previous step's; one publication and one refit per step
+(both engines, both ranks), one install per server. Then one step where server B's install fails
+(the mx plugin's failpoint ``install_after:12``): ``send_weights`` raises ``MxRefitError`` on
+every rank and engine, and both servers are back on the previous version (weight_info, the
+control plane, tokens).
+
+The report: ``versions[]`` (``version_id``, ``outcome``, ``label``, ``train_loss``,
+``verified``), ``steps[]`` (``instances[]`` in the harness schema), ``rollback`` (the failed
+step), ``all_verified``, ``rollback_verified``, ``gathered_bytes``, ``collective_calls_in_send``,
+``training_gathered_bytes``, ``one_publication_per_step``, ``seconds``, ``all_checks_hold``,
+``failed_checks`` (``examples/check_report.py vllm_trainer_api``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.connection import Connection
+from typing import Any
+
+from engines import COLD_TOKENS, PROMPT, VllmServer, cold_tokens_of
+from procs import Child, ChildFailed, commands, free_port
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAYOUT = "fsdp:2"
+INSTANCES = ("vllm-a", "vllm-b")
+FAILING = "vllm-b"
+"""The server whose install fails in the rollback step."""
+LR = 1e-3
+BATCH = (1, 17)
+MAX_NEW = len(COLD_TOKENS)
+
+
+# --------------------------------------------------------------------------------------------
+# Counting the trainer's collectives, independently of mx.
+
+COLLECTIVES = (
+    "all_gather",
+    "all_gather_single",
+    "all_gather_into_tensor",
+    "_all_gather_base",
+    "all_gather_object",
+    "all_gather_coalesced",
+    "gather",
+    "gather_object",
+    "broadcast",
+    "broadcast_object_list",
+    "all_reduce",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_single",
+    "reduce_scatter_tensor",
+    "_reduce_scatter_base",
+    "scatter",
+    "scatter_object_list",
+    "all_to_all",
+    "all_to_all_single",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
+    "barrier",
+)
+FUNCTIONAL = (
+    "all_gather_tensor",
+    "all_gather_tensor_autograd",
+    "all_reduce",
+    "reduce_scatter_tensor",
+    "broadcast",
+    "all_to_all_single",
+)
+
+
+def _tensor_bytes(x: Any) -> int:
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(_tensor_bytes(y) for y in x)
+    return 0
+
+
+class CollectiveCounter:
+    """Wraps ``torch.distributed``'s collectives (the module, ``distributed_c10d`` and the
+    functional collectives) and ``DTensor.full_tensor`` / ``redistribute`` in this process;
+    counts calls and the bytes of the tensors handed to them, per :attr:`phase` (the outermost
+    call only: a collective built on another counts once)."""
+
+    def __init__(self) -> None:
+        self.phase = "idle"
+        self.calls: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        self.bytes: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        self._depth = threading.local()
+
+    def _wrap(self, name: str, fn: Any, size: Any) -> Any:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            depth = getattr(self._depth, "n", 0)
+            if depth == 0:
+                self.calls[self.phase][name] += 1
+                self.bytes[self.phase][name] += size(args, kwargs)
+            self._depth.n = depth + 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._depth.n = depth
+
+        wrapped.__wrapped__ = fn  # type: ignore[attr-defined]
+        return wrapped
+
+    def install(self) -> CollectiveCounter:
+        import torch.distributed as dist
+        import torch.distributed._functional_collectives as funcol
+        import torch.distributed.distributed_c10d as c10d
+        from torch.distributed.tensor import DTensor
+
+        def args_bytes(args: Any, kwargs: Any) -> int:
+            return _tensor_bytes(list(args)) + _tensor_bytes(list(kwargs.values()))
+
+        def global_bytes(args: Any, kwargs: Any) -> int:
+            t = args[0]
+            return t.numel() * t.element_size()
+
+        for module, names, prefix in (
+            (dist, COLLECTIVES, ""),
+            (c10d, COLLECTIVES, ""),
+            (funcol, FUNCTIONAL, "funcol."),
+        ):
+            for name in names:
+                fn = getattr(module, name, None)
+                if fn is not None:
+                    setattr(module, name, self._wrap(prefix + name, fn, args_bytes))
+        for name in ("full_tensor", "redistribute"):
+            fn = getattr(DTensor, name)
+            setattr(DTensor, name, self._wrap(f"DTensor.{name}", fn, global_bytes))
+        return self
+
+    @contextlib.contextmanager
+    def counting(self, phase: str):
+        before, self.phase = self.phase, phase
+        try:
+            yield
+        finally:
+            self.phase = before
+
+    def gathered_bytes(self, phase: str) -> int:
+        """Bytes handed to all-gathers, gathers and full-tensor materializations in ``phase``."""
+        return sum(
+            b
+            for name, b in self.bytes[phase].items()
+            if "gather" in name or name.startswith("DTensor.")
+        )
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            p: {"calls": dict(self.calls[p]), "bytes": dict(self.bytes[p])}
+            for p in sorted(self.calls)
+        }
+
+
+# --------------------------------------------------------------------------------------------
+# A trainer rank: vLLM's trainer API only (plus mx's init info).
+
+
+def trainer_main(
+    conn: Connection, cp_url: str, model_dir: str, slot: int, init_method: str, timeout: float
+) -> None:
+    counter = CollectiveCounter().install()  # before anything can bind a collective
+    import llama_fsdp
+    import torch
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from mx.vllm.trainer import MxRefitError, MxTrainerInitInfo
+
+    torch.set_num_threads(1)
+    world = int(LAYOUT.split(":")[1])
+    with counter.counting("setup"):
+        net, opt = llama_fsdp.fsdp_trainer(model_dir, slot, world, init_method, LR)
+    g = torch.Generator().manual_seed(20261202 + slot)
+    vocab = net.cfg["vocab_size"]
+    batch = torch.randint(0, vocab, BATCH, generator=g)
+    engines: dict[str, Any] = {}
+    conn.send(("ready", {"slot": slot}))
+    try:
+        for msg in commands(conn):
+            kind = msg[0]
+            if kind == "init":
+                _, servers = msg
+                with counter.counting("send"):
+                    for instance, url in servers:
+                        info = MxTrainerInitInfo(
+                            cp_url,
+                            instance,
+                            LAYOUT,
+                            model_dir,
+                            rank=slot,
+                            stage_timeout=timeout,
+                            publish_timeout=timeout,
+                        )
+                        engines[instance] = WeightTransferTrainerFactory.trainer_init(
+                            info, client=HTTPVLLMWeightSyncClient(url), source=ModuleSource(net)
+                        )
+                conn.send(("inited", {"engines": list(engines)}))
+            elif kind == "step":
+                with counter.counting("train"):
+                    loss = llama_fsdp.train_step(net, opt, batch)
+                sent = {}
+                t0 = time.perf_counter()
+                with counter.counting("send"):
+                    for instance, e in engines.items():
+                        t1 = time.perf_counter()
+                        error = None
+                        try:
+                            e.send_weights()
+                        except MxRefitError as err:
+                            error = {"outcome": err.outcome, "reason": err.reason, "str": str(err)}
+                        r = e.last_refit
+                        sent[instance] = {
+                            "label": e.label,
+                            "version_id": e.version_id,
+                            "round": e.round,
+                            "error": error,
+                            "seconds": time.perf_counter() - t1,
+                            "refit": None
+                            if r is None
+                            else {
+                                "refit_id": r.refit_id,
+                                "outcome": str(r.outcome),
+                                "reason": r.reason,
+                                "phase_seconds": dict(r.phase_seconds),
+                                # Installs per worker in the APPLY phase (a rollback's
+                                # install back is in the ROLLBACK phase).
+                                "workers": {
+                                    w: sum(
+                                        c.action == "apply" and c.phase == "APPLY" for c in o.calls
+                                    )
+                                    for w, o in r.workers.items()
+                                },
+                                "rollback_installs": {
+                                    w: sum(
+                                        c.action == "apply" and c.phase == "ROLLBACK"
+                                        for c in o.calls
+                                    )
+                                    for w, o in r.workers.items()
+                                },
+                            },
+                        }
+                conn.send(
+                    (
+                        "stepped",
+                        {"loss": loss, "send_s": time.perf_counter() - t0, "engines": sent},
+                    )
+                )
+            elif kind == "dump":
+                # The checker's reference (not mx's path): the full weights, gathered.
+                _, out_dir = msg
+                from safetensors.torch import save_file
+
+                with counter.counting("verify"):
+                    full = {n: p.full_tensor() for n, p in net.named_parameters()}
+                if slot == 0:
+                    os.makedirs(out_dir, exist_ok=True)
+                    state = {n: t.detach().contiguous() for n, t in full.items()}
+                    save_file(state, os.path.join(out_dir, "model.safetensors"))
+                    shutil.copy(os.path.join(model_dir, "config.json"), out_dir)
+                del full
+                conn.send(("dumped", {}))
+            else:
+                raise ValueError(f"unknown command {kind!r}")
+    finally:
+        for e in engines.values():
+            e.shutdown()
+    conn.send(
+        (
+            "bye",
+            {
+                "collectives": counter.summary(),
+                "gathered_bytes_in_send": counter.gathered_bytes("send"),
+                "collective_calls_in_send": sum(counter.calls["send"].values()),
+                "training_gathered_bytes": counter.gathered_bytes("train"),
+            },
+        )
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# The orchestrator and checker (main).
+
+
+def _start(work: str, name: str, timeout: float) -> VllmServer:
+    fp = os.path.join(work, f"{name}.failpoint")
+    s = VllmServer(
+        os.path.join(work, name),
+        env={"MX_VLLM_FAILPOINT_FILE": fp},
+        startup_timeout=timeout,
+    )
+    s.failpoint = fp  # type: ignore[attr-defined]
+    return s
+
+
+class Run:
+    def __init__(self, args: argparse.Namespace, work: str, cp: Any) -> None:
+        import mx
+
+        self.args, self.work, self.cp = args, work, cp
+        self.control = mx.Control(cp.url, timeout=60.0)
+        m = args.model
+        self.model_dir = m if os.path.isabs(m) else os.path.join(REPO, m)
+        self.servers: dict[str, VllmServer] = {}
+        self.trainers: list[Child] = []
+        self.failed: list[str] = []
+        self.tokens = {i: list(COLD_TOKENS) for i in INSTANCES}
+        self.resident = {i: "" for i in INSTANCES}
+
+    def start(self) -> None:
+        t = self.args.timeout
+        ctx = mp.get_context("spawn")
+        gloo = f"tcp://127.0.0.1:{free_port()}"
+        for slot in range(2):
+            self.trainers.append(
+                Child(
+                    ctx, f"trainer-{slot}", trainer_main, self.cp.url, self.model_dir, slot, gloo, t
+                )
+            )
+        with ThreadPoolExecutor(2) as ex:
+            futures = {n: ex.submit(_start, self.work, n, t) for n in INSTANCES}
+        self.servers.update({n: f.result() for n, f in futures.items() if not f.exception()})
+        for f in futures.values():
+            f.result()
+        for c in self.trainers:
+            c.recv("ready", t)
+        for n, s in self.servers.items():
+            got = s.generate(PROMPT, MAX_NEW)
+            self.check(got == COLD_TOKENS, f"{n}: cold tokens {got} before any refit")
+            self.resident[n] = s.call("GET", "/weight_info")[1].get("weight_version")
+        servers = [(n, self.servers[n].url) for n in INSTANCES]
+        for c in self.trainers:
+            c.send("init", servers)
+        for c in self.trainers:
+            c.recv("inited", t)
+
+    def check(self, ok: bool, what: str) -> bool:
+        if not ok:
+            self.failed.append(what)
+            print(f"CHECK FAILED: {what}", flush=True)
+        return ok
+
+    def step(self) -> tuple[float, dict[str, dict[str, Any]]]:
+        for c in self.trainers:
+            c.send("step")
+        out = [c.recv("stepped", self.args.timeout) for c in self.trainers]
+        return out[0]["loss"], {f"rank{k}": o["engines"] for k, o in enumerate(out)}
+
+    def one_round(self, step: int, sent: dict[str, dict[str, Any]]) -> tuple[bool, str, str]:
+        """Every rank and engine: the same label, version and refit, round ``step``; each server
+        installed once."""
+        rows = [e for rank in sent.values() for e in rank.values()]
+        labels = {e["label"] for e in rows}
+        vids = {e["version_id"] for e in rows}
+        refits = {e["refit"]["refit_id"] if e["refit"] else None for e in rows}
+        rounds = {e["round"] for e in rows}
+        ok = len(labels) == 1 and len(vids) == 1 and len(refits) == 1 and rounds == {step}
+        ok = self.check(ok, f"step {step}: labels {labels}, versions {vids}, refits {refits}")
+        first = rows[0]["refit"]
+        applies = first["workers"] if first else {}
+        want = {f"{i}-tp0" for i in INSTANCES}
+        ok &= self.check(
+            set(applies) == want and all(n == 1 for n in applies.values()),
+            f"step {step}: one refit of both servers, one install each: {applies}",
+        )
+        return ok, labels.pop(), vids.pop()
+
+    def committed_step(self, step: int) -> dict[str, Any]:
+        t = self.args.timeout
+        loss, sent = self.step()
+        ok, label, vid = self.one_round(step, sent)
+        errors = [e["error"] for r in sent.values() for e in r.values() if e["error"]]
+        ok &= self.check(not errors, f"step {step}: send_weights raised {errors}")
+        dump = os.path.join(self.work, "dumps", label)
+        for c in self.trainers:
+            c.send("dump", dump)
+        for c in self.trainers:
+            c.recv("dumped", t)
+        cold, cached, _ = cold_tokens_of(
+            "vllm", os.path.join(self.work, "cold"), dump, vid, PROMPT, MAX_NEW, timeout=t
+        )
+        workers = {w.worker_id: w for w in self.control.status().workers}
+        instances = []
+        for n in INSTANCES:
+            s = self.servers[n]
+            tokens = s.generate(PROMPT, MAX_NEW)
+            wv = s.call("GET", "/weight_info")[1].get("weight_version")
+            resident = workers[f"{n}-tp0"].resident_id
+            inst = {
+                "id": n,
+                "kind": "vllm",
+                "engine_layout": "tp:1",
+                "source": "mx",
+                "tokens": tokens,
+                "cold_tokens": cold,
+                "tokens_match_cold_start": tokens == cold,
+                "tokens_changed": tokens != self.tokens[n],
+                "weight_version": wv,
+                "control_plane_resident": resident,
+            }
+            ok &= self.check(tokens == cold, f"step {step} {n}: tokens {tokens} != cold {cold}")
+            ok &= self.check(tokens != self.tokens[n], f"step {step} {n}: tokens did not change")
+            ok &= self.check(wv == vid and resident == vid, f"step {step} {n}: {wv}/{resident}")
+            self.tokens[n], self.resident[n] = tokens, vid
+            instances.append(inst)
+        refit = next(iter(sent["rank0"].values()))["refit"]
+        print(
+            f"step {step} {label} {vid[:19]}... loss {loss:.4f} refit "
+            f"{sum(refit['phase_seconds'].values()):.2f} s; tokens {instances[0]['tokens']} "
+            f"cold {cold} (cached {cached}) verified={ok}",
+            flush=True,
+        )
+        return {
+            "step": step,
+            "label": label,
+            "version_id": vid,
+            "outcome": refit["outcome"],
+            "train_loss": loss,
+            "verified": ok,
+            "phase_seconds": refit["phase_seconds"],
+            "send_s": {r: {i: e["seconds"] for i, e in x.items()} for r, x in sent.items()},
+            "instances": instances,
+        }
+
+    def failed_step(self, step: int) -> dict[str, Any]:
+        """Server B's install fails: both engines raise on both ranks, both servers stay on the
+        previous version."""
+        fp = self.servers[FAILING].failpoint  # type: ignore[attr-defined]
+        with open(fp, "w") as f:
+            f.write("install_after:12")
+        loss, sent = self.step()
+        ok, label, vid = self.one_round(step, sent)
+        errors = [e["error"] for r in sent.values() for e in r.values()]
+        outcomes = {e["outcome"] if e else None for e in errors}
+        ok &= self.check(
+            all(errors) and outcomes <= {"ROLLED_BACK", "ABORTED"},
+            f"rollback step: send_weights raised on every rank and engine: {outcomes}",
+        )
+        reason = errors[0]["reason"] if errors[0] else ""
+        ok &= self.check("failpoint" in reason or FAILING in reason, f"reason: {reason}")
+        ok &= self.check(not os.path.exists(fp), "the failpoint was not consumed")
+        workers = {w.worker_id: w for w in self.control.status().workers}
+        servers = {}
+        for n in INSTANCES:
+            s = self.servers[n]
+            tokens = s.generate(PROMPT, MAX_NEW)
+            wv = s.call("GET", "/weight_info")[1].get("weight_version")
+            resident = workers[f"{n}-tp0"].resident_id
+            back = wv == self.resident[n] and resident == self.resident[n]
+            ok &= self.check(back, f"rollback {n}: weight_info {wv}, control plane {resident}")
+            ok &= self.check(tokens == self.tokens[n], f"rollback {n}: tokens {tokens}")
+            paused = s.call("GET", "/is_paused")
+            ok &= self.check(paused == (200, {"is_paused": False}), f"{n} paused: {paused}")
+            servers[n] = {
+                "weight_version": wv,
+                "control_plane_resident": resident,
+                "tokens": tokens,
+            }
+        print(f"step {step} {label}: {outcomes} ({reason[:160]}) verified={ok}", flush=True)
+        return {
+            "step": step,
+            "label": label,
+            "version_id": vid,
+            "outcome": errors[0]["outcome"] if errors[0] else "COMMITTED",
+            "reason": reason,
+            "train_loss": loss,
+            "failing_server": FAILING,
+            "raised_on_every_rank_and_engine": all(errors),
+            "servers": servers,
+            "verified": ok,
+        }
+
+    def stop(self) -> dict[str, Any]:
+        byes = []
+        for c in self.trainers:
+            c.send("exit")
+        for c in self.trainers:
+            byes.append(c.recv("bye", self.args.timeout))
+        return {f"rank{k}": b for k, b in enumerate(byes)}
+
+
+def run(args: argparse.Namespace, work: str) -> dict[str, Any]:
+    import mx
+
+    started = time.perf_counter()
+    with mx.ControlPlane(journal=os.path.join(work, "journal.jsonl")) as cp:
+        r = Run(args, work, cp)
+        try:
+            r.start()
+            print(f"started in {time.perf_counter() - started:.1f} s", flush=True)
+            versions = [r.committed_step(k) for k in range(1, args.steps + 1)]
+            rollback = r.failed_step(args.steps + 1)
+            if not args.ci:
+                versions.append(r.committed_step(args.steps + 2))
+            ranks = r.stop()
+        finally:
+            for c in r.trainers:
+                c.stop()
+            for s in r.servers.values():
+                s.stop()
+    gathered = sum(b["gathered_bytes_in_send"] for b in ranks.values())
+    calls = sum(b["collective_calls_in_send"] for b in ranks.values())
+    training = sum(b["training_gathered_bytes"] for b in ranks.values())
+    r.check(gathered == 0, f"gathered_bytes {gathered} in trainer_init/send_weights")
+    r.check(calls == 0, f"{calls} collective calls in trainer_init/send_weights")
+    r.check(training > 0, "the wrappers saw no all-gather in training (FSDP2 gathers there)")
+    steps = [{k: v for k, v in x.items() if k != "send_s"} for x in versions]
+    return {
+        "model": os.path.relpath(r.model_dir, REPO),
+        "trainer_layout": LAYOUT,
+        "servers": list(INSTANCES),
+        "api": "vllm WeightTransferTrainerFactory + HTTPVLLMWeightSyncClient + ModuleSource",
+        "versions": [
+            {k: v[k] for k in ("label", "version_id", "outcome", "train_loss", "verified")}
+            for v in versions
+        ],
+        "steps": steps,
+        "rollback": rollback,
+        "all_verified": all(v["verified"] for v in versions),
+        "rollback_verified": rollback["verified"],
+        "one_publication_per_step": not any("one refit" in f or "labels" in f for f in r.failed),
+        "gathered_bytes": gathered,
+        "collective_calls_in_send": calls,
+        "training_gathered_bytes": training,
+        "trainer_collectives": {k: b["collectives"] for k, b in ranks.items()},
+        "send_s": [v["send_s"] for v in versions],
+        "seconds": time.perf_counter() - started,
+        "failed_checks": r.failed,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--report", required=True, help="where to write the JSON report")
+    ap.add_argument("--model", default=".mx/models/smollm2-135m", help="HF checkpoint directory")
+    ap.add_argument("--steps", type=int, default=3, help="committed steps (>= 2)")
+    ap.add_argument("--ci", action="store_true", help="CI's size: 2 committed steps")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds, for every wait")
+    ap.add_argument("--keep", action="store_true", help="keep the work directory")
+    args = ap.parse_args()
+    if args.ci:
+        args.steps = 2
+    if args.steps < 2:
+        ap.error("--steps must be >= 2")
+    os.makedirs(os.path.join(REPO, ".mx", "tmp"), exist_ok=True)
+    work = tempfile.mkdtemp(prefix="vta-", dir=os.path.join(REPO, ".mx", "tmp"))
+    try:
+        report = run(args, work)
+    except Exception as e:
+        print(f"vllm_trainer_api: FAILED: {type(e).__name__}: {e}", file=sys.stderr)
+        if not isinstance(e, ChildFailed):
+            traceback.print_exc()
+        return 1
+    finally:
+        if args.keep:
+            print(f"kept {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    report["all_checks_hold"] = not report["failed_checks"] and all(
+        report[k] for k in ("all_verified", "rollback_verified", "one_publication_per_step")
+    )
+    os.makedirs(os.path.dirname(os.path.abspath(args.report)), exist_ok=True)
+    with open(args.report, "w") as f:
+        json.dump(report, f, indent=2)
+        f.write("\n")
+    print(f"\nreport: {args.report}")
+    for v in report["versions"]:
+        print(f"{v['label']:8} {v['version_id'][:19]}... {v['outcome']} verified={v['verified']}")
+    rb = report["rollback"]
+    print(f"{rb['label']:8} {rb['version_id'][:19]}... {rb['outcome']} verified={rb['verified']}")
+    print(f"gathered_bytes: {report['gathered_bytes']} (training's own: ", end="")
+    print(f"{report['training_gathered_bytes']})")
+    print(f"seconds: {report['seconds']:.1f}")
+    if not report["all_checks_hold"]:
+        for line in report["failed_checks"]:
+            print(f"  {line}", file=sys.stderr)
+        print("vllm_trainer_api: FAILED", file=sys.stderr)
+        return 1
+    print("vllm_trainer_api: OK")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

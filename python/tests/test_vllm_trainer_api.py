@@ -1,0 +1,209 @@
+"""mx behind vLLM's trainer-side weight-transfer API (``WeightTransferTrainerFactory``, backend
+``"mx"``): the init info's validation and the engine's refusals without servers, then
+``examples/vllm_trainer_api.py --ci`` end to end (an FSDP2 trainer of two gloo ranks, two real
+vLLM servers with mx's plugin, vLLM's trainer API only): two committed steps verified against
+cold starts, one server's install failing with both servers back on the previous version, and
+nothing gathered by ``trainer_init``/``send_weights``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import check_report
+import pytest
+import torch
+from engines import MODEL
+from llama_fsdp import Llama
+from vllm.distributed.weight_transfer.base import ModuleSource, ParamMeta, WeightSource
+from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+import mx
+from mx.vllm.trainer import MxTrainerInitInfo, MxTrainerWeightTransferEngine
+
+REPO = Path(__file__).resolve().parents[2]
+URL = "http://127.0.0.1:9"  # nothing listens: every test here fails before any call
+
+
+def _info(**kw) -> MxTrainerInitInfo:
+    args = {"control_url": URL, "instance_id": "vllm-a", "layout": "fsdp:2", "model": str(MODEL)}
+    args.update(kw)
+    args.setdefault("rank", 0)
+    return MxTrainerInitInfo(**args)
+
+
+class _Client:
+    """A ``VLLMWeightSyncClient`` that records calls (the refusals below must make none)."""
+
+    base_url = "http://127.0.0.1:8"
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def init_weight_transfer_engine(self, init_info):
+        self.calls.append("init_weight_transfer_engine")
+
+    def start_weight_update(self):
+        self.calls.append("start_weight_update")
+
+    def update_weights(self, update_info):
+        self.calls.append("update_weights")
+
+    def finish_weight_update(self, weight_version=None):
+        self.calls.append("finish_weight_update")
+
+
+def test_the_factory_dispatches_mx_to_mx_s_engine():
+    assert WeightTransferTrainerFactory._registry["mx"]() is MxTrainerWeightTransferEngine
+    assert MxTrainerInitInfo.backend == "mx"
+    assert MxTrainerWeightTransferEngine.init_info_cls is MxTrainerInitInfo
+    info = _info(rank=1, layout="fsdp:2")
+    assert not info.is_sender and _info().is_sender
+    # The general plugin registers the trainer side too, idempotently.
+    import mx.vllm
+
+    mx.vllm.register()
+    assert WeightTransferTrainerFactory._registry["mx"]() is MxTrainerWeightTransferEngine
+    assert mx.vllm.MxTrainerInitInfo is MxTrainerInitInfo
+
+
+def test_server_init_info_is_mx_s_with_the_client_url_and_options():
+    info = _info(server_options={"prepare": False, "fill_nan": True})
+    assert info.server_init_info("http://127.0.0.1:8000") == {
+        "control_url": URL,
+        "instance_id": "vllm-a",
+        "engine_url": "http://127.0.0.1:8000",
+        "prepare": False,
+        "fill_nan": True,
+    }
+    own = _info(engine_url="http://10.0.0.2:8000")
+    assert own.server_init_info("http://127.0.0.1:8000")["engine_url"] == "http://10.0.0.2:8000"
+    assert isinstance(_info(model=mx.Model.from_dir(MODEL)).mx_model(), mx.Model)
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"control_url": ""}, "init_info.control_url: must be a non-empty str"),
+        ({"control_url": "grpc://x:1"}, "init_info.control_url: must be an http(s) URL"),
+        ({"instance_id": ""}, "init_info.instance_id: must be a non-empty str"),
+        ({"engine_url": "x:1"}, "init_info.engine_url: must be the server's http(s) URL"),
+        ({"layout": "tp:2"}, "init_info.layout: must be fsdp:N or replicated:N"),
+        ({"layout": "fsdp:0"}, "init_info.layout: must be fsdp:N or replicated:N"),
+        ({"layout": "fsdp:2", "rank": 2}, "init_info.rank: 2 is outside layout fsdp:2"),
+        ({"rank": -1}, "init_info.rank: got -1"),
+        ({"rank": True}, "init_info.rank: got True"),
+        ({"model": "/nonexistent"}, "init_info.model: '/nonexistent' has no config.json"),
+        ({"model": 3}, "init_info.model: must be a checkpoint directory or an mx.Model"),
+        ({"label_prefix": " "}, "init_info.label_prefix: empty"),
+        ({"pause_mode": "in_place"}, "init_info.pause_mode: must be one of"),
+        ({"stage_timeout": 0}, "init_info.stage_timeout: must be a positive number"),
+        ({"call_timeout": "60"}, "init_info.call_timeout: must be a positive number"),
+        ({"server_options": {"instance_id": "x"}}, "['instance_id'] are fields of their own"),
+        ({"server_options": {"install": "copy"}}, "server_options: mx init_info.install"),
+        ({"server_options": {"bogus": 1}}, "server_options: MxInitInfo.__init__() got an"),
+        ({"server_options": []}, "init_info.server_options: must be a dict"),
+    ],
+)
+def test_init_info_refuses_a_bad_field_naming_it(kw, message):
+    with pytest.raises(ValueError) as e:
+        _info(**kw)
+    assert message in str(e.value)
+    assert str(e.value).startswith(("mx trainer init_info.", "mx init_info."))
+
+
+def _trainer_init(info, source, client=None):
+    client = client or _Client()
+    try:
+        return WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
+    finally:
+        assert client.calls == []
+
+
+class _Streamed(WeightSource):
+    def metadata(self) -> list[ParamMeta]:
+        return []
+
+    def __iter__(self) -> Iterator:
+        raise AssertionError("mx must never iterate a source (a gather for FSDP)")
+
+
+def _llama(drop: str = "", extra: str = "") -> torch.nn.Module:
+    config = json.loads((MODEL / "config.json").read_text())
+    with torch.device("meta"):
+        net = Llama(config).to(torch.bfloat16)
+    if drop:
+        parent, _, leaf = drop.rpartition(".")
+        delattr(net.get_submodule(parent), leaf)
+    if extra:
+        net.register_parameter(extra, torch.nn.Parameter(torch.zeros(2, device="meta")))
+    return net
+
+
+def test_trainer_init_refuses_sources_it_cannot_read_in_place():
+    with pytest.raises(TypeError, match="a _Streamed yields materialized tensors"):
+        _trainer_init(_info(), _Streamed())
+    with pytest.raises(ValueError, match=r"pass source=ModuleSource\(module\)"):
+        _trainer_init(_info(), None)
+    with pytest.raises(TypeError, match="init_info must be an MxTrainerInitInfo, not dict"):
+        _trainer_init({"backend": "mx"}, ModuleSource(_llama()))  # type: ignore[arg-type]
+
+
+def test_trainer_init_names_the_parameter_it_cannot_publish():
+    # Under fsdp:2 every parameter must be an FSDP2 DTensor shard: a plain module is refused.
+    with pytest.raises(ValueError) as e:
+        _trainer_init(_info(), ModuleSource(_llama()))
+    assert "parameter 'model.embed_tokens.weight' (rank 0, layout fsdp:2): a plain tensor" in str(
+        e.value
+    )
+    assert "module.reshard()" in str(e.value)
+    # A parameter the model does not have, one of another dtype, one missing.
+    with pytest.raises(ValueError, match="parameter 'bonus' .* the model .* has no tensor"):
+        _trainer_init(_info(layout="replicated:1"), ModuleSource(_llama(extra="bonus")))
+    f32 = _llama().to(torch.float32)
+    with pytest.raises(ValueError, match=r"'model.embed_tokens.weight' .*torch.float32 .* BF16"):
+        _trainer_init(_info(layout="replicated:1"), ModuleSource(f32))
+    with pytest.raises(ValueError, match="no parameter 'model.norm.weight' of the model"):
+        _trainer_init(_info(layout="replicated:1"), ModuleSource(_llama(drop="model.norm.weight")))
+
+
+def test_vllm_trainer_api_example_ci(tmp_path):
+    """The example at CI's size: its report passes the harness's checker, and the values it
+    rests on are the expected ones."""
+    report = tmp_path / "report.json"
+    # The example and the servers it starts import the `mx` this test imports.
+    env = dict(os.environ)
+    here = Path(mx.__file__).resolve().parents[1]
+    if here.name != "site-packages":
+        env["PYTHONPATH"] = os.pathsep.join([str(here), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "vllm_trainer_api.py"), "--ci"]
+        + ["--report", str(report), "--timeout", "600"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    r = json.loads(report.read_text())
+    assert check_report.check("vllm_trainer_api", r) == []
+    assert [v["outcome"] for v in r["versions"]] == ["COMMITTED", "COMMITTED"]
+    for s in r["steps"]:
+        for i in s["instances"]:
+            assert i["tokens"] == i["cold_tokens"], (s["label"], i)
+            assert i["weight_version"] == s["version_id"] == i["control_plane_resident"]
+    rb = r["rollback"]
+    assert rb["outcome"] == "ROLLED_BACK", rb
+    last = r["versions"][-1]["version_id"]
+    assert rb["version_id"] != last
+    for inst in rb["servers"].values():
+        assert inst["weight_version"] == last == inst["control_plane_resident"]
+    tokens = {i["id"]: i["tokens"] for i in r["steps"][-1]["instances"]}
+    assert {n: s["tokens"] for n, s in rb["servers"].items()} == tokens
+    assert r["gathered_bytes"] == 0 and r["collective_calls_in_send"] == 0
+    assert r["training_gathered_bytes"] > 0
