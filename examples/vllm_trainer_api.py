@@ -286,6 +286,14 @@ def trainer_main(
                                     )
                                     for w, o in r.workers.items()
                                 },
+                                "installs": {
+                                    w: [
+                                        [c.phase, c.ok, c.version]
+                                        for c in o.calls
+                                        if c.action == "apply"
+                                    ]
+                                    for w, o in r.workers.items()
+                                },
                                 "rollback_installs": {
                                     w: sum(
                                         c.action == "apply" and c.phase == "ROLLBACK"
@@ -492,6 +500,20 @@ class Run:
             f"rollback step: send_weights raised on every rank and engine: {outcomes}",
         )
         reason = errors[0]["reason"] if errors[0] else ""
+        # The refit's own record: a server installed the failed version, then was installed
+        # back to the previous one (ROLLED_BACK, not ABORTED: the fleet had changed).
+        refit = next(iter(sent["rank0"].values()))["refit"] or {}
+        back_from = sorted(
+            w
+            for w, calls in refit.get("installs", {}).items()
+            if ["APPLY", True, vid] in calls
+            and ["ROLLBACK", True, self.resident[w.removesuffix("-tp0")]] in calls
+        )
+        ok &= self.check(
+            f"{INSTANCES[0]}-tp0" in back_from,
+            f"rollback: {INSTANCES[0]} installed {vid} then the previous version: "
+            f"{refit.get('installs')}",
+        )
         ok &= self.check("failpoint" in reason or FAILING in reason, f"reason: {reason}")
         ok &= self.check(not os.path.exists(fp), "the failpoint was not consumed")
         workers = {w.worker_id: w for w in self.control.status().workers}
@@ -521,6 +543,8 @@ class Run:
             "train_loss": loss,
             "failing_server": FAILING,
             "raised_on_every_rank_and_engine": all(errors),
+            "installed_then_rolled_back": back_from,
+            "installs": refit.get("installs"),
             "servers": servers,
             "verified": ok,
         }

@@ -151,7 +151,11 @@ def test_trainer_init_refuses_sources_it_cannot_read_in_place():
     with pytest.raises(ValueError, match=r"pass source=ModuleSource\(module\)"):
         _trainer_init(_info(), None)
     with pytest.raises(TypeError, match="init_info must be an MxTrainerInitInfo, not dict"):
-        _trainer_init({"backend": "mx"}, ModuleSource(_llama()))  # type: ignore[arg-type]
+        MxTrainerWeightTransferEngine.trainer_init(
+            {"rank": 0},  # type: ignore[arg-type]
+            client=_Client(),
+            source=ModuleSource(_llama()),
+        )
 
 
 def test_trainer_init_names_the_parameter_it_cannot_publish():
@@ -207,3 +211,73 @@ def test_vllm_trainer_api_example_ci(tmp_path):
     assert {n: s["tokens"] for n, s in rb["servers"].items()} == tokens
     assert r["gathered_bytes"] == 0 and r["collective_calls_in_send"] == 0
     assert r["training_gathered_bytes"] > 0
+
+
+_DTENSOR_SCRIPT = r"""
+import json, sys, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Replicate, distribute_tensor
+from llama_fsdp import Llama
+import mx
+from mx.vllm.trainer import MxTrainerInitInfo, _local_shards
+
+model_dir = sys.argv[1]
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+config = json.load(open(model_dir + "/config.json"))
+config.update(num_hidden_layers=1)
+with torch.device("meta"):
+    net = Llama(config)
+net = net.to_empty(device="cpu").to(torch.bfloat16)
+fully_shard(net, mesh=mesh)
+params = dict(net.named_parameters())
+tensors = {n: (str(p.dtype).removeprefix("torch."), list(p.shape)) for n, p in params.items()}
+model = mx.Model.from_config(config, tensors)
+out = {}
+info = MxTrainerInitInfo("http://127.0.0.1:9", "a", "fsdp:1", model, rank=0)
+shards = _local_shards(net, info, model)
+out["fsdp1"] = sorted(
+    (n, off, t.data_ptr() == params[n].to_local().data_ptr(), t.shape == params[n].shape)
+    for n, (t, off) in shards.items()
+)
+for layout in ("fsdp:2", "replicated:1"):
+    try:
+        bad = MxTrainerInitInfo("http://127.0.0.1:9", "a", layout, model, rank=0)
+        _local_shards(net, bad, model)
+    except ValueError as e:
+        out[layout] = str(e)
+whole = net.model.norm.weight.full_tensor().detach()
+net.model.norm.weight = torch.nn.Parameter(distribute_tensor(whole, mesh, [Replicate()]))
+try:
+    _local_shards(net, info, model)
+except ValueError as e:
+    out["replicate"] = str(e)
+dist.destroy_process_group()
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_local_shards_are_the_fsdp2_shards_in_place_and_other_placements_are_refused(tmp_path):
+    # Its own process: a one-rank gloo group and FSDP2 on a one-layer llama of SmolLM2's shape.
+    p = subprocess.run(
+        [sys.executable, "-c", _DTENSOR_SCRIPT, str(MODEL)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    out = json.loads(p.stdout.split("RESULT ", 1)[1])
+    # fsdp:1: every parameter's local shard is the whole tensor at offset 0, its own memory.
+    assert len(out["fsdp1"]) == 11, out["fsdp1"]
+    for name, offset, same_memory, whole in out["fsdp1"]:
+        assert offset == [0] * len(offset) and same_memory and whole, name
+    assert out["fsdp:2"] == (
+        "parameter 'model.embed_tokens.weight' (rank 0, layout fsdp:2): this process is rank 0 "
+        "of a mesh of 1, init_info says rank 0 of 2"
+    )
+    assert "a DTensor placed" in out["replicated:1"]
+    assert out["replicate"].startswith(
+        "parameter 'model.norm.weight' (rank 0, layout fsdp:1): a DTensor placed (Replicate(),)"
+    ), out["replicate"]

@@ -367,7 +367,9 @@ class _Publication:
         self.publisher.set_shards(shards)
         self.instances: list[str] = []
         self.engines = 0
+        self.published = 0  # versions this rank published (labels are never reused)
         self.last: _Round | None = None
+        self._send = threading.Lock()  # one round at a time, whatever thread calls
 
     @classmethod
     def join(cls, info: MxTrainerInitInfo, module: torch.nn.Module) -> _Publication:
@@ -444,16 +446,18 @@ class _Publication:
     def send(self, engine: MxTrainerWeightTransferEngine) -> _Round:
         """The round ``engine``'s ``send_weights`` belongs to: the last one when it refit the
         engine's server and the engine has not seen it, else a new one."""
-        last = self.last
-        if last is not None and engine.instance_id in last.instances and engine.round < last.number:
-            return last
-        self.check_unmoved(engine.module)
-        number = (last.number if last else 0) + 1
-        label = f"{self.info.label_prefix}-{number}"
-        instances = frozenset(self.instances)
-        rnd = self._publish_and_refit(number, label, engine.is_sender)
-        self.last = _Round(number, label, rnd[0], instances, rnd[1], rnd[2], rnd[3])
-        return self.last
+        with self._send:
+            last = self.last
+            if last and engine.instance_id in last.instances and engine.round < last.number:
+                return last
+            self.check_unmoved(engine.module)
+            self.published += 1
+            number = self.published
+            label = f"{self.info.label_prefix}-{number}"
+            instances = frozenset(self.instances)
+            rnd = self._publish_and_refit(number, label, engine.is_sender)
+            self.last = _Round(number, label, rnd[0], instances, rnd[1], rnd[2], rnd[3])
+            return self.last
 
     def _publish_and_refit(
         self, number: int, label: str, sender: bool
@@ -573,7 +577,7 @@ class MxTrainerWeightTransferEngine(TrainerWeightTransferEngine[MxTrainerInitInf
             raise
         engine._pub = pub
         # The rounds before this engine existed did not refit its server.
-        engine.round = pub.last.number if pub.last else 0
+        engine.round = pub.published
         return engine
 
     def send_weights(self) -> None:
