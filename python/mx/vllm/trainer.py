@@ -51,8 +51,10 @@ The contract (who does what):
   :class:`MxRefitError` on every rank with the control plane's reason: every server is back on
   the version it served before (a FENCED worker stays out of rollouts until a later refit), the
   published version is handed back (the trainer may write its shards again) and the next
-  ``send_weights`` publishes a new one. A failure on the sender before the refit starts releases
-  the version, so the other ranks raise too rather than wait.
+  ``send_weights`` publishes a new one. A sender that fails after publishing but before the
+  refit starts releases the version, so the other ranks raise too rather than wait; one that
+  fails before publishing (the declaration refused, the process gone) leaves them waiting until
+  ``publish_timeout``, then raising ``MxError`` (``DeadlineExceeded``).
 """
 
 from __future__ import annotations
