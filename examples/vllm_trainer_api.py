@@ -246,6 +246,9 @@ def trainer_main(
                             rank=slot,
                             stage_timeout=timeout,
                             publish_timeout=timeout,
+                            # Each server generates after the install, before the commit.
+                            check_prompt=PROMPT,
+                            check_tokens=MAX_NEW,
                         )
                         engines[instance] = WeightTransferTrainerFactory.trainer_init(
                             info, client=HTTPVLLMWeightSyncClient(url), source=ModuleSource(net)
@@ -283,6 +286,18 @@ def trainer_main(
                                 "workers": {
                                     w: sum(
                                         c.action == "apply" and c.phase == "APPLY" for c in o.calls
+                                    )
+                                    for w, o in r.workers.items()
+                                },
+                                # The post-update check's tokens per worker (CHECK phase).
+                                "generated": {
+                                    w: next(
+                                        (
+                                            list(c.tokens)
+                                            for c in o.calls
+                                            if c.action == "generate" and c.ok
+                                        ),
+                                        [],
                                     )
                                     for w, o in r.workers.items()
                                 },
@@ -469,6 +484,13 @@ class Run:
             self.tokens[n], self.resident[n] = tokens, vid
             instances.append(inst)
         refit = next(iter(sent["rank0"].values()))["refit"]
+        # The control plane's post-update check (check_prompt): each server's tokens, before the
+        # commit, are the ones it serves after it and a cold start's.
+        checked = refit["generated"]
+        ok &= self.check(
+            checked == {f"{i['id']}-tp0": i["tokens"] for i in instances},
+            f"step {step}: the post-update check's tokens {checked}",
+        )
         print(
             f"step {step} {label} {vid[:19]}... loss {loss:.4f} refit "
             f"{sum(refit['phase_seconds'].values()):.2f} s; tokens {instances[0]['tokens']} "
@@ -483,6 +505,7 @@ class Run:
             "train_loss": loss,
             "verified": ok,
             "phase_seconds": refit["phase_seconds"],
+            "post_update_check": checked,
             "send_s": {r: {i: e["seconds"] for i, e in x.items()} for r, x in sent.items()},
             "instances": instances,
         }

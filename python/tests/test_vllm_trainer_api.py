@@ -108,6 +108,9 @@ def test_server_init_info_is_mx_s_with_the_client_url_and_options():
         ({"server_options": {"install": "copy"}}, "server_options: mx init_info.install"),
         ({"server_options": {"bogus": 1}}, "server_options: MxInitInfo.__init__() got an"),
         ({"server_options": []}, "init_info.server_options: must be a dict"),
+        ({"check_prompt": [1, -1]}, "init_info.check_prompt: must be up to 4096 token ids"),
+        ({"check_prompt": "504 3575"}, "init_info.check_prompt: must be up to 4096 token ids"),
+        ({"check_tokens": 0}, "init_info.check_tokens: must be an int in 1..1024"),
     ],
 )
 def test_init_info_refuses_a_bad_field_naming_it(kw, message):
@@ -211,6 +214,10 @@ def test_vllm_trainer_api_example_ci(tmp_path):
     assert {n: s["tokens"] for n, s in rb["servers"].items()} == tokens
     assert r["gathered_bytes"] == 0 and r["collective_calls_in_send"] == 0
     assert r["training_gathered_bytes"] > 0
+    # The control plane's post-update check ran on both servers before each commit.
+    for s in r["steps"]:
+        assert s["post_update_check"] == {f"{i['id']}-tp0": i["tokens"] for i in s["instances"]}
+        assert "CHECK" in s["phase_seconds"], s["phase_seconds"]
 
 
 _DTENSOR_SCRIPT = r"""

@@ -38,7 +38,8 @@ The contract (who does what):
   trainer process initialized: STAGE (the servers pull and verify while they generate), then
   pause, install (vLLM's own ``start_weight_update`` / ``update_weights {"version_id"}`` /
   ``finish_weight_update`` session on each server, called by the control plane), prefix-cache
-  reset, read-back, resume, the post-update check, and COMMIT; or the whole fleet rolls back.
+  reset, read-back, resume, the post-update check (``check_prompt``, or the expected outputs
+  published with the version), and COMMIT; or the whole fleet rolls back.
   The engine never calls the client's ``start_weight_update`` / ``update_weights`` /
   ``finish_weight_update`` itself (that would install twice).
 - **Several servers.** vLLM's API gives one client, so one engine, per server. The engines of
@@ -79,7 +80,7 @@ from .._control import Control
 from .._memory import _DTYPES
 from .._model import Model
 from .._publisher import Publisher
-from .._types import RefitResult
+from .._types import GenerationCheck, RefitResult
 from . import BACKEND
 
 LAYOUT_KINDS = ("fsdp", "replicated")
@@ -138,6 +139,11 @@ class MxTrainerInitInfo(TrainerInitInfo):
             workers to register with the control plane.
         server_options: further fields of the server's init info (:class:`mx.vllm._engine.
             MxInitInfo`: ``prepare``, ``install``, ``retain``, ``fill_nan``, ...).
+        check_prompt: token ids of a post-update check: after installing, before resuming
+            rollouts, every server decodes ``check_tokens`` greedy tokens after it, and a
+            server that fails to rolls the refit back. Empty (the default): the check of the
+            expected outputs published with the version, if any.
+        check_tokens: how many tokens the check decodes (1..1024).
 
     Raises (at construction):
         ValueError: a field out of its domain, named (``mx trainer init_info.<field>: ...``).
@@ -157,6 +163,8 @@ class MxTrainerInitInfo(TrainerInitInfo):
     call_timeout: float = 120.0
     register_timeout: float = 60.0
     server_options: dict[str, Any] = field(default_factory=dict)
+    check_prompt: tuple[int, ...] | list[int] = ()
+    check_tokens: int = 8
 
     def __post_init__(self) -> None:
         r = self.rank
@@ -197,6 +205,17 @@ class MxTrainerInitInfo(TrainerInitInfo):
         _need(isinstance(opts, dict), "server_options", f"must be a dict, got {opts!r}")
         clash = sorted(set(opts) & set(SERVER_FIELDS))
         _need(not clash, "server_options", f"{clash} are fields of their own here")
+        p = self.check_prompt
+        _need(
+            isinstance(p, (tuple, list))
+            and len(p) <= 4096
+            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in p),
+            "check_prompt",
+            f"must be up to 4096 token ids (ints >= 0), got {p!r}",
+        )
+        n = self.check_tokens
+        ok = isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= 1024
+        _need(ok, "check_tokens", f"must be an int in 1..1024, got {n!r}")
         # The server's init info is checked here too, so a bad option fails on the trainer.
         self.server_init_info("http://engine.invalid")
 
@@ -472,9 +491,13 @@ class _Publication:
         if sender:
             try:
                 workers = self.workers(list(self.instances))
+                check = None
+                if info.check_prompt:
+                    check = GenerationCheck(tuple(info.check_prompt), info.check_tokens)
                 refit_id = self.control.start_refit(
                     label,
                     workers,
+                    check=check,
                     pause_mode=info.pause_mode,
                     stage_timeout=info.stage_timeout,
                     call_timeout=info.call_timeout,
