@@ -103,6 +103,9 @@ sources_hash() {
         } | LC_ALL=C sort -u | while read -r f; do
             [[ -f "$f" ]] && printf '%s %s\n' "$(sha256sum <"$f" | cut -d' ' -f1)" "$f"
         done
+        # scripts/test.sh builds mx's own crates at a lower opt-level: a package built so is
+        # rebuilt by a plain setup (and the reverse).
+        echo "opt-level ${CARGO_PROFILE_RELEASE_OPT_LEVEL:-}"
     ) | sha256sum | cut -d' ' -f1
 }
 

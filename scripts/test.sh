@@ -92,6 +92,12 @@ fi
 # Everything but the package mx, which is built after the workspace (below).
 MX_SETUP_PACKAGE=0 bash "$SCRIPT_DIR/setup.sh"
 
+# The workspace's own crates are compiled at opt-level 1 here (their dependencies keep the
+# release profile's 3: Cargo.toml's `[profile.release.package."*"]`): the tests exercise what mx
+# does, not how fast its code is compiled to run (scripts/bench.sh builds at 3), and the build
+# is CI's longest step. MX_TEST_OPT_LEVEL=3 tests the release build exactly.
+export CARGO_PROFILE_RELEASE_OPT_LEVEL="${MX_TEST_OPT_LEVEL:-1}"
+
 export MX_REQUIRE_NIXL=1
 export MX_REQUIRE_ETCD=1
 export UCX_MODULES='^efa'
