@@ -52,8 +52,6 @@ while (($#)); do
     esac
 done
 
-# Measured at the release profile's own opt-level (scripts/test.sh lowers it for mx's crates).
-unset CARGO_PROFILE_RELEASE_OPT_LEVEL
 bash "$SCRIPT_DIR/setup.sh"
 
 printf 'bench: %s\n' "cargo build --release --bin mx-lab" >&2

@@ -2,7 +2,8 @@
 # Installs the Python side of mx into the project venv $REPO/.mx/venv, idempotently:
 #   - pinned tools: torch==2.13.0 (PyPI's CUDA build, ~2.8 GB of wheels with its nvidia-*
 #     dependencies; it runs on CPU), nixl-cu12==1.5.1 (NIXL's libraries, which the package `mx`
-#     loads), maturin (builds the package), pytest and ruff (tests and lint), moto[server] (the
+#     loads), maturin (builds the package), pytest, pytest-xdist (the test modules two at a time)
+#     and ruff (tests and lint), moto[server] (the
 #     S3-compatible server the artifact tests start on loopback), numpy;
 #   - the package `mx` itself (python/mx + the PyO3 extension crates/bindings/python), built and installed
 #     the way a user would: `pip install .` from the checkout (maturin, release profile; the
@@ -27,7 +28,8 @@ STAMP="$VENV/.mx-package-stamp"
 MIN_FREE_GB="${MX_SETUP_MIN_FREE_GB:-8}"
 
 # Exact pins (name==version); numpy is only required to be present.
-PINS=(torch==2.13.0 nixl-cu12==1.5.1 maturin==1.16.0 pytest==9.2.0 ruff==0.17.5 'moto[server]==5.2.1')
+PINS=(torch==2.13.0 nixl-cu12==1.5.1 maturin==1.16.0 pytest==9.2.0 pytest-xdist==3.8.0 ruff==0.17.5
+    'moto[server]==5.2.1')
 PRESENT=(numpy)
 
 log() { printf 'setup-python: %s\n' "$*" >&2; }
@@ -103,9 +105,6 @@ sources_hash() {
         } | LC_ALL=C sort -u | while read -r f; do
             [[ -f "$f" ]] && printf '%s %s\n' "$(sha256sum <"$f" | cut -d' ' -f1)" "$f"
         done
-        # scripts/test.sh builds mx's own crates at a lower opt-level: a package built so is
-        # rebuilt by a plain setup (and the reverse).
-        echo "opt-level ${CARGO_PROFILE_RELEASE_OPT_LEVEL:-}"
     ) | sha256sum | cut -d' ' -f1
 }
 

@@ -92,12 +92,6 @@ fi
 # Everything but the package mx, which is built after the workspace (below).
 MX_SETUP_PACKAGE=0 bash "$SCRIPT_DIR/setup.sh"
 
-# The workspace's own crates are compiled at opt-level 1 here (their dependencies keep the
-# release profile's 3: Cargo.toml's `[profile.release.package."*"]`): the tests exercise what mx
-# does, not how fast its code is compiled to run (scripts/bench.sh builds at 3), and the build
-# is CI's longest step. MX_TEST_OPT_LEVEL=3 tests the release build exactly.
-export CARGO_PROFILE_RELEASE_OPT_LEVEL="${MX_TEST_OPT_LEVEL:-1}"
-
 export MX_REQUIRE_NIXL=1
 export MX_REQUIRE_ETCD=1
 export UCX_MODULES='^efa'
@@ -183,9 +177,13 @@ fi
 
 if ((python_tests)); then
     PY="$REPO/.mx/venv/bin/python"
-    # conftest.py turns any skip into a failure; -p no:cacheprovider keeps the tree clean.
+    # conftest.py turns any skip into a failure; -p no:cacheprovider keeps the tree clean. Two
+    # test modules at a time (pytest-xdist, a module's tests in one worker, its fixtures shared
+    # as before): most of a real-engine module's time is spent waiting on its engines (a refit's
+    # phases, timeouts, restarts), and the engines' memory is budgeted across processes
+    # (examples/engines.py's MemoryBudget).
     begin "pytest python/tests"
-    "$PY" -m pytest python/tests -q -rs -p no:cacheprovider --durations=8
+    "$PY" -m pytest python/tests -q -rs -p no:cacheprovider --durations=8 -n 2 --dist loadfile
 
     # The Python example end to end (2 trainer processes, 2 engine processes, 3 versions of
     # SmolLM2-135M, a rollback); it exits 1 when a check fails, and its report is checked here.
