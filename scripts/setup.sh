@@ -23,6 +23,9 @@
 #   scripts/setup.sh --demo   only what `mx-lab demo` uses (scripts/demo.sh): the Debian packages, the
 #                             models and NIXL; no torch, no vLLM, no Dynamo, no SGLang, no Python
 #                             package
+#   scripts/setup.sh --engines  only what --demo leaves out (the venv's packages, vLLM, TRL, verl,
+#                             Dynamo, SGLang), after a --demo run: scripts/test.sh runs it in the
+#                             background while the workspace compiles, which needs none of it
 #   MX_SETUP_PACKAGE=0        everything but building the package mx (scripts/test.sh builds it
 #                             after the workspace, reusing that build)
 set -euo pipefail
@@ -33,55 +36,60 @@ REPO="$(cd "$SCRIPT_DIR/.." && pwd)"
 log() { printf 'setup: %s\n' "$*" >&2; }
 
 demo=0
+engines_only=0
 case "${1:-}" in
     "") ;;
     --demo) demo=1 ;;
-    *) log "unknown argument $1 (scripts/setup.sh [--demo])"; exit 2 ;;
+    --engines) engines_only=1 ;;
+    *) log "unknown argument $1 (scripts/setup.sh [--demo | --engines])"; exit 2 ;;
 esac
 
 installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q 'install ok installed'; }
 
-# --- Debian packages -------------------------------------------------------------------------------
-missing=()
-command -v protoc >/dev/null 2>&1 || missing+=(protobuf-compiler)
-installed libclang-dev || missing+=(libclang-dev)
-command -v unzip >/dev/null 2>&1 || missing+=(unzip)
-command -v pkg-config >/dev/null 2>&1 || missing+=(pkg-config)
-command -v cc >/dev/null 2>&1 || missing+=(gcc)
-# google/protobuf/*.proto for etcd-client's build; etcd itself for the HA tests (a 3-member
-# cluster on loopback).
-[[ -f /usr/include/google/protobuf/descriptor.proto ]] || missing+=(libprotobuf-dev)
-command -v etcd >/dev/null 2>&1 || missing+=(etcd-server)
-if ! command -v python3 >/dev/null 2>&1; then
-    missing+=(python3 python3-venv)
-elif ! python3 -c 'import venv, ensurepip' >/dev/null 2>&1; then
-    missing+=(python3-venv)
-fi
-
-if ((${#missing[@]})); then
-    sudo=()
-    if [[ $EUID -ne 0 ]]; then
-        command -v sudo >/dev/null 2>&1 || { log "need root (or sudo) to install: ${missing[*]}"; exit 1; }
-        sudo=(sudo)
+base() {
+    # --- Debian packages -------------------------------------------------------------------------------
+    missing=()
+    command -v protoc >/dev/null 2>&1 || missing+=(protobuf-compiler)
+    installed libclang-dev || missing+=(libclang-dev)
+    command -v unzip >/dev/null 2>&1 || missing+=(unzip)
+    command -v pkg-config >/dev/null 2>&1 || missing+=(pkg-config)
+    command -v cc >/dev/null 2>&1 || missing+=(gcc)
+    # google/protobuf/*.proto for etcd-client's build; etcd itself for the HA tests (a 3-member
+    # cluster on loopback).
+    [[ -f /usr/include/google/protobuf/descriptor.proto ]] || missing+=(libprotobuf-dev)
+    command -v etcd >/dev/null 2>&1 || missing+=(etcd-server)
+    if ! command -v python3 >/dev/null 2>&1; then
+        missing+=(python3 python3-venv)
+    elif ! python3 -c 'import venv, ensurepip' >/dev/null 2>&1; then
+        missing+=(python3-venv)
     fi
-    log "installing Debian packages: ${missing[*]}"
-    "${sudo[@]}" apt-get update -y >&2
-    "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive \
-        apt-get install -y --no-install-recommends "${missing[@]}" >&2
-else
-    log "Debian packages present (protoc, libprotobuf-dev, etcd, libclang-dev, unzip, pkg-config, gcc, python3 venv)"
-fi
 
-# --- models and the Python venv --------------------------------------------------------------------
-log "models: scripts/setup-models.sh"
-bash "$SCRIPT_DIR/setup-models.sh" >/dev/null
+    if ((${#missing[@]})); then
+        sudo=()
+        if [[ $EUID -ne 0 ]]; then
+            command -v sudo >/dev/null 2>&1 || { log "need root (or sudo) to install: ${missing[*]}"; exit 1; }
+            sudo=(sudo)
+        fi
+        log "installing Debian packages: ${missing[*]}"
+        "${sudo[@]}" apt-get update -y >&2
+        "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive \
+            apt-get install -y --no-install-recommends "${missing[@]}" >&2
+    else
+        log "Debian packages present (protoc, libprotobuf-dev, etcd, libclang-dev, unzip, pkg-config, gcc, python3 venv)"
+    fi
 
-# --- NIXL libraries --------------------------------------------------------------------------------
-# install-nixl.sh runs `pip download`; the venv made above always has pip (a stock Debian python3
-# does not), so it goes first on PATH.
-log "NIXL: scripts/install-nixl.sh"
-PATH="$REPO/.mx/venv/bin:$PATH" bash "$SCRIPT_DIR/install-nixl.sh" >/dev/null
+    # --- models and the Python venv --------------------------------------------------------------------
+    log "models: scripts/setup-models.sh"
+    bash "$SCRIPT_DIR/setup-models.sh" >/dev/null
 
+    # --- NIXL libraries --------------------------------------------------------------------------------
+    # install-nixl.sh runs `pip download`; the venv made above always has pip (a stock Debian python3
+    # does not), so it goes first on PATH.
+    log "NIXL: scripts/install-nixl.sh"
+    PATH="$REPO/.mx/venv/bin:$PATH" bash "$SCRIPT_DIR/install-nixl.sh" >/dev/null
+}
+
+((engines_only)) || base
 if ((demo)); then
     log "ready for the demo: models in $REPO/.mx/models, NIXL in $REPO/.mx/nixl"
     exit 0

@@ -55,6 +55,7 @@ begin() {
 }
 finish() {
     local rc=$?
+    [[ -z "${engines_pid:-}" ]] || kill -- "-$engines_pid" 2>/dev/null || true
     timings+=("$(minutes $((SECONDS - step_t0))) min  $step")
     {
         echo
@@ -89,8 +90,26 @@ if ((${#scope[@]})) && (($# == 0)) && [[ "${MX_PYTHON_TESTS:-1}" != 0 ]]; then
     python_tests=1
 fi
 
-# Everything but the package mx, which is built after the workspace (below).
-MX_SETUP_PACKAGE=0 bash "$SCRIPT_DIR/setup.sh"
+# Everything but the package mx, which is built after the workspace (below). What the workspace's
+# build needs (Debian packages, models, NIXL: `setup.sh --demo`) first; the venv's packages and
+# the engines (`setup.sh --engines`: ~5 minutes of downloads and unpacking on a fresh machine) in
+# the background while clippy and the build run (they need none of it), waited for before
+# anything uses the venv. Its output is shown when it ends.
+engines_log="$REPO/.mx/tmp/setup-engines.log"
+engines_pid=""
+MX_SETUP_PACKAGE=0 bash "$SCRIPT_DIR/setup.sh" --demo
+mkdir -p "$REPO/.mx/tmp"
+# its own process group (setsid), so that a failing run stops it and the installers it started
+MX_SETUP_PACKAGE=0 setsid bash "$SCRIPT_DIR/setup.sh" --engines >"$engines_log" 2>&1 &
+engines_pid=$!
+wait_engines() {
+    [[ -n "$engines_pid" ]] || return 0
+    local rc=0
+    wait "$engines_pid" || rc=$?
+    engines_pid=""
+    cat "$engines_log" >&2
+    ((rc == 0)) || { log "scripts/setup.sh --engines failed (exit $rc)"; exit "$rc"; }
+}
 
 export MX_REQUIRE_NIXL=1
 export MX_REQUIRE_ETCD=1
@@ -117,16 +136,24 @@ if [[ "${MX_LINT:-0}" == 1 ]]; then
     # compiles it (only mx-nixl and cudarc differ from the check above).
     begin "cargo clippy --release -p mx-nixl --features cuda --all-targets -- -D warnings"
     cargo clippy --release -p mx-nixl --features cuda --all-targets -- -D warnings
-    begin "ruff check + ruff format --check (python/ examples/)"
-    "$REPO/.mx/venv/bin/ruff" check --no-cache python examples
-    "$REPO/.mx/venv/bin/ruff" format --no-cache --check python examples
 fi
 
 # What `cargo test` runs (libraries, binaries, test targets): the benchmarks are compiled by
 # clippy above (--all-targets) and built by scripts/bench.sh, not here (criterion and its
 # plotters, ~1 CPU-min, for nothing CI runs).
-begin "cargo build --release ${scope[*]} --lib --bins --tests"
-cargo build --release "${scope[@]}" --lib --bins --tests
+# With packages given (`-p ...`), `cargo test` below builds what they need.
+if ((${#scope[@]})); then
+    begin "cargo build --release ${scope[*]} --lib --bins --tests"
+    cargo build --release "${scope[@]}" --lib --bins --tests
+fi
+
+begin "waiting for scripts/setup.sh --engines (started before clippy)"
+wait_engines
+if [[ "${MX_LINT:-0}" == 1 ]]; then
+    begin "ruff check + ruff format --check (python/ examples/)"
+    "$REPO/.mx/venv/bin/ruff" check --no-cache python examples
+    "$REPO/.mx/venv/bin/ruff" format --no-cache --check python examples
+fi
 
 if ((${#scope[@]})); then
     begin "scripts/check-features.sh (the bindings reuse the workspace's build)"
