@@ -34,7 +34,8 @@ Who runs where:
 Checks per committed step: both servers' ``/weight_info`` and the control plane's record name the
 version the trainer published; each server's greedy tokens equal a cold start of vLLM on a dump
 of the trainer's full weights at that step (the dump's gather is the checker's, outside
-``send_weights``) and differ from the previous step's; one publication and one refit per step
+``send_weights``; at ``--ci`` size the last committed step only, one vLLM start less) and differ
+from the previous step's; one publication and one refit per step
 (both engines, both ranks), one install per server. Then one step where server B's install fails
 (the mx plugin's failpoint ``install_after:12``): ``send_weights`` raises ``MxRefitError`` on
 every rank and engine, and both servers are back on the previous version (weight_info, the
@@ -451,14 +452,19 @@ class Run:
         ok, label, vid = self.one_round(step, sent)
         errors = [e["error"] for r in sent.values() for e in r.values() if e["error"]]
         ok &= self.check(not errors, f"step {step}: send_weights raised {errors}")
-        dump = os.path.join(self.work, "dumps", label)
-        for c in self.trainers:
-            c.send("dump", dump)
-        for c in self.trainers:
-            c.recv("dumped", t)
-        cold, cached, _ = cold_tokens_of(
-            "vllm", os.path.join(self.work, "cold"), dump, vid, PROMPT, MAX_NEW, timeout=t
-        )
+        # At --ci size only the last committed step is checked against a cold start (one
+        # vLLM start less, ~1-2 minutes of CI); the others by the read-back and the tokens.
+        cold: list[int] | None = None
+        cached = False
+        if not self.args.ci or step == self.args.steps:
+            dump = os.path.join(self.work, "dumps", label)
+            for c in self.trainers:
+                c.send("dump", dump)
+            for c in self.trainers:
+                c.recv("dumped", t)
+            cold, cached, _ = cold_tokens_of(
+                "vllm", os.path.join(self.work, "cold"), dump, vid, PROMPT, MAX_NEW, timeout=t
+            )
         workers = {w.worker_id: w for w in self.control.status().workers}
         instances = []
         for n in INSTANCES:
@@ -473,12 +479,13 @@ class Run:
                 "source": "mx",
                 "tokens": tokens,
                 "cold_tokens": cold,
-                "tokens_match_cold_start": tokens == cold,
+                "tokens_match_cold_start": None if cold is None else tokens == cold,
                 "tokens_changed": tokens != self.tokens[n],
                 "weight_version": wv,
                 "control_plane_resident": resident,
             }
-            ok &= self.check(tokens == cold, f"step {step} {n}: tokens {tokens} != cold {cold}")
+            if cold is not None:
+                ok &= self.check(tokens == cold, f"step {step} {n}: tokens {tokens} != cold {cold}")
             ok &= self.check(tokens != self.tokens[n], f"step {step} {n}: tokens did not change")
             ok &= self.check(wv == vid and resident == vid, f"step {step} {n}: {wv}/{resident}")
             self.tokens[n], self.resident[n] = tokens, vid
@@ -638,7 +645,11 @@ def main() -> int:
     ap.add_argument("--report", required=True, help="where to write the JSON report")
     ap.add_argument("--model", default=".mx/models/smollm2-135m", help="HF checkpoint directory")
     ap.add_argument("--steps", type=int, default=3, help="committed steps (>= 2)")
-    ap.add_argument("--ci", action="store_true", help="CI's size: 2 committed steps")
+    ap.add_argument(
+        "--ci",
+        action="store_true",
+        help="CI's size: 2 committed steps, the last one checked against a cold start",
+    )
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds, for every wait")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     args = ap.parse_args()

@@ -179,6 +179,26 @@ def test_trainer_init_names_the_parameter_it_cannot_publish():
         _trainer_init(_info(layout="replicated:1"), ModuleSource(_llama(drop="model.norm.weight")))
 
 
+def test_reports_may_leave_a_cold_start_out_but_never_the_last_step_s():
+    def report(*cold: bool | None) -> dict:
+        inst = [{"id": "a", "kind": "vllm", "engine_layout": "tp:1", "source": "mx"}]
+        steps = [
+            {"step": k, "instances": [{**inst[0], "tokens_match_cold_start": c}]}
+            for k, c in enumerate(cold, start=1)
+        ]
+        for s in steps:
+            s["instances"][0]["tokens_changed"] = True
+        vids = [f"mx:{k:064x}" for k in range(len(cold))]
+        versions = [{"version_id": v, "outcome": "COMMITTED"} for v in vids]
+        return {"all_checks_hold": True, "versions": versions, "steps": steps}
+
+    assert check_report.common(report(None, True)) == []
+    assert check_report.common(report(True, None)) == [
+        "step 2: the last step is not checked on a cold start"
+    ]
+    assert check_report.common(report(False, True)) == ["step 1 a: tokens_match_cold_start false"]
+
+
 def test_vllm_trainer_api_example_ci(tmp_path):
     """The example at CI's size: its report passes the harness's checker, and the values it
     rests on are the expected ones."""
@@ -202,8 +222,11 @@ def test_vllm_trainer_api_example_ci(tmp_path):
     assert [v["outcome"] for v in r["versions"]] == ["COMMITTED", "COMMITTED"]
     for s in r["steps"]:
         for i in s["instances"]:
-            assert i["tokens"] == i["cold_tokens"], (s["label"], i)
             assert i["weight_version"] == s["version_id"] == i["control_plane_resident"]
+    # --ci: the last committed step against a cold start, the first by its read-back.
+    assert [[i["cold_tokens"] for i in s["instances"]] for s in r["steps"][:-1]] == [[None, None]]
+    for i in r["steps"][-1]["instances"]:
+        assert i["tokens"] == i["cold_tokens"], (r["steps"][-1]["label"], i)
     rb = r["rollback"]
     assert rb["outcome"] == "ROLLED_BACK", rb
     last = r["versions"][-1]["version_id"]
