@@ -15,13 +15,15 @@ digests after each optimizer step. TRL syncs before each step's generation (glob
 ``sync_weights`` after ``train()`` (what the next step's generation would do).
 
 Usage: ``python trl_grpo_driver.py --server URL --control URL --model DIR --tokenizer DIR
---report PATH --work DIR [--steps 2]``
+--report PATH --work DIR --failpoint PATH [--steps 2]`` (``--failpoint``: the server's
+``MX_VLLM_FAILPOINT_FILE``, armed for a last sync that must fail)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from typing import Any
 
@@ -51,7 +53,8 @@ def server_digests(url: str) -> dict[str, str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    for a in ("--server", "--control", "--model", "--tokenizer", "--report", "--work"):
+    names = ("--server", "--control", "--model", "--tokenizer", "--report", "--work", "--failpoint")
+    for a in names:
         ap.add_argument(a, required=True)
     ap.add_argument("--steps", type=int, default=2)
     args = ap.parse_args()
@@ -132,6 +135,9 @@ def main() -> None:
         sync()
         seconds = time.perf_counter() - t0
         r = engine.last_refit
+        t1 = time.perf_counter()
+        server = server_digests(args.server)
+        probe_s = time.perf_counter() - t1
         syncs.append(
             {
                 "global_step": trainer.state.global_step,
@@ -142,7 +148,8 @@ def main() -> None:
                 "phase_seconds": None if r is None else dict(r.phase_seconds),
                 "weight_info": client._get(f"{args.server}/weight_info")["weight_version"],
                 "trainer": hf_llama_digests(model.named_parameters()),
-                "server": server_digests(args.server),
+                "server": server,
+                "probe_s": probe_s,
             }
         )
 
@@ -151,6 +158,28 @@ def main() -> None:
     out = trainer.train()
     train_s = time.perf_counter() - t_train
     gen.sync_weights()  # the sync the next step's generation would do: the weights after the last
+
+    # A sync whose install fails on the server (mx's failpoint): TRL's sync raises (so would its
+    # step), the server stays on the last committed version.
+    with torch.no_grad():
+        model.model.norm.weight.add_(1.0)  # in place: a change to send
+    with open(args.failpoint, "w") as f:
+        f.write("install_after:12")
+    error = None
+    try:
+        sync()
+    except Exception as e:
+        error = {"type": type(e).__name__, "outcome": getattr(e, "outcome", None), "str": str(e)}
+    failed = {
+        "error": error,
+        "label": engine.label,
+        "version_id": engine.version_id,
+        "failpoint_consumed": not os.path.exists(args.failpoint),
+        "weight_info": client._get(f"{args.server}/weight_info")["weight_version"],
+        "is_paused": client._get(f"{args.server}/is_paused")["is_paused"],
+        "trainer": hf_llama_digests(model.named_parameters()),
+        "server": server_digests(args.server),
+    }
     report = {
         "trl": trl.__version__,
         "trl_file": trl.__file__,
@@ -161,6 +190,7 @@ def main() -> None:
         "log_history": trainer.state.log_history,
         "before": before,
         "syncs": syncs,
+        "failed_sync": failed,
         "steps": steps,
         "train_s": train_s,
         "seconds": time.perf_counter() - t_start,
