@@ -77,10 +77,10 @@ def patched_trl(tmp_path_factory) -> Path:
     return _patched_trl(tmp_path_factory.mktemp("trl"))
 
 
-def test_patched_trl_keeps_nccl_s_path_for_an_nccl_server(patched_trl, tmp_path):
+def test_patched_trl_keeps_nccl_s_path_and_names_an_unknown_backend(patched_trl, tmp_path):
     """A server on nccl still gets TRL's own NCCL path (its CUDA check first, on this machine),
-    without building any trainer engine; checked on the patched client with the server's
-    answers stubbed."""
+    without building any trainer engine; a backend no package registered is named. Checked on
+    the patched client with the server's answers stubbed."""
     script = r"""
 import sys, torch
 from trl.generation.vllm_client import VLLMClient
@@ -92,6 +92,11 @@ try:
     c.init_communicator(device="cpu", model=torch.nn.Linear(2, 2), init_info={"x": 1})
 except NotImplementedError as e:
     print("NCCL-PATH", "NCCL weight-transfer engine" in str(e), c.trainer_engine is None)
+c.get_server_info = lambda: {"weight_transfer_config": {"backend": "bogus"}}
+try:
+    c.init_communicator(device="cpu", model=torch.nn.Linear(2, 2), init_info={})
+except ValueError as e:
+    print("UNKNOWN", str(e))
 import trl
 print("FROM", trl.__file__)
 """
@@ -101,6 +106,10 @@ print("FROM", trl.__file__)
     )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "NCCL-PATH True True" in p.stdout, p.stdout
+    assert (
+        "UNKNOWN The vLLM server at http://127.0.0.1:9 runs the weight-transfer backend 'bogus', "
+        "which has no trainer engine here" in p.stdout
+    ), p.stdout
     assert f"FROM {patched_trl}" in p.stdout, p.stdout
 
 
