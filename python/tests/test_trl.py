@@ -161,6 +161,7 @@ def test_trl_grpo_server_mode_syncs_a_real_vllm_through_mx(patched_trl, tmp_path
                 "probe_s": [s["probe_s"] for s in r["syncs"]],
                 "refit_phase_s": [s["phase_seconds"] for s in r["syncs"]],
                 "module_s": time.perf_counter() - t0,
+                "trainer_peak_rss_gib": r["peak_rss_bytes"] / 2**30,
             }
         )
     )

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import time
 from typing import Any
 
@@ -194,6 +195,7 @@ def main() -> None:
         "steps": steps,
         "train_s": train_s,
         "seconds": time.perf_counter() - t_start,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
     client.close_communicator()
     with open(args.report, "w") as f:
