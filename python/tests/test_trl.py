@@ -168,7 +168,7 @@ def test_trl_grpo_server_mode_syncs_a_real_vllm_through_mx(patched_trl, tmp_path
     # The patched copy ran, with mx's engine picked by the server's backend name, no NCCL.
     assert r["trl"] == "1.16.0" and r["trl_file"].startswith(str(patched_trl)), r["trl_file"]
     assert r["engine"] == "mx.vllm.trainer.MxTrainerWeightTransferEngine"
-    assert r["client_backend"]["backend"] == "mx" and r["communicator"]
+    assert r["client_backend"]["backend"] == "mx" and r["no_nccl_communicator"]
     # Before any sync: the server serves the checkpoint the trainer loaded (the probe agrees).
     before = r["before"]
     assert before["server"] == before["trainer"]

@@ -186,7 +186,7 @@ def main() -> None:
         "trl_file": trl.__file__,
         "engine": type(engine).__module__ + "." + type(engine).__qualname__,
         "client_backend": client.get_server_info()["weight_transfer_config"],
-        "communicator": client.communicator is None,
+        "no_nccl_communicator": client.communicator is None,
         "train_loss": out.training_loss,
         "log_history": trainer.state.log_history,
         "before": before,
