@@ -445,6 +445,7 @@ class Run:
     def committed_sync(self, global_steps: int) -> dict[str, Any]:
         assert self.server is not None
         loss = self.train()
+        rpc_before = len(self.rollout.server_adapter.rpc)
         t0 = time.perf_counter()
         self.pause()  # the manager's abort_replicas
         topo = self.build_process_group()
@@ -514,7 +515,7 @@ class Run:
             "tensors": len(ref),
             "resident_verified": len(res_same),
             "tokens": tokens,
-            "rpc": list(self.rollout.server_adapter.rpc),
+            "vllm_calls": self.rollout.server_adapter.rpc[rpc_before:],
         }
 
     def failed_sync(self, global_steps: int) -> dict[str, Any]:
