@@ -134,3 +134,38 @@ class CollectiveCounter:
             p: {"calls": dict(self.calls[p]), "bytes": dict(self.bytes[p])}
             for p in sorted(self.calls)
         }
+
+
+def sha256(t: Any) -> str:
+    """sha256 (hex) of a tensor's row-major bytes (the checkers' digest, not mx's)."""
+    import hashlib
+
+    import torch
+
+    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
+
+
+def one_rank_fsdp_llama(model_dir: str, layers: int = 1) -> tuple[Any, Any, dict[str, Any]]:
+    """A one-rank gloo group (an in-process store) and FSDP2 over a bf16 llama of the
+    checkpoint's shape cut to ``layers`` decoder layers (weights uninitialized), for tests of
+    what reads FSDP2 shards; returns the module, its mesh and its config."""
+    import json
+    import os
+
+    import torch
+    import torch.distributed as dist
+    from llama_fsdp import Llama
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    mesh = init_device_mesh("cpu", (1,))
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    config.update(num_hidden_layers=layers)
+    with torch.device("meta"):
+        net = Llama(config)
+    net = net.to_empty(device="cpu").to(torch.bfloat16)
+    fully_shard(net, mesh=mesh)
+    return net, mesh, config

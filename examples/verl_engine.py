@@ -86,7 +86,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from engines import PROMPT, VllmServer
-from fsdp_ranks import CollectiveCounter
+from fsdp_ranks import CollectiveCounter, sha256
 from procs import Child, ChildFailed, commands, free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -156,8 +156,6 @@ def actor_main(
     bucket_size: int,
 ) -> None:
     counter = CollectiveCounter().install()  # before anything can bind a collective
-    import hashlib
-
     import llama_fsdp
     import torch
     import verl_cpu  # noqa: F401  (verl's platform: cpu)
@@ -212,11 +210,7 @@ def actor_main(
                 # The checker's reference, OUTSIDE the sync window: the full tensors, gathered.
                 with counter.counting("verify"):
                     full = {n: p.full_tensor() for n, p in net.named_parameters()}
-                digests = {}
-                if rank == 0:
-                    for n, t in full.items():
-                        flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
-                        digests[n] = hashlib.sha256(flat.numpy().tobytes()).hexdigest()
+                digests = {n: sha256(t) for n, t in full.items()} if rank == 0 else {}
                 del full
                 conn.send(("digests", {"digests": digests}))
             elif kind == "write_published_shard":

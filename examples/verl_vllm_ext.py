@@ -18,18 +18,11 @@ runs unchanged, with two CPU adaptations and one probe:
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
-import torch
 import verl_cpu  # noqa: F401  (the platform, before verl asks for one)
+from fsdp_ranks import sha256
 from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension
-
-
-def sha256(t: torch.Tensor) -> str:
-    """sha256 of a tensor's row-major bytes."""
-    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
-    return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
 
 
 class CpuColocateWorkerExtension(vLLMColocateWorkerExtension):

@@ -154,26 +154,17 @@ def test_receive_errors_carry_the_label_and_code():
 
 _DTENSOR_SCRIPT = r"""
 import json, sys, torch, torch.distributed as dist
-from types import SimpleNamespace
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 import verl_cpu  # verl's platform: cpu (get_device_id() is "cpu")
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
 from verl.workers.engine.fsdp.utils import unfuse_moe_params
-from llama_fsdp import Llama
+from fsdp_ranks import one_rank_fsdp_llama
+from verl_engine import _fsdp_engine
 import mx
 from mx.verl import MxCheckpointEngine, suspended_full_tensor
 
 model_dir = sys.argv[1]
-dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-mesh = init_device_mesh("cpu", (1,))
-config = json.load(open(model_dir + "/config.json"))
-config.update(num_hidden_layers=1)
-with torch.device("meta"):
-    net = Llama(config)
-net = net.to_empty(device="cpu").to(torch.bfloat16)
-fully_shard(net, mesh=mesh)
+net, mesh, config = one_rank_fsdp_llama(model_dir)
 params = dict(net.named_parameters())
 tensors = {n: (str(p.dtype).removeprefix("torch."), list(p.shape)) for n, p in params.items()}
 engine = MxCheckpointEngine(
@@ -181,9 +172,7 @@ engine = MxCheckpointEngine(
     layout="fsdp:1")
 engine.model = mx.Model.from_config(config, tensors)
 engine.rank = 0
-fsdp = SimpleNamespace(module=net, model_config=SimpleNamespace(
-    lora={}, hf_config=SimpleNamespace(model_type="llama")),
-    _uses_fsdp2_cpu_offload_policy=False, _is_offload_param=False, _qat_enabled=False)
+fsdp = _fsdp_engine(net)  # the fields of verl's FSDPEngine its method reads
 full_before = DTensor.full_tensor
 out = {}
 gen, _ = FSDPEngine.get_per_tensor_param(fsdp)  # verl's own lazy generator
