@@ -5,7 +5,7 @@ Run it::
     .mx/venv/bin/python examples/check_report.py KIND REPORT.json
 
 ``KIND`` is the example that wrote the report (``python_refit``, ``rl_loop``,
-``moe_refit``, ``vllm_trainer_api``). Exit status 0
+``moe_refit``, ``vllm_trainer_api``, ``verl_engine``). Exit status 0
 when every check holds; otherwise 1 and one line per failed check.
 
 The report schema every example writes (extra keys are allowed):
@@ -27,7 +27,8 @@ Per kind, on top: ``python_refit``: at least 2 versions and the example's checks
 (``all_verified``, ``addresses_unchanged``, ``loss_fell``, ``rollback_verified``,
 ``staging_within_rank_bytes``); ``rl_loop``: ``config.steps`` steps, each path of
 ``config.paths`` with one row per step whose ``stall_s`` and ``end_to_end_s`` are positive;
-``moe_refit``: see :func:`moe_refit`; ``vllm_trainer_api``: see :func:`vllm_trainer_api`.
+``moe_refit``: see :func:`moe_refit`; ``vllm_trainer_api``: see :func:`vllm_trainer_api`;
+``verl_engine``: see :func:`verl_engine`.
 """
 
 from __future__ import annotations
@@ -329,11 +330,50 @@ def vllm_trainer_api(r: dict[str, Any]) -> list[str]:
     return bad
 
 
+def verl_engine(r: dict[str, Any]) -> list[str]:
+    """verl's checkpoint engine with mx behind it: at least 2 synced versions, each with every
+    tensor verl's installer handed vLLM equal to the trainer's (``syncs[]``:
+    ``tensors_verified == tensors``); the failed pull raised ``DataLoss`` before anything
+    reached vLLM, which kept the previous version (``rollback``, ``rollback_verified``);
+    nothing gathered in the sync windows (``gathered_bytes`` and ``collective_calls_in_sync``
+    0) while the same wrappers saw training's FSDP2 all-gathers."""
+    bad = []
+    versions = r["versions"]
+    if len(versions) < 2:
+        bad.append(f"at least 2 versions, got {len(versions)}")
+    syncs = r.get("syncs", [])
+    if len(syncs) != len(versions):
+        bad.append(f"{len(versions)} syncs, got {len(syncs)}")
+    for s in syncs:
+        if not s.get("tensors") or s.get("tensors_verified") != s.get("tensors"):
+            bad.append(
+                f"sync {s.get('global_steps')}: {s.get('tensors_verified')} of "
+                f"{s.get('tensors')} tensors verified"
+            )
+    for k in ("all_verified", "rollback_verified"):
+        if r.get(k) is not True:
+            bad.append(f"{k} is not true")
+    rb = r.get("rollback", {})
+    if rb.get("outcome") != "ABORTED" or rb.get("code") != "DataLoss":
+        bad.append(f"rollback: outcome {rb.get('outcome')}, code {rb.get('code')}")
+    if rb.get("vllm_calls_after_failure"):
+        bad.append(f"rollback: vLLM was called: {rb['vllm_calls_after_failure']}")
+    if rb.get("version_id") in [v["version_id"] for v in versions]:
+        bad.append("rollback: its version is listed as committed")
+    for k in ("gathered_bytes", "collective_calls_in_sync"):
+        if r.get(k) != 0:
+            bad.append(f"{k} is {r.get(k)}, not 0")
+    if not r.get("training_gathered_bytes", 0) > 0:
+        bad.append("training_gathered_bytes: the wrappers saw no FSDP2 all-gather in training")
+    return bad
+
+
 KINDS = {
     "python_refit": python_refit,
     "rl_loop": rl_loop,
     "moe_refit": moe_refit,
     "vllm_trainer_api": vllm_trainer_api,
+    "verl_engine": verl_engine,
 }
 
 

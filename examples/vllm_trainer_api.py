@@ -51,22 +51,20 @@ step), ``all_verified``, ``rollback_verified``, ``gathered_bytes``, ``collective
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import multiprocessing as mp
 import os
 import shutil
 import sys
 import tempfile
-import threading
 import time
 import traceback
-from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
 from engines import COLD_TOKENS, PROMPT, VllmServer, cold_tokens_of
+from fsdp_ranks import CollectiveCounter
 from procs import Child, ChildFailed, commands, free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -77,134 +75,6 @@ FAILING = "vllm-b"
 LR = 1e-3
 BATCH = (1, 17)
 MAX_NEW = len(COLD_TOKENS)
-
-
-# --------------------------------------------------------------------------------------------
-# Counting the trainer's collectives, independently of mx.
-
-COLLECTIVES = (
-    "all_gather",
-    "all_gather_single",
-    "all_gather_into_tensor",
-    "_all_gather_base",
-    "all_gather_object",
-    "all_gather_coalesced",
-    "gather",
-    "gather_object",
-    "broadcast",
-    "broadcast_object_list",
-    "all_reduce",
-    "reduce",
-    "reduce_scatter",
-    "reduce_scatter_single",
-    "reduce_scatter_tensor",
-    "_reduce_scatter_base",
-    "scatter",
-    "scatter_object_list",
-    "all_to_all",
-    "all_to_all_single",
-    "send",
-    "recv",
-    "isend",
-    "irecv",
-    "batch_isend_irecv",
-    "barrier",
-)
-FUNCTIONAL = (
-    "all_gather_tensor",
-    "all_gather_tensor_autograd",
-    "all_reduce",
-    "reduce_scatter_tensor",
-    "broadcast",
-    "all_to_all_single",
-)
-
-
-def _tensor_bytes(x: Any) -> int:
-    import torch
-
-    if isinstance(x, torch.Tensor):
-        return x.numel() * x.element_size()
-    if isinstance(x, (list, tuple)):
-        return sum(_tensor_bytes(y) for y in x)
-    return 0
-
-
-class CollectiveCounter:
-    """Wraps ``torch.distributed``'s collectives (the module, ``distributed_c10d`` and the
-    functional collectives) and ``DTensor.full_tensor`` / ``redistribute`` in this process;
-    counts calls and the bytes of the tensors handed to them, per :attr:`phase` (the outermost
-    call only: a collective built on another counts once)."""
-
-    def __init__(self) -> None:
-        self.phase = "idle"
-        self.calls: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-        self.bytes: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-        self._depth = threading.local()
-
-    def _wrap(self, name: str, fn: Any, size: Any) -> Any:
-        def wrapped(*args: Any, **kwargs: Any) -> Any:
-            depth = getattr(self._depth, "n", 0)
-            if depth == 0:
-                self.calls[self.phase][name] += 1
-                self.bytes[self.phase][name] += size(args, kwargs)
-            self._depth.n = depth + 1
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self._depth.n = depth
-
-        wrapped.__wrapped__ = fn  # type: ignore[attr-defined]
-        return wrapped
-
-    def install(self) -> CollectiveCounter:
-        import torch.distributed as dist
-        import torch.distributed._functional_collectives as funcol
-        import torch.distributed.distributed_c10d as c10d
-        from torch.distributed.tensor import DTensor
-
-        def args_bytes(args: Any, kwargs: Any) -> int:
-            return _tensor_bytes(list(args)) + _tensor_bytes(list(kwargs.values()))
-
-        def global_bytes(args: Any, kwargs: Any) -> int:
-            t = args[0]
-            return t.numel() * t.element_size()
-
-        for module, names, prefix in (
-            (dist, COLLECTIVES, ""),
-            (c10d, COLLECTIVES, ""),
-            (funcol, FUNCTIONAL, "funcol."),
-        ):
-            for name in names:
-                fn = getattr(module, name, None)
-                if fn is not None:
-                    setattr(module, name, self._wrap(prefix + name, fn, args_bytes))
-        for name in ("full_tensor", "redistribute"):
-            fn = getattr(DTensor, name)
-            setattr(DTensor, name, self._wrap(f"DTensor.{name}", fn, global_bytes))
-        return self
-
-    @contextlib.contextmanager
-    def counting(self, phase: str):
-        before, self.phase = self.phase, phase
-        try:
-            yield
-        finally:
-            self.phase = before
-
-    def gathered_bytes(self, phase: str) -> int:
-        """Bytes handed to all-gathers, gathers and full-tensor materializations in ``phase``."""
-        return sum(
-            b
-            for name, b in self.bytes[phase].items()
-            if "gather" in name or name.startswith("DTensor.")
-        )
-
-    def summary(self) -> dict[str, Any]:
-        return {
-            p: {"calls": dict(self.calls[p]), "bytes": dict(self.bytes[p])}
-            for p in sorted(self.calls)
-        }
 
 
 # --------------------------------------------------------------------------------------------

@@ -245,22 +245,12 @@ def test_vllm_trainer_api_example_ci(tmp_path):
 
 _DTENSOR_SCRIPT = r"""
 import json, sys, torch, torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, distribute_tensor
-from llama_fsdp import Llama
+from fsdp_ranks import one_rank_fsdp_llama
 import mx
 from mx.vllm.trainer import MxTrainerInitInfo, _local_shards
 
-model_dir = sys.argv[1]
-dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-mesh = init_device_mesh("cpu", (1,))
-config = json.load(open(model_dir + "/config.json"))
-config.update(num_hidden_layers=1)
-with torch.device("meta"):
-    net = Llama(config)
-net = net.to_empty(device="cpu").to(torch.bfloat16)
-fully_shard(net, mesh=mesh)
+net, mesh, config = one_rank_fsdp_llama(sys.argv[1])
 params = dict(net.named_parameters())
 tensors = {n: (str(p.dtype).removeprefix("torch."), list(p.shape)) for n, p in params.items()}
 model = mx.Model.from_config(config, tensors)
