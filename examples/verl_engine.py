@@ -351,7 +351,7 @@ class Run:
                 )
             )
         path = os.pathsep.join(
-            [os.path.join(REPO, "examples"), os.path.join(REPO, "python")]
+            [os.path.join(REPO, "examples")]
             + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
         )
         self.server = VllmServer(
