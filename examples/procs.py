@@ -110,3 +110,57 @@ def publish_all(pubs: list[Any], label: str, timeout: float) -> str:
     if len(set(ids)) != 1:
         raise RuntimeError(f"{label}: the slots disagree on the version id: {ids}")
     return ids[0]
+
+
+def run_example(
+    name: str,
+    run: Any,
+    args: Any,
+    repo: str,
+    hold: tuple[str, ...],
+    width: int = 8,
+) -> int:
+    """The end of an example's ``main``: ``run(args, work)`` in a fresh work directory under
+    ``<repo>/.mx/tmp`` (kept with ``args.keep``), ``all_checks_hold`` = no ``failed_checks``
+    and every report key in ``hold`` true, the report written to ``args.report`` and its
+    versions, rollback and gathered bytes printed. Exit status 0 only when every check holds;
+    1 when ``run`` raised (its traceback printed, a child's already is)."""
+    import json
+    import os
+    import shutil
+    import sys
+    import tempfile
+
+    os.makedirs(os.path.join(repo, ".mx", "tmp"), exist_ok=True)
+    work = tempfile.mkdtemp(prefix=f"{name}-", dir=os.path.join(repo, ".mx", "tmp"))
+    try:
+        report = run(args, work)
+    except Exception as e:
+        print(f"{name}: FAILED: {type(e).__name__}: {e}", file=sys.stderr)
+        if not isinstance(e, ChildFailed):
+            traceback.print_exc()
+        return 1
+    finally:
+        if args.keep:
+            print(f"kept {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    report["all_checks_hold"] = not report["failed_checks"] and all(report[k] for k in hold)
+    os.makedirs(os.path.dirname(os.path.abspath(args.report)), exist_ok=True)
+    with open(args.report, "w") as f:
+        json.dump(report, f, indent=2)
+        f.write("\n")
+    print(f"\nreport: {args.report}")
+    for v in [*report["versions"], report["rollback"]]:
+        vid, verified = v["version_id"][:19], v["verified"]
+        print(f"{v['label']:{width}} {vid}... {v['outcome']} verified={verified}")
+    print(f"gathered_bytes: {report['gathered_bytes']} (training's own: ", end="")
+    print(f"{report['training_gathered_bytes']})")
+    print(f"seconds: {report['seconds']:.1f}")
+    if not report["all_checks_hold"]:
+        for line in report["failed_checks"]:
+            print(f"  {line}", file=sys.stderr)
+        print(f"{name}: FAILED", file=sys.stderr)
+        return 1
+    print(f"{name}: OK")
+    return 0

@@ -74,20 +74,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import multiprocessing as mp
 import os
-import shutil
 import sys
-import tempfile
 import time
-import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
 from engines import PROMPT, VllmServer
 from fsdp_ranks import CollectiveCounter, sha256
-from procs import Child, ChildFailed, commands, free_port
+from procs import Child, commands, free_port, run_example
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORLD = 2
@@ -641,42 +637,8 @@ def main() -> int:
         args.steps = 2
     if args.steps < 2:
         ap.error("--steps must be >= 2")
-    os.makedirs(os.path.join(REPO, ".mx", "tmp"), exist_ok=True)
-    work = tempfile.mkdtemp(prefix="verl-", dir=os.path.join(REPO, ".mx", "tmp"))
-    try:
-        report = run(args, work)
-    except Exception as e:
-        print(f"verl_engine: FAILED: {type(e).__name__}: {e}", file=sys.stderr)
-        if not isinstance(e, ChildFailed):
-            traceback.print_exc()
-        return 1
-    finally:
-        if args.keep:
-            print(f"kept {work}")
-        else:
-            shutil.rmtree(work, ignore_errors=True)
-    report["all_checks_hold"] = not report["failed_checks"] and all(
-        report[k] for k in ("all_verified", "rollback_verified")
-    )
-    os.makedirs(os.path.dirname(os.path.abspath(args.report)), exist_ok=True)
-    with open(args.report, "w") as f:
-        json.dump(report, f, indent=2)
-        f.write("\n")
-    print(f"\nreport: {args.report}")
-    for v in report["versions"]:
-        print(f"{v['label']:16} {v['version_id'][:19]}... {v['outcome']} verified={v['verified']}")
-    rb = report["rollback"]
-    print(f"{rb['label']:16} {rb['version_id'][:19]}... {rb['outcome']} verified={rb['verified']}")
-    print(f"gathered_bytes: {report['gathered_bytes']} (training's own: ", end="")
-    print(f"{report['training_gathered_bytes']})")
-    print(f"seconds: {report['seconds']:.1f}")
-    if not report["all_checks_hold"]:
-        for line in report["failed_checks"]:
-            print(f"  {line}", file=sys.stderr)
-        print("verl_engine: FAILED", file=sys.stderr)
-        return 1
-    print("verl_engine: OK")
-    return 0
+    hold = ("all_verified", "rollback_verified")
+    return run_example("verl_engine", run, args, REPO, hold, width=16)
 
 
 if __name__ == "__main__":

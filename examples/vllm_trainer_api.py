@@ -51,21 +51,18 @@ step), ``all_verified``, ``rollback_verified``, ``gathered_bytes``, ``collective
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import shutil
 import sys
-import tempfile
 import time
-import traceback
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
 from engines import COLD_TOKENS, PROMPT, VllmServer, cold_tokens_of
 from fsdp_ranks import CollectiveCounter
-from procs import Child, ChildFailed, commands, free_port
+from procs import Child, commands, free_port, run_example
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYOUT = "fsdp:2"
@@ -527,42 +524,8 @@ def main() -> int:
         args.steps = 2
     if args.steps < 2:
         ap.error("--steps must be >= 2")
-    os.makedirs(os.path.join(REPO, ".mx", "tmp"), exist_ok=True)
-    work = tempfile.mkdtemp(prefix="vta-", dir=os.path.join(REPO, ".mx", "tmp"))
-    try:
-        report = run(args, work)
-    except Exception as e:
-        print(f"vllm_trainer_api: FAILED: {type(e).__name__}: {e}", file=sys.stderr)
-        if not isinstance(e, ChildFailed):
-            traceback.print_exc()
-        return 1
-    finally:
-        if args.keep:
-            print(f"kept {work}")
-        else:
-            shutil.rmtree(work, ignore_errors=True)
-    report["all_checks_hold"] = not report["failed_checks"] and all(
-        report[k] for k in ("all_verified", "rollback_verified", "one_publication_per_step")
-    )
-    os.makedirs(os.path.dirname(os.path.abspath(args.report)), exist_ok=True)
-    with open(args.report, "w") as f:
-        json.dump(report, f, indent=2)
-        f.write("\n")
-    print(f"\nreport: {args.report}")
-    for v in report["versions"]:
-        print(f"{v['label']:8} {v['version_id'][:19]}... {v['outcome']} verified={v['verified']}")
-    rb = report["rollback"]
-    print(f"{rb['label']:8} {rb['version_id'][:19]}... {rb['outcome']} verified={rb['verified']}")
-    print(f"gathered_bytes: {report['gathered_bytes']} (training's own: ", end="")
-    print(f"{report['training_gathered_bytes']})")
-    print(f"seconds: {report['seconds']:.1f}")
-    if not report["all_checks_hold"]:
-        for line in report["failed_checks"]:
-            print(f"  {line}", file=sys.stderr)
-        print("vllm_trainer_api: FAILED", file=sys.stderr)
-        return 1
-    print("vllm_trainer_api: OK")
-    return 0
+    hold = ("all_verified", "rollback_verified", "one_publication_per_step")
+    return run_example("vllm_trainer_api", run, args, REPO, hold, width=8)
 
 
 if __name__ == "__main__":

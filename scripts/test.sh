@@ -237,7 +237,7 @@ if ((python_tests)); then
     # phases, timeouts, restarts), and the engines' memory is budgeted across processes
     # (examples/engines.py's MemoryBudget).
     begin "pytest python/tests"
-    "$PY" -m pytest python/tests -q -rs -p no:cacheprovider --durations=8 -n 2 --dist loadfile
+    "$PY" -m pytest python/tests -q -rs -p no:cacheprovider --durations=30 -n 2 --dist loadfile
 
     # The Python example end to end (2 trainer processes, 2 engine processes, 3 versions of
     # SmolLM2-135M, a rollback); it exits 1 when a check fails, and its report is checked here.

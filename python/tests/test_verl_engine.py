@@ -16,13 +16,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import check_report
 import pytest
 from engines import MODEL
+from examples_ci import run_example_ci
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 from verl.utils.import_utils import import_external_libs
 
-import mx
 from mx.verl import ENGINE_KWARGS, MxCheckpointEngine
 from mx.verl._engine import MxReceiveError
 
@@ -257,22 +256,7 @@ def test_the_actor_side_reads_verls_generator_in_place_and_refuses_naming_the_pa
 def test_verl_engine_example_ci(tmp_path):
     """The example at CI's size: its report passes the harness's checker, and the values it
     rests on are the expected ones."""
-    report = tmp_path / "report.json"
-    env = dict(os.environ)
-    here = Path(mx.__file__).resolve().parents[1]
-    if here.name != "site-packages":
-        env["PYTHONPATH"] = os.pathsep.join([str(here), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "examples" / "verl_engine.py"), "--ci"]
-        + ["--report", str(report), "--timeout", "600"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    r = json.loads(report.read_text())
-    assert check_report.check("verl_engine", r) == []
+    r = run_example_ci("verl_engine", tmp_path)
     assert [v["outcome"] for v in r["versions"]] == ["COMMITTED", "COMMITTED"]
     assert [v["global_steps"] for v in r["versions"]] == [1, 2]
     for s in r["syncs"]:

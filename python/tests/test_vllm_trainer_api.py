@@ -19,6 +19,7 @@ import check_report
 import pytest
 import torch
 from engines import MODEL
+from examples_ci import run_example_ci
 from llama_fsdp import Llama
 from vllm.distributed.weight_transfer.base import ModuleSource, ParamMeta, WeightSource
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
@@ -202,23 +203,7 @@ def test_reports_may_leave_a_cold_start_out_but_never_the_last_step_s():
 def test_vllm_trainer_api_example_ci(tmp_path):
     """The example at CI's size: its report passes the harness's checker, and the values it
     rests on are the expected ones."""
-    report = tmp_path / "report.json"
-    # The example and the servers it starts import the `mx` this test imports.
-    env = dict(os.environ)
-    here = Path(mx.__file__).resolve().parents[1]
-    if here.name != "site-packages":
-        env["PYTHONPATH"] = os.pathsep.join([str(here), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "examples" / "vllm_trainer_api.py"), "--ci"]
-        + ["--report", str(report), "--timeout", "600"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    r = json.loads(report.read_text())
-    assert check_report.check("vllm_trainer_api", r) == []
+    r = run_example_ci("vllm_trainer_api", tmp_path)
     assert [v["outcome"] for v in r["versions"]] == ["COMMITTED", "COMMITTED"]
     for s in r["steps"]:
         for i in s["instances"]:
