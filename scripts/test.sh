@@ -3,7 +3,8 @@
 #
 #   scripts/test.sh                 the whole workspace, release profile
 #   scripts/test.sh -p mx-layout    arguments go to `cargo test` unchanged
-#   MX_LINT=1 scripts/test.sh       also `cargo fmt --check`, clippy -D warnings and ruff, first (CI does)
+#   MX_LINT=1 scripts/test.sh       also `cargo fmt --check`, clippy -D warnings (as the workspace
+#                                   compiles) and ruff (CI does)
 #   scripts/test_ffi_c.sh           only the C ABI test (run here after the Rust tests)
 #
 # After the Rust tests (they include tests/fuzz_corpus.rs: every stored input of the fuzz targets
@@ -23,8 +24,8 @@
 # (tests/lifecycle.rs: the HA leader killed at 3 of the 9 refit transitions, chaos over 4 refits);
 # MX_EXHAUSTIVE=1 runs every variant (`scripts/bench.sh --exhaustive`).
 #
-# Each crate is compiled once per profile and feature set: clippy runs in the release profile
-# (its build scripts and proc macros are then the release build's own), the `cuda` feature of
+# Each crate is compiled once per profile and feature set: clippy lints the workspace's crates as
+# the release build compiles them (clippy-driver as cargo's workspace wrapper), the `cuda` feature of
 # mx-nixl is linted, not built (it only has to compile here), and the Python package is built
 # after the workspace so that maturin reuses the workspace's release artifacts (the bindings'
 # dependency features equal the workspace's: scripts/check-features.sh, run after the build).
@@ -100,7 +101,10 @@ engines_pid=""
 MX_SETUP_PACKAGE=0 bash "$SCRIPT_DIR/setup.sh" --demo
 mkdir -p "$REPO/.mx/tmp"
 # its own process group (setsid), so that a failing run stops it and the installers it started
-MX_SETUP_PACKAGE=0 setsid bash "$SCRIPT_DIR/setup.sh" --engines >"$engines_log" 2>&1 &
+# PIP_COMPILE=0 (pip --no-compile): no bytecode compiled at install (pip would compile every
+# module of torch, vLLM, SGLang, ray... on the 2 cores the build needs); Python compiles and
+# caches what is imported, once.
+PIP_COMPILE=0 MX_SETUP_PACKAGE=0 setsid bash "$SCRIPT_DIR/setup.sh" --engines >"$engines_log" 2>&1 &
 engines_pid=$!
 wait_engines() {
     [[ -n "$engines_pid" ]] || return 0
@@ -127,24 +131,32 @@ if [[ -z "${MX_MOTO_SERVER:-}" ]]; then
     export MX_MOTO_SERVER="$REPO/.mx/tmp/moto_server"
 fi
 
+build_targets=(--lib --bins --tests)
 if [[ "${MX_LINT:-0}" == 1 ]]; then
     begin "cargo fmt --check"
     cargo fmt --all --check
-    begin "cargo clippy --release --workspace --all-targets -- -D warnings"
-    cargo clippy --release --workspace --all-targets -- -D warnings
     # The VRAM path (cudarc, dynamic loading) must compile on GPU-less machines too: linting it
-    # compiles it (only mx-nixl and cudarc differ from the check above).
+    # compiles it (only mx-nixl and cudarc differ from the workspace's build).
     begin "cargo clippy --release -p mx-nixl --features cuda --all-targets -- -D warnings"
     cargo clippy --release -p mx-nixl --features cuda --all-targets -- -D warnings
+    # Clippy lints the workspace's crates while they compile for the tests: clippy-driver as
+    # cargo's workspace wrapper (what `cargo clippy` runs, there in check mode) with clippy's
+    # `-D warnings`, so the dependencies are compiled once, not also checked (a separate
+    # `cargo clippy --all-targets` took 2.5-5.3 min in CI). Exported: cargo test and maturin
+    # below then find the same build fresh. The benchmarks are built too, to be linted
+    # (`--all-targets` would add only this crate's examples, which are Python).
+    RUSTC_WORKSPACE_WRAPPER="$(command -v clippy-driver)"
+    export RUSTC_WORKSPACE_WRAPPER
+    export CLIPPY_ARGS="-D__CLIPPY_HACKERY__warnings__CLIPPY_HACKERY__"
+    build_targets+=(--benches)
 fi
 
-# What `cargo test` runs (libraries, binaries, test targets): the benchmarks are compiled by
-# clippy above (--all-targets) and built by scripts/bench.sh, not here (criterion and its
-# plotters, ~1 CPU-min, for nothing CI runs).
-# With packages given (`-p ...`), `cargo test` below builds what they need.
+# What `cargo test` runs (libraries, binaries, test targets; the benchmarks only to lint them:
+# scripts/bench.sh builds and runs them). With packages given (`-p ...`), `cargo test` below
+# builds what they need.
 if ((${#scope[@]})); then
-    begin "cargo build --release ${scope[*]} --lib --bins --tests"
-    cargo build --release "${scope[@]}" --lib --bins --tests
+    begin "cargo build --release ${scope[*]} ${build_targets[*]}${CLIPPY_ARGS:+ (clippy -D warnings)}"
+    cargo build --release "${scope[@]}" "${build_targets[@]}"
 fi
 
 begin "waiting for scripts/setup.sh --engines (started before clippy)"

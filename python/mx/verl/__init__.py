@@ -8,9 +8,9 @@ selects it with configuration only::
 
     actor_rollout_ref.rollout.checkpoint_engine.backend=mx
     actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=mx.verl
-    actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.mx.control_url=http://cp:7070
-    actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.mx.model=/models/policy
-    actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.mx.layout=fsdp:8
+    +actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.mx.control_url=http://cp:7070
+    +actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.mx.model=/models/policy
+    +actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.mx.layout=fsdp:8
 
 (``engine_kwargs.mx`` keys: :data:`ENGINE_KWARGS`; strings and numbers, as YAML gives them;
 an unknown key or a value out of its domain is refused at construction, the key named.)
