@@ -101,10 +101,10 @@ engines_pid=""
 MX_SETUP_PACKAGE=0 bash "$SCRIPT_DIR/setup.sh" --demo
 mkdir -p "$REPO/.mx/tmp"
 # its own process group (setsid), so that a failing run stops it and the installers it started
-# PIP_COMPILE=0 (pip --no-compile): no bytecode compiled at install (pip would compile every
-# module of torch, vLLM, SGLang, ray... on the 2 cores the build needs); Python compiles and
-# caches what is imported, once.
-PIP_COMPILE=0 MX_SETUP_PACKAGE=0 setsid bash "$SCRIPT_DIR/setup.sh" --engines >"$engines_log" 2>&1 &
+# pip compiles the installed modules' bytecode here (it costs the build about a core for a few
+# minutes, but the tests' processes run without writing bytecode: PIP_COMPILE=0 made pytest
+# 1.5x slower, every process compiling torch and vLLM from source).
+MX_SETUP_PACKAGE=0 setsid bash "$SCRIPT_DIR/setup.sh" --engines >"$engines_log" 2>&1 &
 engines_pid=$!
 wait_engines() {
     [[ -n "$engines_pid" ]] || return 0
