@@ -35,7 +35,7 @@ def take(env_var: str) -> tuple[str, int] | None:
     except FileNotFoundError:
         return None
     name, _, n = spec.partition(":")
-    if name not in ("install_after", "die_after") or not n.isdigit():
+    if name not in ("install_after", "die_after") or not (n.isascii() and n.isdigit()):
         raise ValueError(f"{path}: {spec!r} is not install_after:<N> or die_after:<N>")
     logger.warning("mx: failpoint %s armed for this install", spec)
     return name, int(n)

@@ -64,6 +64,7 @@ def test_verl_imports_the_backend_module_and_builds_mx_s_engine_by_name():
         ({"model": None}, "engine_kwargs.mx.model: required"),
         ({"layout": "tp:2"}, "engine_kwargs.mx.layout: must be fsdp:N or replicated:N"),
         ({"layout": "fsdp:0"}, "engine_kwargs.mx.layout: must be fsdp:N"),
+        ({"layout": "fsdp:\u0663"}, "engine_kwargs.mx.layout: must be fsdp:N"),
         ({"layout": None}, "engine_kwargs.mx.layout: required"),
         ({"label_prefix": ""}, "engine_kwargs.mx.label_prefix: must be a non-empty name"),
         ({"worker_prefix": "a b"}, "engine_kwargs.mx.worker_prefix: must be a non-empty name"),

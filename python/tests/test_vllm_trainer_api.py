@@ -96,6 +96,7 @@ def test_server_init_info_is_mx_s_with_the_client_url_and_options():
         ({"engine_url": "x:1"}, "init_info.engine_url: must be the server's http(s) URL"),
         ({"layout": "tp:2"}, "init_info.layout: must be fsdp:N or replicated:N"),
         ({"layout": "fsdp:0"}, "init_info.layout: must be fsdp:N or replicated:N"),
+        ({"layout": "fsdp:\u0663"}, "init_info.layout: must be fsdp:N or replicated:N"),
         ({"layout": "fsdp:2", "rank": 2}, "init_info.rank: 2 is outside layout fsdp:2"),
         ({"rank": -1}, "init_info.rank: got -1"),
         ({"rank": True}, "init_info.rank: got True"),

@@ -105,7 +105,7 @@ def _parse_layout(layout: str) -> tuple[str, int]:
     _need(isinstance(layout, str), "layout", f"must be a str such as 'fsdp:2', got {layout!r}")
     kind, _, n = layout.partition(":")
     _need(
-        kind in LAYOUT_KINDS and n.isdigit() and int(n) > 0,
+        kind in LAYOUT_KINDS and n.isascii() and n.isdigit() and int(n) > 0,
         "layout",
         f"must be fsdp:N or replicated:N (N >= 1), got {layout!r} (a Megatron-Core trainer "
         "publishes with mx.Publisher.set_params)",
