@@ -299,9 +299,16 @@ def vllm_trainer_api(r: dict[str, Any]) -> list[str]:
     (``rollback``, ``rollback_verified``); nothing gathered in ``trainer_init``/``send_weights``
     (``gathered_bytes`` and ``collective_calls_in_send`` 0) while the same wrappers saw
     training's FSDP2 all-gathers (``training_gathered_bytes`` > 0); one publication and one
-    refit per step."""
+    refit per step; the trainer's restart (``restart``) left both servers serving the committed
+    version, admitted, and the labels counted on (``step-<n>``, n the step)."""
     bad = []
     versions = r["versions"]
+    restart = r.get("restart") or {}
+    if restart.get("verified") is not True:
+        bad.append(f"restart: not verified: {restart}")
+    labels = [v["label"] for v in versions]
+    if labels != [f"step-{k}" for k in range(1, len(versions) + 1)]:
+        bad.append(f"labels {labels}: not step-1, step-2, ... across the restart")
     if len(versions) < 2:
         bad.append(f"at least 2 versions, got {len(versions)}")
     if len(r["steps"]) != len(versions):

@@ -31,6 +31,18 @@ Who runs where:
   tensors during ``trainer_init`` and ``send_weights``) must be 0, while training's own FSDP
   all-gathers are counted (``training_gathered_bytes`` > 0: the wrappers see them).
 
+The control plane checks tokens: rank 0's control client presents an orchestrator's token, rank
+1's a reader's, both publishers a publisher's (``MxTrainerInitInfo.publisher_token_file`` /
+``orchestrator_token_file``), the servers' workers a worker's (``MX_CONTROL_TOKEN_FILE``), the
+checker an orchestrator's.
+
+After the first step the trainer restarts: its ranks save their shards and exit, server A's
+transfer engine is shut down (vLLM's ``/shutdown_weight_transfer_engine``), and new trainer
+processes resume from the saved shards and build their engines again: the sender's init
+re-attaches to server B (the same init, nothing changes) and initializes server A again; both
+must keep serving the committed version (weight_info, the control plane's resident, admitted,
+tokens), and the next version is ``step-2`` (labels continue after a restart).
+
 Checks per committed step: both servers' ``/weight_info`` and the control plane's record name the
 version the trainer published; each server's greedy tokens equal a cold start of vLLM on a dump
 of the trainer's full weights at that step (the dump's gather is the checker's, outside
@@ -79,8 +91,18 @@ MAX_NEW = len(COLD_TOKENS)
 
 
 def trainer_main(
-    conn: Connection, cp_url: str, model_dir: str, slot: int, init_method: str, timeout: float
+    conn: Connection,
+    cp_url: str,
+    model_dir: str,
+    slot: int,
+    init_method: str,
+    timeout: float,
+    tokens: dict[str, str],
+    resume: str,
 ) -> None:
+    """One trainer rank. ``tokens``: the token files of its publisher and its control client
+    (the control plane checks tokens); ``resume``: a directory of the ranks' saved shards to
+    start from (a restarted trainer), or empty (the checkpoint)."""
     counter = CollectiveCounter().install()  # before anything can bind a collective
     import llama_fsdp
     import torch
@@ -94,7 +116,13 @@ def trainer_main(
     world = int(LAYOUT.split(":")[1])
     with counter.counting("setup"):
         net, opt = llama_fsdp.fsdp_trainer(model_dir, slot, world, init_method, LR)
-    g = torch.Generator().manual_seed(20261202 + slot)
+        if resume:
+            # A restart resuming from its own save: each rank's shards, no collective.
+            saved = torch.load(os.path.join(resume, f"rank{slot}.pt"))
+            with torch.no_grad():
+                for n, p in net.named_parameters():
+                    p.to_local().copy_(saved[n])
+    g = torch.Generator().manual_seed(20261202 + slot + (1000 if resume else 0))
     vocab = net.cfg["vocab_size"]
     batch = torch.randint(0, vocab, BATCH, generator=g)
     engines: dict[str, Any] = {}
@@ -117,6 +145,8 @@ def trainer_main(
                             # Each server generates after the install, before the commit.
                             check_prompt=PROMPT,
                             check_tokens=MAX_NEW,
+                            publisher_token_file=tokens["publisher"],
+                            orchestrator_token_file=tokens["control"],
                         )
                         engines[instance] = WeightTransferTrainerFactory.trainer_init(
                             info, client=HTTPVLLMWeightSyncClient(url), source=ModuleSource(net)
@@ -192,6 +222,13 @@ def trainer_main(
                         {"loss": loss, "send_s": time.perf_counter() - t0, "engines": sent},
                     )
                 )
+            elif kind == "save":
+                # What a restarted trainer resumes from: this rank's shards (no gather).
+                _, out_dir = msg
+                os.makedirs(out_dir, exist_ok=True)
+                local = {n: p.to_local().detach().clone() for n, p in net.named_parameters()}
+                torch.save(local, os.path.join(out_dir, f"rank{slot}.pt"))
+                conn.send(("saved", {}))
             elif kind == "dump":
                 # The checker's reference (not mx's path): the full weights, gathered.
                 _, out_dir = msg
@@ -228,11 +265,38 @@ def trainer_main(
 # The orchestrator and checker (main).
 
 
-def _start(work: str, name: str, timeout: float) -> VllmServer:
+TOKENS = {
+    # name: (role, scope): the principals of the control plane, each token in a file of its own.
+    "orchestrator": ("orchestrator", ""),
+    "reader": ("reader", ""),
+    "publisher": ("publisher", "*"),
+    "worker": ("worker", "*"),
+}
+
+
+def write_tokens(work: str) -> tuple[str, dict[str, str]]:
+    """The control plane's token file and one file per principal (``TOKENS``)."""
+    import secrets
+
+    lines, files = [], {}
+    for name, (role, scope) in TOKENS.items():
+        token = secrets.token_hex(24)
+        lines.append(",".join(x for x in (token, role, name, scope) if x))
+        files[name] = os.path.join(work, f"{name}.token")
+        with open(files[name], "w") as f:
+            f.write(token + "\n")
+    table = os.path.join(work, "tokens")
+    with open(table, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return table, files
+
+
+def _start(work: str, name: str, timeout: float, token_file: str) -> VllmServer:
     fp = os.path.join(work, f"{name}.failpoint")
     s = VllmServer(
         os.path.join(work, name),
-        env={"MX_VLLM_FAILPOINT_FILE": fp},
+        # The server's workers present the worker token (vLLM reads the environment).
+        env={"MX_VLLM_FAILPOINT_FILE": fp, "MX_CONTROL_TOKEN_FILE": token_file},
         startup_timeout=timeout,
     )
     s.failpoint = fp  # type: ignore[attr-defined]
@@ -240,11 +304,13 @@ def _start(work: str, name: str, timeout: float) -> VllmServer:
 
 
 class Run:
-    def __init__(self, args: argparse.Namespace, work: str, cp: Any) -> None:
+    def __init__(
+        self, args: argparse.Namespace, work: str, cp: Any, tokens: dict[str, str]
+    ) -> None:
         import mx
 
-        self.args, self.work, self.cp = args, work, cp
-        self.control = mx.Control(cp.url, timeout=60.0)
+        self.args, self.work, self.cp, self.tokens_files = args, work, cp, tokens
+        self.control = mx.Control(cp.url, timeout=60.0, token_file=tokens["orchestrator"])
         m = args.model
         self.model_dir = m if os.path.isabs(m) else os.path.join(REPO, m)
         self.servers: dict[str, VllmServer] = {}
@@ -253,33 +319,123 @@ class Run:
         self.tokens = {i: list(COLD_TOKENS) for i in INSTANCES}
         self.resident = {i: "" for i in INSTANCES}
         self.one_round_per_step = True
+        self.byes: list[dict[str, Any]] = []  # the trainers' counters, every generation
 
-    def start(self) -> None:
-        t = self.args.timeout
+    def spawn_trainers(self, resume: str = "") -> None:
+        """Two trainer ranks (a new gloo group); rank 0's control client is an orchestrator,
+        rank 1's a reader; both publish with the publisher token."""
+        t, f = self.args.timeout, self.tokens_files
         ctx = mp.get_context("spawn")
         gloo = f"tcp://127.0.0.1:{free_port()}"
+        self.trainers = []
         for slot in range(2):
+            tokens = {
+                "publisher": f["publisher"],
+                "control": f["orchestrator" if slot == 0 else "reader"],
+            }
             self.trainers.append(
                 Child(
-                    ctx, f"trainer-{slot}", trainer_main, self.cp.url, self.model_dir, slot, gloo, t
+                    ctx,
+                    f"trainer-{slot}",
+                    trainer_main,
+                    self.cp.url,
+                    self.model_dir,
+                    slot,
+                    gloo,
+                    t,
+                    tokens,
+                    resume,
                 )
             )
-        with ThreadPoolExecutor(2) as ex:
-            futures = {n: ex.submit(_start, self.work, n, t) for n in INSTANCES}
-        self.servers.update({n: f.result() for n, f in futures.items() if not f.exception()})
-        for f in futures.values():
-            f.result()
+
+    def init_trainers(self) -> None:
+        t = self.args.timeout
         for c in self.trainers:
             c.recv("ready", t)
-        for n, s in self.servers.items():
-            got = s.generate(PROMPT, MAX_NEW)
-            self.check(got == COLD_TOKENS, f"{n}: cold tokens {got} before any refit")
-            self.resident[n] = s.call("GET", "/weight_info")[1].get("weight_version")
         servers = [(n, self.servers[n].url) for n in INSTANCES]
         for c in self.trainers:
             c.send("init", servers)
         for c in self.trainers:
             c.recv("inited", t)
+
+    def start(self) -> None:
+        t = self.args.timeout
+        self.spawn_trainers()
+        worker = self.tokens_files["worker"]
+        with ThreadPoolExecutor(2) as ex:
+            futures = {n: ex.submit(_start, self.work, n, t, worker) for n in INSTANCES}
+        self.servers.update({n: f.result() for n, f in futures.items() if not f.exception()})
+        for f in futures.values():
+            f.result()
+        for n, s in self.servers.items():
+            got = s.generate(PROMPT, MAX_NEW)
+            self.check(got == COLD_TOKENS, f"{n}: cold tokens {got} before any refit")
+            self.resident[n] = s.call("GET", "/weight_info")[1].get("weight_version")
+        self.init_trainers()
+
+    def restart(self) -> dict[str, Any]:
+        """The trainer restarts (its processes exit after saving their shards; new ones resume
+        from them), and server A's transfer engine is shut down in between
+        (``/shutdown_weight_transfer_engine``): the new sender's init re-attaches to server B
+        (the same init: nothing changes) and initializes server A again. Both keep serving the
+        last committed version, the control plane sees them so (resident, admitted), and the
+        next version's label continues the count."""
+        t0 = time.perf_counter()
+        save = os.path.join(self.work, "resume")
+        for c in self.trainers:
+            c.send("save", save)
+        for c in self.trainers:
+            c.recv("saved", self.args.timeout)
+        self.byes += self.stop()
+        for c in self.trainers:
+            c.stop()
+        a = self.servers[INSTANCES[0]]
+        shut = a.call("POST", "/shutdown_weight_transfer_engine")
+        ok = self.check(shut[0] == 200, f"restart: shutdown of {INSTANCES[0]}'s engine: {shut}")
+        self.spawn_trainers(resume=save)
+        self.init_trainers()
+        # Another trainer's init (another instance id) is refused while B follows, and the
+        # server's reason reaches the caller (vLLM's HTTP client drops the body).
+        from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+        from mx.vllm.trainer import _init_server
+
+        b = self.servers[INSTANCES[1]]
+        other = {"control_url": self.cp.url, "instance_id": "intruder", "engine_url": b.url}
+        try:
+            _init_server(HTTPVLLMWeightSyncClient(b.url), b.url, other)
+            refused = "accepted"
+        except RuntimeError as e:
+            refused = str(e)
+        ok &= self.check(
+            "differs in instance_id 'vllm-b' -> 'intruder'" in refused,
+            f"restart: another init on {INSTANCES[1]}: {refused[:400]}",
+        )
+        workers = {w.worker_id: w for w in self.control.status().workers}
+        servers = {}
+        for n in INSTANCES:
+            s, w = self.servers[n], workers[f"{n}-tp0"]
+            tokens = s.generate(PROMPT, MAX_NEW)
+            wv = s.call("GET", "/weight_info")[1].get("weight_version")
+            held = wv == self.resident[n] and w.resident_id == self.resident[n]
+            ok &= self.check(held, f"restart {n}: weight_info {wv}, control plane {w.resident_id}")
+            ok &= self.check(tokens == self.tokens[n], f"restart {n}: tokens {tokens}")
+            ok &= self.check(w.connected and w.admitted, f"restart {n}: {w.gate} {w.admission}")
+            servers[n] = {
+                "engine": "shut down, initialized again" if s is a else "re-attached (same init)",
+                "weight_version": wv,
+                "control_plane_resident": w.resident_id,
+                "admitted": w.admitted,
+                "tokens": tokens,
+            }
+        seconds = time.perf_counter() - t0
+        print(f"restart: trainers and {INSTANCES[0]}'s engine in {seconds:.1f} s verified={ok}")
+        return {
+            "servers": servers,
+            "other_init_refused": refused,
+            "seconds": seconds,
+            "verified": ok,
+        }
 
     def check(self, ok: bool, what: str) -> bool:
         if not ok:
@@ -301,7 +457,8 @@ class Run:
         vids = {e["version_id"] for e in rows}
         refits = {e["refit"]["refit_id"] if e["refit"] else None for e in rows}
         rounds = {e["round"] for e in rows}
-        ok = len(labels) == 1 and len(vids) == 1 and len(refits) == 1 and rounds == {step}
+        # Labels count on across the trainer's restart (step-<n>, n the step).
+        ok = labels == {f"step-{step}"} and len(vids) == 1 and len(refits) == 1 and rounds == {step}
         ok = self.check(ok, f"step {step}: labels {labels}, versions {vids}, refits {refits}")
         first = rows[0]["refit"]
         applies = first["workers"] if first else {}
@@ -448,29 +605,38 @@ class Run:
             "verified": ok,
         }
 
-    def stop(self) -> dict[str, Any]:
+    def stop(self) -> list[dict[str, Any]]:
         byes = []
         for c in self.trainers:
             c.send("exit")
         for c in self.trainers:
             byes.append(c.recv("bye", self.args.timeout))
-        return {f"rank{k}": b for k, b in enumerate(byes)}
+        return byes
+
+
+def _generations(byes: list[dict[str, Any]]) -> list[tuple[int, int, dict[str, Any]]]:
+    """``(trainer generation, rank, counters)`` of the trainers' goodbyes, two per generation."""
+    return [(i // 2 + 1, i % 2, b) for i, b in enumerate(byes)]
 
 
 def run(args: argparse.Namespace, work: str) -> dict[str, Any]:
     import mx
 
     started = time.perf_counter()
-    with mx.ControlPlane(journal=os.path.join(work, "journal.jsonl")) as cp:
-        r = Run(args, work, cp)
+    table, tokens = write_tokens(work)
+    with mx.ControlPlane(journal=os.path.join(work, "journal.jsonl"), tokens=table) as cp:
+        r = Run(args, work, cp, tokens)
         try:
             r.start()
             print(f"started in {time.perf_counter() - started:.1f} s", flush=True)
-            versions = [r.committed_step(k) for k in range(1, args.steps + 1)]
+            versions = [r.committed_step(1)]
+            restart = r.restart()
+            versions += [r.committed_step(k) for k in range(2, args.steps + 1)]
             rollback = r.failed_step(args.steps + 1)
             if not args.ci:
                 versions.append(r.committed_step(args.steps + 2))
-            ranks = r.stop()
+            r.byes += r.stop()
+            ranks = {f"gen{g}-rank{k}": b for g, k, b in _generations(r.byes)}
         finally:
             for c in r.trainers:
                 c.stop()
@@ -494,7 +660,8 @@ def run(args: argparse.Namespace, work: str) -> dict[str, Any]:
         ],
         "steps": steps,
         "rollback": rollback,
-        "all_verified": all(v["verified"] for v in versions),
+        "restart": restart,
+        "all_verified": all(v["verified"] for v in versions) and restart["verified"],
         "rollback_verified": rollback["verified"],
         "one_publication_per_step": r.one_round_per_step,
         "gathered_bytes": gathered,

@@ -212,6 +212,11 @@ class Control:
     Args:
         url: ``http://HOST:PORT`` (or ``HOST:PORT``) of the control plane.
         timeout: seconds to connect, and the default deadline of each call (> 0).
+        token: the control-plane token this client presents, in place of the process's
+            ``MX_CONTROL_TOKEN`` / ``MX_CONTROL_TOKEN_FILE`` (a process whose clients hold
+            different roles, e.g. a trainer rank's publisher and orchestrator). At most one
+            of ``token`` and ``token_file``.
+        token_file: a file holding that token (as ``MX_CONTROL_TOKEN_FILE``).
 
     Raises:
         ValueError: a non-positive timeout or an empty url.
@@ -224,10 +229,22 @@ class Control:
     call is made.
     """
 
-    def __init__(self, url: str, *, timeout: float = 30.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout: float = 30.0,
+        token: str | None = None,
+        token_file: str | os.PathLike[str] | None = None,
+    ) -> None:
         if not isinstance(url, str):
             raise TypeError(f"url must be a str, not {type(url).__name__}")
-        self._inner = _mx.ControlClient(url, float(timeout))
+        self._inner = _mx.ControlClient(
+            url,
+            float(timeout),
+            token=token,
+            token_file=None if token_file is None else os.fspath(token_file),
+        )
 
     @property
     def url(self) -> str:

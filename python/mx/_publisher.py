@@ -5,6 +5,7 @@ from __future__ import annotations
 import bisect
 import json
 import operator
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -179,9 +180,15 @@ class Publisher:
             the same.
         slot: this rank's slot in ``layout`` (its rank).
         pack: pack strided destination regions contiguously on the source side.
+        token: the control-plane token this publisher presents (a ``publisher`` principal's),
+            in place of the process's ``MX_CONTROL_TOKEN`` / ``MX_CONTROL_TOKEN_FILE``: for a
+            process whose other clients hold other roles (a trainer rank that also
+            orchestrates). At most one of ``token`` and ``token_file``.
+        token_file: a file holding that token (as ``MX_CONTROL_TOKEN_FILE``).
 
     Raises:
-        MxError: NIXL is missing, the control plane is unreachable, a slot outside ``layout``.
+        MxError: NIXL is missing, the control plane is unreachable, a slot outside ``layout``,
+            a token file that cannot be read or holds no valid token (the file named).
 
     The memory of every shard is registered with NIXL once (per distinct storage) and read
     again at every :meth:`publish`, so after an in-place optimizer step the next publish sends
@@ -195,7 +202,15 @@ class Publisher:
     """
 
     def __init__(
-        self, control: str, *, model: Model, layout: str, slot: int, pack: bool = True
+        self,
+        control: str,
+        *,
+        model: Model,
+        layout: str,
+        slot: int,
+        pack: bool = True,
+        token: str | None = None,
+        token_file: str | os.PathLike[str] | None = None,
     ) -> None:
         if not isinstance(model, Model):
             raise TypeError(f"model must be an mx.Model, not {type(model).__name__}")
@@ -203,7 +218,15 @@ class Publisher:
             raise ValueError(f"slot must be an int in 0..2**32, got {slot!r}")
         self._model = model
         self._layout = str(layout)
-        self._inner = _mx.Publisher(control, layout, int(slot), model._inner, pack)
+        self._inner = _mx.Publisher(
+            control,
+            layout,
+            int(slot),
+            model._inner,
+            pack,
+            token=token,
+            token_file=None if token_file is None else os.fspath(token_file),
+        )
         self._slot = int(slot)
         # registered span (address, bytes) -> (memory id, a region inside it)
         self._memories: dict[tuple[int, int], tuple[int, _memory.Region]] = {}

@@ -223,6 +223,76 @@ def test_tokens_roles_and_metrics_of_the_embedded_control_plane(tmp_path, monkey
         assert urllib.request.urlopen(ready, timeout=10).status == 200
 
 
+def test_each_client_of_one_process_presents_its_own_token(tmp_path, monkeypatch):
+    """A trainer rank holds two roles (publisher and orchestrator) and a process has one
+    MX_CONTROL_TOKEN: Control and Publisher take a token (or token file) of their own, which
+    wins over the process's; the CA still comes from the environment."""
+    orch, pub, worker = "o" * 32, "p" * 32, "w" * 32
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"{orch},orchestrator,driver\n{pub},publisher,rank0,0\n{worker},worker,w,*\n")
+    (tmp_path / "orch").write_text(orch + "\n")
+    (tmp_path / "short").write_text("abc\n")
+    import torch
+
+    h, v, f = 8, 16, 16  # a one-layer llama: 2 heads of 4, 1 KV head
+    shapes = {
+        "model.embed_tokens.weight": (v, h),
+        "model.norm.weight": (h,),
+        "lm_head.weight": (v, h),
+        "model.layers.0.input_layernorm.weight": (h,),
+        "model.layers.0.post_attention_layernorm.weight": (h,),
+        "model.layers.0.self_attn.q_proj.weight": (h, h),
+        "model.layers.0.self_attn.k_proj.weight": (4, h),
+        "model.layers.0.self_attn.v_proj.weight": (4, h),
+        "model.layers.0.self_attn.o_proj.weight": (h, h),
+        "model.layers.0.mlp.gate_proj.weight": (f, h),
+        "model.layers.0.mlp.up_proj.weight": (f, h),
+        "model.layers.0.mlp.down_proj.weight": (h, f),
+    }
+    weights = {n: torch.full(s, 0.5, dtype=torch.bfloat16) for n, s in shapes.items()}
+    config = {
+        "model_type": "llama",
+        "hidden_size": h,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 4,
+        "intermediate_size": f,
+        "vocab_size": v,
+        "num_hidden_layers": 1,
+        "tie_word_embeddings": False,
+    }
+    model = mx.Model.from_config(config, weights)
+    with mx.ControlPlane(journal=tmp_path / "journal.jsonl", tokens=tokens) as cp:
+        # The process's own token is a worker's: it may neither declare nor publish.
+        monkeypatch.setenv("MX_CONTROL_TOKEN", worker)
+        with pytest.raises(mx.MxError) as e:
+            mx.Control(cp.url).declare("v1", TENSORS, trainer_layout="fsdp:1")
+        assert e.value.code == "PermissionDenied", e.value
+        control = mx.Control(cp.url, token_file=tmp_path / "orch")
+        control.declare("v1", model.tensors, trainer_layout="replicated:1")
+        publisher = mx.Publisher(cp.url, model=model, layout="replicated:1", slot=0, token=pub)
+        publisher.set_shards(weights)
+        vid = publisher.publish("v1", timeout=30.0)
+        assert control.version("v1").version_id == vid and vid.startswith("mx:")
+        # The publisher's token is not an orchestrator's: the roles stay apart.
+        with pytest.raises(mx.MxError) as e:
+            mx.Control(cp.url, token=pub).start_refit("v1", ["w-0"])
+        assert e.value.code == "PermissionDenied", e.value
+        publisher.close()
+    with pytest.raises(mx.MxError, match="token and token_file"):
+        mx.Control("http://127.0.0.1:1", token=orch, token_file=tmp_path / "orch")
+    with pytest.raises(mx.MxError, match="short"):
+        mx.Control("http://127.0.0.1:1", token_file=tmp_path / "short")
+    with pytest.raises(mx.MxError, match="missing"):
+        mx.Publisher(
+            "http://127.0.0.1:1",
+            model=model,
+            layout="replicated:1",
+            slot=0,
+            token_file=tmp_path / "missing",
+        )
+
+
 def test_security_files_are_checked_at_start(tmp_path):
     with pytest.raises(mx.MxError, match="token file") as e:
         mx.ControlPlane(journal=tmp_path / "j.jsonl", tokens=tmp_path / "missing")

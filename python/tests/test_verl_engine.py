@@ -60,6 +60,7 @@ def test_verl_imports_the_backend_module_and_builds_mx_s_engine_by_name():
         ({"bogus": 1}, "engine_kwargs.mx.bogus: unknown key"),
         ({"control_url": None}, "engine_kwargs.mx.control_url: required"),
         ({"control_url": "127.0.0.1:9"}, "engine_kwargs.mx.control_url: must be an http(s) URL"),
+        ({"control_url": "http://"}, "engine_kwargs.mx.control_url: names no host"),
         ({"model": "/nonexistent"}, "engine_kwargs.mx.model: '/nonexistent' has no config.json"),
         ({"model": None}, "engine_kwargs.mx.model: required"),
         ({"layout": "tp:2"}, "engine_kwargs.mx.layout: must be fsdp:N or replicated:N"),

@@ -88,7 +88,13 @@ def test_init_info_is_validated_and_a_refused_one_initializes_nothing(seen):
     assert "unexpected keyword argument 'colour'" in seen["init_unknown_key"]
     assert "not initialized" in seen["start_after_refused_init"]
     assert seen["init"] is None
-    assert "initialized already" in seen["init_twice"]
+    # The same init again (a trainer re-attaching) is accepted and changes nothing; another is
+    # refused naming each field that differs.
+    assert seen["init_twice"] is None
+    other = seen["init_other"]
+    assert "already follows" in other and "as instance 'offline'" in other, other
+    assert "differs in instance_id 'offline' -> 'other', fill_nan False -> True" in other, other
+    assert "POST /shutdown_weight_transfer_engine first" in other, other
 
 
 def test_session_rules(seen):

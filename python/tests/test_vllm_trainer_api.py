@@ -93,7 +93,11 @@ def test_server_init_info_is_mx_s_with_the_client_url_and_options():
         ({"control_url": ""}, "init_info.control_url: must be a non-empty str"),
         ({"control_url": "grpc://x:1"}, "init_info.control_url: must be an http(s) URL"),
         ({"instance_id": ""}, "init_info.instance_id: must be a non-empty str"),
-        ({"engine_url": "x:1"}, "init_info.engine_url: must be the server's http(s) URL"),
+        ({"control_url": "http://"}, "init_info.control_url: names no host: 'http://'"),
+        ({"control_url": "http://h:x"}, "init_info.control_url: has a port that is not a number"),
+        ({"engine_url": "x:1"}, "init_info.engine_url: the server's http(s) URL or empty"),
+        ({"publisher_token_file": "/nonexistent"}, "init_info.publisher_token_file: must be a"),
+        ({"orchestrator_token_file": 1}, "init_info.orchestrator_token_file: must be a readable"),
         ({"layout": "tp:2"}, "init_info.layout: must be fsdp:N or replicated:N"),
         ({"layout": "fsdp:0"}, "init_info.layout: must be fsdp:N or replicated:N"),
         ({"layout": "fsdp:\u0663"}, "init_info.layout: must be fsdp:N or replicated:N"),
@@ -179,6 +183,41 @@ def test_trainer_init_names_the_parameter_it_cannot_publish():
         _trainer_init(_info(layout="replicated:1"), ModuleSource(f32))
     with pytest.raises(ValueError, match="no parameter 'model.norm.weight' of the model"):
         _trainer_init(_info(layout="replicated:1"), ModuleSource(_llama(drop="model.norm.weight")))
+    # replicated:N must name the trainer's process count (here one, no torch.distributed).
+    with pytest.raises(
+        ValueError, match="replicated:2 names 2 publishing ranks, the trainer runs 1"
+    ):
+        _trainer_init(_info(layout="replicated:2"), ModuleSource(_llama()))
+
+
+def test_labels_continue_after_the_last_version_ready_or_later():
+    """A restarted trainer's first label: after the highest <prefix>-<n> READY or later; ones
+    still DECLARED or PUBLISHING (the sender ahead of this rank, or left by a dead trainer) are
+    published again under their label; other prefixes and non-numbers do not count."""
+    from types import SimpleNamespace
+
+    from mx.vllm.trainer import _last_number
+
+    def control(*versions: tuple[str, str]) -> SimpleNamespace:
+        summaries = tuple(
+            mx.VersionSummary(label, mx.VersionState(st), None) for label, st in versions
+        )
+        status = mx.FleetStatus(summaries, (), None, None)
+        return SimpleNamespace(status=lambda: status)
+
+    assert _last_number(control(), "step") == 0
+    got = control(
+        ("step-1", "COMMITTED"),
+        ("step-2", "READY"),
+        ("step-3", "PUBLISHING"),
+        ("step-9", "DECLARED"),
+        ("steps-7", "COMMITTED"),
+        ("step-x", "COMMITTED"),
+        ("step-\u0665", "COMMITTED"),
+        ("other-5", "COMMITTED"),
+    )
+    assert _last_number(got, "step") == 2
+    assert _last_number(got, "steps") == 7
 
 
 def test_reports_may_leave_a_cold_start_out_but_never_the_last_step_s():
@@ -206,6 +245,15 @@ def test_vllm_trainer_api_example_ci(tmp_path):
     rests on are the expected ones."""
     r = run_example_ci("vllm_trainer_api", tmp_path)
     assert [v["outcome"] for v in r["versions"]] == ["COMMITTED", "COMMITTED"]
+    # Under a control plane that checks tokens, the trainer restarted between the two steps:
+    # server A re-initialized after a shutdown, server B re-attached; both kept serving step-1
+    # (not the checkpoint on disk), admitted; the restarted trainer's version is step-2.
+    assert [v["label"] for v in r["versions"]] == ["step-1", "step-2"]
+    first = r["versions"][0]["version_id"]
+    for name, inst in r["restart"]["servers"].items():
+        assert inst["weight_version"] == first == inst["control_plane_resident"], (name, inst)
+        assert inst["admitted"] is True, (name, inst)
+    assert r["restart"]["servers"]["vllm-a"]["engine"] == "shut down, initialized again"
     for s in r["steps"]:
         for i in s["instances"]:
             assert i["weight_version"] == s["version_id"] == i["control_plane_resident"]

@@ -75,13 +75,17 @@ def main() -> None:
         vllm_mode="server",
         vllm_server_base_url=args.server,
         vllm_server_timeout=60.0,
-        # The patch's setting: mx's trainer init info (MxTrainerInitInfo's fields, but rank).
-        vllm_weight_transfer_init_info={
-            "control_url": args.control,
-            "instance_id": "trl-vllm",
-            "layout": "replicated:1",
-            "model": args.model,
-        },
+        # The patch's setting: mx's trainer init info (MxTrainerInitInfo's fields, but rank),
+        # as a JSON string, the way `--vllm_weight_transfer_init_info '{...}'` on TRL's command
+        # line hands it (GRPOConfig parses it into a dict).
+        vllm_weight_transfer_init_info=json.dumps(
+            {
+                "control_url": args.control,
+                "instance_id": "trl-vllm",
+                "layout": "replicated:1",
+                "model": args.model,
+            }
+        ),
         max_steps=args.steps,
         per_device_train_batch_size=4,
         num_generations=4,

@@ -82,6 +82,8 @@ def main(model: str) -> dict[str, Any]:
         info = {"control_url": cp.url, "instance_id": "offline", "engine_url": "http://127.0.0.1:9"}
         out["init"] = err(llm.init_weight_transfer_engine, {"init_info": info})
         out["init_twice"] = err(llm.init_weight_transfer_engine, {"init_info": info})
+        other = {**info, "instance_id": "other", "fill_nan": True}
+        out["init_other"] = err(llm.init_weight_transfer_engine, {"init_info": other})
         resident = f"disk:{model}"
 
         # Session rules (vLLM's worker).

@@ -19,6 +19,7 @@ import torch
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
 from .._control import Control
+from .._http import url_problem
 from .._memory import _DTYPES
 from .._model import Model
 from .._mx import MxError
@@ -110,11 +111,8 @@ class EngineConfig:
         for key in ("control_url", "model", "layout"):
             _need(key in kwargs, key, f"required ({ENGINE_KWARGS[key]})")
         url = kwargs["control_url"]
-        _need(
-            isinstance(url, str) and url.startswith(("http://", "https://")),
-            "control_url",
-            f"must be an http(s) URL, got {url!r}",
-        )
+        bad = url_problem(url)
+        _need(bad is None, "control_url", str(bad))
         model = kwargs["model"]
         _need(
             isinstance(model, str) and model != "", "model", f"must be a directory, got {model!r}"

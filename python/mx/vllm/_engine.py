@@ -87,6 +87,7 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.logger import init_logger
 
 from .. import _failpoints
+from .._http import url_problem
 from .._memory import _error
 from .._model import Model
 from .._puller import Puller
@@ -163,8 +164,8 @@ class MxInitInfo(WeightTransferInitInfo):
             v = getattr(self, f)
             _need(isinstance(v, str) and v != "", f, f"must be a non-empty string, got {v!r}")
         for f in ("control_url", "engine_url"):
-            v = getattr(self, f)
-            _need(v.startswith(("http://", "https://")), f, f"must be an http(s) URL, got {v!r}")
+            bad = url_problem(getattr(self, f))
+            _need(bad is None, f, str(bad))
         for f in ("retain", "fill_nan", "check_layout"):
             v = getattr(self, f)
             _need(isinstance(v, bool), f, f"must be true or false, got {v!r}")
@@ -173,12 +174,8 @@ class MxInitInfo(WeightTransferInitInfo):
         _need(self.install in INSTALL_MODES, "install", f"must be one of {INSTALL_MODES}")
         _need(self.engine_api in ENGINE_APIS, "engine_api", f"must be one of {ENGINE_APIS}")
         if self.engine_api == "dynamo":
-            v = self.frontend_url
-            _need(
-                isinstance(v, str) and v.startswith(("http://", "https://")),
-                "frontend_url",
-                f"must be the Dynamo frontend's http(s) URL, got {v!r}",
-            )
+            bad = url_problem(self.frontend_url)
+            _need(bad is None, "frontend_url", f"the Dynamo frontend's URL: {bad}")
             v = self.served_model
             _need(isinstance(v, str) and v != "", "served_model", f"must be named, got {v!r}")
             v = self.backend_instance_id
@@ -248,11 +245,30 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
         self._other_rss: int | None = None
         self.last_install: dict[str, Any] = {}
         self.last_prepare: dict[str, Any] = {}
+        # The init this engine follows the control plane with (None before and after shutdown).
+        self._init_info: MxInitInfo | None = None
+        # After shutdown: the version the host parameters (and vLLM) still hold, so an init
+        # that follows again declares it resident rather than the checkpoint on disk.
+        self._detached: tuple[str | None] | None = None
 
     # --- init ------------------------------------------------------------------------------
     def init_transfer_engine(self, init_info: MxInitInfo) -> None:
-        if self._puller is not None:
-            raise RuntimeError("mx: the weight-transfer engine is initialized already")
+        """Follows the control plane as ``<instance_id>-tp<rank>`` (see the module docs).
+
+        The same init again (a trainer that restarted) changes nothing and succeeds. Another
+        init while following is refused, naming the fields that differ: POST
+        ``/shutdown_weight_transfer_engine`` first. After a shutdown, an init follows again and
+        declares resident the version vLLM still serves (not the checkpoint on disk); the
+        retained previous version was dropped by the shutdown.
+
+        Raises:
+            RuntimeError: initialized already with another init info.
+            ValueError: a parallelism mx does not serve, a layout disagreement (named).
+            MxError: the control plane or NIXL failed.
+        """
+        if self._puller is not None and self._init_info is not None:
+            self._same_init(init_info)
+            return
         from vllm.distributed.parallel_state import (
             get_tensor_model_parallel_rank,
             get_tensor_model_parallel_world_size,
@@ -314,16 +330,22 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
             t2 = time.perf_counter()
             if mode == "inplace":
                 self._check_in_place(served)
-            params = {
-                p.name: torch.empty(p.shape, dtype=_layout.torch_dtype(p.dtype)) for p in infos
-            }
-            if not fp8:
-                # The server's start-up weights, resident until the first refit (an FP8 server's
-                # are e4m3 only: no bf16 version to serve or roll back to).
-                _layout.read_rank(model_dir, infos, params)
+            detached = self._detached
+            if detached is not None:
+                # Following again after a shutdown: the host parameters hold what vLLM serves.
+                params, resident = self._params, detached[0]
+            else:
+                params = {
+                    p.name: torch.empty(p.shape, dtype=_layout.torch_dtype(p.dtype)) for p in infos
+                }
+                # The server's start-up weights, resident until the first refit (an FP8
+                # server's are e4m3 only: no bf16 version to serve or roll back to).
+                resident = None if fp8 else f"disk:{model_dir}"
+                if not fp8:
+                    _layout.read_rank(model_dir, infos, params)
             puller.register(rank, params)
-            if not fp8:
-                puller.set_resident(f"disk:{model_dir}")
+            if resident is not None:
+                puller.set_resident(resident)
             worker_id = f"{init_info.instance_id}-tp{rank}"
             limits = (self.model_config.get_vocab_size(), self.model_config.max_model_len)
             self._prepare = prepare
@@ -350,6 +372,7 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
         self._view = _layout.CheckpointView(infos, params, checkpoint)
         self._mode, self._fill_nan = mode, init_info.fill_nan
         self._retain = init_info.retain
+        self._init_info, self._detached = init_info, None
         self._live_mark = live_state(self.model) if self._prepare else None
         logger.info(
             "mx: rank %d of %s follows %s as %s (install %s%s; %d parameters, %d bytes; "
@@ -364,6 +387,38 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
             sum(p.nbytes for p in infos),
             t2 - t1,
             time.perf_counter() - t0,
+        )
+
+    def _same_init(self, init_info: MxInitInfo) -> None:
+        """Accepts ``init_info`` equal to the one followed; else raises RuntimeError naming the
+        fields that differ."""
+        from dataclasses import fields
+
+        held = self._init_info
+        assert held is not None and self._puller is not None
+        differ = [
+            f.name
+            for f in fields(MxInitInfo)
+            if getattr(init_info, f.name) != getattr(held, f.name)
+        ]
+        resident = self._puller.versions.resident
+        if not differ:
+            logger.info(
+                "mx: rank %d: the same init again (a trainer re-attaching): still following %s "
+                "as %s-tp%d, serving %s",
+                self._rank,
+                held.control_url,
+                held.instance_id,
+                self._rank,
+                resident,
+            )
+            return
+        listed = ", ".join(f"{n} {getattr(held, n)!r} -> {getattr(init_info, n)!r}" for n in differ)
+        raise RuntimeError(
+            f"mx: rank {self._rank} already follows {held.control_url} as instance "
+            f"{held.instance_id!r} (serving {resident}); this init differs in {listed}: POST "
+            "/shutdown_weight_transfer_engine first (the server keeps serving its version and "
+            "drops the retained previous one), or send the same init_info"
         )
 
     def _check_layout(self, rank: int, infos, checkpoint) -> None:
@@ -728,9 +783,23 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
         return None if self._puller is None else self._puller.engine_identity()
 
     def shutdown(self) -> None:
-        if self._puller is not None:
-            self._puller.close()
-            self._puller = None
+        """Stops following the control plane (vLLM's ``/shutdown_weight_transfer_engine``;
+        vLLM refuses it during a weight update). vLLM keeps serving the version it holds, and
+        so do the host parameters: a later init follows again with that version resident. The
+        retained previous version, staging and a prepared set are dropped. Idempotent."""
+        puller = self._puller
+        if puller is None:
+            return
+        resident = puller.versions.resident
+        self._puller, self._init_info = None, None
+        puller.close()
+        with self._other_lock:
+            self._other = None
+        self._detached = (resident,)
+        gc.collect()
+        logger.info(
+            "mx: rank %d stopped following the control plane; serving %s", self._rank, resident
+        )
 
 
 def _storages(module: torch.nn.Module, exclude: dict[int, int] | None = None) -> dict[int, int]:

@@ -56,6 +56,15 @@ The contract (who does what):
   refit starts releases the version, so the other ranks raise too rather than wait; one that
   fails before publishing (the declaration refused, the process gone) leaves them waiting until
   ``publish_timeout``, then raising ``MxError`` (``DeadlineExceeded``).
+- **Restarts.** A restarted trainer builds its engines again with the same init infos: a server
+  already following the control plane with the same init accepts it unchanged (its version, its
+  rollback copy, its registration); another init is refused with the fields that differ (raised
+  here as ``RuntimeError`` with the server's reason). Labels continue after the last
+  ``<label_prefix>-<n>`` the control plane holds READY or later. ``shutdown()`` leaves the
+  servers as they are.
+- **Tokens.** A rank's publisher and control client hold different roles
+  (``publisher_token_file``, ``orchestrator_token_file``); each falls back to the process's
+  ``MX_CONTROL_TOKEN`` / ``MX_CONTROL_TOKEN_FILE``.
 """
 
 from __future__ import annotations
@@ -77,6 +86,7 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
 from .._control import Control
+from .._http import url_problem
 from .._memory import _DTYPES
 from .._model import Model
 from .._publisher import Publisher
@@ -128,8 +138,10 @@ class MxTrainerInitInfo(TrainerInitInfo):
         engine_url: the server's base URL as the control plane reaches it; empty: the client's
             ``base_url`` (``HTTPVLLMWeightSyncClient``).
         rank: this trainer process's rank (keyword-only; rank 0 is the sender).
-        label_prefix: versions are labelled ``<label_prefix>-<n>``, n = 1, 2, ... per process;
-            unique on the control plane.
+        label_prefix: versions are labelled ``<label_prefix>-<n>``; n continues after the
+            highest ``<label_prefix>-<n>`` the control plane holds READY or later (so a
+            restarted trainer goes on where it left off: 1 on a fresh control plane). One
+            trainer per prefix on a control plane.
         pause_mode: how the servers hold in-flight requests at the safe point: ``"keep"``,
             ``"wait"`` or ``"abort"``.
         publish_timeout: seconds a publish may wait for the declaration and every rank.
@@ -144,6 +156,15 @@ class MxTrainerInitInfo(TrainerInitInfo):
             server that fails to rolls the refit back. Empty (the default): the check of the
             expected outputs published with the version, if any.
         check_tokens: how many tokens the check decodes (1..1024).
+        publisher_token_file: a file holding the token this rank's :class:`mx.Publisher`
+            presents to a control plane that checks tokens (a ``publisher`` principal, scoped
+            to this rank's slot if you like); empty: the process's ``MX_CONTROL_TOKEN`` /
+            ``MX_CONTROL_TOKEN_FILE``.
+        orchestrator_token_file: a file holding the token this rank's control client presents:
+            an ``orchestrator`` principal's on the sender (it declares, lists workers, starts
+            the refit), an ``orchestrator`` or ``reader`` principal's on the other ranks (they
+            wait for the refit); empty: the process's token. A control plane that checks
+            tokens needs at least one of the two files, since one token has one role.
 
     Raises (at construction):
         ValueError: a field out of its domain, named (``mx trainer init_info.<field>: ...``).
@@ -165,6 +186,8 @@ class MxTrainerInitInfo(TrainerInitInfo):
     server_options: dict[str, Any] = field(default_factory=dict)
     check_prompt: tuple[int, ...] | list[int] = ()
     check_tokens: int = 8
+    publisher_token_file: str = ""
+    orchestrator_token_file: str = ""
 
     def __post_init__(self) -> None:
         r = self.rank
@@ -172,16 +195,14 @@ class MxTrainerInitInfo(TrainerInitInfo):
         for name in ("control_url", "instance_id"):
             v = getattr(self, name)
             _need(isinstance(v, str) and v != "", name, f"must be a non-empty str, got {v!r}")
-        _need(
-            self.control_url.startswith(("http://", "https://")),
-            "control_url",
-            f"must be an http(s) URL, got {self.control_url!r}",
-        )
+        bad = url_problem(self.control_url)
+        _need(bad is None, "control_url", str(bad))
         v = self.engine_url
+        bad = None if v == "" else url_problem(v)
         _need(
-            isinstance(v, str) and (v == "" or v.startswith(("http://", "https://"))),
+            bad is None,
             "engine_url",
-            f"must be the server's http(s) URL or empty (the client's base_url), got {v!r}",
+            f"the server's http(s) URL or empty (the client's base_url): {bad}",
         )
         _, world = _parse_layout(self.layout)
         _need(r < world, "rank", f"{r} is outside layout {self.layout} (ranks 0..{world - 1})")
@@ -216,6 +237,13 @@ class MxTrainerInitInfo(TrainerInitInfo):
         n = self.check_tokens
         ok = isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= 1024
         _need(ok, "check_tokens", f"must be an int in 1..1024, got {n!r}")
+        for name in ("publisher_token_file", "orchestrator_token_file"):
+            v = getattr(self, name)
+            _need(
+                isinstance(v, (str, os.PathLike)) and (v == "" or os.path.isfile(v)),
+                name,
+                f"must be a readable file holding a control-plane token, or empty: {v!r}",
+            )
         # The server's init info is checked here too, so a bad option fails on the trainer.
         self.server_init_info("http://engine.invalid")
 
@@ -335,6 +363,22 @@ def _local_shards(
     return out
 
 
+def _check_world(layout: str, world: int) -> None:
+    """Raises ValueError when ``replicated:N`` disagrees with the trainer's process count
+    (torch.distributed's world size; 1 when it is not initialized): the version would wait for
+    ranks that never publish."""
+    import torch.distributed as dist
+
+    size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if size != world:
+        raise ValueError(
+            f"mx trainer init_info.layout: {layout} names {world} publishing ranks, the trainer "
+            f"runs {size} (torch.distributed's world size"
+            f"{'' if size > 1 else ', not initialized: 1'}); every rank publishes under "
+            "replicated:N"
+        )
+
+
 def _module_of(source: WeightSource | None) -> torch.nn.Module:
     """The module of vLLM's ``ModuleSource``, read in place (never iterated: a gather).
 
@@ -355,6 +399,20 @@ def _module_of(source: WeightSource | None) -> torch.nn.Module:
             "ModuleSource(module), or publish with mx.Publisher directly"
         )
     return module
+
+
+def _last_number(control: Control, prefix: str) -> int:
+    """The highest n of the versions labelled ``<prefix>-<n>`` that reached READY or later on
+    the control plane (0: none). Versions still DECLARED or PUBLISHING do not count: every
+    rank reads the same n whether or not the sender has declared the next one, and a version a
+    dead trainer left unfinished is published again under its label."""
+    head = f"{prefix}-"
+    last = 0
+    for v in control.status().versions:
+        n = v.label[len(head) :] if v.label.startswith(head) else ""
+        if n.isascii() and n.isdigit() and str(v.state) not in ("DECLARED", "PUBLISHING"):
+            last = max(last, int(n))
+    return last
 
 
 @dataclass
@@ -381,14 +439,25 @@ class _Publication:
         self.key = (info.control_url, info.layout, info.rank)
         self.info, self.model = info, model
         self.ptrs = {n: t.data_ptr() for n, (t, _) in shards.items()}
-        self.control = Control(info.control_url, timeout=60.0)
-        self.publisher = Publisher(
-            info.control_url, model=model, layout=info.layout, slot=info.rank
+        self.control = Control(
+            info.control_url, timeout=60.0, token_file=info.orchestrator_token_file or None
         )
-        self.publisher.set_shards(shards)
+        self.publisher = Publisher(
+            info.control_url,
+            model=model,
+            layout=info.layout,
+            slot=info.rank,
+            token_file=info.publisher_token_file or None,
+        )
+        try:
+            self.publisher.set_shards(shards)
+            # The number of the last version labelled <prefix>-<n> (labels are never reused).
+            self.published = _last_number(self.control, info.label_prefix)
+        except BaseException:
+            self.publisher.close()
+            raise
         self.instances: list[str] = []
         self.engines = 0
-        self.published = 0  # versions this rank published (labels are never reused)
         self.last: _Round | None = None
         self._send = threading.Lock()  # one round at a time, whatever thread calls
 
@@ -519,6 +588,27 @@ class _Publication:
         return version_id, str(r.outcome), r.reason, r
 
 
+def _init_server(client: VLLMWeightSyncClient, url: str, info: dict[str, Any]) -> None:
+    """``client.init_weight_transfer_engine(info)``, with the server's reason in the error:
+    vLLM's HTTP client raises ``requests.HTTPError`` whose message leaves the body out.
+
+    Raises:
+        RuntimeError: the server refused the init (its status and body; the cause chained).
+    """
+    try:
+        client.init_weight_transfer_engine(info)
+    except Exception as e:
+        response = getattr(e, "response", None)
+        if response is None:
+            raise
+        body = (getattr(response, "text", "") or "").strip()
+        raise RuntimeError(
+            f"the vLLM server at {url} refused mx's init_weight_transfer_engine "
+            f"(instance {info.get('instance_id')!r}): HTTP {response.status_code}: "
+            f"{body[:2000] or '(no body)'}"
+        ) from e
+
+
 class MxTrainerWeightTransferEngine(TrainerWeightTransferEngine[MxTrainerInitInfo]):
     """mx's trainer engine: publishes this rank's shards in place and has mx's control plane
     refit every server of this process's engines to them (see the module's contract).
@@ -568,12 +658,16 @@ class MxTrainerWeightTransferEngine(TrainerWeightTransferEngine[MxTrainerInitInf
                 already served by an engine of this process; the server's init info refused.
             TimeoutError: the server's workers did not register within ``register_timeout``.
             MxError: the control plane or NIXL failed (the message names what).
-            requests.HTTPError (or the client's error): the server refused the init.
+            RuntimeError: the server refused the init (its HTTP status and reason; a server
+                initialized for another control plane or instance says so); another client's
+                own error passes through.
         """
         if not isinstance(init_info, MxTrainerInitInfo):
             raise TypeError(
                 f"init_info must be an MxTrainerInitInfo, not {type(init_info).__name__}"
             )
+        if init_info.layout.startswith("replicated:"):
+            _check_world(init_info.layout, _parse_layout(init_info.layout)[1])
         engine = cls(client=client, source=source, is_sender=init_info.is_sender)
         engine.instance_id = init_info.instance_id
         engine_url = init_info.engine_url or str(getattr(client, "base_url", ""))
@@ -585,7 +679,7 @@ class MxTrainerWeightTransferEngine(TrainerWeightTransferEngine[MxTrainerInitInf
         pub = _Publication.join(init_info, engine.module)
         try:
             if engine.is_sender:
-                client.init_weight_transfer_engine(server_info)
+                _init_server(client, engine_url, server_info)
                 deadline = time.monotonic() + init_info.register_timeout
                 while True:
                     try:

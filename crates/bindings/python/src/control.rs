@@ -10,7 +10,7 @@ use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use mx_control::client::ControlClient as RustClient;
+use mx_control::client::{ClientAuth, ControlClient as RustClient};
 use mx_control::{
     ControlPlaneConfig, FleetStatus, GenerationCheck, PauseMode, RefitSpec, ServerHandle,
     VersionInfo, VersionState,
@@ -274,6 +274,16 @@ impl Drop for ControlPlane {
     }
 }
 
+/// The credentials of one client: `token`, the token in `token_file`, else the process's
+/// (`MX_CONTROL_TOKEN` / `MX_CONTROL_TOKEN_FILE`); the CA from `MX_CONTROL_CA`.
+pub(crate) fn client_auth(
+    py: Python<'_>,
+    token: Option<&str>,
+    token_file: Option<&std::path::Path>,
+) -> PyResult<ClientAuth> {
+    ClientAuth::resolve(token, token_file).map_err(|e| control_error(py, &e))
+}
+
 /// The orchestrator's connection to a control plane (`mx.Control` wraps it).
 ///
 /// It owns a tokio runtime with one worker thread (`mx-client`) that keeps its connection alive
@@ -418,17 +428,27 @@ fn json_text(py: Python<'_>, v: &Value) -> PyResult<String> {
 #[pymethods]
 impl ControlClient {
     /// Connects to `url` (`http://HOST:PORT` or `HOST:PORT`) within `timeout` seconds; `timeout`
-    /// is also the default deadline of every later call.
+    /// is also the default deadline of every later call. `token` or `token_file` (one at most)
+    /// override the process's `MX_CONTROL_TOKEN` / `MX_CONTROL_TOKEN_FILE` for this client.
     #[new]
-    #[pyo3(signature = (url, timeout = 30.0))]
-    fn new(py: Python<'_>, url: String, timeout: f64) -> PyResult<ControlClient> {
+    #[pyo3(signature = (url, timeout = 30.0, *, token = None, token_file = None))]
+    fn new(
+        py: Python<'_>,
+        url: String,
+        timeout: f64,
+        token: Option<String>,
+        token_file: Option<PathBuf>,
+    ) -> PyResult<ControlClient> {
         let timeout = seconds("timeout", timeout)?;
         if url.is_empty() {
             return Err(PyValueError::new_err("url must be a non-empty string"));
         }
+        let auth = client_auth(py, token.as_deref(), token_file.as_deref())?;
         let rt = runtime(py, "mx-client", 1)?;
         let connected = py.detach(|| {
-            rt.block_on(async { tokio::time::timeout(timeout, RustClient::connect(&url)).await })
+            rt.block_on(async {
+                tokio::time::timeout(timeout, RustClient::connect_with(&url, &auth)).await
+            })
         });
         let client = match connected {
             Ok(Ok(c)) => c,

@@ -19,7 +19,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use serde_json::json;
 
-use crate::control::runtime;
+use crate::control::{client_auth, runtime};
 use crate::errors::{chain, control_error, layout_error, mx_error};
 use crate::model::Model;
 use crate::owned::Owned;
@@ -234,9 +234,11 @@ fn patience(timeout: f64) -> PyResult<Patience> {
 #[pymethods]
 impl Publisher {
     /// Connects a publisher for `slot` of trainer layout `layout` to the control plane at
-    /// `control`, checking shards against `model`.
+    /// `control`, checking shards against `model`. `token` or `token_file` (one at most)
+    /// override the process's `MX_CONTROL_TOKEN` / `MX_CONTROL_TOKEN_FILE` for this publisher.
     #[new]
-    #[pyo3(signature = (control, layout, slot, model, pack = true))]
+    #[pyo3(signature = (control, layout, slot, model, pack = true, *, token = None, token_file = None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         control: String,
@@ -244,8 +246,11 @@ impl Publisher {
         slot: u32,
         model: &Model,
         pack: bool,
+        token: Option<String>,
+        token_file: Option<std::path::PathBuf>,
     ) -> PyResult<Publisher> {
         let layout: LayoutSpec = layout.parse().map_err(|e| layout_error(py, "layout", &e))?;
+        let auth = client_auth(py, token.as_deref(), token_file.as_deref())?;
         let rt = runtime(py, "mx-publisher", 1)?;
         let cfg = mx_publisher::PublisherConfig {
             control,
@@ -255,7 +260,7 @@ impl Publisher {
             pack,
         };
         let publisher = py
-            .detach(|| rt.block_on(mx_publisher::Publisher::connect(cfg)))
+            .detach(|| rt.block_on(mx_publisher::Publisher::connect_with(cfg, &auth)))
             .map_err(|e| publisher_error(py, &e))?;
         let agent = publisher.agent().name().to_string();
         let inner = Inner {

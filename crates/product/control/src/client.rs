@@ -230,6 +230,20 @@ impl ClientAuth {
     /// # Errors
     /// [`Error::Config`] naming the variable or file at fault.
     pub fn from_env() -> Result<ClientAuth, Error> {
+        ClientAuth::resolve(None, None)
+    }
+
+    /// The credentials of one client of a process that holds several roles (a trainer rank
+    /// that publishes and orchestrates): `token` or the token in `token_file` when given, else
+    /// the token of [`from_env`](Self::from_env); the CA from `MX_CONTROL_CA` either way.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for both `token` and `token_file` given, an unreadable or malformed
+    /// token file (named), a token that is not printable ASCII, or bad variables.
+    pub fn resolve(
+        token: Option<&str>,
+        token_file: Option<&std::path::Path>,
+    ) -> Result<ClientAuth, Error> {
         let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
         let read = |k: &str, path: &str| {
             std::fs::read(path).map_err(|e| Error::Config {
@@ -237,16 +251,26 @@ impl ClientAuth {
                 reason: e.to_string(),
             })
         };
-        let token = match (var("MX_CONTROL_TOKEN"), var("MX_CONTROL_TOKEN_FILE")) {
+        let token = match (token, token_file) {
             (Some(_), Some(_)) => {
                 return Err(Error::Config {
-                    what: "MX_CONTROL_TOKEN and MX_CONTROL_TOKEN_FILE".into(),
-                    reason: "both set; give one".into(),
+                    what: "token and token_file".into(),
+                    reason: "both given; give one".into(),
                 })
             }
-            (Some(t), None) => Some(t),
-            (None, Some(f)) => Some(crate::auth::read_token_file(std::path::Path::new(&f))?),
-            (None, None) => None,
+            (Some(t), None) => Some(t.to_string()),
+            (None, Some(f)) => Some(crate::auth::read_token_file(f)?),
+            (None, None) => match (var("MX_CONTROL_TOKEN"), var("MX_CONTROL_TOKEN_FILE")) {
+                (Some(_), Some(_)) => {
+                    return Err(Error::Config {
+                        what: "MX_CONTROL_TOKEN and MX_CONTROL_TOKEN_FILE".into(),
+                        reason: "both set; give one".into(),
+                    })
+                }
+                (Some(t), None) => Some(t),
+                (None, Some(f)) => Some(crate::auth::read_token_file(std::path::Path::new(&f))?),
+                (None, None) => None,
+            },
         };
         let mut a = ClientAuth::none();
         if let Some(t) = token {

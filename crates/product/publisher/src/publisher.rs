@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use mx_control::client::ControlClient;
+use mx_control::client::{ClientAuth, ControlClient};
 use mx_control::{Release, VersionState};
 use mx_layout::{
     rank_layouts, LayoutSpec, MemDevice, ModelInfo, ShardEntry, SourceManifest, VersionId,
@@ -318,6 +318,15 @@ impl Publisher {
     /// (the message says how to install it); [`Error::Control`] when the control plane cannot
     /// be reached.
     pub async fn connect(cfg: PublisherConfig) -> Result<Publisher, Error> {
+        Publisher::connect_with(cfg, &ClientAuth::from_env()?).await
+    }
+
+    /// [`connect`](Self::connect) with explicit control-plane credentials (a process whose
+    /// other clients hold other roles).
+    ///
+    /// # Errors
+    /// As [`connect`](Self::connect).
+    pub async fn connect_with(cfg: PublisherConfig, auth: &ClientAuth) -> Result<Publisher, Error> {
         if cfg.slot >= cfg.layout.world_size {
             return Err(Error::BadSlot {
                 slot: cfg.slot,
@@ -325,7 +334,7 @@ impl Publisher {
             });
         }
         mx_nixl::nixl_available()?;
-        let client = ControlClient::connect(&cfg.control).await?;
+        let client = ControlClient::connect_with(&cfg.control, auth).await?;
         let agent = Agent::new(&format!(
             "mx-pub-{}-{}-{}-{}",
             cfg.layout,
