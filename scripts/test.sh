@@ -10,15 +10,16 @@
 # After the Rust tests (they include tests/fuzz_corpus.rs: every stored input of the fuzz targets
 # through the target's check; the long fuzzing runs are scripts/fuzz.sh), the C ABI test
 # (scripts/test_ffi_c.sh) and the Python package's tests (python/tests, pytest in .mx/venv,
-# against the package scripts/setup-python.sh installs); a skipped Python test fails the suite;
-# then examples/python_refit.py (trainers and engines in Python processes, a real checkpoint) and
+# against the package scripts/setup-python.sh installs); a skipped Python test fails the suite.
+# Among its modules, the examples end to end, each with a check of its report:
+# examples/python_refit.py (trainers and engines in Python processes, a real checkpoint),
 # examples/rl_loop.py --ci --engines vllm,dynamo,sglang (an FSDP2 trainer refitting a real vLLM
 # server, a Dynamo vLLM worker and an SGLang server in one refit, 1 step and a perturbed one that
 # rolls back, the mx path; the full side-by-side run with the disk and broadcast paths is
-# `scripts/bench.sh --rl-loop`) and examples/moe_refit.py --ci (a Qwen3-MoE from FSDP2 and
-# Megatron-Core layouts into a real vLLM, and FP8), each with a check of its report. Python tests
-# and the examples are left out when arguments select Rust packages (`-p ...`), or with
-# MX_PYTHON_TESTS=0.
+# `scripts/bench.sh --rl-loop`), examples/moe_refit.py --ci (a Qwen3-MoE from FSDP2 and
+# Megatron-Core layouts into a real vLLM, and FP8), examples/vllm_trainer_api.py --ci and
+# examples/verl_engine.py --ci. Python tests are left out when arguments select Rust packages
+# (`-p ...`), or with MX_PYTHON_TESTS=0.
 #
 # Tests with many variants of one property run a fixed sample covering every kind of variant
 # (tests/lifecycle.rs: the HA leader killed at 3 of the 9 refit transitions, chaos over 4 refits);
@@ -222,32 +223,11 @@ if ((python_tests)); then
     # test modules at a time (pytest-xdist, a module's tests in one worker, its fixtures shared
     # as before): most of a real-engine module's time is spent waiting on its engines (a refit's
     # phases, timeouts, restarts), and the engines' memory is budgeted across processes
-    # (examples/engines.py's MemoryBudget).
+    # (examples/engines.py's MemoryBudget). The examples CI runs end to end are modules too
+    # (python/tests/test_python_refit.py, test_rl_loop.py: the RL loop against a vLLM server, a
+    # Dynamo worker and an SGLang server; test_moe_refit.py: MoE with a Megatron-Core cut and
+    # FP8; test_vllm_trainer_api.py, test_verl_engine.py), so they run beside other modules,
+    # the longest first (conftest.py's LONGEST_FIRST).
     begin "pytest python/tests"
     "$PY" -m pytest python/tests -q -rs -p no:cacheprovider --durations=30 -n 2 --dist loadfile
-
-    # The Python example end to end (2 trainer processes, 2 engine processes, 3 versions of
-    # SmolLM2-135M, a rollback); it exits 1 when a check fails, and its report is checked here.
-    report_dir="$(mktemp -d)"
-    begin "examples/python_refit.py"
-    "$PY" examples/python_refit.py --report "$report_dir/report.json"
-    "$PY" examples/check_report.py python_refit "$report_dir/report.json"
-
-    # The RL loop against a mixed fleet, CI size: an FSDP2 trainer, 1 step refitted by mx on a
-    # vLLM server, a Dynamo vLLM worker and an SGLang server at once, each checked against a cold
-    # start of its own kind on the step's weights, then a step whose refit must roll back on all
-    # three (the vLLM server's logits perturbed).
-    begin "examples/rl_loop.py --ci --engines vllm,dynamo,sglang"
-    "$PY" examples/rl_loop.py --ci --engines vllm,dynamo,sglang --report "$report_dir/rl.json"
-    "$PY" examples/check_report.py rl_loop "$report_dir/rl.json"
-
-    # Mixture of experts into a real vLLM, CI size: a random Qwen3-MoE (8 experts, top-2), an
-    # FSDP2 trainer whose steps alternate its own publication and a Megatron-Core cut
-    # (tp=2, pp=2, ep=2), 3 refits checked against cold starts, a rollback; and FP8: a bf16
-    # version quantized per rank into 128x128 blocks, byte-equal to vLLM's own quantizer, and a
-    # real FP8 vLLM refitted by mx (where vLLM's CPU build serves FP8).
-    begin "examples/moe_refit.py --ci"
-    "$PY" examples/moe_refit.py --ci --report "$report_dir/moe.json"
-    "$PY" examples/check_report.py moe_refit "$report_dir/moe.json"
-    rm -rf "$report_dir"
 fi

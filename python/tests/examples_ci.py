@@ -18,16 +18,19 @@ import mx
 REPO = Path(__file__).resolve().parents[2]
 
 
-def run_example_ci(name: str, tmp_path: Path, timeout: float = 1800.0) -> dict[str, Any]:
-    """The report of ``examples/<name>.py --ci`` (every wait inside bounded at 600 s), checked
-    as kind ``name``. Fails the test with the example's output tail when it exits non-zero."""
+def run_example_ci(
+    name: str, tmp_path: Path, args: tuple[str, ...] = ("--ci",), timeout: float = 1800.0
+) -> dict[str, Any]:
+    """The report of ``examples/<name>.py`` with ``args`` (CI's size: ``--ci`` unless given;
+    every wait inside bounded at 600 s), checked as kind ``name``. Fails the test with the
+    example's output tail when it exits non-zero."""
     report = tmp_path / f"{name}.json"
     env = dict(os.environ)
     here = Path(mx.__file__).resolve().parents[1]
     if here.name != "site-packages":
         env["PYTHONPATH"] = os.pathsep.join([str(here), env.get("PYTHONPATH", "")])
     proc = subprocess.run(
-        [sys.executable, str(REPO / "examples" / f"{name}.py"), "--ci"]
+        [sys.executable, str(REPO / "examples" / f"{name}.py"), *args]
         + ["--report", str(report), "--timeout", "600"],
         env=env,
         capture_output=True,
