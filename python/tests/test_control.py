@@ -283,6 +283,9 @@ def test_each_client_of_one_process_presents_its_own_token(tmp_path, monkeypatch
         mx.Control("http://127.0.0.1:1", token=orch, token_file=tmp_path / "orch")
     with pytest.raises(mx.MxError, match="short"):
         mx.Control("http://127.0.0.1:1", token_file=tmp_path / "short")
+    # A token no control plane's table can hold (under 24 characters) is refused up front.
+    with pytest.raises(mx.MxError, match="token: a token must be at least 24"):
+        mx.Control("http://127.0.0.1:1", token="abc")
     with pytest.raises(mx.MxError, match="missing"):
         mx.Publisher(
             "http://127.0.0.1:1",

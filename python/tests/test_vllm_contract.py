@@ -138,6 +138,10 @@ def test_shutdown_then_init_again(seen):
     assert seen["reinit_version"] == "step-43"
     assert seen["reinit_tokens"] == seen["tokens_cold"]
     assert seen["shutdown_end"] is None
+    # Another control plane: registered there with no resident version, nothing halted.
+    assert seen["init_other_control_plane"] is None
+    assert seen["other_control_plane"] == {"halted": None, "resident": None, "connected": True}
+    assert seen["shutdown_other"] is None
 
 
 def test_a_prepared_set_exchanges_in_and_back_as_vllm_s_own_reload_would_load_it(seen):

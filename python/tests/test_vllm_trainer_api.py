@@ -190,6 +190,34 @@ def test_trainer_init_names_the_parameter_it_cannot_publish():
         _trainer_init(_info(layout="replicated:2"), ModuleSource(_llama()))
 
 
+def test_token_files_are_read_at_construction(tmp_path):
+    empty, short, good = tmp_path / "empty", tmp_path / "short", tmp_path / "good"
+    empty.write_text("\n")
+    short.write_text("abc\n")
+    good.write_text("  " + "t" * 24 + "\r\n")
+    for bad in (empty, short):
+        with pytest.raises(ValueError, match=r"init_info.publisher_token_file: .* holds no token"):
+            _info(publisher_token_file=str(bad))
+    assert _info(orchestrator_token_file=str(good)).orchestrator_token_file == str(good)
+
+
+def test_engines_sharing_a_publication_must_agree_on_its_refit_options():
+    """Engines of one process with the same control plane, layout and rank refit their servers
+    in one refit: a second engine's refit options may not silently differ from the first's."""
+    from mx.vllm.trainer import _same_refit_options
+
+    first = _info()
+    _same_refit_options(
+        _info(instance_id="vllm-b", engine_url="http://b:1", server_options={"prepare": False}),
+        first,
+    )
+    with pytest.raises(ValueError) as e:
+        _same_refit_options(_info(label_prefix="other", check_prompt=[1, 2]), first)
+    assert "differs from the first ('vllm-a') in label_prefix 'step' -> 'other', check_prompt" in (
+        str(e.value)
+    )
+
+
 def test_labels_continue_after_the_last_version_ready_or_later():
     """A restarted trainer's first label: after the highest <prefix>-<n> READY or later; ones
     still DECLARED or PUBLISHING (the sender ahead of this rank, or left by a dead trainer) are

@@ -139,6 +139,22 @@ def main(model: str) -> dict[str, Any]:
         out["reinit_version"] = llm.get_weight_version()
         out["reinit_tokens"] = tokens()
         out["shutdown_end"] = err(llm.shutdown_weight_transfer_engine)
+        # Following another control plane after a shutdown: the version served is not one its
+        # journal knows, so the worker registers there with none (a resident version it never
+        # declared would halt it).
+        with mx.ControlPlane(journal=Path(os.environ["MX_DRIVER_WORK"]) / "j2.jsonl") as cp2:
+            moved = {**info, "control_url": cp2.url}
+            out["init_other_control_plane"] = err(
+                llm.init_weight_transfer_engine, {"init_info": moved}
+            )
+            status = mx.Control(cp2.url).status()
+            w = status.worker("offline-tp0")
+            out["other_control_plane"] = {
+                "halted": status.halted,
+                "resident": None if w is None else w.resident_id,
+                "connected": None if w is None else w.connected,
+            }
+            out["shutdown_other"] = err(llm.shutdown_weight_transfer_engine)
     out["prepared"] = prepared_check(llm, model)
     return out
 

@@ -247,9 +247,10 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
         self.last_prepare: dict[str, Any] = {}
         # The init this engine follows the control plane with (None before and after shutdown).
         self._init_info: MxInitInfo | None = None
-        # After shutdown: the version the host parameters (and vLLM) still hold, so an init
-        # that follows again declares it resident rather than the checkpoint on disk.
-        self._detached: tuple[str | None] | None = None
+        # After shutdown: (the version the host parameters and vLLM still hold, the control
+        # plane that named it), so an init that follows that control plane again declares it
+        # resident rather than the checkpoint on disk.
+        self._detached: tuple[str | None, str] | None = None
 
     # --- init ------------------------------------------------------------------------------
     def init_transfer_engine(self, init_info: MxInitInfo) -> None:
@@ -257,9 +258,11 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
 
         The same init again (a trainer that restarted) changes nothing and succeeds. Another
         init while following is refused, naming the fields that differ: POST
-        ``/shutdown_weight_transfer_engine`` first. After a shutdown, an init follows again and
-        declares resident the version vLLM still serves (not the checkpoint on disk); the
-        retained previous version was dropped by the shutdown.
+        ``/shutdown_weight_transfer_engine`` first. After a shutdown, an init that follows the
+        same control plane declares resident the version vLLM still serves (not the checkpoint
+        on disk); one that follows another control plane declares none (that version's id means
+        nothing to the other journal, which would halt on it): the worker is admitted there
+        after its first refit. The retained previous version was dropped by the shutdown.
 
         Raises:
             RuntimeError: initialized already with another init info.
@@ -332,8 +335,20 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
                 self._check_in_place(served)
             detached = self._detached
             if detached is not None:
-                # Following again after a shutdown: the host parameters hold what vLLM serves.
-                params, resident = self._params, detached[0]
+                # Following again after a shutdown: the host parameters hold what vLLM serves,
+                # a version only the control plane that named it knows.
+                params = self._params
+                resident = detached[0] if detached[1] == init_info.control_url else None
+                if resident is None and detached[0] is not None:
+                    logger.warning(
+                        "mx: rank %d follows another control plane (%s, was %s): %s, served "
+                        "now, is not a version it knows: registered with no resident version "
+                        "until its first refit",
+                        rank,
+                        init_info.control_url,
+                        detached[1],
+                        detached[0],
+                    )
             else:
                 params = {
                     p.name: torch.empty(p.shape, dtype=_layout.torch_dtype(p.dtype)) for p in infos
@@ -791,11 +806,12 @@ class MxWeightTransferEngine(WeightTransferEngine[MxInitInfo, MxUpdateInfo]):
         if puller is None:
             return
         resident = puller.versions.resident
+        url = self._init_info.control_url if self._init_info is not None else ""
         self._puller, self._init_info = None, None
         puller.close()
         with self._other_lock:
             self._other = None
-        self._detached = (resident,)
+        self._detached = (resident, url)
         gc.collect()
         logger.info(
             "mx: rank %d stopped following the control plane; serving %s", self._rank, resident

@@ -244,6 +244,8 @@ class MxTrainerInitInfo(TrainerInitInfo):
                 name,
                 f"must be a readable file holding a control-plane token, or empty: {v!r}",
             )
+            if v != "":
+                _need(_token_file_ok(v), name, f"{os.fspath(v)!r} holds no token: {_TOKEN_RULE}")
         # The server's init info is checked here too, so a bad option fails on the trainer.
         self.server_init_info("http://engine.invalid")
 
@@ -273,6 +275,23 @@ class MxTrainerInitInfo(TrainerInitInfo):
         return self.model if isinstance(self.model, Model) else Model.from_dir(self.model)
 
 
+_TOKEN_RULE = "a token is at least 24 printable ASCII characters (no spaces)"
+# Publication-wide fields: engines sharing a publication (same control plane, layout and rank)
+# refit together, so these must agree; the rest is per server.
+_PER_SERVER = ("instance_id", "engine_url", "server_options", "register_timeout")
+
+
+def _token_file_ok(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` holds one token as the control plane's clients read it (surrounding
+    whitespace trimmed)."""
+    try:
+        with open(path, "rb") as f:
+            t = f.read(4096).strip()
+    except OSError:
+        return False
+    return len(t) >= 24 and all(0x21 <= b <= 0x7E for b in t)
+
+
 class MxRefitError(RuntimeError):
     """A ``send_weights`` whose refit did not commit: every server is back on its previous
     version (or fenced), the published version is handed back.
@@ -280,7 +299,11 @@ class MxRefitError(RuntimeError):
     Attributes:
         label: the version's label.
         version_id: its id (``mx:<hex>``), or ``""`` when the publish did not complete.
-        outcome: ``"ABORTED"``, ``"ROLLED_BACK"``, ``"FENCED"``, or ``"NOT_STARTED"``.
+        outcome: ``"ABORTED"``, ``"ROLLED_BACK"``, ``"FENCED"``, ``"NOT_STARTED"`` (the
+            refit never started: the version was handed back), or ``"NOT_ENDED"`` (the refit
+            was still running after ``stage_timeout + 8 * call_timeout + 60`` seconds: it may
+            yet commit or roll back, read it with ``mx.Control.wait_refit``; the version is
+            not handed back until it ends).
         reason: the control plane's message (or why the refit never started).
         result: the control plane's record of the refit, where there was one.
     """
@@ -379,6 +402,11 @@ def _check_world(layout: str, world: int) -> None:
         )
 
 
+class ControlPlaneHalted(RuntimeError):
+    """The control plane refuses to act on its fleet (``FleetStatus.halted``): it found the
+    fleet contradicting its journal; an operator decides (operator.md, "The journal")."""
+
+
 def _module_of(source: WeightSource | None) -> torch.nn.Module:
     """The module of vLLM's ``ModuleSource``, read in place (never iterated: a gather).
 
@@ -399,6 +427,25 @@ def _module_of(source: WeightSource | None) -> torch.nn.Module:
             "ModuleSource(module), or publish with mx.Publisher directly"
         )
     return module
+
+
+def _same_refit_options(info: MxTrainerInitInfo, first: MxTrainerInitInfo) -> None:
+    """Raises ValueError naming each publication-wide field in which ``info`` differs from the
+    first engine's (they refit one fleet together, with one label, refit and check)."""
+    from dataclasses import fields
+
+    differ = [
+        f"{f.name} {getattr(first, f.name)!r} -> {getattr(info, f.name)!r}"
+        for f in fields(MxTrainerInitInfo)
+        if f.name not in _PER_SERVER and getattr(info, f.name) != getattr(first, f.name)
+    ]
+    if differ:
+        raise ValueError(
+            f"mx trainer init_info: the engines of one trainer process with the same control "
+            f"plane, layout and rank share one publication and refit their servers together, "
+            f"so only {list(_PER_SERVER)} may differ between them; this one differs from the "
+            f"first ({first.instance_id!r}) in {', '.join(differ)}"
+        )
 
 
 def _last_number(control: Control, prefix: str) -> int:
@@ -477,6 +524,7 @@ class _Publication:
                 pub = cls(info, model, _local_shards(module, info, model))
                 cls._all[key] = pub
             else:
+                _same_refit_options(info, pub.info)
                 shards = _local_shards(module, info, pub.model)
                 ptrs = {n: t.data_ptr() for n, (t, _) in shards.items()}
                 if ptrs != pub.ptrs:
@@ -512,6 +560,12 @@ class _Publication:
             RuntimeError: an instance with no connected worker.
         """
         status = self.control.status()
+        if status.halted:
+            raise ControlPlaneHalted(
+                f"the control plane at {self.info.control_url} is halted (no refit can run until "
+                f"an operator acts: mx.Control.accept_journal or a restored journal): "
+                f"{status.halted}"
+            )
         out = []
         for inst in instances:
             ws = [w for w in status.workers if w.instance == inst and w.connected]
@@ -657,6 +711,7 @@ class MxTrainerWeightTransferEngine(TrainerWeightTransferEngine[MxTrainerInitInf
             ValueError: no source; a parameter mx cannot read in place (named); an instance id
                 already served by an engine of this process; the server's init info refused.
             TimeoutError: the server's workers did not register within ``register_timeout``.
+            ControlPlaneHalted: the control plane is halted (its reason; no refit could run).
             MxError: the control plane or NIXL failed (the message names what).
             RuntimeError: the server refused the init (its HTTP status and reason; a server
                 initialized for another control plane or instance says so); another client's
@@ -685,6 +740,8 @@ class MxTrainerWeightTransferEngine(TrainerWeightTransferEngine[MxTrainerInitInf
                     try:
                         pub.workers([init_info.instance_id])
                         break
+                    except ControlPlaneHalted:
+                        raise
                     except RuntimeError as e:
                         if time.monotonic() > deadline:
                             raise TimeoutError(
@@ -736,4 +793,9 @@ def _register() -> None:
 
 _register()
 
-__all__ = ["MxRefitError", "MxTrainerInitInfo", "MxTrainerWeightTransferEngine"]
+__all__ = [
+    "ControlPlaneHalted",
+    "MxRefitError",
+    "MxTrainerInitInfo",
+    "MxTrainerWeightTransferEngine",
+]

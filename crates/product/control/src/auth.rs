@@ -501,7 +501,8 @@ fn authorize(
                 .ok_or_else(|| {
                     Status::unauthenticated(
                         "this control plane requires `authorization: Bearer <token>` \
-                         (MX_CONTROL_TOKEN or MX_CONTROL_TOKEN_FILE on the client)",
+                         (MX_CONTROL_TOKEN or MX_CONTROL_TOKEN_FILE on the client, or the \
+                         client's own token: mx.Control / mx.Publisher token= or token_file=)",
                     )
                 })?;
             t.find(token.trim())

@@ -239,7 +239,8 @@ impl ClientAuth {
     ///
     /// # Errors
     /// [`Error::Config`] for both `token` and `token_file` given, an unreadable or malformed
-    /// token file (named), a token that is not printable ASCII, or bad variables.
+    /// token file (named), a `token` shorter than [`crate::auth::MIN_TOKEN_LEN`] or not
+    /// printable ASCII, or bad variables.
     pub fn resolve(
         token: Option<&str>,
         token_file: Option<&std::path::Path>,
@@ -258,7 +259,20 @@ impl ClientAuth {
                     reason: "both given; give one".into(),
                 })
             }
-            (Some(t), None) => Some(t.to_string()),
+            (Some(t), None) => {
+                // A token the control plane's table could never hold is refused here, not as
+                // `unknown bearer token` at the first call.
+                let min = crate::auth::MIN_TOKEN_LEN;
+                if t.trim().len() < min {
+                    return Err(Error::Config {
+                        what: "token".into(),
+                        reason: format!(
+                            "a token must be at least {min} printable ASCII characters"
+                        ),
+                    });
+                }
+                Some(t.to_string())
+            }
             (None, Some(f)) => Some(crate::auth::read_token_file(f)?),
             (None, None) => match (var("MX_CONTROL_TOKEN"), var("MX_CONTROL_TOKEN_FILE")) {
                 (Some(_), Some(_)) => {
