@@ -11,7 +11,8 @@
 # through the target's check; the long fuzzing runs are scripts/fuzz.sh), the C ABI test
 # (scripts/test_ffi_c.sh) and the Python package's tests (python/tests, pytest in .mx/venv,
 # against the package scripts/setup-python.sh installs); a skipped Python test fails the suite.
-# Among its modules, the examples end to end, each with a check of its report:
+# The examples run end to end, each with a check of its report (three of them after the other
+# modules, one at a time):
 # examples/python_refit.py (trainers and engines in Python processes, a real checkpoint),
 # examples/rl_loop.py --ci --engines vllm,dynamo,sglang (an FSDP2 trainer refitting a real vLLM
 # server, a Dynamo vLLM worker and an SGLang server in one refit, 1 step and a perturbed one that
@@ -223,11 +224,16 @@ if ((python_tests)); then
     # test modules at a time (pytest-xdist, a module's tests in one worker, its fixtures shared
     # as before): most of a real-engine module's time is spent waiting on its engines (a refit's
     # phases, timeouts, restarts), and the engines' memory is budgeted across processes
-    # (examples/engines.py's MemoryBudget). The examples CI runs end to end are modules too
-    # (python/tests/test_python_refit.py, test_rl_loop.py: the RL loop against a vLLM server, a
-    # Dynamo worker and an SGLang server; test_moe_refit.py: MoE with a Megatron-Core cut and
-    # FP8; test_vllm_trainer_api.py, test_verl_engine.py), so they run beside other modules,
-    # the longest first (conftest.py's LONGEST_FIRST).
-    begin "pytest python/tests"
-    "$PY" -m pytest python/tests -q -rs -p no:cacheprovider --durations=30 -n 2 --dist loadfile
+    # (examples/engines.py's MemoryBudget).
+    examples=(python/tests/test_python_refit.py python/tests/test_rl_loop.py python/tests/test_moe_refit.py)
+    begin "pytest python/tests (but the examples)"
+    "$PY" -m pytest python/tests -q -rs -p no:cacheprovider --durations=30 -n 2 --dist loadfile \
+        "${examples[@]/#/--ignore=}"
+
+    # The examples end to end (each checks its report with examples/check_report.py), one at a
+    # time after the modules above: the RL loop runs three engines and a cold start at once, and
+    # beside other modules' engines it starved them (a trainer OOM-killed, an engine past its
+    # memory-budget wait; tried at 190f1bc).
+    begin "pytest ${examples[*]} (one at a time)"
+    "$PY" -m pytest "${examples[@]}" -q -rs -p no:cacheprovider --durations=5
 fi

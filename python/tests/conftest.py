@@ -53,29 +53,6 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
             terminalreporter.write_line(f"SKIPPED (counts as a failure) {line}")
 
 
-# The longest modules first (their minutes on CI's 2-core machine, most of it spent waiting on
-# their engines): scripts/test.sh runs the suite two modules at a time (pytest-xdist, --dist
-# loadfile, which hands modules out in collection order), and a long module handed out last
-# would run alone at the end.
-LONGEST_FIRST = (
-    "test_rl_loop.py",
-    "test_sglang.py",
-    "test_dynamo.py",
-    "test_vllm_trainer_api.py",
-    "test_moe_refit.py",
-    "test_verl_engine.py",
-    "test_trl.py",
-    "test_vllm_chaos.py",
-    "test_vllm_contract.py",
-)
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    rank = {name: k for k, name in enumerate(LONGEST_FIRST)}
-    order = {id(item): k for k, item in enumerate(items)}
-    items.sort(key=lambda i: (rank.get(i.path.name, len(rank)), order[id(i)]))
-
-
 @pytest.fixture
 def control_plane(tmp_path):
     """A control plane embedded in this process, on an ephemeral port, with a fresh journal."""
